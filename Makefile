@@ -1,0 +1,34 @@
+# Two commands set up and run everything on a fresh machine: `make demo`, `make test`.
+# MPI comes from PyPI (the `mpich` wheel ships mpiexec), so no system package is needed.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Put the venv first so the mpiexec shipped by the mpich wheel is the one used.
+export PATH := $(abspath $(BIN)):$(PATH)
+
+.PHONY: install demo test test-fast bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: setup.cfg pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/python -m minidist.train --steps 300 --eval-every 100
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+bench: install
+	$(BIN)/python benchmarks/run_all.py --out bench-results
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache

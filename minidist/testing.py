@@ -1,0 +1,154 @@
+"""Running code under a real ``mpiexec`` without ever hanging.
+
+Distributed programs fail in two nasty ways: one rank raises while the others wait for it
+forever, or every rank waits for a message nobody sends.  This module turns both into fast,
+readable failures:
+
+* :func:`abort_on_exception` makes an uncaught exception on any rank (main thread or a
+  helper thread) print that rank's traceback and abort the whole MPI job.
+* :func:`run_mpi` launches ``mpiexec -n N python -m minidist.testing TARGET`` with a timeout.
+  Every rank arms :mod:`faulthandler` to dump its stack to a per-rank file shortly before the
+  timeout, so a hang is reported with where *each* rank was stuck.
+
+``TARGET`` is a script path, or ``path.py::function`` to call one function on every rank
+(how the tests run their multi-process bodies).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+
+_HANG_DIR = "MINIDIST_HANG_DIR"
+_HANG_AFTER = "MINIDIST_HANG_AFTER_S"
+
+
+class MPIJobFailed(AssertionError):
+    """An mpiexec job exited non-zero or timed out; the message holds every rank's output."""
+
+
+def _world_rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def abort_on_exception():
+    """Make an uncaught exception on this rank abort the whole MPI job (idempotent)."""
+    if getattr(sys.excepthook, "_minidist", False):
+        return
+
+    def _abort(exc_type, exc, tb, where="main thread"):
+        rank = _world_rank()
+        lines = traceback.format_exception(exc_type, exc, tb)
+        sys.stderr.write(f"[rank {rank}] uncaught exception in {where}, aborting the job:\n")
+        sys.stderr.write("".join(f"[rank {rank}] {ln}" for chunk in lines for ln in chunk.splitlines(True)))
+        sys.stderr.flush()
+        sys.stdout.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+
+    def _thread_abort(args):
+        if args.exc_type is SystemExit:
+            return
+        _abort(args.exc_type, args.exc_value, args.exc_traceback, f"thread {args.thread.name}")
+
+    _abort._minidist = True
+    sys.excepthook = _abort
+    threading.excepthook = _thread_abort
+
+
+def mpiexec_command(nprocs: int) -> list[str]:
+    """``mpiexec -n N`` for the MPI next to this Python (the ``mpich`` wheel) or on PATH."""
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    exe = local if os.path.exists(local) else shutil.which("mpiexec")
+    if exe is None:
+        raise RuntimeError("no mpiexec found: run `make install` (it installs the mpich wheel)")
+    cmd = [exe, "-n", str(nprocs)]
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        version = ""
+    if "Open MPI" in version or "OpenRTE" in version:
+        cmd.insert(1, "--oversubscribe")  # Open MPI refuses more ranks than cores otherwise
+    return cmd
+
+
+def run_mpi(nprocs: int, target: str, *args: str, timeout: float = 120, env: dict | None = None):
+    """Run ``target`` on ``nprocs`` ranks; return the CompletedProcess or raise MPIJobFailed."""
+    dump_dir = tempfile.mkdtemp(prefix="minidist-hang-")
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env[_HANG_DIR] = dump_dir
+    full_env[_HANG_AFTER] = str(max(1.0, timeout - min(10.0, 0.2 * timeout)))
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    full_env.setdefault("OMP_NUM_THREADS", "1")  # ranks oversubscribe the cores already
+    full_env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    cmd = mpiexec_command(nprocs) + [sys.executable, "-m", "minidist.testing", target, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        timed_out = True
+    dumps = _collect_dumps(dump_dir)
+    if timed_out or proc.returncode != 0:
+        why = f"timed out after {timeout:.0f} s" if timed_out else f"exited with code {proc.returncode}"
+        raise MPIJobFailed(f"`{' '.join(cmd[-2 - len(args):])}` on {nprocs} ranks {why}\n"
+                           f"----- output -----\n{out}{dumps}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _collect_dumps(dump_dir: str) -> str:
+    parts = []
+    for name in sorted(os.listdir(dump_dir)):
+        with open(os.path.join(dump_dir, name)) as f:
+            text = f.read().strip()
+        if text:
+            parts.append(f"----- {name}: stacks when the hang timer fired -----\n{text}\n")
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    return "".join(parts)
+
+
+def _arm_hang_dump():
+    dump_dir, after = os.environ.get(_HANG_DIR), os.environ.get(_HANG_AFTER)
+    if not (dump_dir and after):
+        return None
+    f = open(os.path.join(dump_dir, f"rank{_world_rank()}"), "w")
+    # exit=False: a rank that exited first would make mpiexec kill the others before they dump.
+    faulthandler.dump_traceback_later(float(after), exit=False, file=f)
+    return f
+
+
+def _main(argv):
+    if not argv:
+        sys.exit("usage: python -m minidist.testing SCRIPT.py[::FUNCTION] [ARGS...]")
+    abort_on_exception()
+    _keep = _arm_hang_dump()  # noqa: F841  (the file must stay open)
+    target, sys.argv = argv[0], argv
+    path, _, func = target.partition("::")
+    import runpy
+
+    if not func:
+        runpy.run_path(path, run_name="__main__")
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    namespace = runpy.run_path(path, run_name="__mpi_body__")
+    if func not in namespace:
+        raise SystemExit(f"{path} has no function {func!r}")
+    namespace[func](*argv[1:])
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
