@@ -1,0 +1,71 @@
+"""Differentiable ops with hand-written backward passes.
+
+Modules: ``basic`` (arithmetic with broadcasting, reductions, shape ops, indexing),
+``linalg`` (matmul, linear), ``nn_ops`` (gelu, softmax, layer_norm, embedding,
+cross_entropy), ``attention`` (fused scaled dot-product attention) and ``precision``
+(autocast, cast).  Importing this package also attaches operator sugar to
+:class:`~minidist.autograd.Tensor` (``a + b``, ``a @ b``, ``x[:, 1:3]``, ``x.sum()``...).
+"""
+
+from __future__ import annotations
+
+from ..autograd import Tensor
+from .attention import attention, causal_mask
+from .basic import (
+    add,
+    concat,
+    div,
+    exp,
+    getitem,
+    index_rows,
+    log,
+    mean,
+    mul,
+    neg,
+    reshape,
+    split,
+    sqrt,
+    sub,
+    sum,
+    tanh,
+    transpose,
+    unbroadcast,
+)
+from .linalg import linear, matmul
+from .nn_ops import cross_entropy, embedding, gelu, layer_norm, softmax
+from .precision import autocast, cast, get_autocast_dtype
+
+__all__ = [
+    "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sqrt", "sum", "mean",
+    "reshape", "transpose", "split", "concat", "getitem", "index_rows", "unbroadcast",
+    "matmul", "linear", "gelu", "softmax", "layer_norm", "embedding", "cross_entropy",
+    "attention", "causal_mask", "cast", "autocast", "get_autocast_dtype",
+]
+
+
+def _shape_args(args):
+    """Allow both ``x.reshape(2, 3)`` and ``x.reshape((2, 3))``."""
+    return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+
+
+def _attach_operator_sugar():
+    T = Tensor
+    T.__add__ = lambda a, b: add(a, b)
+    T.__radd__ = lambda a, b: add(b, a)
+    T.__sub__ = lambda a, b: sub(a, b)
+    T.__rsub__ = lambda a, b: sub(b, a)
+    T.__mul__ = lambda a, b: mul(a, b)
+    T.__rmul__ = lambda a, b: mul(b, a)
+    T.__truediv__ = lambda a, b: div(a, b)
+    T.__rtruediv__ = lambda a, b: div(b, a)
+    T.__neg__ = lambda a: neg(a)
+    T.__matmul__ = lambda a, b: matmul(a, b)
+    T.__rmatmul__ = lambda a, b: matmul(b if isinstance(b, Tensor) else Tensor(b), a)
+    T.__getitem__ = lambda a, key: getitem(a, key)
+    T.reshape = lambda a, *shape: reshape(a, _shape_args(shape))
+    T.transpose = lambda a, *axes: transpose(a, _shape_args(axes) if axes else None)
+    T.sum = lambda a, axis=None, keepdims=False: sum(a, axis, keepdims)
+    T.mean = lambda a, axis=None, keepdims=False: mean(a, axis, keepdims)
+
+
+_attach_operator_sugar()

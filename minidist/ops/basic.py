@@ -1,0 +1,293 @@
+"""Elementwise arithmetic, reductions and shape ops, each with a hand-written backward.
+
+Every backward follows the chain rule for its op and returns one gradient per input, in
+that input's shape and dtype.  Broadcasting (NumPy rules) is undone in backward by
+:func:`unbroadcast`: an input that was stretched along an axis receives the *sum* of the
+gradient along that axis, because each of its elements was used that many times.
+
+Constants: Python scalars (and plain arrays) may appear on either side of an arithmetic
+op; they receive no gradient.  NumPy scalars are turned into Python numbers so that, under
+NumPy 2's promotion rules (NEP 50), a ``np.float64`` constant cannot silently promote a
+float32 tensor to float64.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+from ..autograd import Tensor, make_tensor
+from ..backend import xp
+
+# ----------------------------------------------------------------------------- helpers
+
+builtin_sum = builtins.sum  # this module defines its own differentiable `sum`
+
+
+def unbroadcast(g, shape):
+    """Sum ``g`` down to ``shape`` (the inverse of NumPy broadcasting)."""
+    if g.shape == tuple(shape):
+        return g
+    extra = g.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(
+        i + extra for i, n in enumerate(shape) if n == 1 and g.shape[i + extra] != 1
+    )
+    g = g.sum(axis=axes, keepdims=True) if axes else g
+    return g.reshape(shape)
+
+
+def _operand(v):
+    """(array or python scalar, is_tensor) for an arithmetic operand."""
+    if isinstance(v, Tensor):
+        return v.data, True
+    if isinstance(v, (bool, int, float)):
+        return v, False
+    if isinstance(v, xp.generic) or (hasattr(v, "ndim") and v.ndim == 0):
+        return v.item(), False  # python number: weak type under NEP 50
+    if hasattr(v, "shape") and hasattr(v, "dtype"):
+        return v, False
+    raise TypeError(f"arithmetic operand must be a Tensor, number or array, got {type(v).__name__}")
+
+
+def _grad_for(g, x):
+    """``g`` reduced to tensor ``x``'s shape and cast to its dtype."""
+    g = unbroadcast(g, x.shape)
+    return g if g.dtype == x.dtype else g.astype(x.dtype)
+
+
+def _binary(a, b, forward, grad_a, grad_b):
+    """Shared plumbing: ``grad_a(g, A, B)`` / ``grad_b(g, A, B)`` give full-shape grads."""
+    A, a_is_t = _operand(a)
+    B, b_is_t = _operand(b)
+    out = forward(A, B)
+
+    def backward(g):
+        ga = _grad_for(grad_a(g, A, B), a) if a_is_t and a.requires_grad else None
+        gb = _grad_for(grad_b(g, A, B), b) if b_is_t and b.requires_grad else None
+        return ga, gb
+
+    return make_tensor(out, (a, b), backward)
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+
+def add(a, b) -> Tensor:
+    """a + b with broadcasting; d/da = d/db = 1."""
+    return _binary(a, b, lambda A, B: A + B, lambda g, A, B: g, lambda g, A, B: g)
+
+
+def sub(a, b) -> Tensor:
+    """a - b with broadcasting."""
+    return _binary(a, b, lambda A, B: A - B, lambda g, A, B: g, lambda g, A, B: -g)
+
+
+def mul(a, b) -> Tensor:
+    """a * b with broadcasting; d/da = b, d/db = a."""
+    return _binary(a, b, lambda A, B: A * B, lambda g, A, B: g * B, lambda g, A, B: g * A)
+
+
+def div(a, b) -> Tensor:
+    """a / b with broadcasting; d/da = 1/b, d/db = -a/b^2."""
+    return _binary(
+        a, b, lambda A, B: A / B, lambda g, A, B: g / B, lambda g, A, B: -(g * A) / (B * B)
+    )
+
+
+def neg(x: Tensor) -> Tensor:
+    return make_tensor(-x.data, (x,), lambda g: (-g,))
+
+
+def exp(x: Tensor) -> Tensor:
+    y = xp.exp(x.data)
+    return make_tensor(y, (x,), lambda g: (g * y,))
+
+
+def log(x: Tensor) -> Tensor:
+    X = x.data
+    return make_tensor(xp.log(X), (x,), lambda g: (g / X,))
+
+
+def tanh(x: Tensor) -> Tensor:
+    y = xp.tanh(x.data)
+    return make_tensor(y, (x,), lambda g: (g * (1.0 - y * y),))
+
+
+def sqrt(x: Tensor) -> Tensor:
+    y = xp.sqrt(x.data)
+    return make_tensor(y, (x,), lambda g: (g / (2.0 * y),))
+
+
+# ----------------------------------------------------------------------------- reductions
+
+
+def _norm_axes(axis, ndim):
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} out of range for a {ndim}-d tensor")
+    return tuple(sorted(a % ndim for a in axes))
+
+
+def _expand_back(g, x_shape, axes, keepdims):
+    """Broadcast a reduced gradient back over the reduced axes (a read-only view)."""
+    if not keepdims:
+        shape = [1 if i in axes else n for i, n in enumerate(x_shape)]
+        g = g.reshape(shape)
+    return xp.broadcast_to(g, x_shape)
+
+
+def sum(x: Tensor, axis=None, keepdims=False) -> Tensor:  # noqa: A001 (mirrors np.sum)
+    """Sum over ``axis`` (int, tuple or None = all); every input element gets the grad."""
+    axes = _norm_axes(axis, x.ndim)
+    out = x.data.sum(axis=axes, keepdims=keepdims)
+    return make_tensor(xp.asarray(out), (x,), lambda g: (_expand_back(g, x.shape, axes, keepdims),))
+
+
+def mean(x: Tensor, axis=None, keepdims=False) -> Tensor:
+    """Mean over ``axis``; each element gets grad / (number of elements averaged)."""
+    axes = _norm_axes(axis, x.ndim)
+    n = 1
+    for a in axes:
+        n *= x.shape[a]
+    out = x.data.mean(axis=axes, keepdims=keepdims)
+    scale = 1.0 / n if n else 0.0
+    return make_tensor(
+        xp.asarray(out), (x,), lambda g: (_expand_back(g * scale, x.shape, axes, keepdims),)
+    )
+
+
+# ----------------------------------------------------------------------------- shape ops
+
+
+def reshape(x: Tensor, shape) -> Tensor:
+    """A view with a new shape (-1 allowed); backward reshapes the gradient back."""
+    shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+    try:
+        out = x.data.reshape(shape)
+    except ValueError:
+        raise ValueError(f"cannot reshape tensor of shape {tuple(x.shape)} into {shape}") from None
+    return make_tensor(out, (x,), lambda g: (g.reshape(x.shape),))
+
+
+def transpose(x: Tensor, axes=None) -> Tensor:
+    """Permute axes like ``np.transpose`` (None reverses them); backward applies the inverse."""
+    axes = tuple(range(x.ndim))[::-1] if axes is None else tuple(a % x.ndim for a in axes)
+    if sorted(axes) != list(range(x.ndim)):
+        raise ValueError(f"axes {axes} is not a permutation of the {x.ndim} axes")
+    inverse = tuple(sorted(range(x.ndim), key=axes.__getitem__))
+    return make_tensor(x.data.transpose(axes), (x,), lambda g: (g.transpose(inverse),))
+
+
+def split(x: Tensor, sections, axis=0) -> list[Tensor]:
+    """Cut ``x`` along ``axis``.
+
+    ``sections`` is either an int N (N equal parts, like ``np.split``; must divide the
+    axis) or a list of part *sizes* (like ``torch.split`` with a list; must sum to the
+    axis length).  Each part is a view; its backward places its gradient into zeros of
+    ``x``'s shape (the autograd then sums the parts' contributions).
+    """
+    axis %= x.ndim
+    n = x.shape[axis]
+    if isinstance(sections, int):
+        if sections <= 0 or n % sections:
+            raise ValueError(f"split: {sections} equal sections do not divide axis {axis} of length {n}")
+        sizes = [n // sections] * sections
+    else:
+        sizes = [int(s) for s in sections]
+        if builtin_sum(sizes) != n or any(s < 0 for s in sizes):
+            raise ValueError(f"split: sizes {sizes} do not sum to axis {axis} length {n}")
+    parts, start = [], 0
+    for size in sizes:
+        index = (slice(None),) * axis + (slice(start, start + size),)
+        parts.append(_slice_of(x, index))
+        start += size
+    return parts
+
+
+def _slice_of(x: Tensor, index) -> Tensor:
+    def backward(g):
+        gx = xp.zeros(x.shape, dtype=x.dtype)
+        gx[index] = g
+        return (gx,)
+
+    return make_tensor(x.data[index], (x,), backward)
+
+
+def concat(tensors, axis=0) -> Tensor:
+    """Join tensors along ``axis``; each input's gradient is its slice of the output's."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("concat needs at least one tensor")
+    axis %= tensors[0].ndim
+    out = xp.concatenate([t.data for t in tensors], axis=axis)
+    bounds, start = [], 0
+    for t in tensors:
+        bounds.append((start, start + t.shape[axis]))
+        start += t.shape[axis]
+
+    def backward(g):
+        pre = (slice(None),) * axis
+        return tuple(
+            _grad_for(g[pre + (slice(lo, hi),)], t) for t, (lo, hi) in zip(tensors, bounds)
+        )
+
+    return make_tensor(out, tuple(tensors), backward)
+
+
+def _is_advanced(key) -> bool:
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(hasattr(k, "dtype") or isinstance(k, (list, Tensor)) for k in keys)
+
+
+def getitem(x: Tensor, key) -> Tensor:
+    """``x[key]``: basic slicing gives a view and its backward writes into zeros; integer
+    array indexing (possibly repeated) scatter-adds in backward."""
+    if isinstance(key, Tensor):
+        key = key.data
+    if isinstance(key, tuple):
+        key = tuple(k.data if isinstance(k, Tensor) else k for k in key)
+    out = x.data[key]
+    advanced = _is_advanced(key)
+
+    def backward(g):
+        gx = xp.zeros(x.shape, dtype=x.dtype)
+        if advanced:
+            xp.add.at(gx, key, g)  # repeated indices must accumulate
+        else:
+            gx[key] = g
+        return (gx,)
+
+    return make_tensor(out, (x,), backward)
+
+
+def check_index(idx, n, what="index"):
+    """``idx`` as an integer array whose values lie in [0, n); clear error otherwise."""
+    idx = idx.data if isinstance(idx, Tensor) else idx
+    idx = xp.asarray(idx)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be an integer array, got dtype {idx.dtype}")
+    if idx.size:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= n:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"{what} value {bad} out of range [0, {n})")
+    return idx
+
+
+def scatter_add_rows(idx, g, num_rows, dtype):
+    """zeros((num_rows, *row_shape)) with the rows of ``g`` added at ``idx`` (repeats add up)."""
+    row_shape = g.shape[idx.ndim:]
+    out = xp.zeros((num_rows,) + tuple(row_shape), dtype=dtype)
+    xp.add.at(out, idx.reshape(-1), g.reshape((-1,) + tuple(row_shape)))
+    return out
+
+
+def index_rows(x: Tensor, idx) -> Tensor:
+    """``x[idx]`` along axis 0 for an int array ``idx`` of any shape; backward scatter-adds."""
+    idx = check_index(idx, x.shape[0], "index_rows idx")
+    out = x.data[idx]
+    return make_tensor(
+        out, (x,), lambda g: (scatter_add_rows(idx, g, x.shape[0], x.dtype),)
+    )

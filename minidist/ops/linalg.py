@@ -1,0 +1,73 @@
+"""Matrix products: ``matmul`` and ``linear`` (the GEMMs that dominate training time).
+
+For C = A @ B the chain rule gives dA = dC @ B^T and dB = A^T @ dC.  ``linear`` flattens
+all leading dimensions of its input so that the forward pass and each gradient is ONE
+large GEMM (BLAS is far more efficient on one (B*T, in) x (in, out) product than on B
+small ones).  Under :func:`~minidist.ops.precision.autocast` the inputs are rounded to the
+low dtype and the products are computed in float32 (see precision.py).
+"""
+
+from __future__ import annotations
+
+from ..autograd import Tensor, make_tensor
+from ..backend import xp
+from .basic import unbroadcast
+from .precision import gemm_operands, to_dtype
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for a (..., M, K) and b (..., K, N) or (K, N); batch dims broadcast."""
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"matmul needs >= 2-d inputs, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"matmul shape mismatch: {tuple(a.shape)} @ {tuple(b.shape)}")
+    (A, B), out_dtype = gemm_operands(a.data, b.data)
+    flat = b.ndim == 2  # (..., M, K) @ (K, N): one GEMM on the flattened rows
+    if flat:
+        out = (A.reshape(-1, A.shape[-1]) @ B).reshape(A.shape[:-1] + (B.shape[-1],))
+    else:
+        out = A @ B
+
+    def backward(g):
+        g = g if g.dtype == A.dtype else g.astype(A.dtype)
+        ga = gb = None
+        if a.requires_grad:
+            ga = unbroadcast(g @ B.swapaxes(-1, -2), a.shape)
+        if b.requires_grad:
+            if flat:
+                gb = A.reshape(-1, A.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+            else:
+                gb = unbroadcast(A.swapaxes(-1, -2) @ g, b.shape)
+        return to_dtype(ga, a.dtype), to_dtype(gb, b.dtype)
+
+    return make_tensor(to_dtype(out, out_dtype), (a, b), backward)
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """``x @ w + b`` for x (..., in), w (in, out), b (out,) or None.
+
+    Forward is one GEMM on x flattened to (rows, in); backward is one GEMM for dx
+    (g @ w^T), one for dw (x2d^T @ g2d) and a column sum for db.
+    """
+    if w.ndim != 2 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"linear: x {tuple(x.shape)} does not match weight {tuple(w.shape)} (in, out)")
+    if b is not None and tuple(b.shape) != (w.shape[1],):
+        raise ValueError(f"linear: bias shape {tuple(b.shape)} != ({w.shape[1]},)")
+    (X, W, Bias), out_dtype = gemm_operands(x.data, w.data, None if b is None else b.data)
+    lead = x.shape[:-1]
+    x2d = X.reshape(-1, X.shape[-1])
+    y = x2d @ W
+    if Bias is not None:
+        y += Bias  # y is our own fresh array: add in place
+    y = to_dtype(y, out_dtype).reshape(lead + (W.shape[1],))
+
+    def backward(g):
+        g2d = g.reshape(-1, g.shape[-1])
+        if g2d.dtype != x2d.dtype:
+            g2d = g2d.astype(x2d.dtype)
+        gx = (g2d @ W.T).reshape(x.shape) if x.requires_grad else None
+        gw = x2d.T @ g2d if w.requires_grad else None
+        gb = g2d.sum(axis=0) if b is not None and b.requires_grad else None
+        return to_dtype(gx, x.dtype), to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
+
+    return make_tensor(y, (x, w, b), backward)

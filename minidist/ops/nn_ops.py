@@ -1,0 +1,198 @@
+"""Neural-network ops with fused, hand-written backward passes.
+
+Each op here is one node in the graph (not a chain of small ops): its forward computes the
+result with as few temporaries as possible (in-place updates on arrays it owns), and its
+backward applies the closed-form derivative.  That is both faster and more memory-frugal
+than differentiating through the elementary steps.
+
+Low precision: softmax, layer_norm and cross_entropy compute in float32 when given
+float16/bfloat16 input (exp, sums and variances lose too much otherwise); softmax and
+layer_norm return the input's dtype, cross_entropy returns a float32 loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..autograd import Tensor, make_tensor
+from ..backend import xp
+from .basic import check_index, scatter_add_rows
+from .precision import compute_dtype, to_dtype
+
+_GELU_C = math.sqrt(2.0 / math.pi)  # python float: keeps float32 arrays float32 (NEP 50)
+_GELU_A = 0.044715
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GELU, tanh approximation (Hendrycks & Gimpel 2016; used by GPT-2):
+
+        gelu(x) = 0.5 x (1 + tanh(u)),   u = sqrt(2/pi) (x + 0.044715 x^3)
+
+    Same as ``torch.nn.functional.gelu(x, approximate="tanh")``.  Forward saves tanh(u)
+    so that backward need not recompute it:
+
+        gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+    """
+    X = x.data
+    cdt = compute_dtype(X.dtype)
+    Xc = to_dtype(X, cdt)
+    t = Xc * Xc
+    t *= _GELU_A * _GELU_C
+    t += _GELU_C
+    t *= Xc  # u = c x (1 + a x^2)
+    xp.tanh(t, out=t)
+    y = t + 1.0
+    y *= Xc
+    y *= 0.5
+
+    def backward(g):
+        d = Xc * Xc
+        d *= 3.0 * _GELU_A * _GELU_C
+        d += _GELU_C  # du/dx
+        s = t * t
+        xp.subtract(1.0, s, out=s)  # 1 - t^2
+        d *= s
+        d *= Xc
+        d += t
+        d += 1.0
+        d *= 0.5
+        d *= g
+        return (to_dtype(d, x.dtype),)
+
+    return make_tensor(to_dtype(y, X.dtype), (x,), backward)
+
+
+def _softmax_inplace(s, axis):
+    """Numerically stable softmax written into ``s`` (subtract the max before exp)."""
+    s -= s.max(axis=axis, keepdims=True)
+    xp.exp(s, out=s)
+    s /= s.sum(axis=axis, keepdims=True)
+    return s
+
+
+def softmax(x: Tensor, axis=-1) -> Tensor:
+    """softmax along ``axis``; backward: dx = y * (g - sum(g * y)) (Jacobian-vector product)."""
+    cdt = compute_dtype(x.dtype)
+    y = _softmax_inplace(x.data.astype(cdt, copy=True), axis)
+
+    def backward(g):
+        g = to_dtype(g, cdt)
+        dx = g * y
+        dot = dx.sum(axis=axis, keepdims=True)
+        dx -= dot * y  # y*g - y*sum(g*y)
+        return (to_dtype(dx, x.dtype),)
+
+    return make_tensor(to_dtype(y, x.dtype), (x,), backward)
+
+
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
+    """Layer normalisation over the last axis (Ba et al. 2016), one fused node.
+
+    y = xhat * weight + bias,  xhat = (x - mean) * rstd,  rstd = 1/sqrt(var + eps).
+    Backward (per row, C = features, gh = g * weight):
+        dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))
+        dweight = sum over rows of g * xhat,   dbias = sum over rows of g
+    """
+    C = x.shape[-1]
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and tuple(p.shape) != (C,):
+            raise ValueError(f"layer_norm {name} shape {tuple(p.shape)} != ({C},)")
+    cdt = compute_dtype(x.dtype)
+    X = to_dtype(x.data, cdt)
+    xhat = X - X.mean(axis=-1, keepdims=True)
+    var = xp.einsum("...i,...i->...", xhat, xhat)[..., None]  # sum of squares, one pass
+    var *= 1.0 / C
+    var += eps
+    rstd = xp.sqrt(var, out=var)
+    xp.divide(1.0, rstd, out=rstd)
+    xhat *= rstd
+    W = None if weight is None else to_dtype(weight.data, cdt)
+    if W is not None:
+        y = xhat * W
+        if bias is not None:
+            y += to_dtype(bias.data, cdt)
+    else:
+        y = xhat + to_dtype(bias.data, cdt) if bias is not None else xhat.copy()
+
+    def backward(g):
+        g = to_dtype(g, cdt)
+        g2d, xh2d = g.reshape(-1, C), xhat.reshape(-1, C)
+        gw = xp.einsum("ni,ni->i", g2d, xh2d) if weight is not None and weight.requires_grad else None
+        gb = g2d.sum(axis=0) if bias is not None and bias.requires_grad else None
+        gx = None
+        if x.requires_grad:
+            gh = g * W if W is not None else g.copy()
+            m1 = gh.mean(axis=-1, keepdims=True)
+            m2 = xp.einsum("...i,...i->...", gh, xhat)[..., None]
+            m2 *= 1.0 / C
+            gh -= m1
+            gh -= xhat * m2
+            gh *= rstd
+            gx = to_dtype(gh, x.dtype)
+        return (
+            gx,
+            None if gw is None else to_dtype(gw, weight.dtype),
+            None if gb is None else to_dtype(gb, bias.dtype),
+        )
+
+    return make_tensor(to_dtype(y, x.dtype), (x, weight, bias), backward)
+
+
+def embedding(weight: Tensor, ids) -> Tensor:
+    """Rows of ``weight`` (V, C) picked by the integer array ``ids`` (any shape) -> (..., C).
+
+    Backward scatter-adds each output row's gradient into the row it came from; a token
+    that occurs several times collects the sum of its gradients.
+    """
+    if weight.ndim != 2:
+        raise ValueError(f"embedding weight must be (V, C), got shape {tuple(weight.shape)}")
+    ids = check_index(ids, weight.shape[0], "embedding id")
+    return make_tensor(
+        weight.data[ids], (weight,), lambda g: (scatter_add_rows(ids, g, weight.shape[0], weight.dtype),)
+    )
+
+
+def cross_entropy(logits: Tensor, targets, ignore_index=None) -> Tensor:
+    """Mean negative log-likelihood of ``targets`` under softmax(``logits``), fused.
+
+    logits (..., V), targets int array (...).  Tokens whose target equals ``ignore_index``
+    are left out of the mean (a batch where every token is ignored has loss 0 and zero
+    gradient, rather than NaN).  The loss is float32 (float64 for float64 logits).
+
+    loss_i = logsumexp(z_i) - z_i[t_i];   d loss / d z_i = (softmax(z_i) - onehot(t_i)) / n
+    Forward keeps softmax(z), so backward is a single scaled copy of it.
+    """
+    V = logits.shape[-1]
+    targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"cross_entropy: targets shape {tuple(targets.shape)} != logits shape "
+                         f"{tuple(logits.shape[:-1])} (logits without the class axis)")
+    t = targets.reshape(-1)
+    keep = None if ignore_index is None else t != ignore_index
+    if keep is not None:
+        t = xp.where(keep, t, 0)
+    t = check_index(t, V, "cross_entropy target")
+    cdt = compute_dtype(logits.dtype)
+    z = logits.data.reshape(-1, V).astype(cdt, copy=True)
+    rows = xp.arange(z.shape[0])
+    z -= z.max(axis=1, keepdims=True)
+    picked = z[rows, t]  # z_i[t_i] after the shift
+    xp.exp(z, out=z)
+    total = z.sum(axis=1)
+    nll = xp.log(total)
+    nll -= picked
+    z /= total[:, None]  # z now holds softmax probabilities, saved for backward
+    if keep is not None:
+        nll *= keep
+    count = int(keep.sum()) if keep is not None else z.shape[0]
+    loss = xp.asarray(nll.sum() / count if count else 0.0, dtype=cdt)
+
+    def backward(g):
+        scale = float(g) / count if count else 0.0
+        dz = z * scale  # a fresh array: the saved probabilities stay intact (retain_graph)
+        dz[rows, t] -= scale
+        if keep is not None:
+            dz *= keep[:, None]
+        return (to_dtype(dz.reshape(logits.shape), logits.dtype),)
+
+    return make_tensor(loss, (logits,), backward)
