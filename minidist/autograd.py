@@ -23,11 +23,13 @@ Parameters know their *global* shape and how they are sliced (``global_shape``,
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 
 from .backend import xp
 
 _state = threading.local()
+_creation_counter = itertools.count()  # orders tensors by creation: a valid topological order
 
 
 def is_grad_enabled() -> bool:
@@ -64,6 +66,7 @@ class Tensor:
         self.requires_grad = bool(requires_grad)
         self.name = name
         self._ctx = None  # (parents, backward_fn) for op outputs; None for leaves
+        self._seq = next(_creation_counter)  # parents are always created before their outputs
 
     # -- array-like conveniences -------------------------------------------------------
     shape = property(lambda self: self.data.shape)
@@ -189,6 +192,10 @@ def _finalize_leaf(leaf: Tensor, g, owned: bool):
 def run_backward(roots, grads, retain_graph: bool = False):
     """Backpropagate ``grads`` (arrays) from ``roots`` (tensors) through the recorded graph."""
     order, pending = _topological_order(roots)
+    # Run op nodes in reverse creation order (a valid reverse topological order, since a
+    # node is created after its inputs).  Unlike the DFS order, this makes gradients become
+    # final -- and hooks fire -- in reverse order of use in forward, as DDP buckets expect.
+    order.sort(key=lambda node: node._seq)
     acc = {}  # id(node) -> [grad array, owned?]
 
     def deliver(node, g):

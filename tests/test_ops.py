@@ -187,3 +187,205 @@ def test_cast_grad():
     assert x.grad.dtype == np.float64
     np.testing.assert_array_equal(x.grad, 2.0)
     check_grad(lambda t: ops.cast(t, np.float64) * t, rand(3))
+
+
+# ----------------------------------------------------------------- PyTorch parity (float64)
+
+
+def _torch_pair(*arrays):
+    torch = pytest.importorskip("torch")
+    mine = [Tensor(a, requires_grad=True) for a in arrays]
+    theirs = [torch.tensor(a, requires_grad=True) for a in arrays]
+    return torch, mine, theirs
+
+
+def _assert_same(out, ref, mine, theirs):
+    np.testing.assert_allclose(out.data, ref.detach().numpy(), rtol=1e-10, atol=1e-12)
+    g = RNG.standard_normal(out.shape)
+    out.backward(g)
+    import torch
+
+    ref.backward(torch.tensor(g))
+    for m, t in zip(mine, theirs):
+        np.testing.assert_allclose(m.grad, t.grad.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_torch_parity_gelu_softmax():
+    torch, (x,), (tx,) = _torch_pair(rand(4, 7) * 3)
+    _assert_same(ops.gelu(x), torch.nn.functional.gelu(tx, approximate="tanh"), [x], [tx])
+    torch, (x,), (tx,) = _torch_pair(rand(3, 4, 5))
+    _assert_same(ops.softmax(x, axis=1), torch.softmax(tx, dim=1), [x], [tx])
+
+
+def test_torch_parity_layer_norm():
+    torch, mine, theirs = _torch_pair(rand(2, 3, 8), rand(8), rand(8))
+    ref = torch.nn.functional.layer_norm(theirs[0], (8,), theirs[1], theirs[2], eps=1e-5)
+    _assert_same(ops.layer_norm(*mine, eps=1e-5), ref, mine, theirs)
+
+
+def test_torch_parity_cross_entropy():
+    torch, (z,), (tz,) = _torch_pair(rand(3, 4, 6) * 2)
+    targets = np.array([[0, 5, 2, -1], [3, -1, -1, 1], [4, 4, 0, 2]])
+    loss = ops.cross_entropy(z, targets, ignore_index=-1)
+    ref = torch.nn.functional.cross_entropy(
+        tz.reshape(-1, 6), torch.tensor(targets.reshape(-1)), ignore_index=-1
+    )
+    _assert_same(loss, ref, [z], [tz])
+    torch, (z,), (tz,) = _torch_pair(rand(5, 6))
+    t = np.array([1, 0, 5, 5, 2])
+    _assert_same(ops.cross_entropy(z, t), torch.nn.functional.cross_entropy(tz, torch.tensor(t)), [z], [tz])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_parity_attention(causal):
+    torch, mine, theirs = _torch_pair(rand(2, 3, 6, 4), rand(2, 3, 6, 4), rand(2, 3, 6, 4))
+    ref = torch.nn.functional.scaled_dot_product_attention(*theirs, is_causal=causal)
+    _assert_same(ops.attention(*mine, causal=causal), ref, mine, theirs)
+
+
+def test_torch_parity_embedding_and_linear():
+    torch, (w,), (tw,) = _torch_pair(rand(7, 3))
+    ids = np.array([[1, 6, 1], [1, 0, 2]])
+    _assert_same(ops.embedding(w, ids), torch.nn.functional.embedding(torch.tensor(ids), tw), [w], [tw])
+    torch, mine, theirs = _torch_pair(rand(2, 3, 4), rand(4, 5), rand(5))
+    ref = theirs[0] @ theirs[1] + theirs[2]
+    _assert_same(ops.linear(*mine), ref, mine, theirs)
+
+
+# ----------------------------------------------------------------- dtype discipline
+
+
+def _f32(*shape, lo=None):
+    return Tensor(rand(*shape, lo=lo).astype(np.float32), requires_grad=True)
+
+
+FLOAT32_CASES = {
+    "arith": lambda: ops.div(ops.mul(_f32(3, 4), 2.5) + np.float64(1.5), _f32(4, lo=1.0)) - 1,
+    "unary": lambda: ops.sqrt(ops.exp(ops.tanh(_f32(3)))) + ops.log(_f32(3, lo=1.0)),
+    "reduce": lambda: ops.mean(_f32(2, 3), axis=0) + ops.sum(_f32(2, 3), axis=0),
+    "shape": lambda: ops.concat(ops.split(_f32(2, 4).transpose().reshape(2, 4), [1, 3], axis=1), axis=1)[:, 1:],
+    "index": lambda: ops.index_rows(_f32(4, 2), np.array([0, 0, 3])),
+    "matmul": lambda: ops.matmul(_f32(2, 3, 4), _f32(4, 2)),
+    "linear": lambda: ops.linear(_f32(2, 3, 4), _f32(4, 2), _f32(2)),
+    "gelu": lambda: ops.gelu(_f32(3, 4)),
+    "softmax": lambda: ops.softmax(_f32(3, 4)),
+    "layer_norm": lambda: ops.layer_norm(_f32(3, 4), _f32(4), _f32(4)),
+    "embedding": lambda: ops.embedding(_f32(5, 3), np.array([[1, 2], [1, 4]])),
+    "cross_entropy": lambda: ops.cross_entropy(_f32(3, 5), np.array([0, 4, 4])),
+    "attention": lambda: ops.attention(_f32(1, 2, 4, 3), _f32(1, 2, 4, 3), _f32(1, 2, 4, 3)),
+}
+
+
+def _leaves(t, seen=None):
+    seen = set() if seen is None else seen
+    if id(t) in seen or not isinstance(t, Tensor):
+        return []
+    seen.add(id(t))
+    if t._ctx is None:
+        return [t]
+    return [leaf for p in t._ctx[0] for leaf in _leaves(p, seen)]
+
+
+@pytest.mark.parametrize("name", sorted(FLOAT32_CASES))
+def test_float32_in_float32_out_and_grads(name):
+    out = FLOAT32_CASES[name]()
+    assert out.dtype == np.float32, name
+    leaves = _leaves(out)
+    out.backward(np.ones(out.shape, dtype=np.float32))
+    for leaf in leaves:
+        assert leaf.grad is not None and leaf.grad.dtype == np.float32, (name, leaf)
+
+
+# ----------------------------------------------------------------- autocast
+
+
+LOW = [pytest.param(bfloat16, 1e-2, id="bfloat16"), pytest.param(np.dtype(np.float16), 2e-3, id="float16")]
+
+
+@pytest.mark.parametrize("low,tol", LOW)
+def test_autocast_matmul_linear(low, tol):
+    x, w, b = _f32(4, 8, 32), _f32(32, 16), _f32(16)
+    ref_lin = ops.linear(x, w, b).data
+    ref_mm = ops.matmul(x, w).data
+    assert ops.get_autocast_dtype() is None
+    with ops.autocast(low) as active:
+        assert active == low and ops.get_autocast_dtype() == low
+        y = ops.linear(x, w, b)
+        z = ops.matmul(x, w)
+        with ops.autocast(None):
+            assert ops.get_autocast_dtype() is None
+    assert ops.get_autocast_dtype() is None
+    for out, ref in ((y, ref_lin), (z, ref_mm)):
+        assert out.dtype == low
+        scale = np.abs(ref).max()
+        np.testing.assert_allclose(out.data.astype(np.float32), ref, atol=tol * scale * 2, rtol=0)
+    (ops.cast(y, "float32").sum() + ops.cast(z, "float32").sum()).backward()
+    for p in (x, w, b):
+        assert p.grad.dtype == np.float32
+    # The fp32 master weight's gradient matches the fp32 computation within low precision:
+    # d(sum y + sum z)/dw = 2 * (column sums of x) for every output column.
+    expected_gw = 2 * x.data.reshape(-1, 32).sum(0)[:, None] * np.ones(16, dtype=np.float32)
+    np.testing.assert_allclose(w.grad, expected_gw, atol=tol * np.abs(expected_gw).max() * 2, rtol=0)
+    # Low-precision activations in, fp32 master weight: grads come back in each input's dtype.
+    xl = Tensor(x.data.astype(low), requires_grad=True)
+    w.grad = None
+    with ops.autocast(low):
+        out = ops.linear(xl, w)
+    out.backward(np.ones(out.shape, dtype=low))
+    assert xl.grad.dtype == low and w.grad.dtype == np.float32
+    # x is already in the low dtype, so dw = x^T @ ones is computed exactly in fp32.
+    exact = xl.data.astype(np.float32).reshape(-1, 32).sum(0)[:, None] * np.ones(16, dtype=np.float32)
+    np.testing.assert_allclose(w.grad, exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("low,tol", LOW)
+def test_autocast_attention_and_fp32_internal_ops(low, tol):
+    q, k, v = _f32(1, 2, 8, 4), _f32(1, 2, 8, 4), _f32(1, 2, 8, 4)
+    ref = ops.attention(q, k, v).data
+    with ops.autocast(low):
+        out = ops.attention(q, k, v)
+    assert out.dtype == low
+    np.testing.assert_allclose(out.data.astype(np.float32), ref, atol=8 * tol, rtol=0)
+    out.backward(np.ones(out.shape, dtype=low))
+    assert q.grad.dtype == k.grad.dtype == v.grad.dtype == np.float32
+    xl = Tensor(rand(3, 6).astype(low), requires_grad=True)
+    assert ops.softmax(xl).dtype == low
+    ln = ops.layer_norm(xl, _f32(6), _f32(6))
+    assert ln.dtype == low
+    loss = ops.cross_entropy(xl, np.array([0, 5, 2]))
+    assert loss.dtype == np.float32
+    loss.backward()
+    assert xl.grad.dtype == low
+
+
+def test_autocast_rejects_bad_dtype():
+    with pytest.raises(ValueError, match="float32"):
+        with ops.autocast("float32"):
+            pass
+
+
+# ----------------------------------------------------------------- bad input
+
+
+def test_bad_input_errors_name_the_value():
+    x = Tensor(rand(3, 4))
+    with pytest.raises(IndexError, match="7"):
+        ops.embedding(Tensor(rand(5, 2)), np.array([1, 7]))
+    with pytest.raises(IndexError, match="-2"):
+        ops.index_rows(x, np.array([0, -2]))
+    with pytest.raises(IndexError, match="9"):
+        ops.cross_entropy(x, np.array([0, 9, 1]))
+    with pytest.raises(ValueError, match=r"\(2,\)"):
+        ops.cross_entropy(x, np.array([0, 1]))
+    with pytest.raises(ValueError, match="5"):
+        ops.split(x, 5, axis=1)
+    with pytest.raises(ValueError, match=r"\[1, 2\]"):
+        ops.split(x, [1, 2], axis=1)
+    with pytest.raises(ValueError, match=r"\(3, 4\) @ \(3, 4\)"):
+        ops.matmul(x, x)
+    with pytest.raises(ValueError, match=r"\(5, 2\)"):
+        ops.linear(x, Tensor(rand(5, 2)))
+    with pytest.raises(TypeError, match="float"):
+        ops.embedding(Tensor(rand(5, 2)), np.array([1.0]))
+    with pytest.raises(ValueError, match="axis 3"):
+        ops.sum(x, axis=3)

@@ -39,10 +39,10 @@ def _operand(v):
     """(array or python scalar, is_tensor) for an arithmetic operand."""
     if isinstance(v, Tensor):
         return v.data, True
+    if isinstance(v, xp.generic) or (hasattr(v, "ndim") and v.ndim == 0):
+        return v.item(), False  # python number: weak type under NEP 50 (np.float64 is a float!)
     if isinstance(v, (bool, int, float)):
         return v, False
-    if isinstance(v, xp.generic) or (hasattr(v, "ndim") and v.ndim == 0):
-        return v.item(), False  # python number: weak type under NEP 50
     if hasattr(v, "shape") and hasattr(v, "dtype"):
         return v, False
     raise TypeError(f"arithmetic operand must be a Tensor, number or array, got {type(v).__name__}")
