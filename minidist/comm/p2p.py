@@ -1,0 +1,234 @@
+"""Point-to-point messages: the only MPI data calls minidist makes.
+
+Every collective in :mod:`minidist.comm.collectives` is built from the few functions here, so
+this is the one place that
+
+* turns an array into an MPI buffer without pickling: a contiguous host array viewed as raw
+  bytes (``MPI.BYTE``).  That also carries dtypes MPI has no name for (bfloat16, float16);
+  all ranks run on the same kind of machine, so byte order agrees.  CuPy arrays are staged
+  through host memory (``backend.to_host``/``from_host``);
+* counts every byte sent and received (and the time spent) under the current collective's
+  name (:mod:`minidist.comm.stats`);
+* applies the optional simulated link (:mod:`minidist.comm.links`);
+* checks that each received message had exactly the expected size, so that ranks calling a
+  collective with different shapes get an error instead of a silently wrong answer.
+
+Public functions take group-relative ranks and a :class:`~minidist.comm.group.Group`.
+The underscored helpers take an mpi4py communicator and host NumPy arrays; collectives use
+them on their hot paths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist.backend import from_host, to_host, xp
+from minidist.comm import links, stats
+from minidist.comm.errors import CommError
+
+# Tags at and above TAG_RESERVED carry collective traffic; user messages use smaller tags.
+TAG_RESERVED = 30000
+TAG_COLLECTIVE = 30001
+TAG_CHECK = 30002
+TAG_META = 30003
+
+
+# ----------------------------------------------------------------------------- buffers
+def as_bytes(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous host array viewed as a flat uint8 buffer (no copy)."""
+    return a.reshape(-1).view(np.uint8)
+
+
+def _host_contiguous(x) -> np.ndarray:
+    h = to_host(x)
+    if not isinstance(h, np.ndarray):
+        raise TypeError(f"expected an array, got {type(x).__name__}")
+    if h.dtype.hasobject:
+        raise TypeError(f"cannot send arrays of dtype {h.dtype} (Python objects) as raw bytes")
+    return h if h.flags.c_contiguous else np.ascontiguousarray(h)
+
+
+def _size_error(comm, src, tag, expected, got) -> CommError:
+    me = comm.Get_rank()
+    what = stats.current() or "p2p"
+    return CommError(
+        f"rank {me} expected a {expected}-byte message from rank {src} (tag {tag}) during "
+        f"{what}, but {got} bytes arrived. The ranks probably called collectives with "
+        f"different shapes/dtypes or in a different order; rerun with "
+        f"MINIDIST_CHECK_COLLECTIVES=1 to see what each rank called.\n"
+        f"Recent operations on this rank:\n{stats.format_recent()}")
+
+
+def _check_status(comm, status, src, tag, expected):
+    got = status.Get_count(MPI.BYTE)
+    if got != expected:
+        raise _size_error(comm, status.Get_source() if src == MPI.ANY_SOURCE else src, tag, expected, got)
+
+
+def _truncated(comm, src, tag, expected, err) -> CommError:
+    if err.Get_error_class() == MPI.ERR_TRUNCATE:
+        return _size_error(comm, src, tag, expected, f"more than {expected}")
+    return CommError(f"MPI error while receiving from rank {src} (tag {tag}): {err}")
+
+
+# ------------------------------------------------- fast helpers on host arrays (internal)
+def _send(comm, a: np.ndarray, dst: int, tag: int) -> None:
+    buf = as_bytes(a)
+    if links.enabled:
+        links.delay(buf.nbytes)
+    comm.Send(buf, dst, tag)
+    stats.count_bytes(buf.nbytes, 0)
+
+
+def _recv(comm, out: np.ndarray, src: int, tag: int) -> np.ndarray:
+    buf = as_bytes(out)
+    status = MPI.Status()
+    try:
+        comm.Recv(buf, src, tag, status)
+    except MPI.Exception as err:
+        raise _truncated(comm, src, tag, buf.nbytes, err) from None
+    _check_status(comm, status, src, tag, buf.nbytes)
+    stats.count_bytes(0, buf.nbytes)
+    return out
+
+
+def _sendrecv(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int) -> np.ndarray:
+    """Send ``a`` to ``dst`` while receiving ``out`` from ``src`` (deadlock-free exchange)."""
+    sbuf, rbuf = as_bytes(a), as_bytes(out)
+    if links.enabled:
+        links.delay(sbuf.nbytes)
+    status = MPI.Status()
+    try:
+        comm.Sendrecv(sbuf, dst, tag, rbuf, src, tag, status)
+    except MPI.Exception as err:
+        raise _truncated(comm, src, tag, rbuf.nbytes, err) from None
+    _check_status(comm, status, src, tag, rbuf.nbytes)
+    stats.count_bytes(sbuf.nbytes, rbuf.nbytes)
+    return out
+
+
+def _isend(comm, a: np.ndarray, dst: int, tag: int):
+    buf = as_bytes(a)
+    if links.enabled:
+        links.delay(buf.nbytes)
+    stats.count_bytes(buf.nbytes, 0)
+    return comm.Isend(buf, dst, tag)
+
+
+def _irecv(comm, out: np.ndarray, src: int, tag: int):
+    buf = as_bytes(out)
+    stats.count_bytes(0, buf.nbytes)
+    return comm.Irecv(buf, src, tag)
+
+
+def _wait_recv(comm, req, src: int, tag: int, nbytes: int) -> None:
+    """Complete a receive posted by :func:`_irecv`, checking the message size."""
+    status = MPI.Status()
+    try:
+        req.Wait(status)
+    except MPI.Exception as err:
+        raise _truncated(comm, src, tag, nbytes, err) from None
+    _check_status(comm, status, src, tag, nbytes)
+
+
+# ----------------------------------------------------------- public, group-relative API
+def _check_peer(peer, group, what: str) -> int:
+    if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < group.size:
+        raise ValueError(f"{what}={peer!r} is not a rank of group {group.name!r} (size {group.size})")
+    return int(peer)
+
+
+def _check_tag(tag) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < TAG_RESERVED:
+        raise ValueError(f"tag={tag!r} must be an int in [0, {TAG_RESERVED}) "
+                         f"(larger tags are reserved for collectives)")
+    return int(tag)
+
+
+def send(x, dst: int, group, tag: int = 0) -> None:
+    """Blocking send of array ``x`` to group rank ``dst``."""
+    dst, tag = _check_peer(dst, group, "dst"), _check_tag(tag)
+    with stats.scope("send"):
+        _send(group.comm, _host_contiguous(x), dst, tag)
+
+
+def recv_into(out, src: int, group, tag: int = 0):
+    """Blocking receive into the preallocated array ``out`` (its size must match exactly)."""
+    src, tag = _check_peer(src, group, "src"), _check_tag(tag)
+    host = to_host(out)
+    direct = isinstance(host, np.ndarray) and host is out and out.flags.c_contiguous
+    buf = out if direct else np.empty(out.shape, out.dtype)
+    with stats.scope("recv"):
+        _recv(group.comm, buf, src, tag)
+    if not direct:
+        out[...] = from_host(buf)
+    return out
+
+
+def recv(shape, dtype, src: int, group, tag: int = 0):
+    """Blocking receive of a new array of ``shape``/``dtype`` from group rank ``src``."""
+    return recv_into(xp.empty(shape, dtype), src, group, tag)
+
+
+def sendrecv(x, dst: int, src: int, group, out=None, tag: int = 0):
+    """Send ``x`` to ``dst`` and receive an array like ``x`` (or into ``out``) from ``src``."""
+    dst, src = _check_peer(dst, group, "dst"), _check_peer(src, group, "src")
+    tag = _check_tag(tag)
+    sendbuf = _host_contiguous(x)
+    target = out if out is not None else xp.empty(x.shape, x.dtype)
+    host = to_host(target)
+    direct = host is target and target.flags.c_contiguous
+    buf = target if direct else np.empty(target.shape, target.dtype)
+    with stats.scope("sendrecv"):
+        _sendrecv(group.comm, sendbuf, dst, buf, src, tag)
+    if not direct:
+        target[...] = from_host(buf)
+    return target
+
+
+class Request:
+    """Handle of a nonblocking send or receive: ``wait()`` completes it (a receive returns
+    its array), ``is_completed()`` polls without blocking."""
+
+    def __init__(self, comm, req, keep, out=None, staged=None, src=None, tag=None):
+        self._comm, self._req, self._keep = comm, req, keep
+        self._out, self._staged, self._src, self._tag = out, staged, src, tag
+        self._done = False
+
+    def is_completed(self) -> bool:
+        if not self._done and self._req.Test():
+            self.wait()
+        return self._done
+
+    def wait(self):
+        if not self._done:
+            with stats.scope("wait"):
+                if self._out is None:
+                    self._req.Wait()
+                else:
+                    buf = self._staged if self._staged is not None else self._out
+                    _wait_recv(self._comm, self._req, self._src, self._tag, buf.nbytes)
+            if self._staged is not None:
+                self._out[...] = from_host(self._staged)
+            self._done, self._keep = True, None
+        return self._out
+
+
+def isend(x, dst: int, group, tag: int = 0) -> Request:
+    """Start sending ``x`` to ``dst``; don't modify ``x`` before ``wait()``."""
+    dst, tag = _check_peer(dst, group, "dst"), _check_tag(tag)
+    buf = _host_contiguous(x)
+    with stats.scope("isend"):
+        req = _isend(group.comm, buf, dst, tag)
+    return Request(group.comm, req, keep=buf)
+
+
+def irecv(out, src: int, group, tag: int = 0) -> Request:
+    """Start receiving into ``out`` from ``src``; ``wait()`` returns ``out``."""
+    src, tag = _check_peer(src, group, "src"), _check_tag(tag)
+    direct = to_host(out) is out and out.flags.c_contiguous
+    staged = None if direct else np.empty(out.shape, out.dtype)
+    with stats.scope("irecv"):
+        req = _irecv(group.comm, out if direct else staged, src, tag)
+    return Request(group.comm, req, keep=None, out=out, staged=staged, src=src, tag=tag)

@@ -1,0 +1,134 @@
+"""Latency-optimal collectives: O(log N) rounds, for small messages.
+
+With tiny messages the cost is the number of rounds times the per-message latency (alpha in
+the alpha-beta model), so these algorithms halve or double the set of ranks that hold data
+each round (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication
+Operations in MPICH").  They move more bytes per rank than the rings of
+:mod:`minidist.comm.ring`, which is why large messages use the rings instead.
+
+All functions work in place on flat, contiguous host arrays and use the group's synchronous
+communicator (or, on the progress thread, its duplicate).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _recv, _send, _sendrecv
+
+
+def recursive_doubling_all_reduce(g, acc: np.ndarray, ufunc) -> None:
+    """All-reduce ``acc`` in place by recursive doubling (Thakur et al. 2005, sec. 4.1).
+
+    Rounds: log2(N) for a power of two N; otherwise 2 more, because the first 2*rem ranks
+    (rem = N - largest power of two) pair up: even ranks hand their data to the odd
+    neighbour, sit out the doubling, and get the result back at the end.  Each round every
+    active rank swaps its whole vector with the partner whose rank differs in one bit and
+    reduces, so bytes sent per rank = log2(N) * X (more than a ring's 2(N-1)/N * X, but in
+    far fewer messages).  Both partners compute a+b == b+a, so all ranks end bitwise equal.
+    """
+    n, r, comm = g.size, g.rank, g.comm
+    tmp = g.scratch("rd_tmp", acc.size, acc.dtype)
+    pof2 = 1 << (n.bit_length() - 1)
+    rem = n - pof2
+    if r < 2 * rem:
+        if r % 2 == 0:
+            _send(comm, acc, r + 1, TAG)
+            newrank = -1
+        else:
+            _recv(comm, tmp, r - 1, TAG)
+            ufunc(acc, tmp, out=acc)
+            newrank = r // 2
+    else:
+        newrank = r - rem
+    if newrank >= 0:
+        mask = 1
+        while mask < pof2:
+            peer_new = newrank ^ mask
+            peer = peer_new * 2 + 1 if peer_new < rem else peer_new + rem
+            _sendrecv(comm, acc, peer, tmp, peer, TAG)
+            ufunc(acc, tmp, out=acc)
+            mask <<= 1
+    if r < 2 * rem:
+        if r % 2:
+            _send(comm, acc, r - 1, TAG)
+        else:
+            _recv(comm, acc, r + 1, TAG)
+
+
+def binomial_broadcast(g, buf: np.ndarray, root: int) -> None:
+    """Broadcast ``buf`` from ``root`` along a binomial tree (MPICH's short-message bcast).
+
+    ceil(log2 N) rounds; in round k every rank that already has the data sends it to the
+    rank 2^k further on, so the number of holders doubles.  Each rank receives X once and
+    sends at most log2(N) * X (the root sends the most).
+    """
+    n, comm = g.size, g.comm
+    vr = (g.rank - root) % n  # rank relative to the root, which becomes 0
+    mask = 1
+    while mask < n:
+        if vr & mask:
+            _recv(comm, buf, (vr - mask + root) % n, TAG)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:
+        if vr + mask < n:
+            _send(comm, buf, (vr + mask + root) % n, TAG)
+        mask >>= 1
+
+
+def binomial_reduce(g, acc: np.ndarray, root: int, ufunc) -> None:
+    """Reduce ``acc`` in place onto ``root`` along a binomial tree (a broadcast run backwards).
+
+    ceil(log2 N) rounds; in round k ranks whose relative rank has bit k set send their
+    partial result to the rank 2^k below and drop out.  Only the root's ``acc`` holds the
+    full result.  Each rank sends X at most once; the root receives log2(N) * X.
+    """
+    n, comm = g.size, g.comm
+    vr = (g.rank - root) % n
+    tmp = g.scratch("tree_tmp", acc.size, acc.dtype)
+    mask = 1
+    while mask < n:
+        if vr & mask:
+            _send(comm, acc, (vr - mask + root) % n, TAG)
+            return
+        if vr + mask < n:
+            _recv(comm, tmp, (vr + mask + root) % n, TAG)
+            ufunc(acc, tmp, out=acc)
+        mask <<= 1
+
+
+def dissemination_barrier(g) -> None:
+    """Barrier by dissemination (Hensgen, Finkel & Manber 1988).
+
+    ceil(log2 N) rounds of empty messages: in round k rank r signals r + 2^k and waits for
+    r - 2^k.  After the last round every rank has (transitively) heard from every other, so
+    none can leave before all have arrived.
+    """
+    n, r = g.size, g.rank
+    empty = np.empty(0, np.uint8)
+    dist = 1
+    while dist < n:
+        _sendrecv(g.comm, empty, (r + dist) % n, empty, (r - dist) % n, TAG)
+        dist <<= 1
+
+
+def bruck_all_gather(g, record: np.ndarray, tag: int = TAG) -> np.ndarray:
+    """All-gather one fixed-size byte record per rank; returns shape (N, len(record)).
+
+    Bruck et al. 1997 (also Thakur et al. 2005, sec. 4.2): ceil(log2 N) rounds for any N.
+    Rank r keeps records in the order r, r+1, ...; in the round with distance d it sends the
+    first d records it has to r - d and appends the d it receives from r + d.  A final
+    rotation puts them in rank order.  Used for the sizes of uneven all-gathers and for the
+    call signatures of the debug check, where latency matters and records are tiny.
+    """
+    n, r = g.size, g.rank
+    buf = np.empty((n, record.size), np.uint8)
+    buf[0] = record
+    have = 1
+    while have < n:
+        cnt = min(have, n - have)
+        _sendrecv(g.comm, buf[:cnt], (r - have) % n, buf[have:have + cnt], (r + have) % n, tag)
+        have += cnt
+    return np.roll(buf, r, axis=0)
