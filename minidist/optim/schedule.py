@@ -8,6 +8,7 @@ restarts) anneals smoothly to ``min_lr``.
 from __future__ import annotations
 
 import math
+import numbers
 
 
 def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, min_lr: float = 0.0) -> float:
@@ -24,7 +25,7 @@ def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, min_lr
     midpoint of the cosine is the mean of ``base_lr`` and ``min_lr``, and from
     ``total_steps`` on the rate stays at ``min_lr``.
     """
-    if not (isinstance(step, int) and step >= 0):
+    if not (isinstance(step, numbers.Integral) and step >= 0):
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
