@@ -256,8 +256,9 @@ def test_lr_schedule_values():
     assert lr_at(np.int64(3), base, 0, 10) == lr_at(3, base, 0, 10)
     with pytest.raises(ValueError, match="step"):
         lr_at(-1, base, warm, total)
-    with pytest.raises(ValueError, match="total_steps"):
-        lr_at(0, base, 10, 5)
+    assert lr_at(4, base, 10, 5) == pytest.approx(base * 5 / 11)  # run shorter than its warmup
+    with pytest.raises(ValueError, match="warmup_steps"):
+        lr_at(0, base, -1, 5)
 
 
 def _scaled_grads(scale, bad=None):
