@@ -1,0 +1,33 @@
+"""Differentiable collectives: forward vs NumPy, backward vs finite differences (float64)."""
+import os
+
+import numpy as np
+import pytest
+
+from minidist.comm import functional as F
+from minidist.testing import run_mpi
+
+BODIES = os.path.join(os.path.dirname(__file__), "mpi", "functional_bodies.py")
+N_CASES = 16  # cases in functional_bodies._cases
+
+
+def test_part_bounds_match_array_split():
+    for length in range(0, 11):
+        for size in range(1, 6):
+            parts = np.array_split(np.arange(length), size)
+            for r, p in enumerate(parts):
+                start, stop = F._part_bounds(length, size, r)
+                assert list(range(start, stop)) == list(p), (length, size, r)
+
+
+def test_megatron_names_are_the_same_ops():
+    assert F.copy_to_tp is F.copy_to_group and F.reduce_from_tp is F.reduce_from_group
+    assert F.gather_from_sp is F.all_gather and F.reduce_scatter_to_sp is F.reduce_scatter
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_gradcheck_every_op(nprocs):
+    out = run_mpi(nprocs, f"{BODIES}::gradcheck_all", timeout=120).stdout
+    assert out.count("gradcheck ok:") == N_CASES + (1 if nprocs >= 4 else 0), out
+    assert out.count("functional done") == nprocs, out
