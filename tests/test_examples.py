@@ -1,0 +1,56 @@
+"""The teaching examples run under mpiexec -n 4 and print the right numbers."""
+import os
+
+import pytest
+
+from minidist.testing import run_mpi
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def _rows(out, title_start):
+    """The table printed under the title that starts with ``title_start``: {rank: row text}."""
+    lines = out.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith(title_start))
+    rows = {}
+    for line in lines[i + 2:]:
+        if "|" not in line:
+            break
+        rank, before, after = (part.strip() for part in line.split("|"))
+        rows[int(rank)] = (before, after)
+    return rows
+
+
+@pytest.mark.mpi
+def test_01_collectives_tables():
+    out = run_mpi(4, os.path.join(EXAMPLES, "01_collectives.py"), timeout=90).stdout
+    expect_after = {
+        "all_reduce(x, op='sum')": ["[60 64 68 72]"] * 4,
+        "all_reduce(w, op='max')": ["[40 47 44 31]"] * 4,
+        "reduce_scatter(x)": ["[60]", "[64]", "[68]", "[72]"],
+        "all_gather(x[:2])": ["[0 1 10 11 20 21 30 31]"] * 4,
+        "broadcast(x, root=0)": ["[0 1 2 3]"] * 4,
+        "reduce(x, root=0)": ["[60 64 68 72]", "None", "None", "None"],
+        "scatter(x, root=0)": ["[0 1]", "[2 3]", "[4 5]", "[6 7]"],
+        "gather(x[:1], root=0)": ["[0 10 20 30]", "None", "None", "None"],
+        "all_to_all(y)": ["[0 10 20 30]", "[1 11 21 31]", "[2 12 22 32]", "[3 13 23 33]"],
+        "ppermute(x, perm=[(i, i+1 mod n)])": ["[30 31 32 33]", "[0 1 2 3]", "[10 11 12 13]", "[20 21 22 23]"],
+        "ppermute(x, perm=[(0, 3)])": ["[0 0 0 0]", "[0 0 0 0]", "[0 0 0 0]", "[0 1 2 3]"],
+    }
+    for title, afters in expect_after.items():
+        rows = _rows(out, title)
+        assert [rows[r][1] for r in range(4)] == afters, (title, rows, out)
+    assert _rows(out, "all_reduce(x, op='sum')")[2][0] == "[20 21 22 23]"
+    assert "barrier(): all 4 ranks arrived" in out
+
+
+@pytest.mark.mpi
+def test_02_ring_traffic_matches_formulas():
+    out = run_mpi(4, os.path.join(EXAMPLES, "02_ring_traffic.py"), timeout=120).stdout
+    rows = [line for line in out.splitlines() if line.startswith(("all_reduce", "all_gather", "reduce_scatter"))]
+    assert len(rows) >= 9, out
+    for name in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert sum(row.startswith(name) for row in rows) >= 3, out
+    # Every row of the ring algorithms ends with "exact"; measured == formula
+    for row in rows:
+        assert row.rstrip().endswith("exact"), row
