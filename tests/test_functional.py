@@ -31,3 +31,10 @@ def test_gradcheck_every_op(nprocs):
     out = run_mpi(nprocs, f"{BODIES}::gradcheck_all", timeout=120).stdout
     assert out.count("gradcheck ok:") == N_CASES + (1 if nprocs >= 4 else 0), out
     assert out.count("functional done") == nprocs, out
+
+
+@pytest.mark.mpi
+def test_megatron_mlp_matches_serial_on_a_mesh():
+    out = run_mpi(4, f"{BODIES}::megatron_mlp_on_mesh", timeout=90).stdout
+    assert out.count("megatron mlp ok: tensor parallel") == 4, out
+    assert out.count("megatron mlp ok: sequence parallel") == 4, out

@@ -151,3 +151,47 @@ def gradcheck_all():
         if g.rank == 0:
             print(f"gradcheck ok: all cases on sub-groups of {half.size}", flush=True)
     print(f"functional done on rank {g.rank}", flush=True)
+
+
+def _mlp_serial(x, a, b, c):
+    """y = tanh(x @ a) @ b and the gradients of <c, y>, on one process (the reference)."""
+    from minidist import ops
+
+    xt, at, bt = (Tensor(v, requires_grad=True) for v in (x, a, b))
+    y = ops.matmul(ops.tanh(ops.matmul(xt, at)), bt)
+    y.backward(c)
+    return y.data, xt.grad, at.grad, bt.grad
+
+
+def megatron_mlp_on_mesh():
+    """Megatron's MLP on the tp axis of a dp x tp mesh equals the serial MLP, with and without
+    sequence parallelism: A is split by columns, B by rows (Shoeybi et al. 2019)."""
+    from minidist import ops
+    from minidist.comm.mesh import Mesh
+
+    world = comm.world()
+    mesh = Mesh(dp=2, tp=world.size // 2)
+    tp, t, n = mesh.group("tp"), mesh.coord("tp"), mesh.size("tp")
+    rng = np.random.default_rng(10 + mesh.coord("dp"))  # each dp replica: its own data
+    seq, d, h = 2 * n, 3, 2 * n
+    x, a, b, c = (rng.standard_normal(s) for s in [(seq, d), (d, h), (h, d), (seq, d)])
+    y_ref, gx_ref, ga_ref, gb_ref = _mlp_serial(x, a, b, c)
+    cols = slice(t * h // n, (t + 1) * h // n)
+    rows = slice(t * seq // n, (t + 1) * seq // n)
+    for mode in ("tensor parallel", "sequence parallel"):
+        a_t, b_t = Tensor(a[:, cols].copy(), requires_grad=True), Tensor(b[cols].copy(), requires_grad=True)
+        if mode == "tensor parallel":  # x replicated over tp; f ... g
+            x_t = Tensor(x, requires_grad=True)
+            y = F.reduce_from_tp(ops.matmul(ops.tanh(ops.matmul(F.copy_to_tp(x_t, tp), a_t)), b_t), tp)
+            y.backward(c)
+            want_y, want_gx = y_ref, gx_ref
+        else:  # x sharded along the sequence; all-gather ... reduce-scatter (Korthikanti et al. 2022)
+            x_t = Tensor(x[rows].copy(), requires_grad=True)
+            y = F.reduce_scatter_to_sp(ops.matmul(ops.tanh(ops.matmul(F.gather_from_sp(x_t, tp), a_t)), b_t), tp)
+            y.backward(c[rows])
+            want_y, want_gx = y_ref[rows], gx_ref[rows]
+        np.testing.assert_allclose(y.data, want_y, rtol=1e-12, atol=1e-12, err_msg=mode)
+        np.testing.assert_allclose(x_t.grad, want_gx, rtol=1e-12, atol=1e-12, err_msg=mode)
+        np.testing.assert_allclose(a_t.grad, ga_ref[:, cols], rtol=1e-12, atol=1e-12, err_msg=mode)
+        np.testing.assert_allclose(b_t.grad, gb_ref[cols], rtol=1e-12, atol=1e-12, err_msg=mode)
+        print(f"megatron mlp ok: {mode} on rank {world.rank}", flush=True)
