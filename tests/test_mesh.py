@@ -118,6 +118,7 @@ def test_mesh_groups_on_8_ranks():
     shapes = ";".join(",".join(map(str, s)) for s in SHAPES if s[0] * s[1] * s[2] * s[3] == 8)
     out = run_mpi(8, f"{BODIES}::check_mesh_shapes", shapes, timeout=150).stdout
     assert out.count("mesh ok") == 8 * len(shapes.split(";")), out
+    assert "pp groups: [0 2] [1 3] [4 6] [5 7]" in out  # rank 0 printed the (2,2,2,1) grid
 
 
 @pytest.mark.mpi
@@ -126,3 +127,8 @@ def test_mesh_bad_size_raises_on_every_rank():
     assert out.count("bad mesh rejected") == 4, out
     assert "needs 8 ranks (the product), but the world group has 4" in out
 
+
+
+def test_describe_with_world_rank_names():
+    text = _layout(2, 1, 2, 1).describe(names=[4, 5, 6, 7])
+    assert "tp groups: [4 5] [6 7]" in text and "dp groups: [4 6] [5 7]" in text

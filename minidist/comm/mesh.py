@@ -122,16 +122,21 @@ class MeshLayout:
         groups = {self.members(axes, r) for r in range(self.world_size)}
         return sorted(groups)
 
-    def describe(self) -> str:
-        """A table of every rank's coordinates and the groups of each axis."""
+    def describe(self, names=None) -> str:
+        """A table of every rank's coordinates and the groups of each axis.
+
+        ``names[r]`` is printed for rank r (e.g. its COMM_WORLD rank when the mesh spans a
+        sub-group); by default the rank itself.
+        """
+        names = list(range(self.world_size)) if names is None else list(names)
         lines = [f"Mesh {' x '.join(f'{a}={self.shape[a]}' for a in AXES)} = {self.world_size} ranks"
                  "  (tp innermost: consecutive ranks; dp outermost)",
                  "rank  " + " ".join(f"{a:>3}" for a in AXES)]
         for r in range(self.world_size):
             c = self.coords(r)
-            lines.append(f"{r:>4}  " + " ".join(f"{c[a]:>3}" for a in AXES))
+            lines.append(f"{names[r]:>4}  " + " ".join(f"{c[a]:>3}" for a in AXES))
         for a in reversed(AXES):
-            groups = " ".join("[" + " ".join(map(str, g)) + "]" for g in self.partition(a))
+            groups = " ".join("[" + " ".join(str(names[r]) for r in g) + "]" for g in self.partition(a))
             note = "  (size 1: every rank alone)" if self.shape[a] == 1 else ""
             lines.append(f"{a} groups: {groups}{note}")
         return "\n".join(lines)
@@ -185,7 +190,7 @@ class Mesh:
                     color = self.layout.color(axes, self.rank)
                     position = self.layout.members(axes, self.rank).index(self.rank)
                     sub = self.world.comm.Split(color, position)
-                    by_ranks[key] = Group(sub, name="+".join(key or axes))
+                    by_ranks[key] = Group(sub, name="+".join(key) if key else "self")
             groups[axes] = by_ranks[key]
         return groups
 
@@ -223,7 +228,8 @@ class Mesh:
         return self.layout.rank_of(**{**self.coords, **coords})
 
     def describe(self) -> str:
-        return self.layout.describe()
+        """The grid: each rank's coordinates and who forms each group (COMM_WORLD ranks)."""
+        return self.layout.describe(names=self.world.world_ranks)
 
     __str__ = describe
 

@@ -55,6 +55,9 @@ def check_mesh_shapes(shapes):
     half = comm.Group(MPI.COMM_WORLD.Split(world.rank // 4, world.rank), name="half")
     mesh = Mesh(dp=2, tp=2, world=half)
     _check_groups(mesh, tuple(half.world_ranks))
+    first = 4 * (world.rank // 4)
+    assert f"tp groups: [{first} {first + 1}] [{first + 2} {first + 3}]" in mesh.describe(), mesh.describe()
+    assert mesh.group("cp").name == "self" and mesh.group("cp").size == 1
     assert tuple(mesh.group("tp").world_ranks) == tuple(half.world_ranks[2 * (half.rank // 2) + i] for i in range(2))
 
 
