@@ -213,6 +213,8 @@ class Mesh:
 
     def coord(self, axis: str) -> int:
         """This rank's coordinate on one axis (equals its rank inside ``group(axis)``)."""
+        if not isinstance(axis, str):
+            raise ValueError(f"coord() takes one axis name, got {axis!r}")
         (axis,) = canonical_axes(axis)
         return self.coords[axis]
 
