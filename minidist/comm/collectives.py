@@ -49,6 +49,8 @@ SMALL_BROADCAST_BYTES = 256 * 1024
 # ------------------------------------------------------------------------ plumbing
 def _host(x, where: str) -> np.ndarray:
     h = to_host(x)
+    if isinstance(h, np.generic):  # a NumPy scalar, e.g. a loss value
+        h = np.asarray(h)
     if not isinstance(h, np.ndarray):
         raise TypeError(f"{where}: expected an array, got {type(x).__name__}")
     if h.dtype.hasobject:

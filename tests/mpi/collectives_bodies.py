@@ -1,0 +1,243 @@
+"""Rank bodies for tests/test_collectives.py: minidist's collectives against oracles.
+
+Every rank builds every rank's input from a seed (so NumPy can compute the exact expected
+result locally) and also runs MPI's built-in counterpart (allowed in tests) as a second
+oracle.  Inputs are small integers, so sums are exact in every dtype, including float16 and
+bfloat16, and results can be compared bit for bit.
+"""
+import numpy as np
+from mpi4py import MPI
+
+from minidist import comm
+from minidist.backend import bfloat16
+from minidist.comm import collectives as C
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
+OPS = ["sum", "avg", "max", "min"]
+MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+MPI_NATIVE = {"float32", "float64", "int32", "int64"}
+
+
+def _dt(name):
+    return bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def make(shape, dtype, rank, salt):
+    rng = np.random.default_rng([rank, salt, 12345])
+    return rng.integers(-3, 4, size=shape).astype(_dt(dtype))
+
+
+def expected_reduce(inputs, op, dtype):
+    """NumPy oracle: exact float64/int64 reduction, then avg and rounding like minidist."""
+    stack = np.stack([a.astype(np.float64) if a.dtype.kind == "f" or a.dtype == bfloat16 else a.astype(np.int64)
+                      for a in inputs])
+    n = len(inputs)
+    if op in ("sum", "avg"):
+        res = stack.sum(axis=0)
+    else:
+        res = stack.max(axis=0) if op == "max" else stack.min(axis=0)
+    acc = np.float32 if dtype in ("float16", "bfloat16") else _dt(dtype)
+    res = res.astype(acc)
+    if op == "avg" and n > 1:
+        res = res // n if np.issubdtype(res.dtype, np.integer) else res / res.dtype.type(n)
+    return res.astype(_dt(dtype))
+
+
+def same(a, b, what):
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
+    assert np.array_equal(a.astype(np.float64), b.astype(np.float64)), f"{what}: values differ\n{a}\n{b}"
+
+
+def shapes(n):
+    return [(0,), (1,), (max(n - 1, 0),), (n + 1,), (3001,), (n + 2, 3)]
+
+
+def _counts(rows, n, unit):
+    return [len(p) * unit for p in np.array_split(np.arange(rows), n)]
+
+
+def check_reductions():
+    g, world = comm.world(), MPI.COMM_WORLD
+    n, r = g.size, g.rank
+    salt = 0
+    for shape in shapes(n):
+        for dtype in DTYPES:
+            for op in OPS:
+                salt += 1
+                inputs = [make(shape, dtype, k, salt) for k in range(n)]
+                x = inputs[r]
+                before = x.copy()
+                want = expected_reduce(inputs, op, dtype)
+                for algo in ("recursive_doubling", "ring"):
+                    got = comm.all_reduce(x, g, op=op, algorithm=algo)
+                    same(got, want, f"all_reduce {algo} {op} {dtype} {shape}")
+                h = comm.all_reduce(x, g, op=op, async_op=True)
+                same(h.wait(), want, f"async all_reduce {op} {dtype} {shape}")
+                rows = np.array_split(np.arange(shape[0]), n)[r]
+                got = comm.reduce_scatter(x, g, op=op)
+                same(got, want[rows[0]:rows[-1] + 1] if len(rows) else want[:0], f"reduce_scatter {op} {dtype} {shape}")
+                got = comm.reduce_scatter(x, g, op=op, async_op=True).wait()
+                same(got, want[rows[0]:rows[-1] + 1] if len(rows) else want[:0], f"async reduce_scatter {op} {dtype}")
+                root = salt % n
+                for algo in ("binomial", "chain"):
+                    got = comm.reduce(x, g, root=root, op=op, algorithm=algo)
+                    if r == root:
+                        same(got, want, f"reduce {algo} {op} {dtype} {shape} root {root}")
+                    else:
+                        assert got is None
+                same(x, before, "input modified")
+                if dtype in MPI_NATIVE:
+                    mpi_oracles(world, x, op, shape, root)
+
+
+def mpi_oracles(world, x, op, shape, root):
+    """The same reductions by MPI's built-ins (Allreduce, Reduce_scatter, Reduce)."""
+    g, n, r = comm.world(), world.size, world.rank
+    ref = np.empty_like(x)
+    world.Allreduce(x, ref, op=MPI_OPS[op])
+    if op == "avg":
+        ref = ref // n if ref.dtype.kind == "i" else ref / ref.dtype.type(n)
+    same(comm.all_reduce(x, g, op=op), ref.astype(x.dtype), f"all_reduce vs MPI Allreduce {op} {x.dtype}")
+    if op != "avg":
+        unit = int(np.prod(shape[1:]))
+        counts = _counts(shape[0], n, unit)
+        part = np.empty(counts[r], x.dtype)
+        world.Reduce_scatter(x, part, recvcounts=counts, op=MPI_OPS[op])
+        same(comm.reduce_scatter(x, g, op=op).reshape(-1), part, f"reduce_scatter vs MPI {op} {x.dtype}")
+        red = np.empty_like(x) if r == root else None
+        world.Reduce(x, red, op=MPI_OPS[op], root=root)
+        got = comm.reduce(x, g, root=root, op=op)
+        if r == root:
+            same(got, red, f"reduce vs MPI {op} {x.dtype}")
+
+
+def check_movement():
+    g, world = comm.world(), MPI.COMM_WORLD
+    n, r = g.size, g.rank
+    salt = 1000
+    for shape in shapes(n):
+        for dtype in DTYPES:
+            salt += 1
+            inputs = [make(shape, dtype, k, salt) for k in range(n)]
+            x, unit = inputs[r], int(np.prod(shape[1:]))
+            root = salt % n
+            # all_gather with uneven first dims: rank k contributes its first rows - k % 2.
+            mine = [a[:max(0, a.shape[0] - k % 2)] for k, a in enumerate(inputs)]
+            want = np.concatenate(mine)
+            same(comm.all_gather(mine[r], g), want, f"all_gather {dtype} {shape}")
+            same(comm.all_gather(mine[r], g, async_op=True).wait(), want, f"async all_gather {dtype}")
+            for algo in ("binomial", "chain"):
+                other = np.zeros_like(x)
+                same(comm.broadcast(x if r == root else other, g, root=root, algorithm=algo),
+                     inputs[root], f"broadcast {algo} {dtype} {shape}")
+            got = comm.broadcast(x, g, root=root, async_op=True).wait()
+            same(got, inputs[root], f"async broadcast {dtype}")
+            parts = np.array_split(inputs[root], n)
+            same(comm.scatter(x if r == root else None, g, root=root), parts[r], f"scatter {dtype} {shape}")
+            got = comm.gather(mine[r], g, root=root)
+            if r == root:
+                same(got, want, f"gather {dtype} {shape}")
+            else:
+                assert got is None
+            want_a2a = np.concatenate([np.array_split(a, n)[r] for a in inputs])
+            same(comm.all_to_all(x, g), want_a2a, f"all_to_all {dtype} {shape}")
+            same(comm.all_to_all(x, g, async_op=True).wait(), want_a2a, f"async all_to_all {dtype}")
+            for shift in (1, n - 1):
+                perm = [(i, (i + shift) % n) for i in range(n)]
+                same(comm.ppermute(x, g, perm), inputs[(r - shift) % n], f"ppermute shift {shift} {dtype}")
+            # A partial permutation: only rank 0 -> last rank; everyone else gets zeros.
+            got = comm.ppermute(x, g, [(0, n - 1)], async_op=True).wait()
+            same(got, inputs[0] if r == n - 1 else (inputs[0] if n == 1 else np.zeros_like(x)), "partial ppermute")
+            if dtype in MPI_NATIVE:
+                movement_vs_mpi(world, x, mine[r], unit, root)
+    comm.barrier(g)
+    comm.barrier(g, async_op=True).wait()
+
+
+def movement_vs_mpi(world, x, mine, unit, root):
+    """Allgatherv, Bcast, Scatterv, Gatherv, Alltoallv as oracles for the same inputs."""
+    g, n, r = comm.world(), world.size, world.rank
+    counts = world.allgather(mine.size)
+    ref = np.empty(sum(counts), x.dtype)
+    world.Allgatherv(mine.reshape(-1), [ref, counts])
+    same(comm.all_gather(mine, g).reshape(-1), ref, "all_gather vs Allgatherv")
+    b = x.copy()
+    world.Bcast(b, root=root)
+    same(comm.broadcast(x, g, root=root), b, "broadcast vs Bcast")
+    rows = x.shape[0]
+    sc = _counts(rows, n, unit)
+    part = np.empty(sc[r], x.dtype)
+    world.Scatterv([x.reshape(-1), sc] if r == root else None, part, root=root)
+    same(comm.scatter(x, g, root=root).reshape(-1), part, "scatter vs Scatterv")
+    ga = np.empty(sum(counts), x.dtype) if r == root else None
+    world.Gatherv(mine.reshape(-1), [ga, counts] if r == root else None, root=root)
+    got = comm.gather(mine, g, root=root)
+    if r == root:
+        same(got.reshape(-1), ga, "gather vs Gatherv")
+    recv_counts = [sc[r]] * n
+    a2a = np.empty(sum(recv_counts), x.dtype)
+    world.Alltoallv([x.reshape(-1), sc], [a2a, recv_counts])
+    same(comm.all_to_all(x, g).reshape(-1), a2a, "all_to_all vs Alltoallv")
+
+
+def check_traffic():
+    """Byte counters equal the textbook formulas (float32, lengths divisible by N)."""
+    g = comm.world()
+    n = g.size
+    X = 4 * 240 * n  # bytes of a float32 vector of 240*N elements
+    x = np.ones(240 * n, np.float32)
+    log2 = (n - 1).bit_length() if n > 1 else 0
+
+    def measure(fn):
+        comm.reset_stats()
+        fn()
+        return comm.stats()
+
+    s = measure(lambda: comm.all_reduce(x, g, algorithm="ring"))["all_reduce"]
+    assert s["bytes_sent"] == s["bytes_recv"] == 2 * (n - 1) * X // n, s
+    assert s["calls"] == 1
+    s = measure(lambda: comm.reduce_scatter(x, g))["reduce_scatter"]
+    assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X // n, s
+    s = measure(lambda: comm.all_gather(x, g))["all_gather"]
+    # (N-1) blocks of X each, plus the Bruck exchange of the 8-byte row counts (N-1 records).
+    assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X + 8 * (n - 1), s
+    if n & (n - 1) == 0:
+        s = measure(lambda: comm.all_reduce(x, g, algorithm="recursive_doubling"))["all_reduce"]
+        assert s["bytes_sent"] == log2 * X, s
+    s = measure(lambda: comm.all_to_all(x, g))["all_to_all"]
+    assert s["bytes_sent"] == (n - 1) * X // n, s
+    s = measure(lambda: comm.broadcast(x, g, root=0, algorithm="chain"))["broadcast"]
+    assert s["bytes_recv"] == (X if g.rank != 0 else 0) and s["bytes_sent"] == (X if g.rank != n - 1 else 0), s
+    s = measure(lambda: comm.all_reduce(x, g, async_op=True).wait())["all_reduce"]
+    assert s["calls"] == 1 and (n == 1 or s["bytes_sent"] > 0), s
+    print(f"rank {g.rank}: traffic formulas hold")
+
+
+def all_cases():
+    check_reductions()
+    check_movement()
+    check_traffic()
+    comm.barrier(comm.world())
+    print(f"rank {comm.world().rank}/{comm.world().size}: all collective cases passed")
+
+
+def large_paths():
+    """Messages above the thresholds (auto-selected ring/chain, several pipeline chunks)."""
+    g, world = comm.world(), MPI.COMM_WORLD
+    n, r = g.size, g.rank
+    assert C.SMALL_ALL_REDUCE_BYTES < 4 * 200_000 and C.SMALL_BROADCAST_BYTES < 4 * 200_000
+    for dtype in ("float32", "bfloat16", "int64"):
+        inputs = [make((200_001,), dtype, k, 7) for k in range(n)]
+        want = expected_reduce(inputs, "sum", dtype)
+        same(comm.all_reduce(inputs[r], g), want, f"large all_reduce {dtype}")
+        same(comm.all_reduce(inputs[r], g, async_op=True).wait(), want, f"large async all_reduce {dtype}")
+        got = comm.reduce(inputs[r], g, root=n - 1)
+        if r == n - 1:
+            same(got, want, f"large reduce {dtype}")
+        same(comm.broadcast(inputs[r], g, root=1 % n), inputs[1 % n], f"large broadcast {dtype}")
+    x = np.random.default_rng(r).standard_normal(300_000)
+    ref = np.empty_like(x)
+    world.Allreduce(x, ref)
+    assert np.allclose(comm.all_reduce(x, g), ref, rtol=1e-12, atol=1e-12)
+    print(f"rank {r}: large paths passed")

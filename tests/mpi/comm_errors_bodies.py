@@ -1,0 +1,77 @@
+"""Rank bodies for the bad-input tests in tests/test_collectives.py."""
+import numpy as np
+
+from minidist import comm
+
+
+def _expect(exc_type, fn, *needles):
+    try:
+        fn()
+    except exc_type as err:
+        msg = str(err)
+        for needle in needles:
+            assert needle in msg, f"{needle!r} not in error message: {msg}"
+        return msg
+    raise AssertionError(f"expected {exc_type.__name__} mentioning {needles}")
+
+
+def bad_input():
+    """Locally wrong arguments raise on every rank, naming the value, before any message."""
+    g = comm.world()
+    n, r = g.size, g.rank
+    x = np.ones(6, np.float32)
+    for fn in (comm.broadcast, comm.reduce, comm.gather):
+        _expect(ValueError, lambda: fn(x, g, root=n), f"root={n}")
+        _expect(ValueError, lambda: fn(x, g, root=-1), "root=-1")
+    _expect(ValueError, lambda: comm.scatter(x, g, root=n + 3), f"root={n + 3}")
+    _expect(ValueError, lambda: comm.ppermute(x, g, [(0, 1), (2, 1)]), "destination", "[1]")
+    _expect(ValueError, lambda: comm.ppermute(x, g, [(0, 1), (0, 2)]), "source", "[0]")
+    _expect(ValueError, lambda: comm.ppermute(x, g, [(0, n)]), f"(0, {n})")
+    _expect(ValueError, lambda: comm.all_reduce(x, g, op="prod"), "op='prod'")
+    _expect(TypeError, lambda: comm.all_reduce(x.astype(np.uint8), g), "uint8")
+    _expect(TypeError, lambda: comm.all_reduce([1.0, 2.0], g), "list")
+    _expect(ValueError, lambda: comm.reduce_scatter(np.zeros((), np.float32), g), "0-d")
+    _expect(ValueError, lambda: comm.all_reduce(x, g, algorithm="magic"), "algorithm='magic'")
+    _expect(ValueError, lambda: comm.send(x, n, g), f"dst={n}")
+    _expect(ValueError, lambda: comm.send(x, 0, g, tag=40000), "tag=40000")
+    _expect(ValueError, lambda: comm.set_link_model(latency_us=-5), "latency_us=-5")
+    _expect(ValueError, lambda: comm.set_link_model(gbps=0), "gbps=0")
+    _expect(TypeError, lambda: comm.all_reduce(x, "world"), "Group")
+    # Nobody sent anything, so the group is still usable.
+    assert np.array_equal(comm.all_reduce(x, g), x * n)
+    print(f"rank {r}: bad input rejected")
+
+
+def check_mode_mismatch():
+    """MINIDIST_CHECK_COLLECTIVES=1: every rank raises, showing what each rank called."""
+    g = comm.world()
+    n, r = g.size, g.rank
+    assert comm.check_enabled(), "the test launches this body with MINIDIST_CHECK_COLLECTIVES=1"
+    x = np.ones(4 + (r == 1), np.float32)  # rank 1 has a (5,) array, the others (4,)
+    msg = _expect(comm.CollectiveMismatchError, lambda: comm.all_reduce(x, g), "rank 0: all_reduce(shape=(4,)",
+                  "rank 1: all_reduce(shape=(5,)")
+    print(f"rank {r} caught: {msg.splitlines()[0]}")
+    # Async: the mismatch is found on the progress thread and re-raised by wait().
+    h = comm.all_reduce(x, g, async_op=True)
+    _expect(comm.CollectiveMismatchError, h.wait, "rank 1: all_reduce(shape=(5,)")
+    # Different collectives on different ranks.
+    y = np.ones(4, np.float32)
+    call = (lambda: comm.all_gather(y, g)) if r == 0 else (lambda: comm.all_reduce(y, g, op="max"))
+    msg = _expect(comm.CollectiveMismatchError, call, "rank 0: all_gather(", "rank 1: all_reduce(", "op=max")
+    # Same collective, different roots / dtypes.
+    _expect(comm.CollectiveMismatchError, lambda: comm.broadcast(y, g, root=r % 2), "root=0", "root=1")
+    _expect(comm.CollectiveMismatchError, lambda: comm.all_reduce(y.astype(np.float64 if r else np.float32), g),
+            "dtype=float32", "dtype=float64")
+    # all_gather may have different first dims: no error, and the check still costs nothing wrong.
+    got = comm.all_gather(np.full((r + 1, 2), r, np.int32), g)
+    assert got.shape == (n * (n + 1) // 2, 2)
+    assert np.array_equal(comm.all_reduce(y, g), y * n)
+    print(f"rank {r}: check mode caught every mismatch")
+
+
+def unchecked_size_mismatch():
+    """Without the check, a size mismatch still fails loudly instead of giving wrong numbers."""
+    g = comm.world()
+    x = np.ones(4 + (g.rank == 1), np.float32)
+    comm.all_reduce(x, g)
+    raise AssertionError("a size mismatch went unnoticed")
