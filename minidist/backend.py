@@ -85,3 +85,17 @@ def synchronize():
     """Wait for queued device work (a no-op with NumPy); timers call this before reading."""
     if xp is not _np:
         xp.cuda.get_current_stream().synchronize()
+
+
+def seeded_normal(seed: int, name: str, shape, std: float, dtype) -> "xp.ndarray":
+    """N(0, std²) values for the parameter ``name`` of *global* shape ``shape``.
+
+    Drawn on the host in float64 from a generator keyed by (seed, name) alone, so a weight's
+    values never depend on the backend, the dtype, the order parameters are created in, or how
+    the weight is later sharded: a sharded run slices exactly the numbers a serial run uses.
+    """
+    import zlib
+
+    rng = _np.random.default_rng([int(seed), zlib.crc32(name.encode())])
+    values = rng.standard_normal(tuple(shape)) * float(std)
+    return from_host(values.astype(dtype))

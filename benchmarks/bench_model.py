@@ -1,0 +1,102 @@
+"""One GPT training step, minidist vs PyTorch on the CPU, same weights, same thread count.
+
+Model: d_model 256, 4 layers, 4 heads, seq 128, batch 16, float32; a step is forward,
+backward and an AdamW update.  Each thread count runs in its own process (BLAS reads its
+thread count at start-up), and inside it the two frameworks alternate step by step so that
+both see the same machine load.  Reports tokens/s, MFU (against a GEMM peak measured in the
+same process) and the ratio minidist / PyTorch.
+
+    python benchmarks/bench_model.py [--threads 1 2] [--reps 10] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+SHAPE = dict(n_layer=4, n_head=4, d_model=256, seq_len=128, batch=16)
+
+
+def measure(threads: int, reps: int) -> dict:
+    import numpy as np
+    import torch
+
+    from minidist.nn import GPT, GPTConfig
+    from minidist.optim import AdamW
+    from minidist.profile import measure_peak_gflops, model_flops_per_token
+    from minidist.torch_reference import TorchGPT
+    from minidist.train import forward_backward
+
+    torch.set_num_threads(threads)
+    s = SHAPE
+    model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"], d_model=s["d_model"],
+                          dtype="float32"))
+    ref = TorchGPT(model.state_dict(), s["n_head"], torch.float32)
+    opt = AdamW(model.parameters(), lr=1e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, 256, size=(s["batch"], s["seq_len"] + 1))
+    x, y = seq[:, :-1], seq[:, 1:]
+    tx, ty = torch.tensor(x), torch.tensor(y)
+
+    def step_minidist():
+        forward_backward(model, x, y)
+        opt.step()
+        opt.zero_grad()
+
+    def step_torch():
+        ref_opt.zero_grad(set_to_none=True)
+        ref(tx, ty).backward()
+        ref_opt.step()
+
+    times = {"minidist": [], "torch": []}
+    for rep in range(reps + 2):  # two warm-up reps
+        for name, fn in (("minidist", step_minidist), ("torch", step_torch)):
+            t0 = time.perf_counter()
+            fn()
+            if rep >= 2:
+                times[name].append(time.perf_counter() - t0)
+    tokens = s["batch"] * s["seq_len"]
+    flops = model_flops_per_token(s["n_layer"], s["d_model"], s["seq_len"], 256) * tokens
+    peak = measure_peak_gflops(s["d_model"], tokens, "float32", seconds=1.0)
+    result = {"threads": threads, "peak_gflops": peak}
+    for name, ts in times.items():
+        med = float(np.median(ts))
+        result[name] = {"step_s": med, "tokens_per_s": tokens / med, "mfu": flops / med / (peak * 1e9)}
+    result["ratio"] = result["minidist"]["tokens_per_s"] / result["torch"]["tokens_per_s"]
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=None, help="directory for model_step.json")
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        print(json.dumps(measure(args.child, args.reps)))
+        return
+    results = []
+    for n in args.threads:
+        env = dict(os.environ, OMP_NUM_THREADS=str(n), OPENBLAS_NUM_THREADS=str(n), MKL_NUM_THREADS=str(n))
+        out = subprocess.run([sys.executable, __file__, "--child", str(n), "--reps", str(args.reps)],
+                             env=env, capture_output=True, text=True, check=True).stdout
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    print(f"GPT training step ({SHAPE}), float32, median of {args.reps} interleaved reps")
+    print(f"{'threads':>7} {'minidist tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'MFU md':>7} {'MFU pt':>7}")
+    for r in results:
+        print(f"{r['threads']:>7} {r['minidist']['tokens_per_s']:>15,.0f} {r['torch']['tokens_per_s']:>12,.0f} "
+              f"{r['ratio']:>6.2f} {100 * r['minidist']['mfu']:>6.1f}% {100 * r['torch']['mfu']:>6.1f}%")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "model_step.json"), "w") as f:
+            json.dump({"shape": SHAPE, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Modules and the GPT model.
+
+The model is GPT-2 shaped (Radford et al. 2019): token + learned position embeddings, a stack
+of pre-LayerNorm blocks (causal multi-head self-attention, then a 4x GELU MLP, each wrapped in
+a residual connection), a final LayerNorm and a language-model head tied to the token
+embedding.
+
+Two choices here serve the parallel strategies built on top:
+
+* **The model runs in pieces.**  ``embed``, each block, and ``head``/``loss`` are separate
+  calls, so a pipeline stage can run "these blocks on a received activation" and backward
+  from a received gradient.  ``GPT.forward`` just chains the pieces.
+* **Initialisation is keyed by name and global shape.**  Every parameter is drawn from
+  ``(seed, parameter name)`` in its unsharded shape (``backend.seeded_normal``); nothing
+  depends on creation order, so sharded and serial models start bit-identical.
+
+Linear weights are stored ``(in_features, out_features)`` so the forward pass is ``x @ W``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import ops
+from .autograd import Parameter, Tensor, checkpoint
+from .backend import dtype as _dtype
+from .backend import seeded_normal, xp
+
+
+# --------------------------------------------------------------------------------------------
+# Module: a registry of parameters and sub-modules, found by walking attributes in order.
+# --------------------------------------------------------------------------------------------
+class Module:
+    def named_children(self):
+        for key, value in vars(self).items():
+            if isinstance(value, Module):
+                yield key, value
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    if isinstance(item, Module):
+                        yield f"{key}.{i}", item
+
+    def named_parameters(self, prefix: str = ""):
+        """(dotted name, Parameter) pairs in a stable order; a shared Parameter appears once."""
+        seen = set()
+        for name, p in self._walk(prefix):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def _walk(self, prefix):
+        for key, value in vars(self).items():
+            if isinstance(value, Parameter):
+                yield prefix + key, value
+        for key, child in self.named_children():
+            yield from child._walk(f"{prefix}{key}.")
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        """Parameter arrays by stable dotted name (GPT-2 naming: ``h.0.attn.c_attn.weight``)."""
+        return {name: p.data for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict, strict: bool = True):
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(state))
+        unexpected = sorted(set(state) - set(params))
+        if strict and (missing or unexpected):
+            raise KeyError(f"state_dict mismatch: missing {missing}, unexpected {unexpected}")
+        for name, p in params.items():
+            if name not in state:
+                continue
+            value = xp.asarray(state[name])
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: shape {tuple(value.shape)} != parameter shape {tuple(p.shape)}")
+            p.data = value.astype(p.dtype, copy=True)
+
+    def num_parameters(self) -> int:
+        return sum(int(p.size) for p in self.parameters())
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def _param(shape, dtype, init: tuple) -> Parameter:
+    """A parameter whose values are filled later by ``init_parameters`` (see GPT.__init__)."""
+    p = Parameter(xp.zeros(shape, dtype=dtype))
+    p.init = init  # ("normal", std) | ("ones",) | ("zeros",)
+    return p
+
+
+def init_parameters(module: Module, seed: int):
+    """Name every parameter and draw its values from (seed, name) in its global shape."""
+    for name, p in module.named_parameters():
+        p.name = name
+        kind = p.init[0]
+        if kind == "normal":
+            p.data = seeded_normal(seed, name, p.global_shape, p.init[1], p.dtype)
+        elif kind == "ones":
+            p.data = xp.ones(p.global_shape, dtype=p.dtype)
+        elif kind == "zeros":
+            p.data = xp.zeros(p.global_shape, dtype=p.dtype)
+        else:
+            raise ValueError(f"unknown init {p.init!r} for {name}")
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------
+class Linear(Module):
+    def __init__(self, d_in, d_out, dtype, bias=True, std=0.02):
+        self.weight = _param((d_in, d_out), dtype, ("normal", std))
+        self.bias = _param((d_out,), dtype, ("zeros",)) if bias else None
+
+    def forward(self, x):
+        return ops.linear(x, self.weight, self.bias)
+
+
+class Embedding(Module):
+    def __init__(self, num, dim, dtype, std=0.02):
+        self.weight = _param((num, dim), dtype, ("normal", std))
+
+    def forward(self, ids):
+        return ops.embedding(self.weight, ids)
+
+
+class LayerNorm(Module):
+    def __init__(self, dim, dtype, eps=1e-5):
+        self.weight = _param((dim,), dtype, ("ones",))
+        self.bias = _param((dim,), dtype, ("zeros",))
+        self.eps = eps
+
+    def forward(self, x):
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class CausalSelfAttention(Module):
+    """Multi-head attention with a causal mask (Vaswani et al. 2017), fused QKV projection."""
+
+    def __init__(self, cfg: "GPTConfig", dtype):
+        self.n_head = cfg.n_head
+        self.c_attn = Linear(cfg.d_model, 3 * cfg.d_model, dtype, cfg.bias)
+        self.c_proj = Linear(cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        H = self.n_head
+        qkv = self.c_attn(x)                                       # (B, T, 3C)
+        qkv = ops.transpose(ops.reshape(qkv, (B, T, 3, H, C // H)), (2, 0, 3, 1, 4))
+        q, k, v = (ops.reshape(t, (B, H, T, C // H)) for t in ops.split(qkv, 3, axis=0))
+        y = ops.attention(q, k, v, causal=True)                    # (B, H, T, D)
+        y = ops.reshape(ops.transpose(y, (0, 2, 1, 3)), (B, T, C))
+        return self.c_proj(y)
+
+
+class MLP(Module):
+    def __init__(self, cfg: "GPTConfig", dtype):
+        self.c_fc = Linear(cfg.d_model, 4 * cfg.d_model, dtype, cfg.bias)
+        self.c_proj = Linear(4 * cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
+
+    def forward(self, x):
+        return self.c_proj(ops.gelu(self.c_fc(x)))
+
+
+class Block(Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: "GPTConfig", dtype):
+        self.ln_1 = LayerNorm(cfg.d_model, dtype)
+        self.attn = CausalSelfAttention(cfg, dtype)
+        self.ln_2 = LayerNorm(cfg.d_model, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+# --------------------------------------------------------------------------------------------
+# GPT
+# --------------------------------------------------------------------------------------------
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 128       # size of the position table: the longest sequence the model takes
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    bias: bool = True
+    tie_embeddings: bool = True
+    dtype: str = "float32"   # parameter (master weight) dtype
+    seed: int = 0
+
+    def __post_init__(self):
+        for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        _dtype(self.dtype)
+
+    @property
+    def residual_std(self) -> float:
+        # GPT-2: scale the init of projections into the residual stream by 1/sqrt(2 * n_layer)
+        # so the stream's variance does not grow with depth.
+        return 0.02 / math.sqrt(2 * self.n_layer)
+
+
+class GPT(Module):
+    def __init__(self, cfg: GPTConfig):
+        self.config = cfg
+        dt = _dtype(cfg.dtype)
+        self.wte = Embedding(cfg.vocab_size, cfg.d_model, dt)
+        self.wpe = Embedding(cfg.seq_len, cfg.d_model, dt)
+        self.h = [Block(cfg, dt) for _ in range(cfg.n_layer)]
+        self.ln_f = LayerNorm(cfg.d_model, dt)
+        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, dt, bias=False)
+        self.checkpoint_activations = False
+        init_parameters(self, cfg.seed)
+
+    # -- the pieces a pipeline stage runs ----------------------------------------------------
+    def embed(self, ids) -> Tensor:
+        """Token + position embeddings of an int array ``ids`` (B, T)."""
+        T = ids.shape[-1]
+        if T > self.config.seq_len:
+            raise ValueError(f"sequence length {T} exceeds the position table ({self.config.seq_len})")
+        x = self.wte(ids) + self.wpe(xp.arange(T))
+        low = ops.get_autocast_dtype()
+        return ops.cast(x, low) if low is not None else x  # mixed precision: low-precision activations
+
+    def run_blocks(self, x: Tensor, blocks=None) -> Tensor:
+        for block in self.h if blocks is None else blocks:
+            x = checkpoint(block, x) if self.checkpoint_activations else block(x)
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final LayerNorm and the LM head: logits (B, T, vocab)."""
+        x = self.ln_f(x)
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        return ops.linear(x, ops.transpose(self.wte.weight, (1, 0)))  # tied: x @ wte^T
+
+    @staticmethod
+    def loss(logits: Tensor, targets) -> Tensor:
+        return ops.cross_entropy(logits, targets)
+
+    def forward(self, ids, targets=None):
+        """Logits for ``ids``, or the mean cross-entropy if ``targets`` are given."""
+        logits = self.head(self.run_blocks(self.embed(ids)))
+        return logits if targets is None else self.loss(logits, targets)

@@ -1,0 +1,177 @@
+"""The GPT as a whole: gradients vs finite differences and PyTorch, and the per-device
+techniques (gradient accumulation, activation checkpointing, mixed precision)."""
+
+import numpy as np
+import pytest
+
+from minidist import ops
+from minidist.backend import dtype
+from minidist.nn import GPT, GPTConfig
+from minidist.optim import AdamW, DynamicLossScaler
+from minidist.train import forward_backward
+
+
+def tiny(seed=0, dt="float64", **kw):
+    cfg = dict(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16, dtype=dt, seed=seed)
+    cfg.update(kw)
+    return GPT(GPTConfig(**cfg))
+
+
+def batch(b=3, t=8, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, size=(b, t + 1))
+    return x[:, :-1], x[:, 1:]
+
+
+def grads_of(model, x, y, k=1):
+    model.zero_grad()
+    loss = forward_backward(model, x, y, grad_accum=k)
+    return loss, {n: p.grad.copy() for n, p in model.named_parameters()}
+
+
+def test_state_dict_names_and_init_are_deterministic():
+    a, b = tiny(seed=3), tiny(seed=3)
+    names = list(a.state_dict())
+    assert names[:2] == ["wte.weight", "wpe.weight"]
+    assert "h.1.attn.c_attn.weight" in names and "ln_f.bias" in names
+    for n in names:
+        np.testing.assert_array_equal(a.state_dict()[n], b.state_dict()[n])
+    c = tiny(seed=4)
+    assert not np.array_equal(a.state_dict()["wte.weight"], c.state_dict()["wte.weight"])
+    # float32 and float64 models draw the same numbers (up to rounding)
+    f32 = tiny(seed=3, dt="float32")
+    np.testing.assert_allclose(f32.state_dict()["h.0.mlp.c_fc.weight"], a.state_dict()["h.0.mlp.c_fc.weight"],
+                               rtol=1e-6)
+
+
+def test_load_state_dict_round_trip_and_errors():
+    a, b = tiny(seed=1), tiny(seed=2)
+    b.load_state_dict(a.state_dict())
+    x, y = batch()
+    assert a(x, y).item() == b(x, y).item()
+    with pytest.raises(KeyError, match="missing"):
+        b.load_state_dict({"wte.weight": a.state_dict()["wte.weight"]})
+
+
+def test_whole_model_gradient_matches_finite_differences():
+    model = tiny(seed=0)
+    x, y = batch(b=2)
+    _, grads = grads_of(model, x, y)
+    rng = np.random.default_rng(0)
+    eps = 1e-6
+    for name, p in model.named_parameters():
+        flat = p.data.reshape(-1)
+        for i in rng.choice(flat.size, size=min(3, flat.size), replace=False):
+            old = flat[i]
+            flat[i] = old + eps
+            up = model(x, y).item()
+            flat[i] = old - eps
+            down = model(x, y).item()
+            flat[i] = old
+            numeric = (up - down) / (2 * eps)
+            analytic = grads[name].reshape(-1)[i]
+            assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(numeric)) + 1e-8, (name, i, numeric, analytic)
+
+
+def test_sequence_longer_than_position_table_is_rejected():
+    model = tiny()
+    with pytest.raises(ValueError, match="exceeds the position table"):
+        model(np.zeros((1, 9), dtype=np.int64))
+
+
+def test_heads_must_divide_width():
+    with pytest.raises(ValueError, match="not divisible"):
+        GPTConfig(d_model=10, n_head=4)
+
+
+def test_grad_accumulation_equals_one_batch():
+    model = tiny(seed=5)
+    x, y = batch(b=6)
+    loss1, g1 = grads_of(model, x, y, k=1)
+    for k in (2, 3, 4):  # 4 does not divide 6: uneven micro-batches are weighted by their share
+        lossk, gk = grads_of(model, x, y, k=k)
+        assert abs(lossk - loss1) < 1e-12
+        for n in g1:
+            np.testing.assert_allclose(gk[n], g1[n], rtol=1e-10, atol=1e-14)
+
+
+def test_checkpointing_gives_identical_gradients():
+    model = tiny(seed=6)
+    x, y = batch()
+    _, plain = grads_of(model, x, y)
+    model.checkpoint_activations = True
+    _, ckpt = grads_of(model, x, y)
+    for n in plain:
+        np.testing.assert_array_equal(ckpt[n], plain[n])
+
+
+def test_checkpointing_lowers_peak_memory():
+    import tracemalloc
+
+    model = GPT(GPTConfig(seq_len=64, n_layer=4, n_head=4, d_model=64, dtype="float32"))
+    x, y = batch(b=8, t=64)
+
+    def peak(ckpt):
+        model.checkpoint_activations = ckpt
+        model.zero_grad()
+        tracemalloc.start()
+        forward_backward(model, x, y)
+        p = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return p
+
+    plain, ckpt = peak(False), peak(True)
+    assert ckpt < 0.7 * plain, (plain, ckpt)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(precision):
+    model = tiny(seed=0, dt="float32", seq_len=32, d_model=32)
+    low = dtype("bfloat16" if precision == "bf16" else "float16")
+    opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    scaler = DynamicLossScaler(init_scale=2.0**10) if precision == "fp16" else None
+    rng = np.random.default_rng(0)
+    # a learnable stream: repeated short pattern with noise
+    pattern = rng.integers(0, 256, size=7)
+    losses = []
+    for step in range(50):
+        start = rng.integers(0, 7, size=8)
+        seq = np.stack([np.resize(np.roll(pattern, -s), 33) for s in start])
+        x, y = seq[:, :-1], seq[:, 1:]
+        loss = forward_backward(model, x, y, low_dtype=low, loss_scale=scaler.scale if scaler else 1.0)
+        skip = scaler.unscale_(model.parameters()) if scaler else False
+        if scaler:
+            scaler.update(skip)
+        if not skip:
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss)
+        assert all(p.data.dtype == np.float32 for p in model.parameters())  # fp32 master weights
+    assert all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
+
+
+def test_activations_are_low_precision_under_autocast():
+    model = tiny(dt="float32")
+    x, _ = batch()
+    with ops.autocast(dtype("bfloat16")):
+        h = model.run_blocks(model.embed(x))
+        assert h.dtype == dtype("bfloat16")
+        assert model.head(h).dtype == dtype("bfloat16")
+
+
+def test_fp16_overflow_skips_step_and_lowers_scale():
+    model = tiny(dt="float32")
+    x, y = batch()
+    scaler = DynamicLossScaler(init_scale=2.0**40)  # far beyond fp16's range: gradients overflow
+    before = {n: p.data.copy() for n, p in model.named_parameters()}
+    opt = AdamW(model.parameters(), lr=1e-2)
+    forward_backward(model, x, y, low_dtype=dtype("float16"), loss_scale=scaler.scale)
+    found_inf = scaler.unscale_(model.parameters())
+    assert found_inf
+    scaler.update(found_inf)
+    assert scaler.scale == 2.0**39
+    if not found_inf:
+        opt.step()
+    for n, p in model.named_parameters():
+        np.testing.assert_array_equal(p.data, before[n])
