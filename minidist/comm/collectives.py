@@ -64,11 +64,14 @@ def _check_group(g, where: str) -> None:
 
 
 def _launch(name: str, body, g, x, sig, async_op: bool, *args):
-    """Run ``body(g, x, *args)`` here or on the group's progress thread."""
+    """Run ``body(g, x, *args)`` here or on the group's progress thread.
+
+    ``sig`` = (name, x, keyword arguments of check.signature); the signature is only built
+    (and agreed on) in debug mode, keeping the default path cheap for small messages.
+    """
     stats.note_op(name, g.name, None if x is None else x.shape, None if x is None else x.dtype,
-                  ("async" if async_op else ""))
-    if not check.check_enabled():
-        sig = None
+                  "async" if async_op else "")
+    sig = check.signature(sig[0], sig[1], **sig[2]) if check.check_enabled() else None
     if async_op:
         return g.submit(name, _run, name, body, x, sig, args)
     return _run(g, name, body, x, sig, args)
@@ -82,6 +85,20 @@ def _run(g, name, body, x, sig, args):
     return None if result is None else from_host(result)
 
 
+def _check_out(out, x, where: str, shape=None):
+    """``out=``: a preallocated result array (C-contiguous NumPy, x's dtype), so repeated
+    large collectives (gradient buckets, benchmarks) reuse memory instead of page-faulting
+    a fresh result each call, just like MPI's caller-provided receive buffers."""
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.dtype != x.dtype:
+        raise ValueError(f"{where}: out must be a C-contiguous host array of dtype {x.dtype}, got "
+                         f"{type(out).__name__} {getattr(out, 'dtype', '')}")
+    if shape is not None and out.shape != tuple(shape):
+        raise ValueError(f"{where}: out.shape={out.shape} but the result has shape {tuple(shape)}")
+    return out
+
+
 def _algorithm(algorithm, choices, where: str):
     if algorithm not in choices:
         raise ValueError(f"{where}: algorithm={algorithm!r}; choose one of {list(choices)}")
@@ -89,7 +106,7 @@ def _algorithm(algorithm, choices, where: str):
 
 
 # ---------------------------------------------------------------- reductions
-def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str = "auto"):
+def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str = "auto", out=None):
     """Every rank gets the elementwise reduction (sum/avg/max/min) of all ranks' ``x``.
 
     Small messages (<= SMALL_ALL_REDUCE_BYTES): recursive doubling, log2(N) rounds,
@@ -102,23 +119,34 @@ def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str 
     _algorithm(algorithm, ("auto", "recursive_doubling", "ring"), "all_reduce")
     x = _host(x, "all_reduce")
     reduction.check_dtype(x.dtype, "all_reduce")
-    sig = check.signature("all_reduce", x, op)
-    return _launch("all_reduce", _all_reduce, g, x, sig, async_op, op, algorithm)
+    out = _check_out(out, x, "all_reduce", x.shape)
+    sig = ("all_reduce", x, dict(op=op))
+    return _launch("all_reduce", _all_reduce, g, x, sig, async_op, op, algorithm, out)
 
 
-def _all_reduce(g, x, op, algorithm):
+def _all_reduce(g, x, op, algorithm, out=None):
     ufunc, acc_dtype = reduction.UFUNCS[op], reduction.accumulator_dtype(x.dtype)
     if algorithm == "auto":
         small = x.size * acc_dtype.itemsize <= SMALL_ALL_REDUCE_BYTES or x.size < g.size
         algorithm = "recursive_doubling" if small else "ring"
+    # Work directly in the caller's out= when no float32 accumulator is needed.
+    acc = out.reshape(-1) if out is not None and out.dtype == acc_dtype else None
     if g.size == 1 or algorithm == "recursive_doubling":
-        out = x.reshape(-1).astype(acc_dtype)  # a copy: the input is never modified
+        if acc is None:
+            acc = x.reshape(-1).astype(acc_dtype)  # a copy: the input is never modified
+        else:
+            acc[...] = x.reshape(-1)
         if g.size > 1:
-            tree.recursive_doubling_all_reduce(g, out, ufunc)
+            tree.recursive_doubling_all_reduce(g, acc, ufunc)
     else:
-        out = np.empty(x.size, acc_dtype)
-        ring_all_reduce(g, reduction.to_accumulator(x), out, ufunc)
-    return reduction.finish(out, op, g.size, x.dtype).reshape(x.shape)
+        acc = np.empty(x.size, acc_dtype) if acc is None else acc
+        ring_all_reduce(g, reduction.to_accumulator(x), acc, ufunc)
+    result = reduction.finish(acc, op, g.size, x.dtype).reshape(x.shape)
+    if out is None:
+        return result
+    if not np.may_share_memory(result, out):  # computed in a float32 accumulator
+        out[...] = result
+    return out
 
 
 def reduce_scatter(x, g, op: str = "sum", async_op: bool = False):
@@ -132,7 +160,7 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False):
     x = _host(x, "reduce_scatter")
     check.need_axis0(x, "reduce_scatter")
     reduction.check_dtype(x.dtype, "reduce_scatter")
-    sig = check.signature("reduce_scatter", x, op)
+    sig = ("reduce_scatter", x, dict(op=op))
     return _launch("reduce_scatter", _reduce_scatter, g, x, sig, async_op, op)
 
 
@@ -171,7 +199,7 @@ def reduce(x, g, root: int = 0, op: str = "sum", async_op: bool = False, *, algo
     _algorithm(algorithm, ("auto", "binomial", "chain"), "reduce")
     x = _host(x, "reduce")
     reduction.check_dtype(x.dtype, "reduce")
-    sig = check.signature("reduce", x, op, root)
+    sig = ("reduce", x, dict(op=op, root=root))
     return _launch("reduce", _reduce, g, x, sig, async_op, root, op, algorithm)
 
 
@@ -192,7 +220,7 @@ def _reduce(g, x, root, op, algorithm):
 
 
 # ------------------------------------------------------------ data movement
-def all_gather(x, g, async_op: bool = False):
+def all_gather(x, g, async_op: bool = False, *, out=None):
     """Concatenate every rank's ``x`` along axis 0, on every rank (first dims may differ).
 
     A Bruck all-gather of the first dims (ceil(log2 N) tiny messages), then a ring:
@@ -201,23 +229,30 @@ def all_gather(x, g, async_op: bool = False):
     _check_group(g, "all_gather")
     x = _host(x, "all_gather")
     check.need_axis0(x, "all_gather")
-    sig = check.signature("all_gather", x, rule="trailing")
-    return _launch("all_gather", _all_gather, g, x, sig, async_op)
+    out = _check_out(out, x, "all_gather")
+    sig = ("all_gather", x, dict(rule="trailing"))
+    return _launch("all_gather", _all_gather, g, x, sig, async_op, out)
 
 
-def _all_gather(g, x):
+def _all_gather(g, x, result=None):
     n = g.size
     if n == 1:
-        return x.copy()
+        return x.copy() if result is None else _fill(result, x)
     rows = tree.bruck_all_gather(g, np.array([x.shape[0]], np.int64).view(np.uint8)).view(np.int64).reshape(-1)
     unit = int(np.prod(x.shape[1:], dtype=np.int64))
     ends = np.cumsum(rows) * unit
     bounds = [(int(e - k * unit), int(e)) for e, k in zip(ends, rows)]
-    out = np.empty((int(rows.sum()),) + x.shape[1:], x.dtype)
+    shape = (int(rows.sum()),) + x.shape[1:]
+    out = np.empty(shape, x.dtype) if result is None else _check_out(result, x, "all_gather", shape)
     flat = out.reshape(-1)
     lo, hi = bounds[g.rank]
     flat[lo:hi] = x.reshape(-1)
     ring_all_gather(g, flat, bounds)
+    return out
+
+
+def _fill(out, value):
+    out[...] = value
     return out
 
 
@@ -231,7 +266,7 @@ def broadcast(x, g, root: int = 0, async_op: bool = False, *, algorithm: str = "
     root = check.check_root(root, g, "broadcast")
     _algorithm(algorithm, ("auto", "binomial", "chain"), "broadcast")
     x = _host(x, "broadcast")
-    sig = check.signature("broadcast", x, root=root)
+    sig = ("broadcast", x, dict(root=root))
     return _launch("broadcast", _broadcast, g, x, sig, async_op, root, algorithm)
 
 
@@ -274,7 +309,7 @@ def scatter(x, g, root: int = 0):
             raise ValueError(f"scatter: at most {check.MAX_DIMS} dimensions, got shape {x.shape}")
     else:
         x = None
-    sig = check.signature("scatter", x, root=root, rule="none")
+    sig = ("scatter", x, dict(root=root, rule="none"))
     return _launch("scatter", _scatter, g, x, sig, False, root)
 
 
@@ -299,7 +334,7 @@ def gather(x, g, root: int = 0):
     root = check.check_root(root, g, "gather")
     x = _host(x, "gather")
     check.need_axis0(x, "gather")
-    sig = check.signature("gather", x, root=root, rule="trailing")
+    sig = ("gather", x, dict(root=root, rule="trailing"))
     return _launch("gather", _gather, g, x, sig, False, root)
 
 
@@ -331,7 +366,7 @@ def all_to_all(x, g, async_op: bool = False):
     _check_group(g, "all_to_all")
     x = _host(x, "all_to_all")
     check.need_axis0(x, "all_to_all")
-    sig = check.signature("all_to_all", x)
+    sig = ("all_to_all", x, dict())
     return _launch("all_to_all", _all_to_all, g, x, sig, async_op)
 
 
@@ -354,7 +389,7 @@ def ppermute(x, g, perm, async_op: bool = False):
     _check_group(g, "ppermute")
     pairs = check.check_perm(perm, g)
     x = _host(x, "ppermute")
-    sig = check.signature("ppermute", x, extra=pairs)
+    sig = ("ppermute", x, dict(extra=pairs))
     return _launch("ppermute", _ppermute, g, x, sig, async_op, pairs)
 
 
@@ -377,7 +412,7 @@ def barrier(g, async_op: bool = False):
     """Return only after every rank of ``g`` has called barrier (dissemination algorithm,
     Hensgen, Finkel & Manber 1988: ceil(log2 N) rounds of empty messages)."""
     _check_group(g, "barrier")
-    sig = check.signature("barrier", rule="none")
+    sig = ("barrier", None, dict(rule="none"))
     return _launch("barrier", lambda grp, _x: tree.dissemination_barrier(grp), g, None, sig, async_op)
 
 

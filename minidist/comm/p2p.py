@@ -35,10 +35,8 @@ TAG_META = 30003
 
 
 # ----------------------------------------------------------------------------- buffers
-def as_bytes(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous host array viewed as a flat uint8 buffer (no copy)."""
-    return a.reshape(-1).view(np.uint8)
-
+# Messages are described as ``[array, MPI.BYTE]``: the array's raw bytes (it must be
+# C-contiguous and on the host), so every dtype travels the same way and nothing is pickled.
 
 def _host_contiguous(x) -> np.ndarray:
     h = to_host(x)
@@ -74,52 +72,49 @@ def _truncated(comm, src, tag, expected, err) -> CommError:
 
 # ------------------------------------------------- fast helpers on host arrays (internal)
 def _send(comm, a: np.ndarray, dst: int, tag: int) -> None:
-    buf = as_bytes(a)
+    nbytes = a.nbytes
     if links.enabled:
-        links.delay(buf.nbytes)
-    comm.Send(buf, dst, tag)
-    stats.count_bytes(buf.nbytes, 0)
+        links.delay(nbytes)
+    comm.Send([a, MPI.BYTE], dst, tag)  # [buffer, BYTE]: raw bytes, whatever the dtype
+    stats.count_bytes(nbytes, 0)
 
 
 def _recv(comm, out: np.ndarray, src: int, tag: int) -> np.ndarray:
-    buf = as_bytes(out)
     status = MPI.Status()
     try:
-        comm.Recv(buf, src, tag, status)
+        comm.Recv([out, MPI.BYTE], src, tag, status)
     except MPI.Exception as err:
-        raise _truncated(comm, src, tag, buf.nbytes, err) from None
-    _check_status(comm, status, src, tag, buf.nbytes)
-    stats.count_bytes(0, buf.nbytes)
+        raise _truncated(comm, src, tag, out.nbytes, err) from None
+    _check_status(comm, status, src, tag, out.nbytes)
+    stats.count_bytes(0, out.nbytes)
     return out
 
 
 def _sendrecv(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int) -> np.ndarray:
     """Send ``a`` to ``dst`` while receiving ``out`` from ``src`` (deadlock-free exchange)."""
-    sbuf, rbuf = as_bytes(a), as_bytes(out)
     if links.enabled:
-        links.delay(sbuf.nbytes)
+        links.delay(a.nbytes)
     status = MPI.Status()
     try:
-        comm.Sendrecv(sbuf, dst, tag, rbuf, src, tag, status)
+        comm.Sendrecv([a, MPI.BYTE], dst, tag, [out, MPI.BYTE], src, tag, status)
     except MPI.Exception as err:
-        raise _truncated(comm, src, tag, rbuf.nbytes, err) from None
-    _check_status(comm, status, src, tag, rbuf.nbytes)
-    stats.count_bytes(sbuf.nbytes, rbuf.nbytes)
+        raise _truncated(comm, src, tag, out.nbytes, err) from None
+    if status.Get_count(MPI.BYTE) != out.nbytes:
+        _check_status(comm, status, src, tag, out.nbytes)
+    stats.count_bytes(a.nbytes, out.nbytes)
     return out
 
 
 def _isend(comm, a: np.ndarray, dst: int, tag: int):
-    buf = as_bytes(a)
     if links.enabled:
-        links.delay(buf.nbytes)
-    stats.count_bytes(buf.nbytes, 0)
-    return comm.Isend(buf, dst, tag)
+        links.delay(a.nbytes)
+    stats.count_bytes(a.nbytes, 0)
+    return comm.Isend([a, MPI.BYTE], dst, tag)
 
 
 def _irecv(comm, out: np.ndarray, src: int, tag: int):
-    buf = as_bytes(out)
-    stats.count_bytes(0, buf.nbytes)
-    return comm.Irecv(buf, src, tag)
+    stats.count_bytes(0, out.nbytes)
+    return comm.Irecv([out, MPI.BYTE], src, tag)
 
 
 def _wait_recv(comm, req, src: int, tag: int, nbytes: int) -> None:

@@ -90,8 +90,7 @@ def reset_stats() -> None:
 
 def note_op(name: str, group_name: str, shape, dtype, detail: str = "") -> None:
     """Remember that this rank started ``name``; error messages show the last few."""
-    _recent.append((name, group_name, tuple(shape) if shape is not None else None,
-                    str(dtype) if dtype is not None else None, detail, time.time()))
+    _recent.append((name, group_name, shape, dtype, detail, time.time()))  # formatted when read
 
 
 def recent_ops(g=None) -> list[dict]:
@@ -99,8 +98,16 @@ def recent_ops(g=None) -> list[dict]:
     ops = list(_recent)
     if g is not None:
         ops = [op for op in ops if op[1] == g.name]
-    return [dict(name=n, group=gr, shape=s, dtype=d, detail=det, time=t)
+    return [dict(name=n, group=gr, shape=s, dtype=_dtype_str(d), detail=det, time=t)
             for n, gr, s, d, det, t in ops]
+
+
+def _dtype_str(dtype) -> str | None:
+    if dtype is None:
+        return None
+    from minidist.backend import dtype_name
+
+    return dtype_name(dtype)
 
 
 def format_recent(n: int = 8) -> str:
@@ -108,5 +115,5 @@ def format_recent(n: int = 8) -> str:
     ops = list(_recent)[-n:]
     if not ops:
         return "  (no collective started yet)"
-    return "\n".join(f"  {name}(group={gr!r}, shape={shape}, dtype={dt}{', ' + det if det else ''})"
+    return "\n".join(f"  {name}(group={gr!r}, shape={shape}, dtype={_dtype_str(dt)}{', ' + det if det else ''})"
                      for name, gr, shape, dt, det, _ in ops)

@@ -236,6 +236,17 @@ def large_paths():
         if r == n - 1:
             same(got, want, f"large reduce {dtype}")
         same(comm.broadcast(inputs[r], g, root=1 % n), inputs[1 % n], f"large broadcast {dtype}")
+    # out=: the result lands in (and is) the caller's buffer, on every path and dtype.
+    for dtype in ("float32", "bfloat16"):
+        x = make((200_001,), dtype, r, 8)
+        want = expected_reduce([make((200_001,), dtype, k, 8) for k in range(n)], "sum", dtype)
+        for algo in ("ring", "recursive_doubling"):
+            out = np.full_like(x, 99)
+            assert comm.all_reduce(x, g, algorithm=algo, out=out) is out
+            same(out, want, f"all_reduce out= {algo} {dtype}")
+        out = np.empty((n * 200_001,), x.dtype)
+        assert comm.all_gather(x, g, out=out) is out
+        same(out, np.concatenate([make((200_001,), dtype, k, 8) for k in range(n)]), "all_gather out=")
     x = np.random.default_rng(r).standard_normal(300_000)
     ref = np.empty_like(x)
     world.Allreduce(x, ref)

@@ -37,6 +37,8 @@ def bad_input():
     _expect(ValueError, lambda: comm.set_link_model(latency_us=-5), "latency_us=-5")
     _expect(ValueError, lambda: comm.set_link_model(gbps=0), "gbps=0")
     _expect(TypeError, lambda: comm.all_reduce(x, "world"), "Group")
+    _expect(ValueError, lambda: comm.all_reduce(x, g, out=np.empty(7, np.float32)), "out.shape=(7,)")
+    _expect(ValueError, lambda: comm.all_reduce(x, g, out=np.empty(6, np.float64)), "float32")
     # Nobody sent anything, so the group is still usable.
     assert np.array_equal(comm.all_reduce(x, g), x * n)
     print(f"rank {r}: bad input rejected")

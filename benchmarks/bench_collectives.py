@@ -1,0 +1,167 @@
+"""Bus bandwidth of minidist's hand-written collectives next to MPI's built-ins.
+
+    python benchmarks/bench_collectives.py [--out DIR] [--quick] [--ranks 2,4]
+
+Launches itself under mpiexec for each rank count, times all_reduce, all_gather and
+reduce_scatter at 4 KB .. 64 MB, interleaving minidist and MPI rep by rep (the bandwidth of a
+shared machine drifts over minutes, so back-to-back pairs compare like with like), takes
+medians, and writes DIR/collectives.json plus a short table.  Also measured: the machine's
+memcpy bandwidth (the ceiling for shared-memory transfers) and the all-reduce crossover
+between recursive doubling and the ring, which sets collectives.SMALL_ALL_REDUCE_BYTES.
+
+Bus bandwidth (the nccl-tests convention, comparable across N): for a message of S bytes
+taking t seconds, all_reduce busbw = S/t * 2(N-1)/N; all_gather and reduce_scatter busbw =
+S/t * (N-1)/N, S being the full (gathered / pre-scatter) size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
+CROSSOVER_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter"]
+
+
+def _reps(size: int, quick: bool) -> int:
+    reps = 300 if size <= 4 << 10 else 100 if size <= 64 << 10 else 30 if size <= 1 << 20 else 10 if size <= 16 << 20 else 7
+    return max(3, reps // 4) if quick else reps
+
+
+def _bus_factor(name: str, n: int) -> float:
+    return 2 * (n - 1) / n if name == "all_reduce" else (n - 1) / n
+
+
+# ----------------------------------------------------------------- inside mpiexec
+def worker(out_path: str, quick: bool) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    from minidist import comm
+
+    world, g = MPI.COMM_WORLD, comm.world()
+    n, r = world.size, world.rank
+
+    def timeit(fn):
+        world.Barrier()  # the benchmark may use MPI built-ins; the library may not
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        return world.allreduce(dt, op=MPI.MAX)  # the slowest rank defines the collective's time
+
+    def pair(name, size):
+        count = size // 4
+        x = np.random.default_rng(r).standard_normal(count).astype(np.float32)
+        part = x[: count // n]
+        full, piece = np.empty_like(x), np.empty(count // n, np.float32)
+        res = np.empty_like(x)  # like MPI's receive buffer: the result memory is reused
+        ours = {"all_reduce": lambda: comm.all_reduce(x, g, out=res),
+                "all_gather": lambda: comm.all_gather(part, g, out=res[: n * (count // n)]),
+                "reduce_scatter": lambda: comm.reduce_scatter(x, g)}[name]
+        mpi = {"all_reduce": lambda: world.Allreduce(x, full),
+               "all_gather": lambda: world.Allgather(part, full[: n * (count // n)]),
+               "reduce_scatter": lambda: world.Reduce_scatter_block(x, piece)}[name]
+        return ours, mpi
+
+    results = []
+    for size in QUICK_SIZES if quick else SIZES:
+        for name in COLLECTIVES:
+            ours, mpi = pair(name, size)
+            for _ in range(2):  # warm-up: page faults, scratch buffers, MPI connections
+                timeit(ours), timeit(mpi)
+            t_ours, t_mpi = [], []
+            for _ in range(_reps(size, quick)):
+                t_ours.append(timeit(ours))
+                t_mpi.append(timeit(mpi))
+            mo, mm = float(np.median(t_ours)), float(np.median(t_mpi))
+            f = _bus_factor(name, n)
+            results.append(dict(collective=name, ranks=n, bytes=size, minidist_s=mo, mpi_s=mm,
+                                minidist_busbw_GBps=size / mo * f / 1e9, mpi_busbw_GBps=size / mm * f / 1e9,
+                                ratio=mm / mo))
+    crossover = []
+    for size in CROSSOVER_SIZES[:3] if quick else CROSSOVER_SIZES:
+        x = np.ones(size // 4, np.float32)
+        times = {a: [] for a in ("recursive_doubling", "ring")}
+        for _ in range(_reps(size, quick)):
+            for a in times:
+                times[a].append(timeit(lambda: comm.all_reduce(x, g, algorithm=a)))
+        crossover.append(dict(ranks=n, bytes=size, **{f"{a}_s": float(np.median(t)) for a, t in times.items()}))
+    if r == 0:
+        src = np.ones(64 << 18, np.float32)  # 64 MB
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
+        best = min(_timed_copy(dst, src) for _ in range(5))
+        with open(out_path, "w") as f:
+            json.dump(dict(results=results, crossover=crossover, memcpy_GBps=src.nbytes / best / 1e9), f)
+
+
+def _timed_copy(dst, src):
+    import numpy as np
+
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------- the launcher
+def launch(nprocs: int, quick: bool) -> dict:
+    from minidist.testing import mpiexec_command
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "part.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        cmd = mpiexec_command(nprocs) + [sys.executable, os.path.abspath(__file__), "--worker", path]
+        subprocess.run(cmd + (["--quick"] if quick else []), check=True, env=env, timeout=1800)
+        with open(path) as f:
+            return json.load(f)
+
+
+def table(report: dict) -> str:
+    lines = [f"memcpy bandwidth (ceiling): {report['memcpy_GBps']:.1f} GB/s",
+             f"{'collective':<15}{'N':>3}{'size':>9}{'minidist':>12}{'MPI':>12}{'busbw ours':>12}"
+             f"{'busbw MPI':>11}{'ratio':>7}"]
+    for row in report["results"]:
+        lines.append(f"{row['collective']:<15}{row['ranks']:>3}{_size(row['bytes']):>9}"
+                     f"{row['minidist_s'] * 1e6:>10.1f}us{row['mpi_s'] * 1e6:>10.1f}us"
+                     f"{row['minidist_busbw_GBps']:>9.2f}GB/s{row['mpi_busbw_GBps']:>8.2f}GB/s{row['ratio']:>7.2f}")
+    lines.append("all_reduce crossover (median us): size, recursive doubling, ring")
+    for row in report["crossover"]:
+        lines.append(f"  N={row['ranks']} {_size(row['bytes']):>7} {row['recursive_doubling_s'] * 1e6:>10.1f}"
+                     f" {row['ring_s'] * 1e6:>10.1f}")
+    return "\n".join(lines)
+
+
+def _size(b: int) -> str:
+    return f"{b >> 20} MB" if b >= 1 << 20 else f"{b >> 10} KB"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench-results", help="directory for collectives.json")
+    p.add_argument("--quick", action="store_true", help="small sizes and few reps (smoke run)")
+    p.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.quick)
+        return
+    report = {"results": [], "crossover": [], "memcpy_GBps": None, "quick": args.quick}
+    for nprocs in (int(v) for v in args.ranks.split(",")):
+        part = launch(nprocs, args.quick)
+        report["results"] += part["results"]
+        report["crossover"] += part["crossover"]
+        report["memcpy_GBps"] = part["memcpy_GBps"]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "collectives.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(table(report))
+
+
+if __name__ == "__main__":
+    main()
