@@ -23,6 +23,19 @@ _GELU_C = math.sqrt(2.0 / math.pi)  # python float: keeps float32 arrays float32
 _GELU_A = 0.044715
 
 
+_BLOCK = 1 << 16  # elements per block: a few blocks' temporaries stay in the L2 cache
+
+
+def _blocks(n: int):
+    """Slices that cut a flat array of ``n`` elements into cache-sized blocks.
+
+    A chain of elementwise NumPy operations makes one pass over memory per operation;
+    running the whole chain block by block keeps the intermediates in cache, which for
+    activations of several MB is about twice as fast as whole-array passes.
+    """
+    return (slice(start, min(start + _BLOCK, n)) for start in range(0, n, _BLOCK))
+
+
 def gelu(x: Tensor) -> Tensor:
     """GELU, tanh approximation (Hendrycks & Gimpel 2016; used by GPT-2):
 
@@ -33,33 +46,42 @@ def gelu(x: Tensor) -> Tensor:
 
         gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
     """
-    X = x.data
-    cdt = compute_dtype(X.dtype)
-    Xc = to_dtype(X, cdt)
-    t = Xc * Xc
-    t *= _GELU_A * _GELU_C
-    t += _GELU_C
-    t *= Xc  # u = c x (1 + a x^2)
-    xp.tanh(t, out=t)
-    y = t + 1.0
-    y *= Xc
-    y *= 0.5
+    cdt = compute_dtype(x.dtype)
+    X = xp.ascontiguousarray(to_dtype(x.data, cdt)).reshape(-1)
+    t = xp.empty_like(X)  # tanh(u), saved for backward
+    y = xp.empty_like(X)
+    for b in _blocks(X.size):
+        xb, tb, yb = X[b], t[b], y[b]
+        xp.multiply(xb, xb, out=tb)
+        tb *= _GELU_A * _GELU_C
+        tb += _GELU_C
+        tb *= xb  # u = c x (1 + a x^2)
+        xp.tanh(tb, out=tb)
+        xp.add(tb, 1.0, out=yb)
+        yb *= xb
+        yb *= 0.5
 
     def backward(g):
-        d = Xc * Xc
-        d *= 3.0 * _GELU_A * _GELU_C
-        d += _GELU_C  # du/dx
-        s = t * t
-        xp.subtract(1.0, s, out=s)  # 1 - t^2
-        d *= s
-        d *= Xc
-        d += t
-        d += 1.0
-        d *= 0.5
-        d *= g
-        return (to_dtype(d, x.dtype),)
+        G = xp.ascontiguousarray(to_dtype(g, cdt)).reshape(-1)
+        d = xp.empty_like(X)
+        s = xp.empty(min(_BLOCK, X.size), dtype=cdt)  # scratch, reused by every block
+        for b in _blocks(X.size):
+            xb, tb, db = X[b], t[b], d[b]
+            sb = s[: db.size]
+            xp.multiply(xb, xb, out=db)
+            db *= 3.0 * _GELU_A * _GELU_C
+            db += _GELU_C  # du/dx
+            xp.multiply(tb, tb, out=sb)
+            xp.subtract(1.0, sb, out=sb)  # 1 - t^2
+            db *= sb
+            db *= xb
+            db += tb
+            db += 1.0
+            db *= 0.5
+            db *= G[b]
+        return (to_dtype(d.reshape(x.shape), x.dtype),)
 
-    return make_tensor(to_dtype(y, X.dtype), (x,), backward)
+    return make_tensor(to_dtype(y.reshape(x.shape), x.dtype), (x,), backward)
 
 
 def _softmax_inplace(s, axis):
