@@ -40,8 +40,11 @@ from minidist.comm.ring import (chain_broadcast, chain_reduce, ring_all_gather, 
                                 ring_reduce_scatter, split_bounds)
 from mpi4py import MPI
 
-# Measured crossover (benchmarks/bench_collectives.py): recursive doubling wins below this.
-SMALL_ALL_REDUCE_BYTES = 64 * 1024
+# Measured crossover (benchmarks/bench_collectives.py, 2-core dev machine, float32): with 2
+# ranks recursive doubling beats the ring up to 256 KB (110 vs 147 us at 64 KB, 210 vs 212 us
+# at 256 KB, 599 vs 481 us at 1 MB); with 4 oversubscribed ranks it wins even at 1 MB.  Above
+# 256 KB the ring's smaller traffic (2(N-1)/N vs log2 N times X) pays off on real links.
+SMALL_ALL_REDUCE_BYTES = 256 * 1024
 # Binomial tree below, pipelined chain above.
 SMALL_BROADCAST_BYTES = 256 * 1024
 
