@@ -121,6 +121,15 @@ def test_split_concat_grads():
     assert [p.shape for p in parts] == [(2, 2, 3), (2, 4, 3)]
     # Only some parts used, one part used twice.
     check_grad(lambda t: ops.split(t, 3, axis=1)[1] * 2.0 + ops.split(t, 3, axis=1)[1], x)
+    check_grad(lambda t: [*ops.split(t, 2, axis=1), t * 2.0], x)  # x also used directly
+    t = Tensor(x, requires_grad=True)
+    parts = ops.split(t, 3, axis=1)
+    out = parts[0] * 2.0 + parts[2]
+    out.backward(np.ones(out.shape), retain_graph=True)
+    out.backward(np.ones(out.shape))  # a second pass must not reuse the first pass's buffer
+    expected = np.zeros(x.shape)
+    expected[:, 0:2], expected[:, 4:6] = 4.0, 2.0
+    np.testing.assert_array_equal(t.grad, expected)
     check_grad(lambda a, b, c: ops.concat([a, b, c], axis=1), rand(2, 1, 3), rand(2, 4, 3), rand(2, 2, 3))
     check_grad(lambda a, b: ops.concat([a, b], axis=-1), rand(3, 2), rand(3, 5))
 
@@ -130,6 +139,8 @@ def test_indexing_grads():
     check_grad(lambda t: t[:, 1:3], x)
     check_grad(lambda t: t[1::2, -1], x)
     check_grad(lambda t: t[np.array([0, 2, 2, 4, 0])], x)
+    check_grad(lambda t: t[Tensor(np.array([3, 3])), 1:], x)
+    check_grad(lambda t: t[x > 0.1], x)
     idx = np.array([[1, 1], [3, 1], [0, 4]])
     check_grad(lambda t: ops.index_rows(t, idx), x)
     check_grad(lambda t: ops.index_rows(t, np.array([2, 2, 2])), rand(4, 2, 3))
@@ -177,6 +188,8 @@ def test_attention_grads(causal):
     q, k, v = rand(2, 2, 4, 3), rand(2, 2, 4, 3), rand(2, 2, 4, 3)
     check_grad(lambda a, b, c: ops.attention(a, b, c, causal=causal), q, k, v)
     check_grad(lambda a, b, c: ops.attention(a, b, c, causal=causal, scale=0.3), q, rand(2, 2, 5, 3), rand(2, 2, 5, 3))
+    check_grad(lambda a, b, c: ops.attention(a, b, c, causal=causal), rand(2, 4, 3), rand(2, 4, 3), rand(2, 4, 3))
+    check_grad(lambda a, b, c: ops.attention(a, b, c, causal=causal), *(rand(2, 1, 2, 3, 2) for _ in range(3)))
 
 
 def test_cast_grad():

@@ -16,6 +16,7 @@ softmax correction be computed on (T, D) arrays instead of (T, T) ones.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from ..autograd import Tensor, make_tensor
@@ -33,7 +34,8 @@ def causal_mask(tq: int, tk: int, dtype):
     mask = _MASKS.get(key)
     if mask is None:
         mask = xp.triu(xp.full((tq, tk), -xp.inf, dtype=dtype), k=1)
-        mask.flags.writeable = False  # shared between calls
+        if hasattr(mask.flags, "writeable"):
+            mask.flags.writeable = False  # shared between calls: guard against in-place use
         _MASKS[key] = mask
     return mask
 
@@ -41,7 +43,7 @@ def causal_mask(tq: int, tk: int, dtype):
 def _chunks(lead_shape):
     """Index tuples over the leading axes except the last (the heads): each chunk is one
     (H, T, T) slab of scores, small enough to stay in cache through softmax and matmuls."""
-    return xp.ndindex(*lead_shape[:-1]) if lead_shape else [()]
+    return itertools.product(*(range(n) for n in lead_shape[:-1]))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale=None) -> Tensor:

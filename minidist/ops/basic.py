@@ -39,8 +39,10 @@ def _operand(v):
     """(array or python scalar, is_tensor) for an arithmetic operand."""
     if isinstance(v, Tensor):
         return v.data, True
-    if isinstance(v, xp.generic) or (hasattr(v, "ndim") and v.ndim == 0):
-        return v.item(), False  # python number: weak type under NEP 50 (np.float64 is a float!)
+    if hasattr(v, "dtype") and getattr(v, "shape", None) == ():
+        # NumPy scalar or 0-d array (np.float64 is even a subclass of float): use a python
+        # number, which is weakly typed under NEP 50 and so keeps float32 tensors float32.
+        return v.item(), False
     if isinstance(v, (bool, int, float)):
         return v, False
     if hasattr(v, "shape") and hasattr(v, "dtype"):
@@ -301,6 +303,9 @@ def scatter_add_rows(idx, g, num_rows, dtype):
     out = xp.zeros((num_rows,) + row_shape, dtype=dtype)
     flat = idx.reshape(-1)
     if flat.size == 0:
+        return out
+    if not hasattr(xp.add, "reduceat"):  # backends without reduceat: plain scatter-add
+        xp.add.at(out, flat, g.reshape((-1,) + row_shape))
         return out
     order = xp.argsort(flat, kind="stable")
     rows = flat[order]
