@@ -371,6 +371,18 @@ def test_autocast_attention_and_fp32_internal_ops(low, tol):
     assert xl.grad.dtype == low
 
 
+def test_autocast_is_thread_local():
+    import threading
+
+    seen = []
+    with ops.autocast("bfloat16"):
+        worker = threading.Thread(target=lambda: seen.append(ops.get_autocast_dtype()))
+        worker.start()
+        worker.join()
+        assert ops.get_autocast_dtype() == bfloat16
+    assert seen == [None]
+
+
 def test_autocast_rejects_bad_dtype():
     with pytest.raises(ValueError, match="float32"):
         with ops.autocast("float32"):
