@@ -31,6 +31,14 @@ def test_large_messages_take_ring_and_chain_paths():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_repeated_calls_run_cached_plans_correctly(nprocs):
+    out = run_mpi(nprocs, f"{BODIES}::fast_paths", timeout=120).stdout
+    for r in range(nprocs):
+        assert f"rank {r}: fast paths passed" in out
+
+
+@pytest.mark.mpi
 def test_bad_input_raises_on_every_rank():
     out = run_mpi(3, f"{ERRORS}::bad_input", timeout=60).stdout
     for r in range(3):
@@ -55,3 +63,14 @@ def test_size_mismatch_without_check_mode_fails_loudly():
     assert "but 16 bytes arrived" in msg or "but more than 16 bytes arrived" in msg
     assert "MINIDIST_CHECK_COLLECTIVES=1" in msg
     assert "all_reduce(group='world', shape=(" in msg  # the recent-ops log of the failing rank
+
+
+@pytest.mark.mpi
+def test_size_mismatch_on_the_cached_fast_path_fails_loudly():
+    with pytest.raises(MPIJobFailed) as err:
+        run_mpi(2, f"{ERRORS}::unchecked_size_mismatch_after_plan", timeout=60)
+    msg = str(err.value)
+    assert "a size mismatch went unnoticed" not in msg
+    assert "expected a 16-byte message" in msg or "expected a 20-byte message" in msg
+    assert "during all_reduce" in msg and "MINIDIST_CHECK_COLLECTIVES=1" in msg
+    assert "all_reduce(group='world', shape=(" in msg

@@ -32,91 +32,45 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.backend import bfloat16, from_host, to_host
-from minidist.comm import check, reduction, stats, tree
+from minidist.comm import check, fastpath, links, reduction, ring, stats, tree
 from minidist.comm.group import Group
-from minidist.comm.p2p import TAG_COLLECTIVE as TAG, TAG_META, _isend, _recv, _send, _sendrecv
-from minidist.comm.ring import (chain_broadcast, chain_reduce, ring_all_gather, ring_all_reduce,
-                                ring_reduce_scatter, split_bounds)
-from mpi4py import MPI
+from minidist.comm.launch import (check_algorithm as _algorithm, check_group as _check_group,
+                                  check_out as _check_out, host_array as _host, launch as _launch)
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _isend, _recv, _sendrecv
+from minidist.comm.rooted import gather, scatter
+from minidist.comm.ring import (chain_broadcast, chain_reduce, ring_all_gather_rows,
+                                ring_all_reduce, ring_reduce_scatter, split_bounds)
 
-# Measured crossover (benchmarks/bench_collectives.py, 2-core dev machine, float32): with 2
-# ranks recursive doubling beats the ring up to 256 KB (110 vs 147 us at 64 KB, 210 vs 212 us
-# at 256 KB, 599 vs 481 us at 1 MB); with 4 oversubscribed ranks it wins even at 1 MB.  Above
-# 256 KB the ring's smaller traffic (2(N-1)/N vs log2 N times X) pays off on real links.
-SMALL_ALL_REDUCE_BYTES = 256 * 1024
+# All-reduce: recursive doubling up to these sizes, the ring above.  Measured crossover
+# (benchmarks/bench_collectives.py, 2-core machine, float32, ring with 1 MB pipeline chunks,
+# median us): 2 ranks: 256 KB rd 174 / ring 268, 512 KB 308 / 372, 1 MB 638 / 671 (a tie:
+# for N=2 both send X once, rd in one message).  4 ranks (oversubscribed: every ring step
+# may wait a scheduler time slice for a neighbour, so the ring's 2(N-1) synchronisations
+# cost far more than rd's log2 N): 1 MB rd 4.1 / ring 16.3 ms, 4 MB 15.9 / 18.0 ms, 8 MB
+# 28.7 / 24.1 ms.  With a core per rank (or real links) the ring wins sooner.
+SMALL_ALL_REDUCE_BYTES = 512 * 1024     # groups of 2
+SMALL_ALL_REDUCE_BYTES_WIDE = 4 << 20   # groups of 3 or more
 # Binomial tree below, pipelined chain above.
 SMALL_BROADCAST_BYTES = 256 * 1024
-
-
-# ------------------------------------------------------------------------ plumbing
-def _host(x, where: str) -> np.ndarray:
-    h = to_host(x)
-    if isinstance(h, np.generic):  # a NumPy scalar, e.g. a loss value
-        h = np.asarray(h)
-    if not isinstance(h, np.ndarray):
-        raise TypeError(f"{where}: expected an array, got {type(x).__name__}")
-    if h.dtype.hasobject:
-        raise TypeError(f"{where}: arrays of Python objects (dtype {h.dtype}) cannot be sent")
-    return h if h.flags.c_contiguous else np.ascontiguousarray(h)
-
-
-def _check_group(g, where: str) -> None:
-    if not isinstance(g, Group):
-        raise TypeError(f"{where}: expected a comm.Group as the group, got {type(g).__name__}")
-
-
-def _launch(name: str, body, g, x, sig, async_op: bool, *args):
-    """Run ``body(g, x, *args)`` here or on the group's progress thread.
-
-    ``sig`` = (name, x, keyword arguments of check.signature); the signature is only built
-    (and agreed on) in debug mode, keeping the default path cheap for small messages.
-    """
-    stats.note_op(name, g.name, None if x is None else x.shape, None if x is None else x.dtype,
-                  "async" if async_op else "")
-    sig = check.signature(sig[0], sig[1], **sig[2]) if check.check_enabled() else None
-    if async_op:
-        return g.submit(name, _run, name, body, x, sig, args)
-    return _run(g, name, body, x, sig, args)
-
-
-def _run(g, name, body, x, sig, args):
-    with stats.scope(name):
-        if sig is not None:
-            check.agree(g, sig)
-        result = body(g, x, *args)
-    return None if result is None else from_host(result)
-
-
-def _check_out(out, x, where: str, shape=None):
-    """``out=``: a preallocated result array (C-contiguous NumPy, x's dtype), so repeated
-    large collectives (gradient buckets, benchmarks) reuse memory instead of page-faulting
-    a fresh result each call, just like MPI's caller-provided receive buffers."""
-    if out is None:
-        return None
-    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.dtype != x.dtype:
-        raise ValueError(f"{where}: out must be a C-contiguous host array of dtype {x.dtype}, got "
-                         f"{type(out).__name__} {getattr(out, 'dtype', '')}")
-    if shape is not None and out.shape != tuple(shape):
-        raise ValueError(f"{where}: out.shape={out.shape} but the result has shape {tuple(shape)}")
-    return out
-
-
-def _algorithm(algorithm, choices, where: str):
-    if algorithm not in choices:
-        raise ValueError(f"{where}: algorithm={algorithm!r}; choose one of {list(choices)}")
-    return algorithm
 
 
 # ---------------------------------------------------------------- reductions
 def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str = "auto", out=None):
     """Every rank gets the elementwise reduction (sum/avg/max/min) of all ranks' ``x``.
 
-    Small messages (<= SMALL_ALL_REDUCE_BYTES): recursive doubling, log2(N) rounds,
+    Small messages (<= SMALL_ALL_REDUCE_BYTES[_WIDE]): recursive doubling, log2(N) rounds,
     log2(N) * X bytes per rank (Thakur, Rabenseifner & Gropp 2005).  Large: ring
     reduce-scatter + ring all-gather, 2(N-1) steps, 2(N-1)/N * X bytes per rank, the
     bandwidth lower bound (Patarasuk & Yuan 2009).  float16/bfloat16 accumulate in float32.
+    Repeated small calls run a cached plan (fastpath.py).
     """
+    key = None
+    if type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):  # fastpath.usable
+        key = ("all_reduce", x.dtype, x.shape, op, algorithm)
+        plan = g._plans.get(key) if type(g) is Group and type(op) is str and type(algorithm) is str else None
+        result = None if plan is None else plan.run(g, x, out)
+        if result is not None:
+            return result
     _check_group(g, "all_reduce")
     op = reduction.check_op(op, "all_reduce")
     _algorithm(algorithm, ("auto", "recursive_doubling", "ring"), "all_reduce")
@@ -124,14 +78,24 @@ def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str 
     reduction.check_dtype(x.dtype, "all_reduce")
     out = _check_out(out, x, "all_reduce", x.shape)
     sig = ("all_reduce", x, dict(op=op))
-    return _launch("all_reduce", _all_reduce, g, x, sig, async_op, op, algorithm, out)
+    result = _launch("all_reduce", _all_reduce, g, x, sig, async_op, op, algorithm, out)
+    if (key is not None and g.size > 1 and _all_reduce_algorithm(g, x, algorithm) == "recursive_doubling"
+            and reduction.accumulator_dtype(x.dtype) == x.dtype):
+        fastpath.store(g, key, fastpath.AllReducePlan(g, x.shape, x.dtype, op))
+    return result
+
+
+def _all_reduce_algorithm(g, x, algorithm):
+    if algorithm != "auto":
+        return algorithm
+    limit = SMALL_ALL_REDUCE_BYTES if g.size <= 2 else SMALL_ALL_REDUCE_BYTES_WIDE
+    small = x.size * reduction.accumulator_dtype(x.dtype).itemsize <= limit or x.size < g.size
+    return "recursive_doubling" if small else "ring"
 
 
 def _all_reduce(g, x, op, algorithm, out=None):
     ufunc, acc_dtype = reduction.UFUNCS[op], reduction.accumulator_dtype(x.dtype)
-    if algorithm == "auto":
-        small = x.size * acc_dtype.itemsize <= SMALL_ALL_REDUCE_BYTES or x.size < g.size
-        algorithm = "recursive_doubling" if small else "ring"
+    algorithm = _all_reduce_algorithm(g, x, algorithm)
     # Work directly in the caller's out= when no float32 accumulator is needed.
     acc = out.reshape(-1) if out is not None and out.dtype == acc_dtype else None
     if g.size == 1 or algorithm == "recursive_doubling":
@@ -156,15 +120,25 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False):
     """Reduce all ranks' ``x``, then rank i keeps part i of axis 0 (``np.array_split`` sizes).
 
     Ring: N-1 steps, each rank sends and receives (N-1)/N * X bytes (Patarasuk & Yuan
-    2009).  float16/bfloat16 accumulate in float32.
+    2009).  float16/bfloat16 accumulate in float32.  Repeated small calls run a cached plan.
     """
+    key = None
+    if type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):  # fastpath.usable
+        key = ("reduce_scatter", x.dtype, x.shape, op)
+        plan = g._plans.get(key) if type(g) is Group and type(op) is str else None
+        if plan is not None:
+            return plan.run(g, x)
     _check_group(g, "reduce_scatter")
     op = reduction.check_op(op, "reduce_scatter")
     x = _host(x, "reduce_scatter")
     check.need_axis0(x, "reduce_scatter")
     reduction.check_dtype(x.dtype, "reduce_scatter")
     sig = ("reduce_scatter", x, dict(op=op))
-    return _launch("reduce_scatter", _reduce_scatter, g, x, sig, async_op, op)
+    result = _launch("reduce_scatter", _reduce_scatter, g, x, sig, async_op, op)
+    if (key is not None and g.size > 1 and x.nbytes <= ring.PIPELINE_BYTES  # one chunk a step, like the plan
+            and reduction.accumulator_dtype(x.dtype) == x.dtype):
+        fastpath.store(g, key, fastpath.ReduceScatterPlan(g, x.shape, x.dtype, op))
+    return result
 
 
 def _reduce_scatter(g, x, op):
@@ -226,32 +200,39 @@ def _reduce(g, x, root, op, algorithm):
 def all_gather(x, g, async_op: bool = False, *, out=None):
     """Concatenate every rank's ``x`` along axis 0, on every rank (first dims may differ).
 
-    A Bruck all-gather of the first dims (ceil(log2 N) tiny messages), then a ring:
-    N-1 steps, each rank forwards every other rank's block once ((N-1)/N of the output).
+    Ring: N-1 steps, each rank forwards every other rank's block once ((N-1)/N of the
+    output); receivers learn each block's row count from the message size (Probe), so no
+    separate size exchange is needed (see ring.ring_all_gather_rows).  Repeated calls with
+    the same shape skip the argument checks (fastpath.py).
     """
+    if type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):  # fastpath.usable
+        plan = g._plans.get(("all_gather", x.dtype, x.shape)) if type(g) is Group else None
+        result = None if plan is None else plan.run(g, x, out)
+        if result is not None:
+            return result
     _check_group(g, "all_gather")
     x = _host(x, "all_gather")
     check.need_axis0(x, "all_gather")
     out = _check_out(out, x, "all_gather")
     sig = ("all_gather", x, dict(rule="trailing"))
-    return _launch("all_gather", _all_gather, g, x, sig, async_op, out)
+    result = _launch("all_gather", _all_gather, g, x, sig, async_op, out)
+    if type(x) is np.ndarray and not async_op and g.size > 1 and 0 not in x.shape[1:]:
+        fastpath.store(g, ("all_gather", x.dtype, x.shape), fastpath.AllGatherPlan())
+    return result
 
 
 def _all_gather(g, x, result=None):
     n = g.size
     if n == 1:
         return x.copy() if result is None else _fill(result, x)
+    if 0 not in x.shape[1:]:
+        out, sent, received = ring_all_gather_rows(g, x, result)
+        stats.count_bytes(sent, received)
+        return out
+    # Rows of zero bytes: message sizes can't tell row counts, so exchange them (Bruck).
     rows = tree.bruck_all_gather(g, np.array([x.shape[0]], np.int64).view(np.uint8)).view(np.int64).reshape(-1)
-    unit = int(np.prod(x.shape[1:], dtype=np.int64))
-    ends = np.cumsum(rows) * unit
-    bounds = [(int(e - k * unit), int(e)) for e, k in zip(ends, rows)]
     shape = (int(rows.sum()),) + x.shape[1:]
-    out = np.empty(shape, x.dtype) if result is None else _check_out(result, x, "all_gather", shape)
-    flat = out.reshape(-1)
-    lo, hi = bounds[g.rank]
-    flat[lo:hi] = x.reshape(-1)
-    ring_all_gather(g, flat, bounds)
-    return out
+    return np.empty(shape, x.dtype) if result is None else _check_out(result, x, "all_gather", shape)
 
 
 def _fill(out, value):
@@ -284,80 +265,6 @@ def _broadcast(g, x, root, algorithm):
         tree.binomial_broadcast(g, flat, root)
     else:
         chain_broadcast(g, flat, root)
-    return out
-
-
-def _meta(x) -> np.ndarray:
-    """A fixed-size record of shape and dtype (reusing the check signature layout)."""
-    return np.frombuffer(check.signature("meta", x).tobytes(), np.uint8).copy()
-
-
-def _from_meta(raw: np.ndarray):
-    sig = raw.view(check.SIGNATURE)[0]
-    name = sig["dtype"].decode()
-    dtype = bfloat16 if name == "bfloat16" else np.dtype(name)
-    return tuple(int(v) for v in sig["shape"][:int(sig["ndim"])]), dtype
-
-
-def scatter(x, g, root: int = 0):
-    """Root's ``x`` split along axis 0 like ``np.array_split``; rank i gets part i.
-    Non-root ranks may pass None.  Linear: the root sends N-1 messages (each preceded by a
-    128-byte shape/dtype header, so receivers need not know the shape in advance)."""
-    _check_group(g, "scatter")
-    root = check.check_root(root, g, "scatter")
-    if g.rank == root:
-        x = _host(x, "scatter")
-        check.need_axis0(x, "scatter")
-        if x.ndim > check.MAX_DIMS:
-            raise ValueError(f"scatter: at most {check.MAX_DIMS} dimensions, got shape {x.shape}")
-    else:
-        x = None
-    sig = ("scatter", x, dict(root=root, rule="none"))
-    return _launch("scatter", _scatter, g, x, sig, False, root)
-
-
-def _scatter(g, x, root):
-    if g.rank != root:
-        shape, dtype = _from_meta(_recv(g.comm, np.empty(check.SIGNATURE.itemsize, np.uint8), root, TAG_META))
-        return _recv(g.comm, np.empty(shape, dtype), root, TAG)
-    parts = split_bounds(x.shape[0], g.size)
-    requests = []
-    for i, (lo, hi) in enumerate(parts):
-        if i != root:
-            requests += [_isend(g.comm, _meta(x[lo:hi]), i, TAG_META), _isend(g.comm, x[lo:hi], i, TAG)]
-    MPI.Request.Waitall(requests)
-    lo, hi = parts[root]
-    return x[lo:hi].copy()
-
-
-def gather(x, g, root: int = 0):
-    """Root gets every rank's ``x`` concatenated along axis 0 (first dims may differ);
-    others get None.  Linear: N-1 messages into the root, each after an 8-byte row count."""
-    _check_group(g, "gather")
-    root = check.check_root(root, g, "gather")
-    x = _host(x, "gather")
-    check.need_axis0(x, "gather")
-    sig = ("gather", x, dict(root=root, rule="trailing"))
-    return _launch("gather", _gather, g, x, sig, False, root)
-
-
-def _gather(g, x, root):
-    if g.rank != root:
-        _send(g.comm, np.array([x.shape[0]], np.int64), root, TAG_META)
-        _send(g.comm, x, root, TAG)
-        return None
-    rows = np.empty(g.size, np.int64)
-    for i in range(g.size):
-        rows[i] = x.shape[0] if i == root else _recv(g.comm, np.empty(1, np.int64), i, TAG_META)[0]
-    out = np.empty((int(rows.sum()),) + x.shape[1:], x.dtype)
-    start = 0
-    for i in range(g.size):
-        block = out[start:start + rows[i]]
-        if i == root:
-            block[...] = x
-        else:
-            _recv(g.comm, block, i, TAG)
-        start += rows[i]
     return out
 
 

@@ -41,6 +41,7 @@ class Group:
         self.name = name if name is not None else f"group{self.size}"
         self.world_ranks = _world_ranks(mpi_comm)
         self._scratch: dict[str, np.ndarray] = {}
+        self._plans: dict = {}  # small-message plans, see fastpath.py
         self._worker = None
         self._worker_lock = threading.Lock()
         # The twin runs this group's async collectives on a duplicate communicator, so

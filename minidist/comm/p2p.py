@@ -47,9 +47,9 @@ def _host_contiguous(x) -> np.ndarray:
     return h if h.flags.c_contiguous else np.ascontiguousarray(h)
 
 
-def _size_error(comm, src, tag, expected, got) -> CommError:
+def _size_error(comm, src, tag, expected, got, what=None) -> CommError:
     me = comm.Get_rank()
-    what = stats.current() or "p2p"
+    what = what or stats.current() or "p2p"
     return CommError(
         f"rank {me} expected a {expected}-byte message from rank {src} (tag {tag}) during "
         f"{what}, but {got} bytes arrived. The ranks probably called collectives with "
@@ -64,9 +64,9 @@ def _check_status(comm, status, src, tag, expected):
         raise _size_error(comm, status.Get_source() if src == MPI.ANY_SOURCE else src, tag, expected, got)
 
 
-def _truncated(comm, src, tag, expected, err) -> CommError:
+def _truncated(comm, src, tag, expected, err, what=None) -> CommError:
     if err.Get_error_class() == MPI.ERR_TRUNCATE:
-        return _size_error(comm, src, tag, expected, f"more than {expected}")
+        return _size_error(comm, src, tag, expected, f"more than {expected}", what)
     return CommError(f"MPI error while receiving from rank {src} (tag {tag}): {err}")
 
 

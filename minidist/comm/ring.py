@@ -16,12 +16,16 @@ Two details make it fast in practice:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from mpi4py import MPI
 
-from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _isend, _recv, _sendrecv
+from minidist.comm import links
+from minidist.comm.errors import CommError
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _irecv, _isend, _recv, _sendrecv, _wait_recv
 
-PIPELINE_BYTES = 256 * 1024
+PIPELINE_BYTES = 1024 * 1024
 
 
 def split_bounds(n: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
@@ -54,12 +58,19 @@ def ring_reduce_scatter(g, x: np.ndarray, bounds, ufunc, dest) -> None:
     and receives the partial of block (r-s-2) mod N from the left, adds its own part and
     stores the sum in ``dest(block, s)`` (a flat array of the block's length).  Per rank:
     sends and receives (N-1)/N * X bytes (exactly, when N divides the length).
+
+    Each step is pipelined in chunks of about PIPELINE_BYTES with two receive buffers:
+    the receive and send of chunk c+1 are posted *before* chunk c is added, so the
+    neighbours can already move chunk c+1 (MPICH over shared memory lets the receiver
+    copy straight out of the sender's memory) while this rank computes, and each chunk is
+    added while it is still in cache.
     """
     n, r, comm = g.size, g.rank, g.comm
     right, left = (r + 1) % n, (r - 1) % n
     nchunks = _num_chunks(bounds, x.itemsize)
     biggest = max(hi - lo for lo, hi in bounds)
-    tmp = g.scratch("ring_recv", -(-biggest // nchunks), x.dtype)
+    per_chunk = -(-biggest // nchunks)
+    tmp = (g.scratch("ring_recv0", per_chunk, x.dtype), g.scratch("ring_recv1", per_chunk, x.dtype))
     outgoing = None
     for s in range(n - 1):
         b_send, b_recv = (r - s - 1) % n, (r - s - 2) % n
@@ -67,10 +78,21 @@ def ring_reduce_scatter(g, x: np.ndarray, bounds, ufunc, dest) -> None:
             outgoing = x[bounds[b_send][0]:bounds[b_send][1]]
         mine = x[bounds[b_recv][0]:bounds[b_recv][1]]
         out = dest(b_recv, s)
-        for (a, b), (c, d) in zip(_chunks(outgoing.size, nchunks), _chunks(mine.size, nchunks)):
-            got = tmp[:d - c]
-            _sendrecv(comm, outgoing[a:b], right, got, left, TAG)
-            ufunc(mine[c:d], got, out=out[c:d])
+        sends = _chunks(outgoing.size, nchunks)
+        recvs = _chunks(mine.size, nchunks)
+
+        def post(c):
+            got = tmp[c % 2][:recvs[c][1] - recvs[c][0]]
+            return got, _irecv(comm, got, left, TAG), _isend(comm, outgoing[sends[c][0]:sends[c][1]], right, TAG)
+
+        pending = post(0)
+        for c, (lo, hi) in enumerate(recvs):
+            got, recv_req, send_req = pending
+            if c + 1 < nchunks:
+                pending = post(c + 1)  # in flight while chunk c is added below
+            _wait_recv(comm, recv_req, left, TAG, got.nbytes)
+            ufunc(mine[lo:hi], got, out=out[lo:hi])
+            send_req.Wait()
         outgoing = out
 
 
@@ -88,6 +110,75 @@ def ring_all_gather(g, out: np.ndarray, bounds) -> None:
         b_send, b_recv = (r - s) % n, (r - s - 1) % n
         _sendrecv(comm, out[bounds[b_send][0]:bounds[b_send][1]], right,
                   out[bounds[b_recv][0]:bounds[b_recv][1]], left, TAG)
+
+
+def ring_all_gather_rows(g, x: np.ndarray, out: np.ndarray | None = None, status=None):
+    """Ring all-gather of ``x`` (rows along axis 0) when ranks may hold different row counts;
+    every rank learns the counts from the messages themselves, not from a size exchange.
+    Returns ``(result, bytes_sent, bytes_received)``; the caller does the accounting.
+
+    N-1 steps; in step s rank r Isends the block it got in step s-1 (its own at s=0) to the
+    right, ``Probe``s the next message from the left, reads its size with
+    ``Status.Get_count`` (bytes / bytes per row = that block's rows), and receives it.  In
+    the common case every count equals this rank's own, and blocks land straight in their
+    final place (a guess of N * rows rows, or ``out``).  At the first different count the
+    rank stops guessing: it keeps each block in its own array and assembles the result once
+    all counts are known (one extra copy, only for uneven inputs).  Every rank sends the
+    same messages either way, so the choice is local and can't desynchronise the ring.
+    Per rank: sends and receives (N-1)/N of the output (exactly (N-1) * X for equal blocks).
+    """
+    n, r, comm = g.size, g.rank, g.comm
+    right, left = (r + 1) % n, (r - 1) % n
+    rows, tail = x.shape[0], x.shape[1:]
+    row_bytes = math.prod(tail) * x.itemsize
+    counts, blocks = [0] * n, [None] * n
+    counts[r] = rows
+    guess = out if out is not None and out.shape[0] == n * rows else None
+    if out is None:
+        guess = np.empty((n * rows,) + tail, x.dtype)
+    sending = x
+    if guess is not None:
+        sending = guess[r * rows:(r + 1) * rows]
+        sending[...] = x
+    status = MPI.Status() if status is None else status
+    sent = received = 0
+    for s in range(n - 1):
+        b = (r - s - 1) % n
+        if links.enabled:
+            links.delay(sending.nbytes)
+        request = comm.Isend([sending, MPI.BYTE], right, TAG)
+        sent += sending.nbytes
+        comm.Probe(left, TAG, status)
+        nbytes = status.Get_count(MPI.BYTE)
+        if nbytes % row_bytes:
+            raise CommError(f"all_gather: rank {left} of group {g.name!r} sent {nbytes} bytes, not a "
+                            f"whole number of rows of shape {tail} {x.dtype} ({row_bytes} bytes each): the "
+                            f"ranks passed different trailing shapes or dtypes")
+        counts[b] = nbytes // row_bytes
+        if guess is not None and counts[b] != rows:  # uneven: stop writing into the guess
+            blocks = [None if blk is None else blk.copy() for blk in blocks]
+            guess = None
+        if guess is not None:
+            block = guess[b * rows:(b + 1) * rows]
+        else:
+            block = np.empty((counts[b],) + tail, x.dtype)
+        comm.Recv([block, MPI.BYTE], left, TAG)  # exactly the probed size: it fits
+        received += nbytes
+        blocks[b] = block
+        request.Wait()
+        sending = block
+    if guess is not None:
+        return guess, sent, received
+    shape = (sum(counts),) + tail
+    if out is None:
+        out = np.empty(shape, x.dtype)
+    elif out.shape != shape:
+        raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape {shape}")
+    start = 0
+    for b in range(n):
+        out[start:start + counts[b]] = x if b == r else blocks[b]
+        start += counts[b]
+    return out, sent, received
 
 
 def ring_all_reduce(g, x: np.ndarray, out: np.ndarray, ufunc) -> None:

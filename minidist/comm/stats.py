@@ -16,8 +16,18 @@ import collections
 import threading
 import time
 
+
+
+class _Label(threading.local):
+    """Per-thread label of the running collective.  A class attribute default (rather than
+    ``getattr(tls, "label", None)``) keeps every lookup cheap: a missing attribute costs a
+    caught AttributeError, over a microsecond, on every message."""
+
+    label = None
+
+
 _lock = threading.Lock()
-_tls = threading.local()
+_tls = _Label()
 # name -> [calls, bytes_sent, bytes_recv, time_s]
 _counters: dict[str, list] = {}
 _recent: collections.deque = collections.deque(maxlen=32)
@@ -32,9 +42,26 @@ def _record(name: str) -> list:
 
 def count_bytes(sent: int, received: int) -> None:
     """Charge ``sent``/``received`` bytes to the collective running on this thread."""
-    name = getattr(_tls, "label", None) or "p2p"
+    name = _tls.label or "p2p"
     with _lock:
         rec = _record(name)
+        rec[1] += sent
+        rec[2] += received
+
+
+def record_call(name: str, group_name: str, shape, dtype, sent: int, received: int, t0: float) -> None:
+    """Account one whole collective at once, the small-message fast path's only bookkeeping:
+    its recent-ops entry (what :func:`note_op` records) and a call of ``name`` that started
+    at ``t0`` (perf_counter) with these byte counts, or, inside another collective's scope,
+    just its bytes, charged to that outer collective as :class:`scope` would."""
+    elapsed = time.perf_counter() - t0
+    _recent.append((name, group_name, shape, dtype, "", time.time()))
+    outer = _tls.label
+    with _lock:
+        rec = _record(outer or name)
+        if outer is None:
+            rec[0] += 1
+            rec[3] += elapsed
         rec[1] += sent
         rec[2] += received
 
@@ -52,7 +79,7 @@ class scope:
         self.name = name
 
     def __enter__(self):
-        self.outer = getattr(_tls, "label", None)
+        self.outer = _tls.label
         if self.outer is None:
             _tls.label = self.name
             self.t0 = time.perf_counter()
@@ -71,7 +98,7 @@ class scope:
 
 def current() -> str | None:
     """The collective whose messages this thread is sending right now (None outside one)."""
-    return getattr(_tls, "label", None)
+    return _tls.label
 
 
 def stats() -> dict:

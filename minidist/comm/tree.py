@@ -17,6 +17,38 @@ import numpy as np
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _recv, _send, _sendrecv
 
 
+# Actions of a recursive-doubling schedule (see recursive_doubling_schedule).
+EXCHANGE, GIVE, TAKE, RESULT_OUT, RESULT_IN = "exchange", "give", "take", "result_out", "result_in"
+
+
+def recursive_doubling_schedule(n: int, r: int) -> tuple:
+    """Rank r's rounds of a recursive-doubling all-reduce over n ranks, as (action, peer) pairs.
+
+    For a power of two n: log2(n) EXCHANGE rounds (swap vectors with the rank whose number
+    differs in bit k, then reduce).  Otherwise (rem = n - largest power of two) the first
+    2*rem ranks pair up first: each even one GIVEs its vector to its odd neighbour (which
+    TAKEs and reduces it), sits out the doubling, and at the end gets the result back
+    (RESULT_OUT on the odd rank, RESULT_IN on the even one).  The schedule depends only on
+    (n, r), so the small-message fast path computes it once per group.
+    """
+    pof2 = 1 << (n.bit_length() - 1)
+    rem = n - pof2
+    steps = []
+    if r < 2 * rem and r % 2 == 0:
+        return ((GIVE, r + 1), (RESULT_IN, r + 1))
+    if r < 2 * rem:
+        steps.append((TAKE, r - 1))
+    newrank = r // 2 if r < 2 * rem else r - rem
+    mask = 1
+    while mask < pof2:
+        peer_new = newrank ^ mask
+        steps.append((EXCHANGE, peer_new * 2 + 1 if peer_new < rem else peer_new + rem))
+        mask <<= 1
+    if r < 2 * rem:
+        steps.append((RESULT_OUT, r - 1))
+    return tuple(steps)
+
+
 def recursive_doubling_all_reduce(g, acc: np.ndarray, ufunc) -> None:
     """All-reduce ``acc`` in place by recursive doubling (Thakur et al. 2005, sec. 4.1).
 
@@ -27,33 +59,19 @@ def recursive_doubling_all_reduce(g, acc: np.ndarray, ufunc) -> None:
     reduces, so bytes sent per rank = log2(N) * X (more than a ring's 2(N-1)/N * X, but in
     far fewer messages).  Both partners compute a+b == b+a, so all ranks end bitwise equal.
     """
-    n, r, comm = g.size, g.rank, g.comm
+    comm = g.comm
     tmp = g.scratch("rd_tmp", acc.size, acc.dtype)
-    pof2 = 1 << (n.bit_length() - 1)
-    rem = n - pof2
-    if r < 2 * rem:
-        if r % 2 == 0:
-            _send(comm, acc, r + 1, TAG)
-            newrank = -1
-        else:
-            _recv(comm, tmp, r - 1, TAG)
-            ufunc(acc, tmp, out=acc)
-            newrank = r // 2
-    else:
-        newrank = r - rem
-    if newrank >= 0:
-        mask = 1
-        while mask < pof2:
-            peer_new = newrank ^ mask
-            peer = peer_new * 2 + 1 if peer_new < rem else peer_new + rem
+    for action, peer in recursive_doubling_schedule(g.size, g.rank):
+        if action == EXCHANGE:
             _sendrecv(comm, acc, peer, tmp, peer, TAG)
+        elif action == TAKE:
+            _recv(comm, tmp, peer, TAG)
+        elif action == RESULT_IN:
+            _recv(comm, acc, peer, TAG)
+        else:  # GIVE, RESULT_OUT
+            _send(comm, acc, peer, TAG)
+        if action in (EXCHANGE, TAKE):
             ufunc(acc, tmp, out=acc)
-            mask <<= 1
-    if r < 2 * rem:
-        if r % 2:
-            _send(comm, acc, r - 1, TAG)
-        else:
-            _recv(comm, acc, r + 1, TAG)
 
 
 def binomial_broadcast(g, buf: np.ndarray, root: int) -> None:

@@ -11,6 +11,7 @@ from mpi4py import MPI
 from minidist import comm
 from minidist.backend import bfloat16
 from minidist.comm import collectives as C
+from minidist.comm import ring
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
 OPS = ["sum", "avg", "max", "min"]
@@ -200,8 +201,8 @@ def check_traffic():
     s = measure(lambda: comm.reduce_scatter(x, g))["reduce_scatter"]
     assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X // n, s
     s = measure(lambda: comm.all_gather(x, g))["all_gather"]
-    # (N-1) blocks of X each, plus the Bruck exchange of the 8-byte row counts (N-1 records).
-    assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X + 8 * (n - 1), s
+    # (N-1) blocks of X each; row counts travel as the message sizes, not as extra messages.
+    assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X, s
     if n & (n - 1) == 0:
         s = measure(lambda: comm.all_reduce(x, g, algorithm="recursive_doubling"))["all_reduce"]
         assert s["bytes_sent"] == log2 * X, s
@@ -223,10 +224,19 @@ def all_cases():
 
 
 def large_paths():
-    """Messages above the thresholds (auto-selected ring/chain, several pipeline chunks)."""
+    """Messages above the thresholds (auto-selected ring/chain, several pipeline chunks).
+
+    The thresholds and the pipeline chunk are shrunk (module constants, read at call time)
+    so ~800 KB messages take the large-message paths in 4+ chunks per ring step."""
     g, world = comm.world(), MPI.COMM_WORLD
     n, r = g.size, g.rank
-    assert C.SMALL_ALL_REDUCE_BYTES < 4 * 200_000 and C.SMALL_BROADCAST_BYTES < 4 * 200_000
+    C.SMALL_ALL_REDUCE_BYTES = C.SMALL_ALL_REDUCE_BYTES_WIDE = C.SMALL_BROADCAST_BYTES = 256 << 10
+    ring.PIPELINE_BYTES = 64 << 10
+    x = np.ones(200_001, np.float32)
+    comm.reset_stats()
+    comm.all_reduce(x, g)
+    sent = comm.stats()["all_reduce"]["bytes_sent"]
+    assert abs(sent - 2 * (n - 1) / n * x.nbytes) <= 8 * n, f"auto did not pick the ring: {sent} bytes sent"
     for dtype in ("float32", "bfloat16", "int64"):
         inputs = [make((200_001,), dtype, k, 7) for k in range(n)]
         want = expected_reduce(inputs, "sum", dtype)
@@ -252,3 +262,64 @@ def large_paths():
     world.Allreduce(x, ref)
     assert np.allclose(comm.all_reduce(x, g), ref, rtol=1e-12, atol=1e-12)
     print(f"rank {r}: large paths passed")
+
+
+def fast_paths():
+    """Repeated calls run cached plans (fastpath.py): same answers as the oracles, same
+    traffic formulas, the same clear errors, and uneven all_gather still right."""
+    g = comm.world()
+    n, r = g.size, g.rank
+    for dtype in ("float32", "float64", "int32", "int64"):
+        for op in OPS:
+            for shape in ((1,), (n + 1,), (7, 3), (1000,)):
+                inputs = [make(shape, dtype, k, 77) for k in range(n)]
+                want = expected_reduce(inputs, op, dtype)
+                rows = np.array_split(np.arange(shape[0]), n)[r]
+                want_rs = want[rows[0]:rows[-1] + 1] if len(rows) else want[:0]
+                out = np.empty(shape, _dt(dtype))
+                for rep in range(3):  # the first call builds the plan, the others run it
+                    x = inputs[r].copy()
+                    comm.reset_stats()
+                    same(comm.all_reduce(x, g, op=op), want, f"fast all_reduce {op} {dtype} {shape} #{rep}")
+                    assert comm.all_reduce(x, g, op=op, out=out) is out
+                    same(out, want, f"fast all_reduce out= {op} {dtype} {shape}")
+                    same(comm.reduce_scatter(x, g, op=op), want_rs, f"fast reduce_scatter {op} {dtype} {shape}")
+                    same(x, inputs[r], "input modified")
+                    s = comm.stats()
+                    assert s["all_reduce"]["calls"] == 2 and s["reduce_scatter"]["calls"] == 1, s
+                    if n & (n - 1) == 0:
+                        assert s["all_reduce"]["bytes_sent"] == 2 * x.nbytes * (n.bit_length() - 1), s
+                same(comm.all_reduce(inputs[r][::-1], g, op=op), want[::-1],
+                     "fast all_reduce of a non-contiguous view")
+    if n > 1:
+        key = ("all_reduce", np.dtype(np.float32), (1000,), "sum", "auto")
+        assert key in g._plans, "repeated small all_reduce did not cache a plan"
+        x = np.ones(6, np.float32)
+        comm.all_reduce(x, g)
+        comm.all_reduce(x, g)
+        try:
+            comm.all_reduce(x, g, out=np.empty(7, np.float32))
+            raise AssertionError("a wrong out= was accepted on the fast path")
+        except ValueError as err:
+            assert "out.shape=(7,)" in str(err)
+    # all_gather: equal blocks (plans), then uneven ones, with and without out=.
+    for rep in range(3):
+        x = np.full((3, 2), r, np.int16)
+        want = np.repeat(np.arange(n, dtype=np.int16), 3)[:, None].repeat(2, axis=1)
+        same(comm.all_gather(x, g), want, f"fast all_gather #{rep}")
+        out = np.empty((3 * n, 2), np.int16)
+        assert comm.all_gather(x, g, out=out) is out
+        same(out, want, "fast all_gather out=")
+    # Uneven rows, with out= sized N * (this rank's rows) on rank 0 (rank 0 starts by
+    # writing into out as if every block were as long as its own), and 0-row blocks.
+    for rows in ([4, 2, 6, 0, 1, 3, 5, 2][:n], [0] * (n - 1) + [3], [2] * n):
+        total = sum(rows)
+        want = np.concatenate([np.full((k, 2), i, np.float32) for i, k in enumerate(rows)])
+        for rep in range(2):
+            x = np.full((rows[r], 2), r, np.float32)
+            same(comm.all_gather(x, g), want, f"uneven all_gather {rows} #{rep}")
+            out = np.full((total, 2), -1, np.float32)
+            assert comm.all_gather(x, g, out=out) is out
+            same(out, want, f"uneven all_gather out= {rows}")
+    comm.barrier(g)
+    print(f"rank {r}: fast paths passed")

@@ -77,3 +77,12 @@ def unchecked_size_mismatch():
     x = np.ones(4 + (g.rank == 1), np.float32)
     comm.all_reduce(x, g)
     raise AssertionError("a size mismatch went unnoticed")
+
+
+def unchecked_size_mismatch_after_plan():
+    """The same, once every rank has cached a plan for the (4,) all-reduce (fastpath.py)."""
+    g = comm.world()
+    for _ in range(3):
+        comm.all_reduce(np.ones(4, np.float32), g)
+    comm.all_reduce(np.ones(4 + (g.rank == 1), np.float32), g)
+    raise AssertionError("a size mismatch went unnoticed")

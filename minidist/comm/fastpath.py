@@ -1,0 +1,194 @@
+"""The small-message fast path: a collective as a cached *plan*, run with one MPI call per round.
+
+For a 4 KB all-reduce the bytes cross shared memory in about a microsecond; what the caller
+waits for is Python.  The general path in collectives.py validates every argument, chooses
+an algorithm, computes partners and block bounds, looks up scratch buffers and charges every
+message to a thread-local label: some 50 Python function calls, several times the cost of
+MPI's own built-in.  MPI libraries meet the same problem by caching schedules (persistent
+collectives in MPI-4, NCCL's plans); minidist does the same:
+
+* the first synchronous call with a given key (collective, dtype, shape, op, algorithm) on a
+  group goes through the general, fully checked path, and then stores a plan: the partner
+  of every round, scratch buffers with their MPI descriptors already built, the exact byte
+  counts for ``comm.stats()`` and an ``MPI.Status`` to reuse;
+* later calls with the same key check only what can differ between calls (the input is a
+  C-contiguous NumPy array, ``out=`` fits) and run the plan: per round one ``Sendrecv`` and
+  one in-place ufunc, per call one recent-ops entry and one stats update.
+
+Plans are used only where they give exactly the general path's answer (same algorithm, same
+order of additions, so bit-identical results): synchronous calls on NumPy arrays in a
+dtype that is its own accumulator (float32/float64/int32/int64), with the debug-mode
+signature check and the simulated link both off.  Everything else takes the general path.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist.comm import check, links, reduction, stats
+from minidist.comm.errors import CommError
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _size_error, _truncated
+from minidist.comm.ring import ring_all_gather_rows, split_bounds
+from minidist.comm.tree import EXCHANGE, GIVE, RESULT_IN, RESULT_OUT, TAKE, recursive_doubling_schedule
+
+BYTE = MPI.BYTE
+_MAX_PLANS = 256  # per group; a training loop uses a handful of shapes, so this rarely fills
+
+
+def usable(x, async_op: bool) -> bool:
+    """Could a plan run this call?  (Inlined into the collectives' first lines, as the check
+    costs about as much as a function call; kept here as the one place that says what.)"""
+    return type(x) is np.ndarray and not (async_op or check._enabled or links.enabled)
+
+
+def store(g, key, plan) -> None:
+    if len(g._plans) >= _MAX_PLANS:
+        g._plans.clear()
+    g._plans[key] = plan
+
+
+def _fail(what, g, x, status, src, expected, err=None) -> CommError:
+    """The general path's error for a message of the wrong size (or a truncated one).  The
+    call is logged now: the fast path only logs it at the end, when it succeeded."""
+    stats.note_op(what, g.name, x.shape, x.dtype)
+    comm = g.comm
+    if err is not None:
+        return _truncated(comm, src, TAG, expected, err, what)
+    return _size_error(comm, src, TAG, expected, status.Get_count(BYTE), what)
+
+
+class AllReducePlan:
+    """Recursive doubling (see tree.recursive_doubling_schedule) of one (shape, dtype, op).
+
+    Per call: copy x into the result (or ``out``), then log2(N) rounds of Sendrecv + ufunc
+    (two more rounds when N is not a power of two), then the division for "avg".
+    """
+
+    __slots__ = ("steps", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor")
+
+    def __init__(self, g, shape, dtype, op):
+        self.steps = recursive_doubling_schedule(g.size, g.rank)
+        self.tmp = np.empty(shape, dtype)  # the partner's vector lands here; small by construction
+        self.tmp_msg = [self.tmp, BYTE]
+        self.ufunc = reduction.UFUNCS[op]
+        self.nbytes = self.tmp.nbytes
+        self.sent = self.nbytes * sum(kind in (EXCHANGE, GIVE, RESULT_OUT) for kind, _ in self.steps)
+        self.recv = self.nbytes * sum(kind in (EXCHANGE, TAKE, RESULT_IN) for kind, _ in self.steps)
+        self.status = MPI.Status()
+        self.divisor = g.size if op == "avg" and g.size > 1 else None
+
+    def run(self, g, x, out):
+        """The all-reduce of ``x``, or None when ``out`` doesn't fit (the general path then
+        raises its clear error)."""
+        t0 = time.perf_counter()
+        if out is None:
+            acc = x.copy()  # the input is never modified
+        elif type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype and out.flags.c_contiguous:
+            acc = out
+            acc[...] = x
+        else:
+            return None
+        comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
+        msg = [acc, BYTE]
+        peer = None
+        try:
+            for kind, peer in self.steps:
+                if kind is EXCHANGE:
+                    comm.Sendrecv(msg, peer, TAG, tmp_msg, peer, TAG, status)
+                elif kind is TAKE:
+                    comm.Recv(tmp_msg, peer, TAG, status)
+                elif kind is RESULT_IN:
+                    comm.Recv(msg, peer, TAG, status)
+                else:  # GIVE or RESULT_OUT
+                    comm.Send(msg, peer, TAG)
+                    continue
+                if status.Get_count(BYTE) != nbytes:
+                    raise _fail("all_reduce", g, x, status, peer, nbytes)
+                if kind is not RESULT_IN:
+                    ufunc(acc, tmp, out=acc)
+        except MPI.Exception as err:
+            raise _fail("all_reduce", g, x, status, peer, nbytes, err) from None
+        if self.divisor is not None:
+            reduction.finish(acc, "avg", self.divisor, acc.dtype)
+        stats.record_call("all_reduce", g.name, x.shape, x.dtype, self.sent, self.recv, t0)
+        return acc
+
+
+class ReduceScatterPlan:
+    """Ring reduce-scatter (see ring.ring_reduce_scatter) of one small (shape, dtype, op),
+    every step a single Sendrecv (no pipeline chunks: the whole message fits in cache)."""
+
+    __slots__ = ("steps", "tmp", "partial", "ufunc", "status", "sent", "recv", "shape", "lo", "hi",
+                 "divisor", "dtype")
+
+    def __init__(self, g, shape, dtype, op):
+        n, r = g.size, g.rank
+        unit = int(np.prod(shape[1:], dtype=np.int64))
+        bounds = split_bounds(shape[0], n, unit)
+        biggest = max(b - a for a, b in bounds)
+        self.tmp = np.empty(biggest, dtype)
+        self.partial = [np.empty(biggest, dtype), np.empty(biggest, dtype)]
+        # step s: send block (r-s-1) [x's own part at s=0, then the partial sum just made],
+        # receive block (r-s-2)'s partial from the left into tmp, add x's part of it.
+        self.steps = []
+        for s in range(n - 1):
+            b_send, b_recv = (r - s - 1) % n, (r - s - 2) % n
+            self.steps.append((bounds[b_send], bounds[b_recv], s % 2, s == n - 2))
+        self.lo, self.hi = bounds[r]
+        self.shape = ((self.hi - self.lo) // max(unit, 1),) + tuple(shape[1:])
+        self.sent = sum((b - a) for (a, b), _, _, _ in self.steps) * self.tmp.itemsize
+        self.recv = sum((b - a) for _, (a, b), _, _ in self.steps) * self.tmp.itemsize
+        self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
+        self.divisor = n if op == "avg" and n > 1 else None
+
+    def run(self, g, x):
+        t0 = time.perf_counter()
+        comm, status, tmp, ufunc = g.comm, self.status, self.tmp, self.ufunc
+        right, left = (g.rank + 1) % g.size, (g.rank - 1) % g.size
+        flat = x.reshape(-1)
+        result = np.empty(self.hi - self.lo, self.dtype)
+        outgoing = None
+        nbytes = 0
+        try:
+            for (sa, sb), (ra, rb), which, last in self.steps:
+                if outgoing is None:
+                    outgoing = flat[sa:sb]
+                got = tmp[:rb - ra]
+                nbytes = got.nbytes
+                comm.Sendrecv([outgoing, BYTE], right, TAG, [got, BYTE], left, TAG, status)
+                if status.Get_count(BYTE) != nbytes:
+                    raise _fail("reduce_scatter", g, x, status, left, nbytes)
+                dest = result if last else self.partial[which][:rb - ra]
+                ufunc(flat[ra:rb], got, out=dest)
+                outgoing = dest
+        except MPI.Exception as err:
+            raise _fail("reduce_scatter", g, x, status, left, nbytes, err) from None
+        if self.divisor is not None:
+            reduction.finish(result, "avg", self.divisor, result.dtype)
+        stats.record_call("reduce_scatter", g.name, x.shape, x.dtype, self.sent, self.recv, t0)
+        return result.reshape(self.shape)
+
+
+class AllGatherPlan:
+    """The ring all-gather of ring.ring_all_gather_rows for an input shape already checked
+    once (at least 1-d, rows of nonzero size, a dtype MPI can carry as bytes); it keeps
+    its MPI.Status.  Row counts still come from the messages, so uneven inputs stay right."""
+
+    __slots__ = ("status",)
+
+    def __init__(self):
+        self.status = MPI.Status()
+
+    def run(self, g, x, out):
+        """The gathered array, or None when ``out`` is not a C-contiguous array of x's dtype
+        or x is not contiguous (the general path then copies or raises)."""
+        if not x.flags.c_contiguous or out is not None and not (
+                type(out) is np.ndarray and out.dtype == x.dtype and out.flags.c_contiguous):
+            return None
+        t0 = time.perf_counter()
+        result, sent, received = ring_all_gather_rows(g, x, out, self.status)
+        stats.record_call("all_gather", g.name, x.shape, x.dtype, sent, received, t0)
+        return result

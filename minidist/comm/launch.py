@@ -1,0 +1,70 @@
+"""Plumbing shared by every public collective: argument coercion, and running a collective's
+body here or on the group's progress thread, inside its stats scope and (in debug mode)
+after the cross-rank signature check.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.backend import from_host, to_host
+from minidist.comm import check, stats
+from minidist.comm.group import Group
+
+
+def host_array(x, where: str) -> np.ndarray:
+    h = to_host(x)
+    if isinstance(h, np.generic):  # a NumPy scalar, e.g. a loss value
+        h = np.asarray(h)
+    if not isinstance(h, np.ndarray):
+        raise TypeError(f"{where}: expected an array, got {type(x).__name__}")
+    if h.dtype.hasobject:
+        raise TypeError(f"{where}: arrays of Python objects (dtype {h.dtype}) cannot be sent")
+    return h if h.flags.c_contiguous else np.ascontiguousarray(h)
+
+
+def check_group(g, where: str) -> None:
+    if not isinstance(g, Group):
+        raise TypeError(f"{where}: expected a comm.Group as the group, got {type(g).__name__}")
+
+
+def launch(name: str, body, g, x, sig, async_op: bool, *args):
+    """Run ``body(g, x, *args)`` here or on the group's progress thread.
+
+    ``sig`` = (name, x, keyword arguments of check.signature); the signature is only built
+    (and agreed on) in debug mode, keeping the default path cheap for small messages.
+    """
+    stats.note_op(name, g.name, None if x is None else x.shape, None if x is None else x.dtype,
+                  "async" if async_op else "")
+    sig = check.signature(sig[0], sig[1], **sig[2]) if check.check_enabled() else None
+    if async_op:
+        return g.submit(name, _run, name, body, x, sig, args)
+    return _run(g, name, body, x, sig, args)
+
+
+def _run(g, name, body, x, sig, args):
+    with stats.scope(name):
+        if sig is not None:
+            check.agree(g, sig)
+        result = body(g, x, *args)
+    return None if result is None else from_host(result)
+
+
+def check_out(out, x, where: str, shape=None):
+    """``out=``: a preallocated result array (C-contiguous NumPy, x's dtype), so repeated
+    large collectives (gradient buckets, benchmarks) reuse memory instead of page-faulting
+    a fresh result each call, just like MPI's caller-provided receive buffers."""
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.dtype != x.dtype:
+        raise ValueError(f"{where}: out must be a C-contiguous host array of dtype {x.dtype}, got "
+                         f"{type(out).__name__} {getattr(out, 'dtype', '')}")
+    if shape is not None and out.shape != tuple(shape):
+        raise ValueError(f"{where}: out.shape={out.shape} but the result has shape {tuple(shape)}")
+    return out
+
+
+def check_algorithm(algorithm, choices, where: str):
+    if algorithm not in choices:
+        raise ValueError(f"{where}: algorithm={algorithm!r}; choose one of {list(choices)}")
+    return algorithm
