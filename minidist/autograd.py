@@ -189,14 +189,26 @@ def _finalize_leaf(leaf: Tensor, g, owned: bool):
         hook(leaf)
 
 
-def run_backward(roots, grads, retain_graph: bool = False):
-    """Backpropagate ``grads`` (arrays) from ``roots`` (tensors) through the recorded graph."""
+def run_backward(roots, grads, retain_graph: bool = False, capture=()):
+    """Backpropagate ``grads`` (arrays) from ``roots`` (tensors) through the recorded graph.
+
+    Leaves listed in ``capture`` are not finalized: their gradients are returned instead, as
+    ``{id(leaf): grad}`` (activation checkpointing hands them on to the outer graph).
+    """
     order, pending = _topological_order(roots)
     # Run op nodes in reverse creation order (a valid reverse topological order, since a
     # node is created after its inputs).  Unlike the DFS order, this makes gradients become
     # final -- and hooks fire -- in reverse order of use in forward, as DDP buckets expect.
     order.sort(key=lambda node: node._seq)
     acc = {}  # id(node) -> [grad array, owned?]
+    captured, capture_ids = {}, {id(t) for t in capture}
+
+    def finalize(leaf):
+        g, owned = acc.pop(id(leaf), (None, False))
+        if id(leaf) in capture_ids:
+            captured[id(leaf)] = g
+        else:
+            _finalize_leaf(leaf, g, owned)
 
     def deliver(node, g):
         slot = acc.get(id(node))
@@ -214,8 +226,7 @@ def run_backward(roots, grads, retain_graph: bool = False):
             deliver(r, g)
     for r in roots:
         if r.requires_grad and r._ctx is None and pending.get(id(r), 0) == 0:
-            g, owned = acc.pop(id(r), (None, False))
-            _finalize_leaf(r, g, owned)
+            finalize(r)
 
     for node in reversed(order):
         if node._ctx is None:
@@ -231,19 +242,25 @@ def run_backward(roots, grads, retain_graph: bool = False):
             deliver(p, pg)
             pending[id(p)] -= 1
             if pending[id(p)] == 0 and p._ctx is None:
-                g_leaf, owned = acc.pop(id(p), (None, False))
-                _finalize_leaf(p, g_leaf, owned)
+                finalize(p)
+    return captured
 
 
-def checkpoint(fn, *args):
+def checkpoint(fn, *args, params=None):
     """Run ``fn(*args)`` without keeping its activations; recompute them in backward.
 
-    ``fn`` must return one Tensor and be deterministic.  Parameters used inside ``fn``
-    receive their gradients (and fire their hooks) during the recomputation's backward.
+    ``fn`` must return one Tensor and be deterministic.  The parameters ``fn`` uses
+    (``params``, by default ``fn.parameters()`` when ``fn`` is a module) become inputs of
+    the checkpoint in the graph: the recomputation hands their gradients to the outer
+    backward, so a parameter used both inside and outside ``fn`` (tied weights) still gets
+    one complete gradient and fires its hooks once.  Parameters not listed receive their
+    gradients (and fire their hooks) during the recomputation.
     """
-    tensor_args = [a for a in args if isinstance(a, Tensor)]
     if not is_grad_enabled():
         return fn(*args)
+    if params is None:
+        params = fn.parameters() if hasattr(fn, "parameters") else ()
+    params = [p for p in params if p.requires_grad]
     with no_grad():
         out = fn(*args)
     if not isinstance(out, Tensor):
@@ -251,14 +268,13 @@ def checkpoint(fn, *args):
 
     def backward_fn(g):
         inputs = [Tensor(a.data, requires_grad=a.requires_grad) if isinstance(a, Tensor) else a for a in args]
+        tensor_inputs = [i for i in inputs if isinstance(i, Tensor)]
         with enable_grad():
             recomputed = fn(*inputs)
-        run_backward([recomputed], [g])
-        return tuple(i.grad for i in inputs if isinstance(i, Tensor))
+        grads = run_backward([recomputed], [g], capture=tensor_inputs + params)
+        return tuple(grads.get(id(t)) for t in tensor_inputs + params)
 
-    # The graph edge goes to the inputs only: the parameters inside are reached by the
-    # recomputation.  Mark the output as needing grad even if no input does (params inside).
     result = Tensor(out.data)
-    result.requires_grad = True
-    result._ctx = (tuple(tensor_args), backward_fn)
+    result.requires_grad = True  # even if no input needs a gradient: parameters inside may
+    result._ctx = (tuple(a for a in args if isinstance(a, Tensor)) + tuple(params), backward_fn)
     return result

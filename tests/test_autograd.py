@@ -173,3 +173,31 @@ def test_checkpoint_fires_inner_parameter_hooks_once():
     out.sum().backward()
     assert sorted(fired) == ["w1", "w2"]
     assert w1.grad is not None and w2.grad is not None
+
+
+def test_checkpoint_hands_parameter_grads_to_outer_graph():
+    """A weight used inside a checkpointed function AND outside it (tied weights) gets one
+    complete gradient, equal to the plain run's, and its hook fires exactly once."""
+    w = param(4, 4, name="w")
+    x = Tensor(RNG.standard_normal((3, 4)))
+
+    class Inner:
+        def parameters(self):
+            return [w]
+
+        def __call__(self, h):
+            return ops.gelu(h @ w)
+
+    def run(use_checkpoint):
+        w.grad, fired = None, []
+        remove = w.register_grad_hook(lambda p: fired.append(p.grad.copy()))
+        h = checkpoint(Inner(), x) if use_checkpoint else Inner()(x)
+        (h @ w).sum().backward()  # w used again outside the checkpoint
+        remove()
+        return w.grad.copy(), fired
+
+    plain, plain_fired = run(False)
+    ckpt, ckpt_fired = run(True)
+    np.testing.assert_allclose(ckpt, plain, rtol=1e-12)
+    assert len(plain_fired) == 1 and len(ckpt_fired) == 1
+    np.testing.assert_allclose(ckpt_fired[0], plain, rtol=1e-12)

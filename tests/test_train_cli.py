@@ -12,8 +12,8 @@ TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "
         "--peak-gflops", "10", "--eval-batches", "1"]
 
 
-def run(args, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+def run(args, timeout=300, threads=1):
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
     return subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -67,7 +67,7 @@ def test_float64_run_writes_metrics(tmp_path):
 def test_default_model_learns_the_default_corpus(tmp_path):
     """The default small model goes from ~5.5 nats/byte to below 2.6 in 300 steps."""
     metrics = tmp_path / "m.jsonl"
-    r = run(["--steps", "300", "--metrics-jsonl", str(metrics), "--eval-every", "0", "--quiet"], timeout=900)
+    r = run(["--steps", "300", "--metrics-jsonl", str(metrics), "--eval-every", "0", "--quiet"], timeout=900, threads=2)
     assert r.returncode == 0, r.stderr
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert 5.0 < losses[0] < 6.0
