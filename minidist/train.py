@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, help="text file to train on (default: the Python standard library's source)")
     d.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per training sequence")
-    d.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step (the global batch)")
+    d.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step (the global batch)")
     d.add_argument("--val-fraction", type=float, default=0.05, help="share of the corpus held out for validation")
     o = p.add_argument_group("optimization")
     o.add_argument("--steps", type=int, default=300, help="optimizer steps")
@@ -188,8 +188,10 @@ def train(args, log=print, data=None):
 
     tokens_per_step = args.batch_size * args.seq_len
     flops_per_step = model_flops_per_token(args.layers, args.d_model, args.seq_len, 256) * tokens_per_step
+    # A shared machine's load lowers the measured peak (and so raises MFU): pass --peak-gflops
+    # for numbers comparable across runs.
     peak = args.peak_gflops or measure_peak_gflops(args.d_model, tokens_per_step // args.grad_accum,
-                                                   "float32" if low is not None else args.dtype)
+                                                   "float32" if low is not None else args.dtype, seconds=1.0)
     if not args.quiet:
         log(f"minidist: GPT {args.layers}x{args.d_model} ({model.num_parameters():,} parameters), "
             f"{len(sampler.data):,} training bytes, batch {args.batch_size}x{args.seq_len}, "
@@ -197,7 +199,6 @@ def train(args, log=print, data=None):
 
     memory, tracer = PeakMemory(), Tracer(enabled=bool(args.trace))
     metrics, metrics_file = [], open(args.metrics_jsonl, "w") if args.metrics_jsonl else None
-    t_start = time.perf_counter()
     try:
         for step in range(args.steps):
             memory.reset()
@@ -230,7 +231,7 @@ def train(args, log=print, data=None):
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
             if not args.quiet and (step % args.log_every == 0 or step + 1 == args.steps or "val_loss" in record):
-                log(progress_line(record, args.steps, time.perf_counter() - t_start))
+                log(progress_line(record, args.steps, metrics))
             if not math.isfinite(loss) and scaler is None:
                 raise FloatingPointError(f"loss became {loss} at step {step}")
     finally:
@@ -242,9 +243,10 @@ def train(args, log=print, data=None):
     return metrics
 
 
-def progress_line(r: dict, steps: int, elapsed: float) -> str:
+def progress_line(r: dict, steps: int, history: list) -> str:
     done = r["step"] + 1
-    eta = elapsed / done * (steps - done)
+    recent = [h["step_time_s"] for h in history[-20:]]  # recent steps: the first one pays warm-up
+    eta = sum(recent) / len(recent) * (steps - done)
     line = (f"step {done:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"{r['tokens_per_s']:,.0f} tok/s | MFU {100 * r['mfu']:.1f}% | "
             f"mem {r['peak_mem_mb']:.0f} MiB | ETA {int(eta // 60)}m{int(eta % 60):02d}s")
