@@ -14,7 +14,7 @@ collective      algorithm                                    sent per rank
 all_reduce      small: recursive doubling, log2 N rounds     log2(N) * X
                 large: ring reduce-scatter + all-gather      2(N-1)/N * X
 reduce_scatter  ring, N-1 steps                              (N-1)/N * X
-all_gather      ring, N-1 steps (+ Bruck size exchange)      (N-1) * X_own
+all_gather      ring, N-1 steps (N>2: + Bruck size exchange) (N-1) * X_own (N>2: + 8(N-1))
 broadcast       small: binomial tree; large: pipelined chain tree: <= log2(N) X; chain: X
 reduce          small: binomial tree; large: pipelined chain tree: X; chain: X
 scatter/gather  linear at the root, N-1 messages             root: (N-1)/N * X
@@ -26,6 +26,10 @@ barrier         dissemination, ceil(log2 N) rounds           0
 The size thresholds between the latency- and bandwidth-optimal algorithms are module
 constants, chosen from ``benchmarks/bench_collectives.py`` measurements on the development
 machine (see the comments); ``algorithm=`` overrides them per call (the tests force each path).
+
+Repeated synchronous calls of all_reduce, reduce_scatter and all_gather with the same shape
+and dtype run a plan cached on the group (fastpath.py): the same algorithm and result with a
+fraction of the per-call Python work, which dominates the cost of small messages.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from minidist.comm.launch import (check_algorithm as _algorithm, check_group as 
                                   check_out as _check_out, host_array as _host, launch as _launch)
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _isend, _recv, _sendrecv
 from minidist.comm.rooted import gather, scatter
-from minidist.comm.ring import (chain_broadcast, chain_reduce, ring_all_gather_rows,
+from minidist.comm.ring import (chain_broadcast, chain_reduce, ring_all_gather, ring_all_gather_rows,
                                 ring_all_reduce, ring_reduce_scatter, split_bounds)
 
 # All-reduce: recursive doubling up to these sizes, the ring above.  Measured crossover
@@ -201,9 +205,10 @@ def all_gather(x, g, async_op: bool = False, *, out=None):
     """Concatenate every rank's ``x`` along axis 0, on every rank (first dims may differ).
 
     Ring: N-1 steps, each rank forwards every other rank's block once ((N-1)/N of the
-    output); receivers learn each block's row count from the message size (Probe), so no
-    separate size exchange is needed (see ring.ring_all_gather_rows).  Repeated calls with
-    the same shape skip the argument checks (fastpath.py).
+    output).  Two ranks: the receiver learns the other's row count from the message size
+    (Probe), so no size exchange is needed (ring.ring_all_gather_rows), and repeated calls
+    with the same shape skip the argument checks (fastpath.py).  More ranks: a Bruck
+    all-gather of the row counts (ceil(log2 N) rounds of 8 bytes) comes first.
     """
     if type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):  # fastpath.usable
         plan = g._plans.get(("all_gather", x.dtype, x.shape)) if type(g) is Group else None
@@ -216,7 +221,7 @@ def all_gather(x, g, async_op: bool = False, *, out=None):
     out = _check_out(out, x, "all_gather")
     sig = ("all_gather", x, dict(rule="trailing"))
     result = _launch("all_gather", _all_gather, g, x, sig, async_op, out)
-    if type(x) is np.ndarray and not async_op and g.size > 1 and 0 not in x.shape[1:]:
+    if type(x) is np.ndarray and not async_op and g.size == 2 and 0 not in x.shape[1:]:
         fastpath.store(g, ("all_gather", x.dtype, x.shape), fastpath.AllGatherPlan())
     return result
 
@@ -225,14 +230,25 @@ def _all_gather(g, x, result=None):
     n = g.size
     if n == 1:
         return x.copy() if result is None else _fill(result, x)
-    if 0 not in x.shape[1:]:
+    if n == 2 and 0 not in x.shape[1:]:
         out, sent, received = ring_all_gather_rows(g, x, result)
         stats.count_bytes(sent, received)
         return out
-    # Rows of zero bytes: message sizes can't tell row counts, so exchange them (Bruck).
+    # N > 2: Probe + Recv serialises each ring step (the receive is posted only once the
+    # message has arrived), which cost 2-4x with oversubscribed ranks (4 ranks, 2 cores);
+    # so share the row counts first (Bruck, ceil(log2 N) rounds of 8 bytes), then run a
+    # Sendrecv ring straight into place.  Also the path for rows of zero bytes.
     rows = tree.bruck_all_gather(g, np.array([x.shape[0]], np.int64).view(np.uint8)).view(np.int64).reshape(-1)
+    unit = int(np.prod(x.shape[1:], dtype=np.int64))
+    ends = np.cumsum(rows) * unit
+    bounds = [(int(e - k * unit), int(e)) for e, k in zip(ends, rows)]
     shape = (int(rows.sum()),) + x.shape[1:]
-    return np.empty(shape, x.dtype) if result is None else _check_out(result, x, "all_gather", shape)
+    out = np.empty(shape, x.dtype) if result is None else _check_out(result, x, "all_gather", shape)
+    flat = out.reshape(-1)
+    lo, hi = bounds[g.rank]
+    flat[lo:hi] = x.reshape(-1)
+    ring_all_gather(g, flat, bounds)
+    return out
 
 
 def _fill(out, value):

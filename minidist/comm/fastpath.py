@@ -121,49 +121,50 @@ class ReduceScatterPlan:
     """Ring reduce-scatter (see ring.ring_reduce_scatter) of one small (shape, dtype, op),
     every step a single Sendrecv (no pipeline chunks: the whole message fits in cache)."""
 
-    __slots__ = ("steps", "tmp", "partial", "ufunc", "status", "sent", "recv", "shape", "lo", "hi",
-                 "divisor", "dtype")
+    __slots__ = ("steps", "ufunc", "status", "sent", "recv", "shape", "size", "divisor", "dtype",
+                 "right", "left")
 
     def __init__(self, g, shape, dtype, op):
         n, r = g.size, g.rank
         unit = int(np.prod(shape[1:], dtype=np.int64))
         bounds = split_bounds(shape[0], n, unit)
         biggest = max(b - a for a, b in bounds)
-        self.tmp = np.empty(biggest, dtype)
-        self.partial = [np.empty(biggest, dtype), np.empty(biggest, dtype)]
-        # step s: send block (r-s-1) [x's own part at s=0, then the partial sum just made],
-        # receive block (r-s-2)'s partial from the left into tmp, add x's part of it.
+        tmp = np.empty(biggest, dtype)
+        partial = [np.empty(biggest, dtype), np.empty(biggest, dtype)]
+        # Step s: send block (r-s-1) [x's own part at s=0, then the partial sum just made],
+        # receive block (r-s-2)'s partial from the left into tmp, add x's part of it into
+        # a partial buffer (or, in the last step, the result).  Views and MPI descriptors
+        # of the plan's own buffers are made here, once.
         self.steps = []
         for s in range(n - 1):
-            b_send, b_recv = (r - s - 1) % n, (r - s - 2) % n
-            self.steps.append((bounds[b_send], bounds[b_recv], s % 2, s == n - 2))
-        self.lo, self.hi = bounds[r]
-        self.shape = ((self.hi - self.lo) // max(unit, 1),) + tuple(shape[1:])
-        self.sent = sum((b - a) for (a, b), _, _, _ in self.steps) * self.tmp.itemsize
-        self.recv = sum((b - a) for _, (a, b), _, _ in self.steps) * self.tmp.itemsize
+            (sa, sb), (ra, rb) = bounds[(r - s - 1) % n], bounds[(r - s - 2) % n]
+            got = tmp[:rb - ra]
+            dest = None if s == n - 2 else partial[s % 2][:rb - ra]
+            self.steps.append((sa, sb, ra, rb, got, [got, BYTE], got.nbytes, dest))
+        lo, hi = bounds[r]
+        self.size = hi - lo
+        self.shape = (self.size // max(unit, 1),) + tuple(shape[1:])
+        self.sent = sum(sb - sa for sa, sb, *_ in self.steps) * tmp.itemsize
+        self.recv = sum(rb - ra for _, _, ra, rb, *_ in self.steps) * tmp.itemsize
         self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
         self.divisor = n if op == "avg" and n > 1 else None
+        self.right, self.left = (r + 1) % n, (r - 1) % n
 
     def run(self, g, x):
         t0 = time.perf_counter()
-        comm, status, tmp, ufunc = g.comm, self.status, self.tmp, self.ufunc
-        right, left = (g.rank + 1) % g.size, (g.rank - 1) % g.size
+        comm, status, ufunc, right, left = g.comm, self.status, self.ufunc, self.right, self.left
         flat = x.reshape(-1)
-        result = np.empty(self.hi - self.lo, self.dtype)
+        result = np.empty(self.size, self.dtype)
         outgoing = None
         nbytes = 0
         try:
-            for (sa, sb), (ra, rb), which, last in self.steps:
-                if outgoing is None:
-                    outgoing = flat[sa:sb]
-                got = tmp[:rb - ra]
-                nbytes = got.nbytes
-                comm.Sendrecv([outgoing, BYTE], right, TAG, [got, BYTE], left, TAG, status)
+            for sa, sb, ra, rb, got, got_msg, nbytes, dest in self.steps:
+                comm.Sendrecv([flat[sa:sb] if outgoing is None else outgoing, BYTE], right, TAG,
+                              got_msg, left, TAG, status)
                 if status.Get_count(BYTE) != nbytes:
                     raise _fail("reduce_scatter", g, x, status, left, nbytes)
-                dest = result if last else self.partial[which][:rb - ra]
-                ufunc(flat[ra:rb], got, out=dest)
-                outgoing = dest
+                outgoing = result if dest is None else dest
+                ufunc(flat[ra:rb], got, out=outgoing)
         except MPI.Exception as err:
             raise _fail("reduce_scatter", g, x, status, left, nbytes, err) from None
         if self.divisor is not None:
