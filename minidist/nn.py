@@ -149,13 +149,10 @@ class CausalSelfAttention(Module):
         self.c_proj = Linear(cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
 
     def forward(self, x):
-        B, T, C = x.shape
-        H = self.n_head
         qkv = self.c_attn(x)                                       # (B, T, 3C)
-        qkv = ops.transpose(ops.reshape(qkv, (B, T, 3, H, C // H)), (2, 0, 3, 1, 4))
-        q, k, v = (ops.reshape(t, (B, H, T, C // H)) for t in ops.split(qkv, 3, axis=0))
-        y = ops.attention(q, k, v, causal=True)                    # (B, H, T, D)
-        y = ops.reshape(ops.transpose(y, (0, 2, 1, 3)), (B, T, C))
+        # The fused op reads each head's q, k, v as strided views of qkv and writes its
+        # output into the head's columns of y: no (B, H, T, D) transpose copies.
+        y = ops.self_attention(qkv, self.n_head, causal=True)     # (B, T, C)
         return self.c_proj(y)
 
 

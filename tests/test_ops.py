@@ -192,6 +192,65 @@ def test_attention_grads(causal):
     check_grad(lambda a, b, c: ops.attention(a, b, c, causal=causal), *(rand(2, 1, 2, 3, 2) for _ in range(3)))
 
 
+def _split_heads(qkv, n_head):
+    """The reference (B, T, 3C) -> three (B, H, T, D) arrays, by explicit transpose."""
+    B, T, C3 = qkv.shape
+    return qkv.reshape(B, T, 3, n_head, C3 // 3 // n_head).transpose(2, 0, 3, 1, 4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_self_attention_grads_and_equals_split_attention(causal):
+    check_grad(lambda x: ops.self_attention(x, 2, causal=causal), rand(2, 4, 12))
+    check_grad(lambda x: ops.self_attention(x, 1, causal=causal, scale=0.3), rand(1, 3, 6))
+    # same values and gradient as attention() on the explicitly split heads
+    x = Tensor(rand(3, 5, 24), requires_grad=True)
+    y = ops.self_attention(x, 4, causal=causal)
+    g = rand(3, 5, 8)
+    y.backward(g)
+    q, k, v = (Tensor(np.ascontiguousarray(a), requires_grad=True) for a in _split_heads(x.data, 4))
+    ref = ops.attention(q, k, v, causal=causal)
+    ref.backward(g.reshape(3, 5, 4, 2).transpose(0, 2, 1, 3))
+    np.testing.assert_allclose(y.data, ref.data.transpose(0, 2, 1, 3).reshape(3, 5, 8), rtol=1e-12, atol=1e-12)
+    dx = np.stack([q.grad, k.grad, v.grad]).transpose(1, 3, 0, 2, 4).reshape(3, 5, 24)
+    np.testing.assert_allclose(x.grad, dx, rtol=1e-12, atol=1e-12)
+
+
+def test_self_attention_bad_input():
+    with pytest.raises(ValueError, match=r"\(B, T, 3C\)"):
+        ops.self_attention(Tensor(rand(2, 3, 7)), 1)
+    with pytest.raises(ValueError, match="n_head=3"):
+        ops.self_attention(Tensor(rand(2, 3, 12)), 3)
+
+
+def test_parallel_for_threads_match_serial():
+    """Slabs shared out over threads (2 BLAS threads) give bit-identical results to one
+    thread, and an exception in a worker reaches the caller."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from minidist.ops import blas_threads
+
+    x = Tensor(rand(5, 16, 24).astype(np.float32), requires_grad=True)
+    g = rand(5, 16, 8).astype(np.float32)
+    results = []
+    for n in (1, 2):
+        with threadpoolctl.threadpool_limits(limits=n, user_api="blas"):
+            assert blas_threads.blas_threads() == n or n == 1
+            x.grad = None
+            y = ops.self_attention(x, 2)
+            y.backward(g)
+            results.append((y.data.copy(), x.grad.copy()))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+    def boom(item, buf):
+        buf[...] = item
+        if item == 3:
+            raise RuntimeError("slab 3 failed")
+
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        with pytest.raises(RuntimeError, match="slab 3"):
+            blas_threads.parallel_for(range(6), boom, scratch=[((2,), np.float32)])
+
+
 def test_cast_grad():
     x = Tensor(rand(3, 2), requires_grad=True)
     y = ops.cast(x, "float32")
@@ -286,6 +345,7 @@ FLOAT32_CASES = {
     "embedding": lambda: ops.embedding(_f32(5, 3), np.array([[1, 2], [1, 4]])),
     "cross_entropy": lambda: ops.cross_entropy(_f32(3, 5), np.array([0, 4, 4])),
     "attention": lambda: ops.attention(_f32(1, 2, 4, 3), _f32(1, 2, 4, 3), _f32(1, 2, 4, 3)),
+    "self_attention": lambda: ops.self_attention(_f32(2, 4, 6), 2),
 }
 
 

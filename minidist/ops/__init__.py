@@ -10,7 +10,7 @@ cross_entropy), ``attention`` (fused scaled dot-product attention) and ``precisi
 from __future__ import annotations
 
 from ..autograd import Tensor
-from .attention import attention, causal_mask
+from .attention import attention, causal_mask, self_attention
 from .basic import (
     add,
     concat,
@@ -39,7 +39,7 @@ __all__ = [
     "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sqrt", "sum", "mean",
     "reshape", "transpose", "split", "concat", "getitem", "index_rows", "unbroadcast",
     "matmul", "linear", "gelu", "softmax", "layer_norm", "embedding", "cross_entropy",
-    "attention", "causal_mask", "cast", "autocast", "get_autocast_dtype",
+    "attention", "self_attention", "causal_mask", "cast", "autocast", "get_autocast_dtype",
 ]
 
 

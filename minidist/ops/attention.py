@@ -12,6 +12,14 @@ where FlashAttention would instead recompute them blockwise).  Backward:
 
 The identity rowsum(dP * P) = rowsum(dO * O) (used by FlashAttention-2, Dao 2023) lets the
 softmax correction be computed on (T, D) arrays instead of (T, T) ones.
+
+Two entry points share the per-slab kernels below:
+
+* :func:`attention` takes q, k, v laid out (..., H, T, D);
+* :func:`self_attention` takes the fused QKV projection (B, T, 3C) as the GPT block makes
+  it and returns (B, T, C).  It reads each head's Q, K, V as strided views of that array and
+  writes each head's output straight into its columns of the (B, T, C) result, so the
+  model needs no head-splitting transpose copies (three in forward, three in backward).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import math
 
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
+from .blas_threads import parallel_for
 from .nn_ops import _softmax_inplace
 from .precision import gemm_operands, to_dtype
 
@@ -40,52 +49,126 @@ def causal_mask(tq: int, tk: int, dtype):
     return mask
 
 
+# ------------------------------------------------------------------ per-slab kernels
+# A "slab" is all heads of one batch element: q, k, v, o are (H, T, D) arrays (possibly
+# strided views), p is the (H, Tq, Tk) probability slab.  A slab's scores (256 KB at
+# H=4, T=128) stay in cache through the softmax and the two products around it.
+
+
+def _forward_slab(qs, k, v, p, o, mask):
+    """p <- softmax(qs k^T + mask), o <- p v.  ``qs`` already carries the scale."""
+    xp.matmul(qs, k.swapaxes(-1, -2), out=p)
+    if mask is not None:
+        p += mask
+    _softmax_inplace(p, -1)
+    xp.matmul(p, v, out=o)
+
+
+def _backward_slab(qs, k, v, p, o, do, dq, dk, dv, ds):
+    """Write dq (unscaled: the caller multiplies by ``scale``), dk and dv of one slab.
+    ``ds`` is a (H, Tq, Tk) scratch slab."""
+    delta = xp.einsum("...i,...i->...", do, o)[..., None]  # rowsum(dO * O)
+    xp.matmul(do, v.swapaxes(-1, -2), out=ds)  # dP, turned into dS in place
+    ds -= delta
+    ds *= p
+    xp.matmul(p.swapaxes(-1, -2), do, out=dv)
+    xp.matmul(ds, k, out=dq)
+    xp.matmul(ds.swapaxes(-1, -2), qs, out=dk)  # qs carries the scale
+
+
+def _check_scale(D, scale):
+    return 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+
+# ------------------------------------------------------------------ q, k, v entry point
+
+
 def _chunks(lead_shape):
-    """Index tuples over the leading axes except the last (the heads): each chunk is one
-    (H, T, T) slab of scores, small enough to stay in cache through softmax and matmuls."""
-    return itertools.product(*(range(n) for n in lead_shape[:-1]))
+    """Index tuples over the leading axes except the last (the heads): one slab each."""
+    return list(itertools.product(*(range(n) for n in lead_shape[:-1])))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale=None) -> Tensor:
     """Attention for q (B, H, Tq, D), k and v (B, H, Tk, D) -> (B, H, Tq, D).
 
     ``scale`` defaults to 1/sqrt(D).  Any matching leading dims work (not only B, H).
-    The work runs one batch element at a time (all heads together), so the (H, T, T)
-    scores stay in cache across their softmax and the two products around it.
+    The work runs one batch element at a time (all heads together).
     """
     if q.ndim < 2 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"attention shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    D = q.shape[-1]
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scale = _check_scale(q.shape[-1], scale)
     (Q, K, V), out_dtype = gemm_operands(q.data, k.data, v.data)
     Qs = Q * scale  # scaling Q (T*D values) is cheaper than scaling the scores (T*T)
     lead, Tq, Tk = Q.shape[:-2], Q.shape[-2], K.shape[-2]
     P = xp.empty(lead + (Tq, Tk), dtype=Qs.dtype)  # probabilities, kept for backward
     O = xp.empty(lead + (Tq, V.shape[-1]), dtype=Qs.dtype)
     mask = causal_mask(Tq, Tk, Qs.dtype) if causal else None
-    for i in _chunks(lead):
-        p = P[i]
-        xp.matmul(Qs[i], K[i].swapaxes(-1, -2), out=p)
-        if mask is not None:
-            p += mask
-        _softmax_inplace(p, -1)
-        xp.matmul(p, V[i], out=O[i])
+    chunks = _chunks(lead)
+    parallel_for(chunks, lambda i: _forward_slab(Qs[i], K[i], V[i], P[i], O[i], mask))
 
     def backward(g):
         dO = to_dtype(g, O.dtype)
-        delta = xp.einsum("...i,...i->...", dO, O)[..., None]  # rowsum(dO * O)
         dQ, dK, dV = xp.empty_like(Qs), xp.empty_like(Qs, shape=K.shape), xp.empty_like(Qs, shape=V.shape)
-        for i in _chunks(lead):
-            p, do = P[i], dO[i]
-            ds = do @ V[i].swapaxes(-1, -2)  # dP, turned into dS in place
-            ds -= delta[i]
-            ds *= p
-            xp.matmul(p.swapaxes(-1, -2), do, out=dV[i])
-            xp.matmul(ds, K[i], out=dQ[i])
-            xp.matmul(ds.swapaxes(-1, -2), Qs[i], out=dK[i])  # Qs carries the scale
+
+        def slab(i, ds):
+            _backward_slab(Qs[i], K[i], V[i], P[i], O[i], dO[i], dQ[i], dK[i], dV[i], ds)
+
+        parallel_for(chunks, slab, scratch=[(P[chunks[0]].shape, P.dtype)])
         dQ *= scale
         return to_dtype(dQ, q.dtype), to_dtype(dK, k.dtype), to_dtype(dV, v.dtype)
 
     return make_tensor(to_dtype(O, out_dtype), (q, k, v), backward)
+
+
+# ------------------------------------------------------------------ fused-QKV entry point
+
+
+def self_attention(qkv: Tensor, n_head: int, causal: bool = True, scale=None) -> Tensor:
+    """Multi-head self-attention on a fused projection qkv (B, T, 3C) -> (B, T, C).
+
+    Columns [0, C) of ``qkv`` are the queries, [C, 2C) the keys, [2C, 3C) the values; head h
+    owns columns [h*D, (h+1)*D) of each part (D = C / n_head), the GPT-2 layout.  Same math
+    as ``attention`` on the (B, H, T, D) split, without materialising that split.
+    """
+    if qkv.ndim != 3 or qkv.shape[-1] % 3:
+        raise ValueError(f"self_attention needs qkv of shape (B, T, 3C), got {tuple(qkv.shape)}")
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    if not isinstance(n_head, int) or n_head <= 0 or C % n_head:
+        raise ValueError(f"self_attention: n_head={n_head!r} does not divide C={C}")
+    H, D = n_head, C // n_head
+    scale = _check_scale(D, scale)
+    (X,), out_dtype = gemm_operands(qkv.data)
+
+    def heads(a, b, part):
+        """Part (0 = Q, 1 = K, 2 = V, or the output for a (B, T, C) array) of batch element
+        b as an (H, T, D) strided view: no copy."""
+        return a[b, :, part * C:(part + 1) * C].reshape(T, H, D).transpose(1, 0, 2)
+
+    P = xp.empty((B, H, T, T), dtype=X.dtype)  # probabilities, kept for backward
+    Y = xp.empty((B, T, C), dtype=X.dtype)
+    mask = causal_mask(T, T, X.dtype) if causal else None
+
+    def forward(b, qs):
+        xp.multiply(heads(X, b, 0), scale, out=qs)  # scale Q (T*D values), not the scores (T*T)
+        _forward_slab(qs, heads(X, b, 1), heads(X, b, 2), P[b], heads(Y, b, 0), mask)
+
+    parallel_for(range(B), forward, scratch=[((H, T, D), X.dtype)])
+
+    def backward(g):
+        G = to_dtype(g, Y.dtype)
+        dX = xp.empty_like(X)
+
+        def slab(b, qs, ds):
+            xp.multiply(heads(X, b, 0), scale, out=qs)  # recomputed: cheaper than storing it
+            dq = heads(dX, b, 0)
+            _backward_slab(qs, heads(X, b, 1), heads(X, b, 2), P[b], heads(Y, b, 0), heads(G, b, 0),
+                           dq, heads(dX, b, 1), heads(dX, b, 2), ds)
+            dq *= scale
+
+        parallel_for(range(B), slab, scratch=[((H, T, D), X.dtype), ((H, T, T), X.dtype)])
+        return (to_dtype(dX, qkv.dtype),)
+
+    return make_tensor(to_dtype(Y, out_dtype), (qkv,), backward)
