@@ -8,8 +8,9 @@
     comm.stats()                                 # bytes and time per collective on this rank
 
 Layers: p2p.py (buffers, byte accounting, simulated links) <- tree.py / ring.py (algorithms)
-<- collectives.py (public API, argument checks, async) ; group.py holds communicators and
-the progress thread; check.py the debug-mode agreement of signatures.
+<- collectives.py and rooted.py (public API; launch.py: argument checks, stats scope, async;
+fastpath.py: cached plans for repeated small calls) ; group.py holds communicators and the
+progress thread; check.py the debug-mode agreement of signatures.
 """
 
 from minidist.comm.check import check_enabled, set_check

@@ -16,9 +16,13 @@ collectives in MPI-4, NCCL's plans); minidist does the same:
   one in-place ufunc, per call one recent-ops entry and one stats update.
 
 Plans are used only where they give exactly the general path's answer (same algorithm, same
-order of additions, so bit-identical results): synchronous calls on NumPy arrays in a
-dtype that is its own accumulator (float32/float64/int32/int64), with the debug-mode
-signature check and the simulated link both off.  Everything else takes the general path.
+order of additions, so bit-identical results): synchronous calls on NumPy arrays with the
+debug-mode signature check and the simulated link both off; for all_reduce (recursive-doubling
+sizes) and reduce_scatter (up to one pipeline chunk) in a dtype that is its own accumulator
+(float32/float64/int32/int64); for all_gather on 2 ranks, any dtype.  Everything else takes
+the general path.  Measured effect (2 ranks, 4 KB float32, busy 2-core machine): all_reduce
+53 -> 25-28 us per call against 13-16 us for MPI's built-in; the rest is the price of
+Python calling MPI (a bare mpi4py Sendrecv + np.add already takes 13-14 us here).
 """
 
 from __future__ import annotations
