@@ -4,7 +4,10 @@ Model: d_model 256, 4 layers, 4 heads, seq 128, batch 16, float32; a step is for
 backward and an AdamW update.  Each thread count runs in its own process (BLAS reads its
 thread count at start-up), and inside it the two frameworks alternate step by step so that
 both see the same machine load.  Reports tokens/s, MFU (against a GEMM peak measured in the
-same process) and the ratio minidist / PyTorch.
+same process) and the ratio minidist / PyTorch, from wall time and from CPU time
+(``time.process_time``, all threads of the process).  On a shared machine the CPU-time ratio
+of the 1-thread run is the robust one: time spent descheduled does not count in it.  The
+load average before and after each run is reported next to the numbers.
 
     python benchmarks/bench_model.py [--threads 1 2] [--reps 10] [--out DIR]
 """
@@ -54,20 +57,24 @@ def measure(threads: int, reps: int) -> dict:
         ref_opt.step()
 
     times = {"minidist": [], "torch": []}
+    cpu_times = {"minidist": [], "torch": []}
+    load_before = os.getloadavg()[0]
     for rep in range(reps + 2):  # two warm-up reps
         for name, fn in (("minidist", step_minidist), ("torch", step_torch)):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             if rep >= 2:
                 times[name].append(time.perf_counter() - t0)
+                cpu_times[name].append(time.process_time() - c0)
     tokens = s["batch"] * s["seq_len"]
     flops = model_flops_per_token(s["n_layer"], s["d_model"], s["seq_len"], 256) * tokens
     peak = measure_peak_gflops(s["d_model"], tokens, "float32", seconds=1.0)
-    result = {"threads": threads, "peak_gflops": peak}
+    result = {"threads": threads, "peak_gflops": peak, "load_avg": [load_before, os.getloadavg()[0]]}
     for name, ts in times.items():
-        med = float(np.median(ts))
-        result[name] = {"step_s": med, "tokens_per_s": tokens / med, "mfu": flops / med / (peak * 1e9)}
+        med, cpu = float(np.median(ts)), float(np.median(cpu_times[name]))
+        result[name] = {"step_s": med, "cpu_s": cpu, "tokens_per_s": tokens / med, "mfu": flops / med / (peak * 1e9)}
     result["ratio"] = result["minidist"]["tokens_per_s"] / result["torch"]["tokens_per_s"]
+    result["cpu_ratio"] = result["torch"]["cpu_s"] / result["minidist"]["cpu_s"]
     return result
 
 
@@ -88,10 +95,13 @@ def main():
                              env=env, capture_output=True, text=True, check=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
     print(f"GPT training step ({SHAPE}), float32, median of {args.reps} interleaved reps")
-    print(f"{'threads':>7} {'minidist tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'MFU md':>7} {'MFU pt':>7}")
+    print("ratio: minidist / torch tokens per wall second; cpu ratio: the same from CPU time per step")
+    print(f"{'threads':>7} {'minidist tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'cpu ratio':>9} "
+          f"{'MFU md':>7} {'MFU pt':>7} {'load avg':>10}")
     for r in results:
         print(f"{r['threads']:>7} {r['minidist']['tokens_per_s']:>15,.0f} {r['torch']['tokens_per_s']:>12,.0f} "
-              f"{r['ratio']:>6.2f} {100 * r['minidist']['mfu']:>6.1f}% {100 * r['torch']['mfu']:>6.1f}%")
+              f"{r['ratio']:>6.2f} {r['cpu_ratio']:>9.2f} {100 * r['minidist']['mfu']:>6.1f}% "
+              f"{100 * r['torch']['mfu']:>6.1f}% {r['load_avg'][0]:>4.1f}-{r['load_avg'][1]:<4.1f}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "model_step.json"), "w") as f:

@@ -67,7 +67,8 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
             g2d = g2d.astype(x2d.dtype)
         gx = (g2d @ W.T).reshape(x.shape) if x.requires_grad else None
         gw = x2d.T @ g2d if w.requires_grad else None
-        gb = g2d.sum(axis=0) if b is not None and b.requires_grad else None
+        # column sums as a GEMV (ones @ g): one BLAS pass, faster than NumPy's sum(axis=0)
+        gb = xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if b is not None and b.requires_grad else None
         return to_dtype(gx, x.dtype), to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
 
     return make_tensor(y, (x, w, b), backward)

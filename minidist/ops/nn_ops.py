@@ -107,25 +107,41 @@ def softmax(x: Tensor, axis=-1) -> Tensor:
     return make_tensor(to_dtype(y, x.dtype), (x,), backward)
 
 
+def _row_means(a, C):
+    """Mean of each row of a (rows, C) array, shape (rows, 1), as a matrix-vector product.
+
+    BLAS's GEMV reads the array once at full speed: about twice as fast here as NumPy's
+    ``mean(axis=-1)``, which reduces each short row separately."""
+    return (a @ xp.full(C, 1.0 / C, dtype=a.dtype))[:, None]
+
+
+def _row_dots(a, b):
+    """Per-row dot products of two (rows, C) arrays, shape (rows, 1), in one fused pass."""
+    return xp.einsum("ni,ni->n", a, b)[:, None]
+
+
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
     """Layer normalisation over the last axis (Ba et al. 2016), one fused node.
 
     y = xhat * weight + bias,  xhat = (x - mean) * rstd,  rstd = 1/sqrt(var + eps).
     Backward (per row, C = features, gh = g * weight):
-        dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))
+        dx = rstd * gh - rstd * mean(gh) - xhat * (rstd * mean(gh * xhat))
         dweight = sum over rows of g * xhat,   dbias = sum over rows of g
+
+    Each NumPy call is one pass over the activation, so the code keeps the passes over
+    (rows, C) arrays few and does the per-row arithmetic on (rows, 1) vectors instead.
     """
     C = x.shape[-1]
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and tuple(p.shape) != (C,):
             raise ValueError(f"layer_norm {name} shape {tuple(p.shape)} != ({C},)")
     cdt = compute_dtype(x.dtype)
-    X = to_dtype(x.data, cdt)
-    xhat = X - X.mean(axis=-1, keepdims=True)
-    var = xp.einsum("...i,...i->...", xhat, xhat)[..., None]  # sum of squares, one pass
-    var *= 1.0 / C
-    var += eps
-    rstd = xp.sqrt(var, out=var)
+    X = to_dtype(x.data, cdt).reshape(-1, C)
+    xhat = X - _row_means(X, C)
+    rstd = _row_dots(xhat, xhat)
+    rstd *= 1.0 / C
+    rstd += eps
+    xp.sqrt(rstd, out=rstd)
     xp.divide(1.0, rstd, out=rstd)
     xhat *= rstd
     W = None if weight is None else to_dtype(weight.data, cdt)
@@ -137,27 +153,28 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
         y = xhat + to_dtype(bias.data, cdt) if bias is not None else xhat.copy()
 
     def backward(g):
-        g = to_dtype(g, cdt)
-        g2d, xh2d = g.reshape(-1, C), xhat.reshape(-1, C)
-        gw = xp.einsum("ni,ni->i", g2d, xh2d) if weight is not None and weight.requires_grad else None
-        gb = g2d.sum(axis=0) if bias is not None and bias.requires_grad else None
+        g2d = to_dtype(g, cdt).reshape(-1, C)
+        gw = xp.einsum("ni,ni->i", g2d, xhat) if weight is not None and weight.requires_grad else None
+        # column sums as a GEMV (ones @ g) for the same reason as _row_means
+        gb = xp.ones(g2d.shape[0], dtype=cdt) @ g2d if bias is not None and bias.requires_grad else None
         gx = None
         if x.requires_grad:
-            gh = g * W if W is not None else g.copy()
-            m1 = gh.mean(axis=-1, keepdims=True)
-            m2 = xp.einsum("...i,...i->...", gh, xhat)[..., None]
-            m2 *= 1.0 / C
-            gh -= m1
-            gh -= xhat * m2
+            gh = g2d * W if W is not None else g2d.copy()
+            a = _row_dots(gh, xhat)  # becomes rstd * mean(gh * xhat)
+            a *= rstd / C
+            c = _row_means(gh, C)  # becomes rstd * mean(gh)
+            c *= rstd
             gh *= rstd
-            gx = to_dtype(gh, x.dtype)
+            gh -= c
+            gh -= xhat * a  # a temporary: xhat must survive for a retained graph
+            gx = to_dtype(gh.reshape(x.shape), x.dtype)
         return (
             gx,
             None if gw is None else to_dtype(gw, weight.dtype),
             None if gb is None else to_dtype(gb, bias.dtype),
         )
 
-    return make_tensor(to_dtype(y, x.dtype), (x, weight, bias), backward)
+    return make_tensor(to_dtype(y.reshape(x.shape), x.dtype), (x, weight, bias), backward)
 
 
 def embedding(weight: Tensor, ids) -> Tensor:
