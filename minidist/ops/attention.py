@@ -53,27 +53,49 @@ def causal_mask(tq: int, tk: int, dtype):
 # A "slab" is all heads of one batch element: q, k, v, o are (H, T, D) arrays (possibly
 # strided views), p is the (H, Tq, Tk) probability slab.  A slab's scores (256 KB at
 # H=4, T=128) stay in cache through the softmax and the two products around it.
+#
+# Causal self-attention skips the tiles above the diagonal, as FlashAttention does: rows
+# are cut into blocks of _CAUSAL_BLOCK queries, and query block [i0, i1) only ever meets
+# keys [0, i1) -- the rest of its row is masked, its probabilities exactly 0.  With two
+# blocks (T = 128) a quarter of every product and of the softmax is never computed; those
+# tiles of P and dS are never written nor read.
+
+_CAUSAL_BLOCK = 64
 
 
-def _forward_slab(qs, k, v, p, o, mask):
-    """p <- softmax(qs k^T + mask), o <- p v.  ``qs`` already carries the scale."""
-    xp.matmul(qs, k.swapaxes(-1, -2), out=p)
-    if mask is not None:
-        p += mask
-    _softmax_inplace(p, -1)
-    xp.matmul(p, v, out=o)
+def _query_blocks(tq: int, tk: int, causal: bool):
+    """(i0, i1, kk) triples: query rows [i0, i1) attend to keys [0, kk)."""
+    if not causal or tq != tk:  # one block with every key (the mask does the causal part)
+        return [(0, tq, tk)]
+    return [(i0, min(i0 + _CAUSAL_BLOCK, tq), min(i0 + _CAUSAL_BLOCK, tq)) for i0 in range(0, tq, _CAUSAL_BLOCK)]
 
 
-def _backward_slab(qs, k, v, p, o, do, dq, dk, dv, ds):
+def _forward_slab(qs, k, v, p, o, mask, blocks):
+    """p <- softmax(qs k^T + mask), o <- p v, by query blocks.  ``qs`` carries the scale."""
+    for i0, i1, kk in blocks:
+        pb = p[..., i0:i1, :kk]
+        xp.matmul(qs[..., i0:i1, :], k[..., :kk, :].swapaxes(-1, -2), out=pb)
+        if mask is not None:
+            pb += mask[i0:i1, :kk]
+        _softmax_inplace(pb, -1)
+        xp.matmul(pb, v[..., :kk, :], out=o[..., i0:i1, :])
+
+
+def _backward_slab(qs, k, v, p, o, do, dq, dk, dv, ds, blocks):
     """Write dq (unscaled: the caller multiplies by ``scale``), dk and dv of one slab.
     ``ds`` is a (H, Tq, Tk) scratch slab."""
     delta = xp.einsum("...i,...i->...", do, o)[..., None]  # rowsum(dO * O)
-    xp.matmul(do, v.swapaxes(-1, -2), out=ds)  # dP, turned into dS in place
-    ds -= delta
-    ds *= p
-    xp.matmul(p.swapaxes(-1, -2), do, out=dv)
-    xp.matmul(ds, k, out=dq)
-    xp.matmul(ds.swapaxes(-1, -2), qs, out=dk)  # qs carries the scale
+    for i0, i1, kk in blocks:  # dS and dQ, query block by query block
+        dsb = ds[..., i0:i1, :kk]
+        xp.matmul(do[..., i0:i1, :], v[..., :kk, :].swapaxes(-1, -2), out=dsb)  # dP ...
+        dsb -= delta[..., i0:i1, :]
+        dsb *= p[..., i0:i1, :kk]  # ... turned into dS in place
+        xp.matmul(dsb, k[..., :kk, :], out=dq[..., i0:i1, :])
+    # dK and dV, key block by key block: keys [j0, j1) are seen by queries j0.. only (with
+    # one block: all keys, all queries; blocked: the grid is square, so j1 == that block's i1)
+    for j0, _, j1 in blocks:
+        xp.matmul(p[..., j0:, j0:j1].swapaxes(-1, -2), do[..., j0:, :], out=dv[..., j0:j1, :])
+        xp.matmul(ds[..., j0:, j0:j1].swapaxes(-1, -2), qs[..., j0:, :], out=dk[..., j0:j1, :])
 
 
 def _check_scale(D, scale):
@@ -105,15 +127,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale=None) 
     P = xp.empty(lead + (Tq, Tk), dtype=Qs.dtype)  # probabilities, kept for backward
     O = xp.empty(lead + (Tq, V.shape[-1]), dtype=Qs.dtype)
     mask = causal_mask(Tq, Tk, Qs.dtype) if causal else None
+    blocks = _query_blocks(Tq, Tk, causal)
     chunks = _chunks(lead)
-    parallel_for(chunks, lambda i: _forward_slab(Qs[i], K[i], V[i], P[i], O[i], mask))
+    parallel_for(chunks, lambda i: _forward_slab(Qs[i], K[i], V[i], P[i], O[i], mask, blocks))
 
     def backward(g):
         dO = to_dtype(g, O.dtype)
         dQ, dK, dV = xp.empty_like(Qs), xp.empty_like(Qs, shape=K.shape), xp.empty_like(Qs, shape=V.shape)
 
         def slab(i, ds):
-            _backward_slab(Qs[i], K[i], V[i], P[i], O[i], dO[i], dQ[i], dK[i], dV[i], ds)
+            _backward_slab(Qs[i], K[i], V[i], P[i], O[i], dO[i], dQ[i], dK[i], dV[i], ds, blocks)
 
         parallel_for(chunks, slab, scratch=[(P[chunks[0]].shape, P.dtype)])
         dQ *= scale
@@ -150,10 +173,11 @@ def self_attention(qkv: Tensor, n_head: int, causal: bool = True, scale=None) ->
     P = xp.empty((B, H, T, T), dtype=X.dtype)  # probabilities, kept for backward
     Y = xp.empty((B, T, C), dtype=X.dtype)
     mask = causal_mask(T, T, X.dtype) if causal else None
+    blocks = _query_blocks(T, T, causal)
 
     def forward(b, qs):
         xp.multiply(heads(X, b, 0), scale, out=qs)  # scale Q (T*D values), not the scores (T*T)
-        _forward_slab(qs, heads(X, b, 1), heads(X, b, 2), P[b], heads(Y, b, 0), mask)
+        _forward_slab(qs, heads(X, b, 1), heads(X, b, 2), P[b], heads(Y, b, 0), mask, blocks)
 
     parallel_for(range(B), forward, scratch=[((H, T, D), X.dtype)])
 
@@ -165,7 +189,7 @@ def self_attention(qkv: Tensor, n_head: int, causal: bool = True, scale=None) ->
             xp.multiply(heads(X, b, 0), scale, out=qs)  # recomputed: cheaper than storing it
             dq = heads(dX, b, 0)
             _backward_slab(qs, heads(X, b, 1), heads(X, b, 2), P[b], heads(Y, b, 0), heads(G, b, 0),
-                           dq, heads(dX, b, 1), heads(dX, b, 2), ds)
+                           dq, heads(dX, b, 1), heads(dX, b, 2), ds, blocks)
             dq *= scale
 
         parallel_for(range(B), slab, scratch=[((H, T, D), X.dtype), ((H, T, T), X.dtype)])
