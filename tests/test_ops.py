@@ -439,6 +439,18 @@ def test_autocast_matmul_linear(low, tol):
 
 
 @pytest.mark.parametrize("low,tol", LOW)
+def test_autocast_self_attention(low, tol):
+    qkv = _f32(2, 8, 12)
+    ref = ops.self_attention(qkv, 2).data
+    with ops.autocast(low):
+        out = ops.self_attention(qkv, 2)
+    assert out.dtype == low
+    np.testing.assert_allclose(out.data.astype(np.float32), ref, atol=8 * tol, rtol=0)
+    out.backward(np.ones(out.shape, dtype=low))
+    assert qkv.grad.dtype == np.float32 and np.isfinite(qkv.grad).all()
+
+
+@pytest.mark.parametrize("low,tol", LOW)
 def test_autocast_attention_and_fp32_internal_ops(low, tol):
     q, k, v = _f32(1, 2, 8, 4), _f32(1, 2, 8, 4), _f32(1, 2, 8, 4)
     ref = ops.attention(q, k, v).data
