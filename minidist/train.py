@@ -100,6 +100,11 @@ def validate(args, parser):
         parser.error("--mixed-precision needs --dtype float32 master weights")
     if args.backend:
         os.environ["MINIDIST_BACKEND"] = args.backend  # read when minidist.backend is first imported
+    if os.environ.get("MINIDIST_BACKEND", "numpy") == "cupy":
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            parser.error("--backend cupy needs the cupy package (pip install cupy-cuda12x)")
     if args.min_lr is None:
         args.min_lr = args.lr / 10
 
