@@ -46,6 +46,14 @@ def test_bad_input_raises_on_every_rank():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_all_gather_rows_differing_by_more_than_one_raise_on_every_rank(nprocs):
+    out = run_mpi(nprocs, f"{ERRORS}::all_gather_rows_rule", timeout=60).stdout
+    for r in range(nprocs):
+        assert f"rank {r}: all_gather rows rule enforced" in out
+
+
+@pytest.mark.mpi
 def test_check_mode_reports_each_ranks_call_on_every_rank():
     out = run_mpi(3, f"{ERRORS}::check_mode_mismatch", timeout=60,
                   env={"MINIDIST_CHECK_COLLECTIVES": "1"}).stdout

@@ -35,7 +35,7 @@ from mpi4py import MPI
 from minidist.comm import check, links, reduction, stats
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _size_error, _truncated
-from minidist.comm.ring import ring_all_gather_rows, split_bounds
+from minidist.comm.ring import pair_all_gather, split_bounds
 from minidist.comm.tree import EXCHANGE, GIVE, RESULT_IN, RESULT_OUT, TAKE, recursive_doubling_schedule
 
 BYTE = MPI.BYTE
@@ -178,9 +178,9 @@ class ReduceScatterPlan:
 
 
 class AllGatherPlan:
-    """The ring all-gather of ring.ring_all_gather_rows for an input shape already checked
+    """The 2-rank all-gather of ring.pair_all_gather for an input shape already checked
     once (at least 1-d, rows of nonzero size, a dtype MPI can carry as bytes); it keeps
-    its MPI.Status.  Row counts still come from the messages, so uneven inputs stay right."""
+    its MPI.Status.  Row counts still come from the message, so uneven inputs stay right."""
 
     __slots__ = ("status",)
 
@@ -189,11 +189,12 @@ class AllGatherPlan:
 
     def run(self, g, x, out):
         """The gathered array, or None when ``out`` is not a C-contiguous array of x's dtype
-        or x is not contiguous (the general path then copies or raises)."""
+        and row shape, or x is not contiguous (the general path then copies or raises)."""
         if not x.flags.c_contiguous or out is not None and not (
-                type(out) is np.ndarray and out.dtype == x.dtype and out.flags.c_contiguous):
+                type(out) is np.ndarray and out.dtype == x.dtype and out.flags.c_contiguous
+                and out.shape[1:] == x.shape[1:]):
             return None
         t0 = time.perf_counter()
-        result, sent, received = ring_all_gather_rows(g, x, out, self.status)
+        result, sent, received = pair_all_gather(g, x, out, self.status)
         stats.record_call("all_gather", g.name, x.shape, x.dtype, sent, received, t0)
         return result

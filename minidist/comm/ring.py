@@ -118,73 +118,69 @@ def ring_all_gather(g, out: np.ndarray, bounds) -> None:
                   out[bounds[b_recv][0]:bounds[b_recv][1]], left, TAG)
 
 
-def ring_all_gather_rows(g, x: np.ndarray, out: np.ndarray | None = None, status=None):
-    """Ring all-gather of ``x`` (rows along axis 0) when ranks may hold different row counts;
-    every rank learns the counts from the messages themselves, not from a size exchange.
-    Returns ``(result, bytes_sent, bytes_received)``; the caller does the accounting.
+ROWS_RULE = ("all_gather accepts row counts (axis 0) that differ by at most one between ranks, "
+             "as np.array_split produces")
 
-    N-1 steps; in step s rank r Isends the block it got in step s-1 (its own at s=0) to the
-    right, ``Probe``s the next message from the left, reads its size with
-    ``Status.Get_count`` (bytes / bytes per row = that block's rows), and receives it.  In
-    the common case every count equals this rank's own, and blocks land straight in their
-    final place (a guess of N * rows rows, or ``out``).  At the first different count the
-    rank stops guessing: it keeps each block in its own array and assembles the result once
-    all counts are known (one extra copy, only for uneven inputs).  Every rank sends the
-    same messages either way, so the choice is local and can't desynchronise the ring.
-    Per rank: sends and receives (N-1)/N of the output (exactly (N-1) * X for equal blocks).
+
+def pair_all_gather(g, x: np.ndarray, out: np.ndarray | None = None, status=None):
+    """All-gather of ``x`` (rows along axis 0) on a group of 2: one ``Sendrecv``, and the
+    peer's row count read from the size of its message.  Returns ``(result, bytes_sent,
+    bytes_received)``; the caller does the accounting.
+
+    Why it needs no size exchange: row counts may differ by at most one between ranks
+    (np.array_split sharding; ROWS_RULE), so a receive buffer of ``rows + 1`` rows always
+    fits the peer's block, and ``Status.Get_count`` then says how many rows it really had.
+    A larger difference overflows that buffer (MPI reports truncation) on the rank with
+    fewer rows and shows up in the count on the other one, so *both* ranks raise.
+    Steps: rank 0 receives into the rows after its own block, rank 1 into the front of the
+    result (its own block is copied in behind the peer's once the count is known).  With
+    ``out=`` the peer's block lands straight in ``out`` (out's length gives the room).
+    Without ``out=`` the result is a view of a buffer one row longer than needed.
+    Per rank: sends X (its own block) and receives the peer's block, (N-1) * X for equal blocks.
     """
-    n, r, comm = g.size, g.rank, g.comm
-    right, left = (r + 1) % n, (r - 1) % n
+    r, comm = g.rank, g.comm
     rows, tail = x.shape[0], x.shape[1:]
     row_bytes = math.prod(tail) * x.itemsize
-    counts, blocks = [0] * n, [None] * n
-    counts[r] = rows
-    guess = out if out is not None and out.shape[0] == n * rows else None
     if out is None:
-        guess = np.empty((n * rows,) + tail, x.dtype)
-    sending = x
-    if guess is not None:
-        sending = guess[r * rows:(r + 1) * rows]
-        sending[...] = x
+        buf = np.empty((2 * rows + 1,) + tail, x.dtype)
+        room = buf[rows:] if r == 0 else buf[:rows + 1]
+    else:
+        buf = out
+        room = out[rows:] if r == 0 else out[:max(out.shape[0] - rows, 0)]
     status = MPI.Status() if status is None else status
-    sent = received = 0
-    for s in range(n - 1):
-        b = (r - s - 1) % n
-        if links.enabled:
-            links.delay(sending.nbytes)
-        request = comm.Isend([sending, BYTE], right, TAG)
-        sent += sending.nbytes
-        comm.Probe(left, TAG, status)
-        nbytes = status.Get_count(BYTE)
-        if nbytes % row_bytes:
-            raise CommError(f"all_gather: rank {left} of group {g.name!r} sent {nbytes} bytes, not a "
-                            f"whole number of rows of shape {tail} {x.dtype} ({row_bytes} bytes each): the "
-                            f"ranks passed different trailing shapes or dtypes")
-        counts[b] = nbytes // row_bytes
-        if guess is not None and counts[b] != rows:  # uneven: stop writing into the guess
-            blocks = [None if blk is None else blk.copy() for blk in blocks]
-            guess = None
-        if guess is not None:
-            block = guess[b * rows:(b + 1) * rows]
-        else:
-            block = np.empty((counts[b],) + tail, x.dtype)
-        comm.Recv([block, BYTE], left, TAG)  # exactly the probed size: it fits
-        received += nbytes
-        blocks[b] = block
-        request.Wait()
-        sending = block
-    if guess is not None:
-        return guess, sent, received
-    shape = (sum(counts),) + tail
-    if out is None:
-        out = np.empty(shape, x.dtype)
-    elif out.shape != shape:
-        raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape {shape}")
-    start = 0
-    for b in range(n):
-        out[start:start + counts[b]] = x if b == r else blocks[b]
-        start += counts[b]
-    return out, sent, received
+    if links.enabled:
+        links.delay(x.nbytes)
+    peer = 1 - r
+    try:
+        comm.Sendrecv([x, BYTE], peer, TAG, [room, BYTE], peer, TAG, status)
+    except MPI.Exception as err:
+        raise _rows_error(g, x, f"a block longer than the {room.shape[0]} rows of room", out, err) from None
+    nbytes = status.Get_count(BYTE)
+    if nbytes % row_bytes:
+        raise CommError(f"all_gather: rank {peer} of group {g.name!r} sent {nbytes} bytes, not a whole "
+                        f"number of rows of shape {tail} {x.dtype} ({row_bytes} bytes each): the ranks "
+                        f"passed different trailing shapes or dtypes")
+    theirs = nbytes // row_bytes
+    if abs(theirs - rows) > 1:
+        raise _rows_error(g, x, f"{theirs} rows", out)
+    total = rows + theirs
+    if out is not None and out.shape[0] != total:
+        raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape {(total,) + tail}")
+    result = buf[:total] if out is None else out
+    if r == 0:
+        result[:rows] = x
+    else:
+        result[theirs:] = x
+    return result, x.nbytes, nbytes
+
+
+def _rows_error(g, x, what, out=None, err=None) -> Exception:
+    if err is not None and err.Get_error_class() != MPI.ERR_TRUNCATE:
+        return CommError(f"all_gather: MPI error while receiving on group {g.name!r}: {err}")
+    hint = f" (or out.shape={out.shape} is wrong)" if out is not None else ""
+    return CommError(f"all_gather on group {g.name!r}: this rank has {x.shape[0]} rows but received {what}"
+                     f"{hint}; {ROWS_RULE}.  Rerun with MINIDIST_CHECK_COLLECTIVES=1 to see what each "
+                     f"rank called.")
 
 
 def ring_all_reduce(g, x: np.ndarray, out: np.ndarray, ufunc) -> None:

@@ -311,22 +311,21 @@ def fast_paths():
         out = np.empty((3 * n, 2), np.int16)
         assert comm.all_gather(x, g, out=out) is out
         same(out, want, "fast all_gather out=")
-    # Uneven rows, with out= sized N * (this rank's rows) on rank 0 (rank 0 starts by
-    # writing into out as if every block were as long as its own), and 0-row blocks.
-    for rows in ([4, 2, 6, 0, 1, 3, 5, 2][:n], [0] * (n - 1) + [3], [2] * n):
+    # Uneven rows (within one of each other, the all_gather rule), with and without out=,
+    # including 0-row blocks and the rank with the extra row last or first.
+    for rows in ([3, 2, 3, 2, 2, 3, 3, 2][:n], [0] * (n - 1) + [1], [1] + [0] * (n - 1), [2] * n):
         total = sum(rows)
         want = np.concatenate([np.full((k, 2), i, np.float32) for i, k in enumerate(rows)])
-        for rep in range(2):
+        for rep in range(3):
             x = np.full((rows[r], 2), r, np.float32)
             same(comm.all_gather(x, g), want, f"uneven all_gather {rows} #{rep}")
             out = np.full((total, 2), -1, np.float32)
             assert comm.all_gather(x, g, out=out) is out
             same(out, want, f"uneven all_gather out= {rows}")
-            # The Probe ring (used for 2 ranks) works for any N: run it directly too.
-            if n > 1:
-                got, sent, received = ring.ring_all_gather_rows(g, x, np.full((total, 2), -1, np.float32))
-                same(got, want, f"probe ring {rows}")
-                assert received == (total - rows[r]) * 8 and sent == (total - rows[(r + 1) % n]) * 8
-                same(ring.ring_all_gather_rows(g, x)[0], want, f"probe ring, no out= {rows}")
+            if n == 2:  # the pair exchange directly: result and byte counts
+                got, sent, received = ring.pair_all_gather(g, x, np.full((total, 2), -1, np.float32))
+                same(got, want, f"pair all_gather {rows}")
+                assert received == (total - rows[r]) * 8 and sent == rows[r] * 8
+                same(ring.pair_all_gather(g, x)[0], want, f"pair all_gather, no out= {rows}")
     comm.barrier(g)
     print(f"rank {r}: fast paths passed")

@@ -65,8 +65,8 @@ def check_mode_mismatch():
     _expect(comm.CollectiveMismatchError, lambda: comm.all_reduce(y.astype(np.float64 if r else np.float32), g),
             "dtype=float32", "dtype=float64")
     # all_gather may have different first dims: no error, and the check still costs nothing wrong.
-    got = comm.all_gather(np.full((r + 1, 2), r, np.int32), g)
-    assert got.shape == (n * (n + 1) // 2, 2)
+    got = comm.all_gather(np.full((r % 2 + 1, 2), r, np.int32), g)
+    assert got.shape == (sum(k % 2 + 1 for k in range(n)), 2)
     assert np.array_equal(comm.all_reduce(y, g), y * n)
     print(f"rank {r}: check mode caught every mismatch")
 
@@ -86,3 +86,21 @@ def unchecked_size_mismatch_after_plan():
         comm.all_reduce(np.ones(4, np.float32), g)
     comm.all_reduce(np.ones(4 + (g.rank == 1), np.float32), g)
     raise AssertionError("a size mismatch went unnoticed")
+
+
+def all_gather_rows_rule():
+    """Row counts differing by more than one raise a clear error on every rank (2 ranks:
+    one side sees a truncated message, the other a short one; more: after the size
+    exchange), on the general and the cached path, and the group stays usable."""
+    g = comm.world()
+    n, r = g.size, g.rank
+    rule = "differ by at most one"
+    for rep in range(3):  # after the first round the other ranks run their cached 2-rank plan for (1, 3)
+        comm.all_gather(np.full((1 + (r == n - 1), 3), r, np.float32), g)  # 1 and 2 rows: fine
+        x = np.full((1 + 2 * (r == n - 1), 3), r, np.float32)  # the last rank has 3 rows, the others 1
+        _expect(comm.CommError, lambda: comm.all_gather(x, g), rule, "rows")
+        total = 3 + (n - 1)
+        _expect(comm.CommError, lambda: comm.all_gather(x, g, out=np.empty((total, 3), np.float32)), rule)
+    got = comm.all_gather(np.full((r % 2 + 1,), r, np.int64), g)  # still usable
+    assert got.tolist() == sum(([k] * (k % 2 + 1) for k in range(n)), []), got
+    print(f"rank {r}: all_gather rows rule enforced")
