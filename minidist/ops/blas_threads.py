@@ -1,4 +1,5 @@
-"""Run many small independent pieces of work (attention slabs) on all the BLAS cores.
+"""Run many small independent pieces of work (attention slabs, blocks of elementwise
+work) on all the BLAS cores.
 
 A multithreaded BLAS splits each matrix product across its threads.  That pays off for the
 model's big GEMMs, but attention is many *small* products (one (T, D) x (D, T) per head):
@@ -11,6 +12,10 @@ items on N Python threads, each calling a one-thread BLAS.  NumPy releases the G
 matrix products and large ufunc loops, so the slabs really do run in parallel, softmax
 included.  Every item writes its own disjoint part of the outputs, so the result does not
 depend on how items are shared out.
+
+NumPy's elementwise ufuncs are single-threaded, so the same helper also spreads the
+cache-sized blocks of GELU and the row chunks of LayerNorm over those threads (PyTorch runs
+such ops on all its threads too).  With one BLAS thread everything runs inline, in order.
 
 The BLAS thread count is read and limited through ``threadpoolctl`` when it is installed;
 without it (or with a non-NumPy backend) the items simply run one after another.
@@ -75,3 +80,13 @@ def parallel_for(items, fn, scratch=()):
         finally:
             for f in futures:
                 f.result()
+
+
+def row_chunks(n_rows: int):
+    """``n_rows`` cut into one contiguous slice per BLAS thread (one slice with one thread).
+
+    Per-row results may then differ in the last bit between thread counts: a BLAS row sum
+    (GEMV) can order its additions differently at the edge of a chunk."""
+    n = max(1, min(blas_threads(), n_rows))
+    bounds = [n_rows * i // n for i in range(n + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -17,6 +17,7 @@ import math
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
 from .basic import check_index, scatter_add_rows
+from .blas_threads import parallel_for, row_chunks
 from .precision import compute_dtype, to_dtype
 
 _GELU_C = math.sqrt(2.0 / math.pi)  # python float: keeps float32 arrays float32 (NEP 50)
@@ -33,7 +34,7 @@ def _blocks(n: int):
     running the whole chain block by block keeps the intermediates in cache, which for
     activations of several MB is about twice as fast as whole-array passes.
     """
-    return (slice(start, min(start + _BLOCK, n)) for start in range(0, n, _BLOCK))
+    return [slice(start, min(start + _BLOCK, n)) for start in range(0, n, _BLOCK)]
 
 
 def gelu(x: Tensor) -> Tensor:
@@ -50,7 +51,8 @@ def gelu(x: Tensor) -> Tensor:
     X = xp.ascontiguousarray(to_dtype(x.data, cdt)).reshape(-1)
     t = xp.empty_like(X)  # tanh(u), saved for backward
     y = xp.empty_like(X)
-    for b in _blocks(X.size):
+
+    def forward_block(b):
         xb, tb, yb = X[b], t[b], y[b]
         xp.multiply(xb, xb, out=tb)
         tb *= _GELU_A * _GELU_C
@@ -61,11 +63,13 @@ def gelu(x: Tensor) -> Tensor:
         yb *= xb
         yb *= 0.5
 
+    parallel_for(_blocks(X.size), forward_block)  # blocks are independent: spread over threads
+
     def backward(g):
         G = xp.ascontiguousarray(to_dtype(g, cdt)).reshape(-1)
         d = xp.empty_like(X)
-        s = xp.empty(min(_BLOCK, X.size), dtype=cdt)  # scratch, reused by every block
-        for b in _blocks(X.size):
+
+        def backward_block(b, s):  # s: a block-sized scratch, one per thread
             xb, tb, db = X[b], t[b], d[b]
             sb = s[: db.size]
             xp.multiply(xb, xb, out=db)
@@ -79,6 +83,8 @@ def gelu(x: Tensor) -> Tensor:
             db += 1.0
             db *= 0.5
             db *= G[b]
+
+        parallel_for(_blocks(X.size), backward_block, scratch=[((min(_BLOCK, X.size),), cdt)])
         return (to_dtype(d.reshape(x.shape), x.dtype),)
 
     return make_tensor(to_dtype(y.reshape(x.shape), x.dtype), (x,), backward)
@@ -130,6 +136,7 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 
     Each NumPy call is one pass over the activation, so the code keeps the passes over
     (rows, C) arrays few and does the per-row arithmetic on (rows, 1) vectors instead.
+    Rows are independent: with several BLAS threads, each thread normalises a chunk of rows.
     """
     C = x.shape[-1]
     for name, p in (("weight", weight), ("bias", bias)):
@@ -137,20 +144,27 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
             raise ValueError(f"layer_norm {name} shape {tuple(p.shape)} != ({C},)")
     cdt = compute_dtype(x.dtype)
     X = to_dtype(x.data, cdt).reshape(-1, C)
-    xhat = X - _row_means(X, C)
-    rstd = _row_dots(xhat, xhat)
-    rstd *= 1.0 / C
-    rstd += eps
-    xp.sqrt(rstd, out=rstd)
-    xp.divide(1.0, rstd, out=rstd)
-    xhat *= rstd
     W = None if weight is None else to_dtype(weight.data, cdt)
-    if W is not None:
-        y = xhat * W
-        if bias is not None:
-            y += to_dtype(bias.data, cdt)
-    else:
-        y = xhat + to_dtype(bias.data, cdt) if bias is not None else xhat.copy()
+    Bias = None if bias is None else to_dtype(bias.data, cdt)
+    xhat, y = xp.empty_like(X), xp.empty_like(X)  # xhat is saved for backward
+    rstd = xp.empty((X.shape[0], 1), dtype=cdt)
+
+    def normalize(r):  # rows r; row chunks are independent: one per thread
+        xh, rs, yr = xhat[r], rstd[r], y[r]
+        xp.subtract(X[r], _row_means(X[r], C), out=xh)
+        xp.multiply(_row_dots(xh, xh), 1.0 / C, out=rs)  # variance
+        rs += eps
+        xp.sqrt(rs, out=rs)
+        xp.divide(1.0, rs, out=rs)
+        xh *= rs
+        if W is not None:
+            xp.multiply(xh, W, out=yr)
+        else:
+            yr[...] = xh
+        if Bias is not None:
+            yr += Bias
+
+    parallel_for(row_chunks(X.shape[0]), normalize)
 
     def backward(g):
         g2d = to_dtype(g, cdt).reshape(-1, C)
@@ -159,15 +173,24 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
         gb = xp.ones(g2d.shape[0], dtype=cdt) @ g2d if bias is not None and bias.requires_grad else None
         gx = None
         if x.requires_grad:
-            gh = g2d * W if W is not None else g2d.copy()
-            a = _row_dots(gh, xhat)  # becomes rstd * mean(gh * xhat)
-            a *= rstd / C
-            c = _row_means(gh, C)  # becomes rstd * mean(gh)
-            c *= rstd
-            gh *= rstd
-            gh -= c
-            gh -= xhat * a  # a temporary: xhat must survive for a retained graph
-            gx = to_dtype(gh.reshape(x.shape), x.dtype)
+            gx = xp.empty_like(X)
+
+            def input_grad(r):
+                gh, xh, rs = gx[r], xhat[r], rstd[r]
+                if W is not None:
+                    xp.multiply(g2d[r], W, out=gh)
+                else:
+                    gh[...] = g2d[r]
+                a = _row_dots(gh, xh)  # becomes rstd * mean(gh * xhat)
+                a *= rs / C
+                c = _row_means(gh, C)  # becomes rstd * mean(gh)
+                c *= rs
+                gh *= rs
+                gh -= c
+                gh -= xh * a
+
+            parallel_for(row_chunks(X.shape[0]), input_grad)
+            gx = to_dtype(gx.reshape(x.shape), x.dtype)
         return (
             gx,
             None if gw is None else to_dtype(gw, weight.dtype),
