@@ -48,12 +48,14 @@ from minidist.comm.ring import (chain_broadcast, chain_reduce, ring_all_gather, 
 
 # All-reduce: recursive doubling up to these sizes, the ring above.  Measured crossover
 # (benchmarks/bench_collectives.py, 2-core machine, float32, ring with 1 MB pipeline chunks,
-# median us): 2 ranks: 256 KB rd 174 / ring 268, 512 KB 308 / 372, 1 MB 638 / 671 (a tie:
-# for N=2 both send X once, rd in one message).  4 ranks (oversubscribed: every ring step
-# may wait a scheduler time slice for a neighbour, so the ring's 2(N-1) synchronisations
-# cost far more than rd's log2 N): 1 MB rd 4.1 / ring 16.3 ms, 4 MB 15.9 / 18.0 ms, 8 MB
-# 28.7 / 24.1 ms.  With a core per rank (or real links) the ring wins sooner.
-SMALL_ALL_REDUCE_BYTES = 512 * 1024     # groups of 2
+# median us).  2 ranks, recursive doubling reading x directly (no copy into the result
+# first), load ~4: 512 KB rd 237 / ring 438, 1 MB 594 / 677, 4 MB 3216 / 3654, 8 MB
+# 9917 / 5492 (for N=2 both send X once, rd in one message and with one pass of adds).
+# 4 ranks (oversubscribed: every ring step may wait a scheduler time slice for a
+# neighbour, so the ring's 2(N-1) synchronisations cost far more than rd's log2 N): 1 MB
+# rd 4.1 / ring 16.3 ms, 4 MB 15.9 / 18.0 ms, 8 MB 28.7 / 24.1 ms.  With a core per rank
+# (or real links) the ring wins sooner.
+SMALL_ALL_REDUCE_BYTES = 4 << 20        # groups of 2
 SMALL_ALL_REDUCE_BYTES_WIDE = 4 << 20   # groups of 3 or more
 # Binomial tree below, pipelined chain above.
 SMALL_BROADCAST_BYTES = 256 * 1024
@@ -104,12 +106,12 @@ def _all_reduce(g, x, op, algorithm, out=None):
     # Work directly in the caller's out= when no float32 accumulator is needed.
     acc = out.reshape(-1) if out is not None and out.dtype == acc_dtype else None
     if g.size == 1 or algorithm == "recursive_doubling":
-        if acc is None:
-            acc = x.reshape(-1).astype(acc_dtype)  # a copy: the input is never modified
-        else:
-            acc[...] = x.reshape(-1)
-        if g.size > 1:
+        if x.dtype != acc_dtype:  # float16/bfloat16: reduce a float32 copy
+            acc = x.reshape(-1).astype(acc_dtype)
             tree.recursive_doubling_all_reduce(g, acc, ufunc)
+        else:  # the first round reads x itself (the input is never modified)
+            acc = np.empty(x.size, acc_dtype) if acc is None else acc
+            tree.recursive_doubling_all_reduce(g, acc, ufunc, x.reshape(-1))
     else:
         acc = np.empty(x.size, acc_dtype) if acc is None else acc
         ring_all_reduce(g, reduction.to_accumulator(x), acc, ufunc)

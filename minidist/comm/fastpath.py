@@ -67,8 +67,8 @@ def _fail(what, g, x, status, src, expected, err=None) -> CommError:
 class AllReducePlan:
     """Recursive doubling (see tree.recursive_doubling_schedule) of one (shape, dtype, op).
 
-    Per call: copy x into the result (or ``out``), then log2(N) rounds of Sendrecv + ufunc
-    (two more rounds when N is not a power of two), then the division for "avg".
+    Per call: log2(N) rounds of Sendrecv + ufunc into a fresh result (or ``out``), the first
+    reading x directly (two more rounds when N is not a power of two), then the division for "avg".
     """
 
     __slots__ = ("steps", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor")
@@ -86,17 +86,20 @@ class AllReducePlan:
 
     def run(self, g, x, out):
         """The all-reduce of ``x``, or None when ``out`` doesn't fit (the general path then
-        raises its clear error)."""
+        raises its clear error) or x is not contiguous."""
         t0 = time.perf_counter()
+        if not x.flags.c_contiguous:  # MPI sends x itself: the general path copies it first
+            return None
         if out is None:
-            acc = x.copy()  # the input is never modified
+            acc = np.empty(x.shape, x.dtype)
         elif type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype and out.flags.c_contiguous:
             acc = out
-            acc[...] = x
         else:
             return None
         comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
-        msg = [acc, BYTE]
+        # The first round sends and reduces x itself (no copy into acc first; x is only read),
+        # later ones acc, exactly as tree.recursive_doubling_all_reduce(..., x) does.
+        mine, msg = x, [x, BYTE]
         peer = None
         try:
             for kind, peer in self.steps:
@@ -105,14 +108,16 @@ class AllReducePlan:
                 elif kind is TAKE:
                     comm.Recv(tmp_msg, peer, TAG, status)
                 elif kind is RESULT_IN:
-                    comm.Recv(msg, peer, TAG, status)
+                    comm.Recv([acc, BYTE], peer, TAG, status)
                 else:  # GIVE or RESULT_OUT
                     comm.Send(msg, peer, TAG)
                     continue
                 if status.Get_count(BYTE) != nbytes:
                     raise _fail("all_reduce", g, x, status, peer, nbytes)
                 if kind is not RESULT_IN:
-                    ufunc(acc, tmp, out=acc)
+                    ufunc(mine, tmp, out=acc)
+                    if mine is x:
+                        mine, msg = acc, [acc, BYTE]
         except MPI.Exception as err:
             raise _fail("all_reduce", g, x, status, peer, nbytes, err) from None
         if self.divisor is not None:

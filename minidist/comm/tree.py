@@ -49,8 +49,8 @@ def recursive_doubling_schedule(n: int, r: int) -> tuple:
     return tuple(steps)
 
 
-def recursive_doubling_all_reduce(g, acc: np.ndarray, ufunc) -> None:
-    """All-reduce ``acc`` in place by recursive doubling (Thakur et al. 2005, sec. 4.1).
+def recursive_doubling_all_reduce(g, acc: np.ndarray, ufunc, x: np.ndarray | None = None) -> None:
+    """All-reduce into ``acc`` by recursive doubling (Thakur et al. 2005, sec. 4.1).
 
     Rounds: log2(N) for a power of two N; otherwise 2 more, because the first 2*rem ranks
     (rem = N - largest power of two) pair up: even ranks hand their data to the odd
@@ -58,20 +58,29 @@ def recursive_doubling_all_reduce(g, acc: np.ndarray, ufunc) -> None:
     active rank swaps its whole vector with the partner whose rank differs in one bit and
     reduces, so bytes sent per rank = log2(N) * X (more than a ring's 2(N-1)/N * X, but in
     far fewer messages).  Both partners compute a+b == b+a, so all ranks end bitwise equal.
+
+    The input is ``acc`` itself, or ``x`` (same length and dtype, only read) when given:
+    then the first round sends x and reduces ``ufunc(x, theirs, out=acc)``, which saves
+    copying x into acc first (a full pass over X: for large X as costly as the message).
     """
     comm = g.comm
     tmp = g.scratch("rd_tmp", acc.size, acc.dtype)
+    mine = acc if x is None else x  # what this rank holds so far; acc once it has reduced
     for action, peer in recursive_doubling_schedule(g.size, g.rank):
         if action == EXCHANGE:
-            _sendrecv(comm, acc, peer, tmp, peer, TAG)
+            _sendrecv(comm, mine, peer, tmp, peer, TAG)
         elif action == TAKE:
             _recv(comm, tmp, peer, TAG)
         elif action == RESULT_IN:
             _recv(comm, acc, peer, TAG)
+            mine = acc
         else:  # GIVE, RESULT_OUT
-            _send(comm, acc, peer, TAG)
+            _send(comm, mine, peer, TAG)
         if action in (EXCHANGE, TAKE):
-            ufunc(acc, tmp, out=acc)
+            ufunc(mine, tmp, out=acc)
+            mine = acc
+    if mine is not acc:  # only with no rounds at all (one rank)
+        acc[...] = mine
 
 
 def binomial_broadcast(g, buf: np.ndarray, root: int) -> None:
