@@ -10,7 +10,7 @@ N finished blocks the same way: (N-1)/N * X again.  An all-reduce is the two in 
     all_reduce      2 (N-1)/N * X      (independent of N for large N: ~2X, the lower bound)
     reduce_scatter    (N-1)/N * X      (X = the full input on each rank)
     all_gather        (N-1)/N * X      (X = the full output on each rank), plus
-                      8 (N-1) bytes: minidist first shares every rank's row count
+                      8 (N-1) bytes for N > 2: each block carries its row count
 
 Every message minidist sends is counted per collective (``comm.stats()``), so the formulas
 can be checked exactly (with N = 2, 4 or 8 ranks; other N do not divide the messages into
@@ -57,9 +57,9 @@ def main():
             ("all_reduce", lambda: comm.all_reduce(x, g, algorithm="ring"), "2(N-1)/N * X", 2 * ring),
             ("reduce_scatter", lambda: comm.reduce_scatter(x, g), "(N-1)/N * X", ring),
             # all_gather's X is its output: each rank contributes X/N bytes.  Inputs may be
-            # uneven, so with N > 2 the ranks first share their row counts (one int64 each):
-            # a Bruck all-gather in which each rank sends the N-1 other counts once.  (With
-            # N = 2 the receiver reads the count off the message size instead.)
+            # uneven, so with N > 2 every block travels with its row count (one int64) in
+            # front: a Bruck all-gather in which each rank sends the N-1 other blocks once.
+            # (With N = 2 the receiver reads the count off the message size instead.)
             ("all_gather", lambda: comm.all_gather(x[: x.size // n], g), "(N-1)/N*X+8(N-1)",
              ring + (8 * (n - 1) if n > 2 else 0)),
         ]

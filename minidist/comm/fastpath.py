@@ -36,6 +36,7 @@ from minidist.comm import check, links, reduction, stats
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _size_error, _truncated
 from minidist.comm.ring import pair_all_gather, split_bounds
+from minidist.comm.tree import bruck_all_gather_rows
 from minidist.comm.tree import EXCHANGE, GIVE, RESULT_IN, RESULT_OUT, TAKE, recursive_doubling_schedule
 
 BYTE = MPI.BYTE
@@ -183,14 +184,16 @@ class ReduceScatterPlan:
 
 
 class AllGatherPlan:
-    """The 2-rank all-gather of ring.pair_all_gather for an input shape already checked
-    once (at least 1-d, rows of nonzero size, a dtype MPI can carry as bytes); it keeps
-    its MPI.Status.  Row counts still come from the message, so uneven inputs stay right."""
+    """The all-gather of collectives._all_gather (ring.pair_all_gather on 2 ranks with rows
+    of nonzero size, else tree.bruck_all_gather_rows) for an input shape already checked
+    once (at least 1-d, a dtype MPI can carry as bytes); it keeps an MPI.Status.  Row
+    counts still come from the messages, so uneven inputs stay right."""
 
-    __slots__ = ("status",)
+    __slots__ = ("status", "pair")
 
-    def __init__(self):
+    def __init__(self, g, shape):
         self.status = MPI.Status()
+        self.pair = g.size == 2 and 0 not in shape[1:]  # as in collectives._all_gather
 
     def run(self, g, x, out):
         """The gathered array, or None when ``out`` is not a C-contiguous array of x's dtype
@@ -200,6 +203,9 @@ class AllGatherPlan:
                 and out.shape[1:] == x.shape[1:]):
             return None
         t0 = time.perf_counter()
-        result, sent, received = pair_all_gather(g, x, out, self.status)
+        if self.pair:
+            result, sent, received = pair_all_gather(g, x, out, self.status)
+        else:
+            result, sent, received = bruck_all_gather_rows(g, x, out)
         stats.record_call("all_gather", g.name, x.shape, x.dtype, sent, received, t0)
         return result

@@ -12,9 +12,17 @@ communicator (or, on the progress thread, its duplicate).
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
+import numpy as np
+from mpi4py import MPI
+
+from minidist.comm import links
+from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _recv, _send, _sendrecv
+from minidist.comm.ring import ROWS_RULE
+
+BYTE = MPI.BYTE
 
 
 # Actions of a recursive-doubling schedule (see recursive_doubling_schedule).
@@ -159,3 +167,79 @@ def bruck_all_gather(g, record: np.ndarray, tag: int = TAG) -> np.ndarray:
         _sendrecv(g.comm, buf[:cnt], (r - have) % n, buf[have:have + cnt], (r + have) % n, tag)
         have += cnt
     return np.roll(buf, r, axis=0)
+
+
+def bruck_all_gather_rows(g, x: np.ndarray, out: np.ndarray | None = None):
+    """All-gather of ``x`` (rows along axis 0) in ceil(log2 N) rounds, row counts included.
+    Returns ``(result, bytes_sent, bytes_received)``; the caller does the accounting.
+
+    Bruck et al. 1997, as in :func:`bruck_all_gather`, but every record is this rank's
+    row count (8 bytes) followed by its rows, so the counts travel with the data and no
+    separate size exchange (log2 N more rounds) is needed.  Rank r keeps records in the
+    order r, r+1, ... packed back to back in one byte buffer; in the round with distance d
+    it sends its first min(d, N-d) records (a prefix of the buffer) to r - d and appends
+    the records received from r + d, reading their counts to find where each ends.  Room
+    for the receive: N records of (rows + 1) rows, enough because row counts differ by at
+    most one between ranks (ring.ROWS_RULE; checked on every record, so every rank that
+    sees a bad count raises).  Finally each record's rows are copied to their place in the
+    result (the price of the packing: one extra pass over the output).
+    Per rank: sends and receives N-1 records, (N-1) * (X + 8) bytes for equal blocks.
+    """
+    n, r, comm = g.size, g.rank, g.comm
+    rows, tail = x.shape[0], x.shape[1:]
+    row_bytes = math.prod(tail) * x.itemsize
+    buf = g.scratch("bruck_rows", n * (8 + (rows + 1) * row_bytes), np.uint8)
+    buf[:8].view(np.int64)[0] = rows
+    buf[8:8 + x.nbytes] = x.reshape(-1).view(np.uint8)
+    starts, counts = [0], [rows]  # byte offset and row count of each record, by position
+    end = 8 + x.nbytes
+    status = MPI.Status()
+    sent = received = 0
+    bad = None
+    while len(counts) < n:
+        have = len(counts)
+        cnt = min(have, n - have)
+        outgoing = buf[:starts[cnt] if cnt < have else end]
+        if links.enabled:
+            links.delay(outgoing.nbytes)
+        try:
+            comm.Sendrecv([outgoing, BYTE], (r - have) % n, TAG, [buf[end:], BYTE], (r + have) % n, TAG, status)
+        except MPI.Exception as err:
+            raise _rows_error(g, rows, f"more than {buf.nbytes - end} bytes of records", err) from None
+        nbytes = status.Get_count(BYTE)
+        sent, received = sent + outgoing.nbytes, received + nbytes
+        stop = end + nbytes
+        for _ in range(cnt):  # walk the received records: count, then rows
+            c = int(buf[end:end + 8].view(np.int64)[0]) if end + 8 <= stop else -1
+            if c < 0 or end + 8 + c * row_bytes > stop:
+                raise CommError(f"all_gather on group {g.name!r}: a {nbytes}-byte message from rank "
+                                f"{(r + have) % n} does not hold {cnt} records of rows {tail} {x.dtype}: the "
+                                f"ranks passed different trailing shapes or dtypes")
+            if abs(c - rows) > 1:
+                bad = c  # keep going, so the other ranks get their records, then raise
+            starts.append(end)
+            counts.append(c)
+            end += 8 + c * row_bytes
+    if bad is not None:
+        raise _rows_error(g, rows, f"a block of {bad} rows")
+    by_rank = [counts[(b - r) % n] for b in range(n)]
+    shape = (sum(by_rank),) + tail
+    if out is None:
+        out = np.empty(shape, x.dtype)
+    elif out.shape != shape:
+        raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape {shape}")
+    flat = out.reshape(-1).view(np.uint8)
+    at = 0
+    for b in range(n):
+        j = (b - r) % n
+        size = by_rank[b] * row_bytes
+        flat[at:at + size] = buf[starts[j] + 8:starts[j] + 8 + size]
+        at += size
+    return out, sent, received
+
+
+def _rows_error(g, rows, what, err=None) -> Exception:
+    if err is not None and err.Get_error_class() != MPI.ERR_TRUNCATE:
+        return CommError(f"all_gather: MPI error while receiving on group {g.name!r}: {err}")
+    return CommError(f"all_gather on group {g.name!r}: this rank has {rows} rows but received {what}; "
+                     f"{ROWS_RULE}.  Rerun with MINIDIST_CHECK_COLLECTIVES=1 to see what each rank called.")

@@ -322,6 +322,8 @@ def fast_paths():
             out = np.full((total, 2), -1, np.float32)
             assert comm.all_gather(x, g, out=out) is out
             same(out, want, f"uneven all_gather out= {rows}")
+            empty_rows = comm.all_gather(np.zeros((rows[r], 0), np.float32), g)  # rows of zero bytes
+            assert empty_rows.shape == (total, 0), empty_rows.shape
             if n == 2:  # the pair exchange directly: result and byte counts
                 got, sent, received = ring.pair_all_gather(g, x, np.full((total, 2), -1, np.float32))
                 same(got, want, f"pair all_gather {rows}")
