@@ -13,7 +13,7 @@ collective      algorithm                                    sent per rank
 =============== ============================================ ==============================
 all_reduce      small: recursive doubling, log2 N rounds     log2(N) * X
                 large: ring reduce-scatter + all-gather      2(N-1)/N * X
-reduce_scatter  ring, N-1 steps                              (N-1)/N * X
+reduce_scatter  ring, N-1 steps; N=4,8,..: halving, log2 N  (N-1)/N * X
 all_gather      N=2: one Sendrecv; N>2: Bruck, log2 N rounds (N-1) * X_own (N>2: + 8(N-1))
 broadcast       small: binomial tree; large: pipelined chain tree: <= log2(N) X; chain: X
 reduce          small: binomial tree; large: pipelined chain tree: X; chain: X
@@ -127,7 +127,9 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False):
     """Reduce all ranks' ``x``, then rank i keeps part i of axis 0 (``np.array_split`` sizes).
 
     Ring: N-1 steps, each rank sends and receives (N-1)/N * X bytes (Patarasuk & Yuan
-    2009).  float16/bfloat16 accumulate in float32.  Repeated small calls run a cached plan.
+    2009); for N = 4, 8, 16, ... recursive halving, the same bytes in log2 N rounds.
+    float16/bfloat16 accumulate in float32.  Repeated small calls run a cached plan
+    (for the ring).
     """
     key = None
     if type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):  # fastpath.usable
@@ -142,7 +144,8 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False):
     reduction.check_dtype(x.dtype, "reduce_scatter")
     sig = ("reduce_scatter", x, dict(op=op))
     result = _launch("reduce_scatter", _reduce_scatter, g, x, sig, async_op, op)
-    if (key is not None and g.size > 1 and x.nbytes <= ring.PIPELINE_BYTES  # one chunk a step, like the plan
+    if (key is not None and g.size > 1 and not _halving(g.size)  # the plan is the ring's
+            and x.nbytes <= ring.PIPELINE_BYTES  # one chunk a step, like the plan
             and reduction.accumulator_dtype(x.dtype) == x.dtype):
         fastpath.store(g, key, fastpath.ReduceScatterPlan(g, x.shape, x.dtype, op))
     return result
@@ -165,9 +168,21 @@ def _reduce_scatter(g, x, op):
             size = bounds[block][1] - bounds[block][0]
             return result if step == n - 2 else partial[step % 2][:size]
 
-        ring_reduce_scatter(g, xin, bounds, reduction.UFUNCS[op], dest)
+        if _halving(n):
+            tree.recursive_halving_reduce_scatter(g, xin, bounds, reduction.UFUNCS[op], result)
+        else:
+            ring_reduce_scatter(g, xin, bounds, reduction.UFUNCS[op], dest)
     first, last = split_bounds(x.shape[0], n)[r]
     return reduction.finish(result, op, n, x.dtype).reshape((last - first,) + x.shape[1:])
+
+
+def _halving(n: int) -> bool:
+    """reduce_scatter algorithm: recursive halving for 4, 8, 16 ... ranks (log2 N rounds),
+    the ring otherwise (for 2 ranks they are the same single exchange).  Measured on 4
+    oversubscribed ranks (2 cores, load ~5), ratio to MPI's Reduce_scatter_block, halving
+    vs ring: 4 KB 0.91 vs 0.82, 64 KB 0.96 vs 0.34, 1 MB 1.9 vs 0.77, 16 MB 0.95 vs 0.75.
+    Both send (N-1)/N * X; halving needs log2 N synchronisations instead of N-1."""
+    return n > 2 and n & (n - 1) == 0
 
 
 def reduce(x, g, root: int = 0, op: str = "sum", async_op: bool = False, *, algorithm: str = "auto"):

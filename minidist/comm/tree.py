@@ -243,3 +243,54 @@ def _rows_error(g, rows, what, err=None) -> Exception:
         return CommError(f"all_gather: MPI error while receiving on group {g.name!r}: {err}")
     return CommError(f"all_gather on group {g.name!r}: this rank has {rows} rows but received {what}; "
                      f"{ROWS_RULE}.  Rerun with MINIDIST_CHECK_COLLECTIVES=1 to see what each rank called.")
+
+
+def halving_steps(n: int, r: int, bounds) -> list:
+    """Rank r's rounds of a recursive-halving reduce-scatter over n ranks (a power of two),
+    as (peer, send_lo, send_hi, keep_lo, keep_hi) element ranges of the flat vector.
+
+    Round k (mask = N/2, N/4, ..., 1) halves the range of blocks this rank is responsible
+    for: it keeps the half that holds its own block and sends the other half to r ^ mask,
+    the partner responsible for that half.  The schedule depends only on (n, r, bounds), so
+    the small-message fast path computes it once.
+    """
+    steps, lo, hi, mask = [], 0, n, n // 2
+    while mask:
+        mid = lo + mask
+        if r & mask:
+            send, lo = (lo, mid), mid
+        else:
+            send, hi = (mid, hi), mid
+        steps.append((r ^ mask, bounds[send[0]][0], bounds[send[1] - 1][1], bounds[lo][0], bounds[hi - 1][1]))
+        mask //= 2
+    return steps
+
+
+def recursive_halving_reduce_scatter(g, x: np.ndarray, bounds, ufunc, result: np.ndarray) -> None:
+    """Reduce-scatter of flat ``x`` (block b = x[bounds[b]]) by recursive halving (Thakur,
+    Rabenseifner & Gropp 2005, sec. 4.3), for N a power of two; block r lands in ``result``.
+
+    log2(N) rounds (see halving_steps).  In each, the rank sends its partial sums of the
+    half it gives up and receives the partner's partial sums of the half it keeps, and adds
+    them: first round from ``x`` itself, later rounds in place in a scratch buffer, the last
+    one into ``result``.  Per rank: X/2 + X/4 + ... = (N-1)/N * X bytes, like the ring, but
+    in log2(N) messages instead of N-1 (which matters when each one waits for a scheduler).
+    """
+    comm = g.comm
+    steps = halving_steps(g.size, g.rank, bounds)
+    first_keep = steps[0][4] - steps[0][3]
+    acc = g.scratch("rh_acc", first_keep, x.dtype)
+    tmp = g.scratch("rh_tmp", first_keep, x.dtype)
+    cur, base = x, 0  # the partial sums so far, and the element index of cur[0]
+    last = len(steps) - 1
+    for i, (peer, s_lo, s_hi, k_lo, k_hi) in enumerate(steps):
+        got = tmp[:k_hi - k_lo]
+        _sendrecv(comm, cur[s_lo - base:s_hi - base], peer, got, peer, TAG)
+        mine = cur[k_lo - base:k_hi - base]
+        if i == last:
+            ufunc(mine, got, out=result)
+        elif cur is x:  # first round: the partial sums start in scratch (x is only read)
+            ufunc(mine, got, out=acc[:k_hi - k_lo])
+            cur, base = acc, k_lo
+        else:  # later rounds: in place, the kept half is a prefix or suffix of cur
+            ufunc(mine, got, out=mine)
