@@ -20,7 +20,7 @@ from mpi4py import MPI
 from minidist.comm import links
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _recv, _send, _sendrecv
-from minidist.comm.ring import ROWS_RULE
+from minidist.comm.ring import ROWS_RULE, split_bounds as split_bounds_flat
 
 BYTE = MPI.BYTE
 
@@ -294,3 +294,24 @@ def recursive_halving_reduce_scatter(g, x: np.ndarray, bounds, ufunc, result: np
             cur, base = acc, k_lo
         else:  # later rounds: in place, the kept half is a prefix or suffix of cur
             ufunc(mine, got, out=mine)
+
+
+def rabenseifner_all_reduce(g, x: np.ndarray, out: np.ndarray, ufunc) -> None:
+    """All-reduce of flat ``x`` into flat ``out`` for N a power of two (Rabenseifner 2004;
+    Thakur et al. 2005, sec. 4.1): recursive-halving reduce-scatter, then the mirror image,
+    a recursive-doubling all-gather in place in ``out``.
+
+    2 log2(N) rounds; per rank 2(N-1)/N * X bytes, the bandwidth lower bound like the
+    ring's, in log2 N instead of N-1 messages per phase.  All-gather round k (mask = 1, 2,
+    ..., N/2): this rank holds the reduced blocks of its aligned group of ``mask`` ranks
+    and swaps them with the partner r ^ mask, whose blocks sit right beside them in ``out``.
+    """
+    n, r, comm = g.size, g.rank, g.comm
+    bounds = split_bounds_flat(x.size, n)
+    recursive_halving_reduce_scatter(g, x, bounds, ufunc, out[bounds[r][0]:bounds[r][1]])
+    mask = 1
+    while mask < n:
+        mine, theirs = r & ~(mask - 1), (r ^ mask) & ~(mask - 1)  # first rank of each group
+        _sendrecv(comm, out[bounds[mine][0]:bounds[mine + mask - 1][1]], r ^ mask,
+                  out[bounds[theirs][0]:bounds[theirs + mask - 1][1]], r ^ mask, TAG)
+        mask <<= 1

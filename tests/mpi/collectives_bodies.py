@@ -70,7 +70,7 @@ def check_reductions():
                 x = inputs[r]
                 before = x.copy()
                 want = expected_reduce(inputs, op, dtype)
-                for algo in ("recursive_doubling", "ring"):
+                for algo in ("recursive_doubling", "ring") + (("rabenseifner",) if n & (n - 1) == 0 else ()):
                     got = comm.all_reduce(x, g, op=op, algorithm=algo)
                     same(got, want, f"all_reduce {algo} {op} {dtype} {shape}")
                 h = comm.all_reduce(x, g, op=op, async_op=True)
@@ -198,6 +198,9 @@ def check_traffic():
     s = measure(lambda: comm.all_reduce(x, g, algorithm="ring"))["all_reduce"]
     assert s["bytes_sent"] == s["bytes_recv"] == 2 * (n - 1) * X // n, s
     assert s["calls"] == 1
+    if n & (n - 1) == 0:
+        s = measure(lambda: comm.all_reduce(x, g, algorithm="rabenseifner"))["all_reduce"]
+        assert s["bytes_sent"] == s["bytes_recv"] == 2 * (n - 1) * X // n, s
     s = measure(lambda: comm.reduce_scatter(x, g))["reduce_scatter"]
     assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X // n, s
     s = measure(lambda: comm.all_gather(x, g))["all_gather"]

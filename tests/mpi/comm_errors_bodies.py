@@ -32,6 +32,8 @@ def bad_input():
     _expect(TypeError, lambda: comm.all_reduce([1.0, 2.0], g), "list")
     _expect(ValueError, lambda: comm.reduce_scatter(np.zeros((), np.float32), g), "0-d")
     _expect(ValueError, lambda: comm.all_reduce(x, g, algorithm="magic"), "algorithm='magic'")
+    if n & (n - 1):
+        _expect(ValueError, lambda: comm.all_reduce(x, g, algorithm="rabenseifner"), "power-of-two", f"{n} ranks")
     _expect(ValueError, lambda: comm.send(x, n, g), f"dst={n}")
     _expect(ValueError, lambda: comm.send(x, 0, g, tag=40000), "tag=40000")
     _expect(ValueError, lambda: comm.set_link_model(latency_us=-5), "latency_us=-5")
