@@ -266,9 +266,13 @@ def _all_gather(g, x, result=None):
     else:
         # More ranks: Bruck with the row counts inside the records, ceil(log2 N) rounds.
         # Measured against the former size exchange + ring on 4 oversubscribed ranks
-        # (2 cores; ratio to MPI's Allgather): 4 KB 0.93 vs 0.49, 64 KB 0.95 vs 0.31, 1 MB
-        # 2.0 vs 0.82, 16 MB 0.94 vs 0.93: every ring step may wait a scheduler time slice
-        # for a neighbour, so fewer rounds win even though Bruck copies the output once more.
+        # (2 cores, load 3-5; ratio to MPI's Allgather): 4 KB 0.93 vs 0.49, 64 KB 0.95 vs
+        # 0.31, 1 MB 2.0 vs 0.82 (every ring step may wait a scheduler time slice for a
+        # neighbour), but 16 MB 0.62-0.77 vs 0.78-0.80 and 64 MB 0.57-0.62 vs 0.82-0.86:
+        # there the packing (own block in, whole output out: one extra pass) costs more
+        # than the rounds save.  One algorithm for all sizes all the same, because the
+        # choice must agree on every rank and row counts may differ by one, so no size
+        # threshold is safe without an exchange.
         out, sent, received = tree.bruck_all_gather_rows(g, x, result)
     stats.count_bytes(sent, received)
     return out

@@ -155,8 +155,8 @@ def bruck_all_gather(g, record: np.ndarray, tag: int = TAG) -> np.ndarray:
     Bruck et al. 1997 (also Thakur et al. 2005, sec. 4.2): ceil(log2 N) rounds for any N.
     Rank r keeps records in the order r, r+1, ...; in the round with distance d it sends the
     first d records it has to r - d and appends the d it receives from r + d.  A final
-    rotation puts them in rank order.  Used for the sizes of uneven all-gathers and for the
-    call signatures of the debug check, where latency matters and records are tiny.
+    rotation puts them in rank order.  Used for the call signatures of the debug check,
+    where latency matters and records are tiny.
     """
     n, r = g.size, g.rank
     buf = np.empty((n, record.size), np.uint8)
