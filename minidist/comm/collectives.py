@@ -39,7 +39,6 @@ import numpy as np
 
 from minidist.comm import check, fastpath, links, reduction, ring, stats, tree
 from minidist.comm.group import Group
-from minidist.comm.errors import CommError
 from minidist.comm.launch import (check_algorithm as _algorithm, check_group as _check_group,
                                   check_out as _check_out, host_array as _host, launch as _launch)
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _isend, _recv, _sendrecv
