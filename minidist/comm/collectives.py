@@ -92,7 +92,8 @@ def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str 
     sig = ("all_reduce", x, dict(op=op))
     result = _launch("all_reduce", _all_reduce, g, x, sig, async_op, op, algorithm, out)
     if (key is not None and g.size > 1 and _all_reduce_algorithm(g, x, algorithm) == "recursive_doubling"
-            and reduction.accumulator_dtype(x.dtype) == x.dtype):
+            and reduction.accumulator_dtype(x.dtype) == x.dtype
+            and x.nbytes <= fastpath.PLAN_MAX_BYTES):
         fastpath.store(g, key, fastpath.AllReducePlan(g, x.shape, x.dtype, op))
     return result
 

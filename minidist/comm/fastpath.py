@@ -41,6 +41,9 @@ from minidist.comm.tree import EXCHANGE, GIVE, RESULT_IN, RESULT_OUT, TAKE, recu
 
 BYTE = MPI.BYTE
 _MAX_PLANS = 256  # per group; a training loop uses a handful of shapes, so this rarely fills
+# An all-reduce plan owns a receive buffer of X bytes, so only small calls get one (256 plans
+# of at most 512 KB); above that Python's per-call work is noise next to moving the bytes.
+PLAN_MAX_BYTES = 512 * 1024
 
 
 def usable(x, async_op: bool) -> bool:
