@@ -38,12 +38,13 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.comm import check, fastpath, links, reduction, ring, stats, tree
+from minidist.comm.errors import CommError
 from minidist.comm.group import Group
 from minidist.comm.launch import (check_algorithm as _algorithm, check_group as _check_group,
                                   check_out as _check_out, host_array as _host, launch as _launch)
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _isend, _recv, _sendrecv
 from minidist.comm.rooted import gather, scatter
-from minidist.comm.ring import (chain_broadcast, chain_reduce, pair_all_gather,
+from minidist.comm.ring import (chain_broadcast, chain_reduce, pair_all_gather, ring_all_gather,
                                 ring_all_reduce, ring_reduce_scatter, split_bounds)
 
 # All-reduce: recursive doubling up to these sizes, the ring above.  Measured crossover
@@ -132,27 +133,30 @@ def _all_reduce(g, x, op, algorithm, out=None):
     return out
 
 
-def reduce_scatter(x, g, op: str = "sum", async_op: bool = False):
+def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str = "auto"):
     """Reduce all ranks' ``x``, then rank i keeps part i of axis 0 (``np.array_split`` sizes).
 
     Ring: N-1 steps, each rank sends and receives (N-1)/N * X bytes (Patarasuk & Yuan
     2009); for N = 4, 8, 16, ... recursive halving, the same bytes in log2 N rounds.
     float16/bfloat16 accumulate in float32.  Repeated small calls run a cached plan
-    (for the ring).
+    (for the ring).  ``algorithm="ring"`` or ``"halving"`` forces one (halving: 2, 4, 8...).
     """
     key = None
-    if type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):  # fastpath.usable
+    if algorithm == "auto" and type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):
         key = ("reduce_scatter", x.dtype, x.shape, op)
         plan = g._plans.get(key) if type(g) is Group and type(op) is str else None
         if plan is not None:
             return plan.run(g, x)
     _check_group(g, "reduce_scatter")
     op = reduction.check_op(op, "reduce_scatter")
+    _algorithm(algorithm, ("auto", "ring", "halving"), "reduce_scatter")
+    if algorithm == "halving" and g.size & (g.size - 1):
+        raise ValueError(f"reduce_scatter: algorithm='halving' needs a power-of-two group, got {g.size} ranks")
     x = _host(x, "reduce_scatter")
     check.need_axis0(x, "reduce_scatter")
     reduction.check_dtype(x.dtype, "reduce_scatter")
     sig = ("reduce_scatter", x, dict(op=op))
-    result = _launch("reduce_scatter", _reduce_scatter, g, x, sig, async_op, op)
+    result = _launch("reduce_scatter", _reduce_scatter, g, x, sig, async_op, op, algorithm)
     if (key is not None and g.size > 1 and not _halving(g.size)  # the plan is the ring's
             and x.nbytes <= ring.PIPELINE_BYTES  # one chunk a step, like the plan
             and reduction.accumulator_dtype(x.dtype) == x.dtype):
@@ -160,7 +164,7 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False):
     return result
 
 
-def _reduce_scatter(g, x, op):
+def _reduce_scatter(g, x, op, algorithm="auto"):
     n, r = g.size, g.rank
     unit = int(np.prod(x.shape[1:], dtype=np.int64))
     bounds = split_bounds(x.shape[0], n, unit)
@@ -177,7 +181,7 @@ def _reduce_scatter(g, x, op):
             size = bounds[block][1] - bounds[block][0]
             return result if step == n - 2 else partial[step % 2][:size]
 
-        if _halving(n):
+        if algorithm == "halving" or (algorithm == "auto" and _halving(n)):
             tree.recursive_halving_reduce_scatter(g, xin, bounds, reduction.UFUNCS[op], result)
         else:
             ring_reduce_scatter(g, xin, bounds, reduction.UFUNCS[op], dest)
@@ -228,8 +232,12 @@ def _reduce(g, x, root, op, algorithm):
 
 
 # ------------------------------------------------------------ data movement
-def all_gather(x, g, async_op: bool = False, *, out=None):
+def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto"):
     """Concatenate every rank's ``x`` along axis 0, on every rank.
+
+    ``algorithm="ring"`` forces the textbook ring (N-1 steps, (N-1)/N * X bytes per rank,
+    Patarasuk & Yuan 2009) after a Bruck exchange of the row counts (8 bytes a rank);
+    ``"bruck"`` forces the Bruck all-gather below; ``"auto"`` is described next.
 
     The first dims may differ, by at most one row between any two ranks (as np.array_split
     produces; ring.ROWS_RULE): a larger difference raises a CommError (2 ranks: on both;
@@ -239,29 +247,32 @@ def all_gather(x, g, async_op: bool = False, *, out=None):
     front (tree.bruck_all_gather_rows); every rank receives every other block once.
     Repeated calls with the same shape skip the argument checks (fastpath.py).
     """
-    if type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):  # fastpath.usable
+    if algorithm == "auto" and type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):
         plan = g._plans.get(("all_gather", x.dtype, x.shape)) if type(g) is Group else None
         result = None if plan is None else plan.run(g, x, out)
         if result is not None:
             return result
     _check_group(g, "all_gather")
+    _algorithm(algorithm, ("auto", "ring", "bruck"), "all_gather")
     x = _host(x, "all_gather")
     check.need_axis0(x, "all_gather")
     out = _check_out(out, x, "all_gather")
     sig = ("all_gather", x, dict(rule="trailing"))
-    result = _launch("all_gather", _all_gather, g, x, sig, async_op, out)
-    if type(x) is np.ndarray and not async_op and g.size > 1:
+    result = _launch("all_gather", _all_gather, g, x, sig, async_op, out, algorithm)
+    if algorithm == "auto" and type(x) is np.ndarray and not async_op and g.size > 1:
         fastpath.store(g, ("all_gather", x.dtype, x.shape), fastpath.AllGatherPlan(g, x.shape))
     return result
 
 
-def _all_gather(g, x, result=None):
+def _all_gather(g, x, result=None, algorithm="auto"):
     n = g.size
     if n == 1:
         return x.copy() if result is None else _fill(result, x)
     if result is not None and result.shape[1:] != x.shape[1:]:
         raise ValueError(f"all_gather: out.shape={result.shape} but the rows have shape {x.shape[1:]}")
-    if n == 2 and 0 not in x.shape[1:]:
+    if algorithm == "ring":
+        return _ring_all_gather_rows(g, x, result)
+    if n == 2 and 0 not in x.shape[1:] and algorithm == "auto":
         out, sent, received = pair_all_gather(g, x, result)
     else:
         # More ranks: Bruck with the row counts inside the records, ceil(log2 N) rounds.
@@ -276,6 +287,28 @@ def _all_gather(g, x, result=None):
         out, sent, received = tree.bruck_all_gather_rows(g, x, result)
     stats.count_bytes(sent, received)
     return out
+
+
+def _ring_all_gather_rows(g, x, result):
+    """Row counts first (a Bruck all-gather of one int64 per rank), then the ring in place."""
+    rows = tree.bruck_all_gather(g, np.array([x.shape[0]], np.int64).view(np.uint8)).view(np.int64)[:, 0]
+    if rows.max() - rows.min() > 1:
+        raise CommError(f"all_gather: row counts {rows.tolist()} break the rule: {ring.ROWS_RULE}")
+    unit = int(np.prod(x.shape[1:], dtype=np.int64))
+    edges = np.concatenate([[0], np.cumsum(rows)]) * unit
+    bounds = [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+    shape = (int(rows.sum()),) + x.shape[1:]
+    if result is None:
+        result = np.empty(shape, x.dtype)
+    elif result.shape != shape:
+        raise ValueError(f"all_gather: out.shape={result.shape}, expected {shape}")
+    # Move bytes: the ring works on a flat byte view, so any dtype (bfloat16 too) travels as is.
+    flat, isz = result.reshape(-1).view(np.uint8), x.dtype.itemsize
+    byte_bounds = [(a * isz, b * isz) for a, b in bounds]
+    lo, hi = byte_bounds[g.rank]
+    flat[lo:hi] = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    ring_all_gather(g, flat, byte_bounds)
+    return result
 
 
 def _fill(out, value):

@@ -80,6 +80,10 @@ def check_reductions():
                 same(got, want[rows[0]:rows[-1] + 1] if len(rows) else want[:0], f"reduce_scatter {op} {dtype} {shape}")
                 got = comm.reduce_scatter(x, g, op=op, async_op=True).wait()
                 same(got, want[rows[0]:rows[-1] + 1] if len(rows) else want[:0], f"async reduce_scatter {op} {dtype}")
+                for algo in ("ring",) + (("halving",) if n & (n - 1) == 0 else ()):
+                    got = comm.reduce_scatter(x, g, op=op, algorithm=algo)
+                    same(got, want[rows[0]:rows[-1] + 1] if len(rows) else want[:0],
+                         f"reduce_scatter {algo} {op} {dtype} {shape}")
                 root = salt % n
                 for algo in ("binomial", "chain"):
                     got = comm.reduce(x, g, root=root, op=op, algorithm=algo)
@@ -128,6 +132,8 @@ def check_movement():
             want = np.concatenate(mine)
             same(comm.all_gather(mine[r], g), want, f"all_gather {dtype} {shape}")
             same(comm.all_gather(mine[r], g, async_op=True).wait(), want, f"async all_gather {dtype}")
+            for algo in ("ring", "bruck"):
+                same(comm.all_gather(mine[r], g, algorithm=algo), want, f"all_gather {algo} {dtype} {shape}")
             for algo in ("binomial", "chain"):
                 other = np.zeros_like(x)
                 same(comm.broadcast(x if r == root else other, g, root=root, algorithm=algo),
@@ -201,8 +207,12 @@ def check_traffic():
     if n & (n - 1) == 0:
         s = measure(lambda: comm.all_reduce(x, g, algorithm="rabenseifner"))["all_reduce"]
         assert s["bytes_sent"] == s["bytes_recv"] == 2 * (n - 1) * X // n, s
-    s = measure(lambda: comm.reduce_scatter(x, g))["reduce_scatter"]
-    assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X // n, s
+    for algo in ("auto", "ring"):
+        s = measure(lambda: comm.reduce_scatter(x, g, algorithm=algo))["reduce_scatter"]
+        assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X // n, (algo, s)
+    # The textbook ring all-gather: (N-1) blocks of X, after an exchange of 8-byte row counts.
+    s = measure(lambda: comm.all_gather(x, g, algorithm="ring"))["all_gather"]
+    assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X + 8 * (n - 1), s
     s = measure(lambda: comm.all_gather(x, g))["all_gather"]
     # (N-1) blocks of X each; with 2 ranks the row counts travel as the message sizes, with
     # more a Bruck exchange of the 8-byte row counts comes first (N-1 records).
