@@ -203,14 +203,20 @@ def train(args, log=print, data=None):
             f"peak {peak:.1f} GFLOP/s for MFU")
 
     memory, tracer = PeakMemory(), Tracer(enabled=bool(args.trace))
+
+    def logged(step):
+        return step < args.steps and (step % args.log_every == 0 or step + 1 == args.steps)
+
     metrics, metrics_file = [], open(args.metrics_jsonl, "w") if args.metrics_jsonl else None
     try:
         for step in range(args.steps):
-            memory.reset()
+            # Memory is traced on the first step and on each step before a printed one, so the
+            # printed step's own tokens/s and MFU do not pay for the tracing.
+            traced = step == 0 or logged(step + 1)
             t0 = time.perf_counter()
             opt.lr = lr_at(step, args.lr, args.warmup, args.steps, args.min_lr)
             x, y = sampler.batch(step)
-            with tracer.span("forward_backward", step=step):
+            with tracer.span("forward_backward", step=step), memory.measure(traced):
                 loss = forward_backward(model, x, y, args.grad_accum, low, scaler.scale if scaler else 1.0)
             record = {"step": step, "loss": loss, "lr": opt.lr}
             with tracer.span("optimizer", step=step):
@@ -227,20 +233,20 @@ def train(args, log=print, data=None):
                 opt.zero_grad()
             step_time = time.perf_counter() - t0
             record.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
-                          mfu=flops_per_step / step_time / (peak * 1e9),
-                          peak_mem_mb=memory.peak_bytes() / 2**20)
+                          mfu=flops_per_step / step_time / (peak * 1e9))
+            if traced:
+                record["peak_mem_mb"] = memory.last_bytes / 2**20
             if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
                 record["val_loss"] = evaluate(model, val_batches, low)
             metrics.append(record)
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
-            if not args.quiet and (step % args.log_every == 0 or step + 1 == args.steps or "val_loss" in record):
-                log(progress_line(record, args.steps, metrics))
+            if not args.quiet and (logged(step) or "val_loss" in record):
+                log(progress_line(record, args.steps, metrics, memory.last_bytes))
             if not math.isfinite(loss) and scaler is None:
                 raise FloatingPointError(f"loss became {loss} at step {step}")
     finally:
-        memory.stop()
         if metrics_file:
             metrics_file.close()
         if args.trace:
@@ -248,13 +254,13 @@ def train(args, log=print, data=None):
     return metrics
 
 
-def progress_line(r: dict, steps: int, history: list) -> str:
+def progress_line(r: dict, steps: int, history: list, mem_bytes: int) -> str:
     done = r["step"] + 1
     recent = [h["step_time_s"] for h in history[-20:]]  # recent steps: the first one pays warm-up
     eta = sum(recent) / len(recent) * (steps - done)
     line = (f"step {done:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"{r['tokens_per_s']:,.0f} tok/s | MFU {100 * r['mfu']:.1f}% | "
-            f"mem {r['peak_mem_mb']:.0f} MiB | ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+            f"mem {mem_bytes / 2**20:.0f} MiB | ETA {int(eta // 60)}m{int(eta % 60):02d}s")
     if "val_loss" in r:
         line += f" | val {r['val_loss']:.4f}"
     if r.get("skipped"):
