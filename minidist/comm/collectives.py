@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm import check, fastpath, links, reduction, ring, stats, tree
+from minidist.comm import check, fastgather, fastpath, links, reduction, ring, stats, tree
 from minidist.comm.errors import CommError
 from minidist.comm.group import Group
 from minidist.comm.launch import (check_algorithm as _algorithm, check_group as _check_group,
@@ -139,7 +139,7 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: 
     Ring: N-1 steps, each rank sends and receives (N-1)/N * X bytes (Patarasuk & Yuan
     2009); for N = 4, 8, 16, ... recursive halving, the same bytes in log2 N rounds.
     float16/bfloat16 accumulate in float32.  Repeated small calls run a cached plan
-    (for the ring).  ``algorithm="ring"`` or ``"halving"`` forces one (halving: 2, 4, 8...).
+    (of either algorithm).  ``algorithm="ring"`` or ``"halving"`` forces one (halving: 2, 4, 8...).
     """
     key = None
     if algorithm == "auto" and type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):
@@ -157,10 +157,12 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: 
     reduction.check_dtype(x.dtype, "reduce_scatter")
     sig = ("reduce_scatter", x, dict(op=op))
     result = _launch("reduce_scatter", _reduce_scatter, g, x, sig, async_op, op, algorithm)
-    if (key is not None and g.size > 1 and not _halving(g.size)  # the plan is the ring's
-            and x.nbytes <= ring.PIPELINE_BYTES  # one chunk a step, like the plan
-            and reduction.accumulator_dtype(x.dtype) == x.dtype):
-        fastpath.store(g, key, fastpath.ReduceScatterPlan(g, x.shape, x.dtype, op))
+    if key is not None and g.size > 1 and reduction.accumulator_dtype(x.dtype) == x.dtype:
+        if _halving(g.size):  # the plan owns X bytes of partial sums: small calls only
+            if x.nbytes <= fastpath.PLAN_MAX_BYTES:
+                fastpath.store(g, key, fastpath.HalvingPlan(g, x.shape, x.dtype, op))
+        elif x.nbytes <= ring.PIPELINE_BYTES:  # one chunk a step, like the plan
+            fastpath.store(g, key, fastpath.ReduceScatterPlan(g, x.shape, x.dtype, op))
     return result
 
 
@@ -259,8 +261,10 @@ def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto
     out = _check_out(out, x, "all_gather")
     sig = ("all_gather", x, dict(rule="trailing"))
     result = _launch("all_gather", _all_gather, g, x, sig, async_op, out, algorithm)
-    if algorithm == "auto" and type(x) is np.ndarray and not async_op and g.size > 1:
-        fastpath.store(g, ("all_gather", x.dtype, x.shape), fastpath.AllGatherPlan(g, x.shape))
+    if algorithm == "auto" and type(x) is np.ndarray and not async_op:
+        plan = fastgather.make_plan(g, x.shape, x.dtype)
+        if plan is not None:
+            fastpath.store(g, ("all_gather", x.dtype, x.shape), plan)
     return result
 
 

@@ -27,19 +27,18 @@ Python calling MPI (a bare mpi4py Sendrecv + np.add already takes 13-14 us here)
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from mpi4py import MPI
 
 from minidist.comm import check, links, reduction, stats
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _size_error, _truncated
-from minidist.comm.ring import pair_all_gather, split_bounds
-from minidist.comm.tree import bruck_all_gather_rows
-from minidist.comm.tree import EXCHANGE, GIVE, RESULT_IN, RESULT_OUT, TAKE, recursive_doubling_schedule
+from minidist.comm.ring import split_bounds
+from minidist.comm.tree import (EXCHANGE, GIVE, RESULT_IN, RESULT_OUT, TAKE, halving_steps,
+                                recursive_doubling_schedule)
 
 BYTE = MPI.BYTE
+_clock = stats._clock  # time.perf_counter, one global lookup instead of two
 _MAX_PLANS = 256  # per group; a training loop uses a handful of shapes, so this rarely fills
 # An all-reduce plan owns a receive buffer of X bytes, so only small calls get one (256 plans
 # of at most 512 KB); above that Python's per-call work is noise next to moving the bytes.
@@ -75,10 +74,12 @@ class AllReducePlan:
     reading x directly (two more rounds when N is not a power of two), then the division for "avg".
     """
 
-    __slots__ = ("steps", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor")
+    __slots__ = ("steps", "peers", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor")
 
     def __init__(self, g, shape, dtype, op):
         self.steps = recursive_doubling_schedule(g.size, g.rank)
+        # Only exchanges (N a power of two): the partners alone, for the lean loop.
+        self.peers = tuple(p for _, p in self.steps) if all(k is EXCHANGE for k, _ in self.steps) else None
         self.tmp = np.empty(shape, dtype)  # the partner's vector lands here; small by construction
         self.tmp_msg = [self.tmp, BYTE]
         self.ufunc = reduction.UFUNCS[op]
@@ -91,7 +92,7 @@ class AllReducePlan:
     def run(self, g, x, out):
         """The all-reduce of ``x``, or None when ``out`` doesn't fit (the general path then
         raises its clear error) or x is not contiguous."""
-        t0 = time.perf_counter()
+        t0 = _clock()
         if not x.flags.c_contiguous:  # MPI sends x itself: the general path copies it first
             return None
         if out is None:
@@ -100,9 +101,36 @@ class AllReducePlan:
             acc = out
         else:
             return None
+        if self.peers is not None:
+            self._doubling(g, x, acc)
+        else:
+            self._general(g, x, acc)
+        if self.divisor is not None:
+            reduction.finish(acc, "avg", self.divisor, acc.dtype)
+        stats.record_call("all_reduce", g.name, x.shape, x.dtype, self.sent, self.recv, t0)
+        return acc
+
+    def _doubling(self, g, x, acc):
+        """N a power of two: every round one Sendrecv with ``peer`` and one reduction.
+        The first round sends and reduces x itself (no copy into acc first; x is only
+        read), later ones acc, exactly as tree.recursive_doubling_all_reduce(..., x) does."""
         comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
-        # The first round sends and reduces x itself (no copy into acc first; x is only read),
-        # later ones acc, exactly as tree.recursive_doubling_all_reduce(..., x) does.
+        mine, msg = x, [x, BYTE]
+        peer = None
+        try:
+            for peer in self.peers:
+                comm.Sendrecv(msg, peer, TAG, tmp_msg, peer, TAG, status)
+                if status.Get_count(BYTE) != nbytes:
+                    raise _fail("all_reduce", g, x, status, peer, nbytes)
+                ufunc(mine, tmp, out=acc)
+                mine = acc
+                msg[0] = acc
+        except MPI.Exception as err:
+            raise _fail("all_reduce", g, x, status, peer, nbytes, err) from None
+
+    def _general(self, g, x, acc):
+        """Any N: the paired-up extra ranks give their vector away and get the result back."""
+        comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
         mine, msg = x, [x, BYTE]
         peer = None
         try:
@@ -124,18 +152,14 @@ class AllReducePlan:
                         mine, msg = acc, [acc, BYTE]
         except MPI.Exception as err:
             raise _fail("all_reduce", g, x, status, peer, nbytes, err) from None
-        if self.divisor is not None:
-            reduction.finish(acc, "avg", self.divisor, acc.dtype)
-        stats.record_call("all_reduce", g.name, x.shape, x.dtype, self.sent, self.recv, t0)
-        return acc
 
 
 class ReduceScatterPlan:
     """Ring reduce-scatter (see ring.ring_reduce_scatter) of one small (shape, dtype, op),
     every step a single Sendrecv (no pipeline chunks: the whole message fits in cache)."""
 
-    __slots__ = ("steps", "ufunc", "status", "sent", "recv", "shape", "size", "divisor", "dtype",
-                 "right", "left")
+    __slots__ = ("steps", "first", "ufunc", "status", "sent", "recv", "shape", "size", "divisor",
+                 "dtype", "right", "left")
 
     def __init__(self, g, shape, dtype, op):
         n, r = g.size, g.rank
@@ -147,37 +171,42 @@ class ReduceScatterPlan:
         # Step s: send block (r-s-1) [x's own part at s=0, then the partial sum just made],
         # receive block (r-s-2)'s partial from the left into tmp, add x's part of it into
         # a partial buffer (or, in the last step, the result).  Views and MPI descriptors
-        # of the plan's own buffers are made here, once.
+        # of the plan's own buffers are made here, once: per step (x's part to add, the
+        # receive view and descriptor, its size, where the sum goes [None: the result],
+        # and the descriptor of the next step's message: that sum).
+        self.first = bounds[(r - 1) % n]  # the step-0 message: x's own part of that block
         self.steps = []
         for s in range(n - 1):
-            (sa, sb), (ra, rb) = bounds[(r - s - 1) % n], bounds[(r - s - 2) % n]
+            ra, rb = bounds[(r - s - 2) % n]
             got = tmp[:rb - ra]
             dest = None if s == n - 2 else partial[s % 2][:rb - ra]
-            self.steps.append((sa, sb, ra, rb, got, [got, BYTE], got.nbytes, dest))
+            self.steps.append((ra, rb, got, [got, BYTE], got.nbytes, dest, None if dest is None else [dest, BYTE]))
+        self.steps = tuple(self.steps)
         lo, hi = bounds[r]
         self.size = hi - lo
         self.shape = (self.size // max(unit, 1),) + tuple(shape[1:])
-        self.sent = sum(sb - sa for sa, sb, *_ in self.steps) * tmp.itemsize
-        self.recv = sum(rb - ra for _, _, ra, rb, *_ in self.steps) * tmp.itemsize
+        blocks = [bounds[(r - s - 1) % n] for s in range(n - 1)]
+        self.sent = sum(b - a for a, b in blocks) * tmp.itemsize
+        self.recv = sum(rb - ra for ra, rb, *_ in self.steps) * tmp.itemsize
         self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
         self.divisor = n if op == "avg" and n > 1 else None
         self.right, self.left = (r + 1) % n, (r - 1) % n
 
     def run(self, g, x):
-        t0 = time.perf_counter()
+        t0 = _clock()
         comm, status, ufunc, right, left = g.comm, self.status, self.ufunc, self.right, self.left
         flat = x.reshape(-1)
         result = np.empty(self.size, self.dtype)
-        outgoing = None
+        sa, sb = self.first
+        msg = [flat[sa:sb], BYTE]
         nbytes = 0
         try:
-            for sa, sb, ra, rb, got, got_msg, nbytes, dest in self.steps:
-                comm.Sendrecv([flat[sa:sb] if outgoing is None else outgoing, BYTE], right, TAG,
-                              got_msg, left, TAG, status)
+            for ra, rb, got, got_msg, nbytes, dest, next_msg in self.steps:
+                comm.Sendrecv(msg, right, TAG, got_msg, left, TAG, status)
                 if status.Get_count(BYTE) != nbytes:
                     raise _fail("reduce_scatter", g, x, status, left, nbytes)
-                outgoing = result if dest is None else dest
-                ufunc(flat[ra:rb], got, out=outgoing)
+                ufunc(flat[ra:rb], got, out=result if dest is None else dest)
+                msg = next_msg
         except MPI.Exception as err:
             raise _fail("reduce_scatter", g, x, status, left, nbytes, err) from None
         if self.divisor is not None:
@@ -186,29 +215,66 @@ class ReduceScatterPlan:
         return result.reshape(self.shape)
 
 
-class AllGatherPlan:
-    """The all-gather of collectives._all_gather (ring.pair_all_gather on 2 ranks with rows
-    of nonzero size, else tree.bruck_all_gather_rows) for an input shape already checked
-    once (at least 1-d, a dtype MPI can carry as bytes); it keeps an MPI.Status.  Row
-    counts still come from the messages, so uneven inputs stay right."""
+class HalvingPlan:
+    """Recursive-halving reduce-scatter (tree.recursive_halving_reduce_scatter) of one small
+    (shape, dtype, op) on 4, 8, 16, ... ranks, with the plan's own partial-sum buffer.
 
-    __slots__ = ("status", "pair")
+    Round 0 sends x's half the partner keeps and adds the received half into ``acc``;
+    later rounds send a prefix or suffix of acc and add in place; the last adds into the
+    result.  All the acc views and MPI descriptors are made once, here, so a round is one
+    Sendrecv, one size check and one ufunc, the same additions in the same order as the
+    general path (bit-identical results).
+    """
 
-    def __init__(self, g, shape):
-        self.status = MPI.Status()
-        self.pair = g.size == 2 and 0 not in shape[1:]  # as in collectives._all_gather
+    __slots__ = ("first", "rounds", "ufunc", "status", "sent", "recv", "shape", "size", "divisor", "dtype")
 
-    def run(self, g, x, out):
-        """The gathered array, or None when ``out`` is not a C-contiguous array of x's dtype
-        and row shape, or x is not contiguous (the general path then copies or raises)."""
-        if not x.flags.c_contiguous or out is not None and not (
-                type(out) is np.ndarray and out.dtype == x.dtype and out.flags.c_contiguous
-                and out.shape[1:] == x.shape[1:]):
-            return None
-        t0 = time.perf_counter()
-        if self.pair:
-            result, sent, received = pair_all_gather(g, x, out, self.status)
-        else:
-            result, sent, received = bruck_all_gather_rows(g, x, out)
-        stats.record_call("all_gather", g.name, x.shape, x.dtype, sent, received, t0)
-        return result
+    def __init__(self, g, shape, dtype, op):
+        n, r = g.size, g.rank
+        unit = int(np.prod(shape[1:], dtype=np.int64))
+        bounds = split_bounds(shape[0], n, unit)
+        steps = halving_steps(n, r, bounds)
+        peer, s_lo, s_hi, k_lo, k_hi = steps[0]
+        acc, tmp = np.empty(k_hi - k_lo, dtype), np.empty(k_hi - k_lo, dtype)
+        base = k_lo  # acc[0] is element k_lo of the flat vector
+        # Round 0 reads x: (peer, x's send range, x's kept range, receive view and descriptor, size, sum into).
+        got = tmp[:k_hi - k_lo]
+        self.first = (peer, s_lo, s_hi, k_lo, k_hi, got, [got, BYTE], got.nbytes, acc[:k_hi - k_lo])
+        # Later rounds: (peer, send descriptor, receive view and descriptor, size, kept part of acc).
+        rounds = []
+        for peer, s_lo, s_hi, k_lo, k_hi in steps[1:]:
+            got = tmp[:k_hi - k_lo]
+            rounds.append((peer, [acc[s_lo - base:s_hi - base], BYTE], got, [got, BYTE], got.nbytes,
+                           acc[k_lo - base:k_hi - base]))
+        self.rounds = tuple(rounds)
+        itemsize = np.dtype(dtype).itemsize
+        self.sent = sum(s_hi - s_lo for _, s_lo, s_hi, _, _ in steps) * itemsize
+        self.recv = sum(k_hi - k_lo for _, _, _, k_lo, k_hi in steps) * itemsize
+        lo, hi = bounds[r]
+        self.size = hi - lo
+        self.shape = (self.size // max(unit, 1),) + tuple(shape[1:])
+        self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
+        self.divisor = n if op == "avg" else None
+
+    def run(self, g, x):
+        t0 = _clock()
+        comm, status, ufunc = g.comm, self.status, self.ufunc
+        flat = x.reshape(-1)
+        result = np.empty(self.size, self.dtype)
+        peer, s_lo, s_hi, k_lo, k_hi, got, got_msg, nbytes, into = self.first
+        try:
+            comm.Sendrecv([flat[s_lo:s_hi], BYTE], peer, TAG, got_msg, peer, TAG, status)
+            if status.Get_count(BYTE) != nbytes:
+                raise _fail("reduce_scatter", g, x, status, peer, nbytes)
+            ufunc(flat[k_lo:k_hi], got, out=into)
+            last = len(self.rounds) - 1
+            for i, (peer, msg, got, got_msg, nbytes, mine) in enumerate(self.rounds):
+                comm.Sendrecv(msg, peer, TAG, got_msg, peer, TAG, status)
+                if status.Get_count(BYTE) != nbytes:
+                    raise _fail("reduce_scatter", g, x, status, peer, nbytes)
+                ufunc(mine, got, out=result if i == last else mine)
+        except MPI.Exception as err:
+            raise _fail("reduce_scatter", g, x, status, peer, nbytes, err) from None
+        if self.divisor is not None:
+            reduction.finish(result, "avg", self.divisor, result.dtype)
+        stats.record_call("reduce_scatter", g.name, x.shape, x.dtype, self.sent, self.recv, t0)
+        return result.reshape(self.shape)

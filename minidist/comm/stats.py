@@ -18,52 +18,62 @@ import time
 
 
 
-class _Label(threading.local):
-    """Per-thread label of the running collective.  A class attribute default (rather than
-    ``getattr(tls, "label", None)``) keeps every lookup cheap: a missing attribute costs a
-    caught AttributeError, over a microsecond, on every message."""
+class _Local(threading.local):
+    """Per-thread state: the label of the running collective and this thread's counters.
+
+    Each thread adds only to its own counters (name -> [calls, bytes_sent, bytes_recv,
+    time_s]), so the hot path takes no lock: an uncontended lock costs about as much as
+    the rest of a small collective's bookkeeping.  :func:`stats` sums the threads' dicts.
+    The class attribute default for ``label`` (rather than ``getattr(tls, "label", None)``)
+    keeps every lookup cheap: a missing attribute costs a caught AttributeError."""
 
     label = None
 
+    def __init__(self):
+        self.counters: dict[str, list] = {}
+        with _lock:  # once per thread; the registry outlives the thread, so do its counts
+            _per_thread.append(self.counters)
+
 
 _lock = threading.Lock()
-_tls = _Label()
-# name -> [calls, bytes_sent, bytes_recv, time_s]
-_counters: dict[str, list] = {}
-_recent: collections.deque = collections.deque(maxlen=32)
+_per_thread: list[dict] = []
+_tls = _Local()
+_recent: collections.deque = collections.deque(maxlen=32)  # append is atomic: no lock
+_clock = time.perf_counter
 
 
-def _record(name: str) -> list:
-    rec = _counters.get(name)
+def _record(counters: dict, name: str) -> list:
+    rec = counters.get(name)
     if rec is None:
-        rec = _counters.setdefault(name, [0, 0, 0, 0.0])
+        rec = counters[name] = [0, 0, 0, 0.0]
     return rec
 
 
 def count_bytes(sent: int, received: int) -> None:
     """Charge ``sent``/``received`` bytes to the collective running on this thread."""
-    name = _tls.label or "p2p"
-    with _lock:
-        rec = _record(name)
-        rec[1] += sent
-        rec[2] += received
+    local = _tls
+    rec = _record(local.counters, local.label or "p2p")
+    rec[1] += sent
+    rec[2] += received
 
 
 def record_call(name: str, group_name: str, shape, dtype, sent: int, received: int, t0: float) -> None:
     """Account one whole collective at once, the small-message fast path's only bookkeeping:
     its recent-ops entry (what :func:`note_op` records) and a call of ``name`` that started
     at ``t0`` (perf_counter) with these byte counts, or, inside another collective's scope,
-    just its bytes, charged to that outer collective as :class:`scope` would."""
-    elapsed = time.perf_counter() - t0
-    _recent.append((name, group_name, shape, dtype, "", time.time()))
-    outer = _tls.label
-    with _lock:
-        rec = _record(outer or name)
-        if outer is None:
-            rec[0] += 1
-            rec[3] += elapsed
-        rec[1] += sent
-        rec[2] += received
+    just its bytes, charged to that outer collective as :class:`scope` would.
+    One clock read serves both the elapsed time and the recent-ops timestamp."""
+    t1 = _clock()
+    _recent.append((name, group_name, shape, dtype, "", t1))
+    local = _tls
+    outer = local.label
+    counters = local.counters
+    rec = counters.get(outer or name) or _record(counters, outer or name)
+    if outer is None:
+        rec[0] += 1
+        rec[3] += t1 - t0
+    rec[1] += sent
+    rec[2] += received
 
 
 class scope:
@@ -89,10 +99,9 @@ class scope:
         if self.outer is None:
             elapsed = time.perf_counter() - self.t0
             _tls.label = None
-            with _lock:
-                rec = _record(self.name)
-                rec[0] += 1
-                rec[3] += elapsed
+            rec = _record(_tls.counters, self.name)
+            rec[0] += 1
+            rec[3] += elapsed
         return False
 
 
@@ -104,24 +113,36 @@ def current() -> str | None:
 def stats() -> dict:
     """``{name: {"calls", "bytes_sent", "bytes_recv", "time_s"}}`` for this rank, since the
     last :func:`reset_stats`.  Plain send/recv calls are listed under their own names."""
+    totals: dict[str, list] = {}
     with _lock:
-        return {name: {"calls": c, "bytes_sent": s, "bytes_recv": r, "time_s": t}
-                for name, (c, s, r, t) in _counters.items()}
+        threads = list(_per_thread)
+    for counters in threads:
+        # dict.copy() and list() run without releasing the GIL, so a thread adding a new
+        # name meanwhile cannot break the iteration; a count read mid-update is one call late.
+        for name, rec in counters.copy().items():
+            total = _record(totals, name)
+            for i, value in enumerate(list(rec)):
+                total[i] += value
+    return {name: {"calls": c, "bytes_sent": s, "bytes_recv": r, "time_s": t}
+            for name, (c, s, r, t) in totals.items()}
 
 
 def reset_stats() -> None:
     """Zero every counter (e.g. between benchmark phases or training steps)."""
     with _lock:
-        _counters.clear()
+        for counters in _per_thread:
+            counters.clear()
 
 
 def note_op(name: str, group_name: str, shape, dtype, detail: str = "") -> None:
     """Remember that this rank started ``name``; error messages show the last few."""
-    _recent.append((name, group_name, shape, dtype, detail, time.time()))  # formatted when read
+    _recent.append((name, group_name, shape, dtype, detail, _clock()))  # formatted when read
 
 
 def recent_ops(g=None) -> list[dict]:
-    """The last ~32 operations this rank started (oldest first), optionally only on group g."""
+    """The last ~32 operations this rank started (oldest first), optionally only on group g.
+    ``time`` is a ``time.perf_counter()`` reading (when the op was logged), for ordering and
+    intervals: the fast path reads that clock anyway, so the log costs no second clock call."""
     ops = list(_recent)
     if g is not None:
         ops = [op for op in ops if op[1] == g.name]

@@ -1,0 +1,192 @@
+"""Cached all-gather plans: the general path's algorithms with the per-call Python pared down.
+
+Same idea as :mod:`minidist.comm.fastpath` (read that first): a plan is built after the first
+fully checked call with a given (dtype, shape) on a group and runs later calls with the same
+algorithm and the same bytes as collectives._all_gather, so results are bit-identical:
+
+* 2 ranks, :class:`PairGatherPlan`: ring.pair_all_gather, one ``Sendrecv``, the peer's row
+  count read from the message size;
+* more ranks, :class:`BruckGatherPlan`: tree.bruck_all_gather_rows, every record = a row
+  count followed by the rows, ceil(log2 N) rounds.
+
+What a plan saves is everything that depends only on the shape: row sizes, partners, the
+packing buffer with this rank's row count already written into it, the MPI status.  Row
+counts still come from the messages every call, so ranks whose blocks differ by a row (each
+with its own plan) still gather right, and a broken row rule raises the general path's
+errors.  On 4 oversubscribed ranks this matters more than the microseconds suggest: while
+one rank runs Python between rounds, its partner spins in MPI on the other core.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist.comm import stats
+from minidist.comm.errors import CommError
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG
+from minidist.comm.ring import _rows_error as _pair_error
+from minidist.comm.tree import _rows_error as _bruck_error
+
+BYTE = MPI.BYTE
+_COUNT = struct.Struct("=q")  # a record's row count: native int64, as the general path writes it
+
+
+def make_plan(g, shape, dtype):
+    """The plan for all-gathers of ``shape`` x ``dtype`` on ``g``, or None where the general
+    path is kept (rows of zero bytes: nothing to gain, and no row size to divide by)."""
+    if g.size < 2 or 0 in shape[1:]:
+        return None
+    return PairGatherPlan(g, shape, dtype) if g.size == 2 else BruckGatherPlan(g, shape, dtype)
+
+
+class _GatherPlan:
+    __slots__ = ("rows", "tail", "row_bytes", "nbytes", "dtype", "status", "comm", "rank", "n", "name")
+
+    def __init__(self, g, shape, dtype):
+        self.rows, self.tail, self.dtype = shape[0], tuple(shape[1:]), np.dtype(dtype)
+        self.row_bytes = math.prod(self.tail) * self.dtype.itemsize
+        self.nbytes = self.rows * self.row_bytes
+        self.status, self.comm, self.rank, self.n, self.name = MPI.Status(), g.comm, g.rank, g.size, g.name
+
+    def fits(self, x, out) -> bool:
+        """Can the plan send x and write out?  Otherwise the general path copies x or raises
+        its clear error about out.  (``flags`` is read only when needed: it builds an object.)"""
+        if not x.flags.c_contiguous:
+            return False
+        return out is None or (type(out) is np.ndarray and out.dtype == self.dtype
+                               and out.shape[1:] == self.tail and out.flags.c_contiguous)
+
+
+class PairGatherPlan(_GatherPlan):
+    """ring.pair_all_gather with the row size and partner precomputed."""
+
+    __slots__ = ()
+
+    def run(self, g, x, out):
+        """The gathered array, or None when the general path must take the call."""
+        if not self.fits(x, out):
+            return None
+        t0 = stats._clock()
+        rows, r = self.rows, self.rank
+        if out is None:
+            buf = np.empty((2 * rows + 1,) + self.tail, self.dtype)  # one row of room to spare
+            room = buf[rows:] if r == 0 else buf[:rows + 1]
+        else:
+            buf = out
+            room = out[rows:] if r == 0 else out[:max(out.shape[0] - rows, 0)]
+        status, peer = self.status, 1 - r
+        try:
+            self.comm.Sendrecv([x, BYTE], peer, TAG, [room, BYTE], peer, TAG, status)
+        except MPI.Exception as err:
+            raise _pair_error(g, x, f"a block longer than the {room.shape[0]} rows of room", out, err) from None
+        nbytes = status.Get_count(BYTE)
+        theirs, odd = divmod(nbytes, self.row_bytes)
+        if odd or abs(theirs - rows) > 1:  # the general path words each error
+            return self._fail(g, x, out, nbytes, theirs, odd)
+        total = rows + theirs
+        if out is None:
+            result = buf[:total]
+        elif out.shape[0] != total:
+            raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape {(total,) + self.tail}")
+        else:
+            result = out
+        if r == 0:
+            result[:rows] = x
+        else:
+            result[theirs:] = x
+        stats.record_call("all_gather", self.name, x.shape, self.dtype, self.nbytes, nbytes, t0)
+        return result
+
+    def _fail(self, g, x, out, nbytes, theirs, odd):
+        stats.note_op("all_gather", self.name, x.shape, self.dtype)
+        if odd:
+            raise CommError(f"all_gather: rank {1 - self.rank} of group {self.name!r} sent {nbytes} bytes, not a "
+                            f"whole number of rows of shape {self.tail} {self.dtype} ({self.row_bytes} bytes "
+                            f"each): the ranks passed different trailing shapes or dtypes")
+        raise _pair_error(g, x, f"{theirs} rows", out)
+
+
+class BruckGatherPlan(_GatherPlan):
+    """tree.bruck_all_gather_rows with a packing buffer of its own, this rank's row count
+    already in its first 8 bytes (receives land after this rank's record, never on it)."""
+
+    __slots__ = ("buf", "record", "own", "rounds")
+
+    def __init__(self, g, shape, dtype):
+        super().__init__(g, shape, dtype)
+        n, r = self.n, self.rank
+        self.buf = np.empty(n * (8 + (self.rows + 1) * self.row_bytes), np.uint8)
+        self.buf[:8].view(np.int64)[0] = self.rows
+        self.own = self.buf[8:8 + self.nbytes]
+        self.record = 8 + self.nbytes
+        rounds, have = [], 1  # (records to send, send to, receive from) per round
+        while have < n:
+            rounds.append((min(have, n - have), (r - have) % n, (r + have) % n))
+            have += rounds[-1][0]
+        self.rounds = tuple(rounds)
+
+    def run(self, g, x, out):
+        """The gathered array, or None when the general path must take the call."""
+        if not self.fits(x, out):
+            return None
+        t0 = stats._clock()
+        buf, comm, status, rows, row_bytes = self.buf, self.comm, self.status, self.rows, self.row_bytes
+        self.own[...] = x.reshape(-1).view(np.uint8)
+        starts, counts = [0], [rows]  # byte offset and row count of each record, by position
+        end = self.record
+        sent = received = 0
+        bad = None
+        unpack = _COUNT.unpack_from
+        for cnt, dest, source in self.rounds:
+            outgoing = buf[:starts[cnt] if cnt < len(counts) else end]
+            try:
+                comm.Sendrecv([outgoing, BYTE], dest, TAG, [buf[end:], BYTE], source, TAG, status)
+            except MPI.Exception as err:
+                raise self._fail(g, _bruck_error(g, rows, f"more than {buf.nbytes - end} bytes of records",
+                                                 err)) from None
+            nbytes = status.Get_count(BYTE)
+            sent, received = sent + outgoing.nbytes, received + nbytes
+            stop = end + nbytes
+            for _ in range(cnt):  # walk the received records: count, then rows
+                c = unpack(buf, end)[0] if end + 8 <= stop else -1
+                if c < 0 or end + 8 + c * row_bytes > stop:
+                    raise self._fail(g, CommError(
+                        f"all_gather on group {self.name!r}: a {nbytes}-byte message from rank {source} does "
+                        f"not hold {cnt} records of rows {self.tail} {self.dtype}: the ranks passed different "
+                        f"trailing shapes or dtypes"))
+                if abs(c - rows) > 1:
+                    bad = c  # keep going, so the other ranks get their records, then raise
+                starts.append(end)
+                counts.append(c)
+                end += 8 + c * row_bytes
+        if bad is not None:
+            raise self._fail(g, _bruck_error(g, rows, f"a block of {bad} rows"))
+        result = self._unpack(starts, counts, out)
+        stats.record_call("all_gather", self.name, x.shape, self.dtype, sent, received, t0)
+        return result
+
+    def _unpack(self, starts, counts, out):
+        """Copy each record's rows to its place: position j holds rank (r + j) % N's block."""
+        n, r, buf, row_bytes = self.n, self.rank, self.buf, self.row_bytes
+        by_rank = [counts[(b - r) % n] for b in range(n)]
+        shape = (sum(by_rank),) + self.tail
+        if out is None:
+            out = np.empty(shape, self.dtype)
+        elif out.shape != shape:
+            raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape {shape}")
+        flat = out.reshape(-1).view(np.uint8)
+        at = 0
+        for b in range(n):
+            j = (b - r) % n
+            size = by_rank[b] * row_bytes
+            flat[at:at + size] = buf[starts[j] + 8:starts[j] + 8 + size]
+            at += size
+        return out
+
+    def _fail(self, g, err):
+        stats.note_op("all_gather", self.name, (self.rows,) + self.tail, self.dtype)
+        return err
