@@ -31,7 +31,7 @@ def test_large_messages_take_ring_and_chain_paths():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("nprocs", [2, 3, 4])
+@pytest.mark.parametrize("nprocs", [2, 3, 4, 8])  # 8: halving and Bruck with three rounds
 def test_repeated_calls_run_cached_plans_correctly(nprocs):
     out = run_mpi(nprocs, f"{BODIES}::fast_paths", timeout=120).stdout
     for r in range(nprocs):

@@ -112,44 +112,94 @@ class PairGatherPlan(_GatherPlan):
 
 class BruckGatherPlan(_GatherPlan):
     """tree.bruck_all_gather_rows with a packing buffer of its own, this rank's row count
-    already in its first 8 bytes (receives land after this rank's record, never on it)."""
+    already in its first 8 bytes (receives land after this rank's record, never on it).
 
-    __slots__ = ("buf", "record", "own", "rounds")
+    Two lanes.  While every record holds ``rows`` rows (the usual case: equal shards) the
+    records sit at fixed offsets, so each round's send and receive descriptors, the size to
+    expect and where the counts lie are all precomputed, and the rows reach the output in
+    two copies (the records are in rank order r, r+1, ..., so the output is their rotation).
+    The first record of another size hands the call to :meth:`_walk`, the general path's
+    record-by-record loop, from that round on: same messages, so ranks on either lane agree.
+    """
+
+    __slots__ = ("buf", "own", "record", "rounds", "full_shape", "blocks_shape", "front", "back")
 
     def __init__(self, g, shape, dtype):
         super().__init__(g, shape, dtype)
-        n, r = self.n, self.rank
-        self.buf = np.empty(n * (8 + (self.rows + 1) * self.row_bytes), np.uint8)
-        self.buf[:8].view(np.int64)[0] = self.rows
-        self.own = self.buf[8:8 + self.nbytes]
-        self.record = 8 + self.nbytes
-        rounds, have = [], 1  # (records to send, send to, receive from) per round
+        n, r, rows = self.n, self.rank, self.rows
+        buf = self.buf = np.empty(n * (8 + (rows + 1) * self.row_bytes), np.uint8)
+        buf[:8].view(np.int64)[0] = rows
+        self.own = buf[8:8 + self.nbytes].view(self.dtype).reshape(shape)
+        rec = self.record = 8 + self.nbytes
+        # Per round: records to send, send to, receive from, and for the even lane the send
+        # and receive descriptors, the bytes to expect and the offsets of the counts.
+        rounds, have = [], 1
         while have < n:
-            rounds.append((min(have, n - have), (r - have) % n, (r + have) % n))
-            have += rounds[-1][0]
+            cnt = min(have, n - have)
+            end = have * rec
+            rounds.append((cnt, (r - have) % n, (r + have) % n, [buf[:cnt * rec], BYTE], [buf[end:], BYTE],
+                           cnt * rec, tuple(end + j * rec for j in range(cnt))))
+            have += cnt
         self.rounds = tuple(rounds)
+        self.full_shape = (n * rows,) + self.tail
+        self.blocks_shape = (n, rows) + self.tail
+        # The rows of every record, as an (n, rows, *tail) view of buf: position j is rank (r+j)%n.
+        blocks = buf[:n * rec].reshape(n, rec)[:, 8:].view(self.dtype).reshape(self.blocks_shape)
+        self.front, self.back = blocks[:n - r], blocks[n - r:]  # ranks r..n-1, then 0..r-1
 
     def run(self, g, x, out):
         """The gathered array, or None when the general path must take the call."""
         if not self.fits(x, out):
             return None
         t0 = stats._clock()
-        buf, comm, status, rows, row_bytes = self.buf, self.comm, self.status, self.rows, self.row_bytes
-        self.own[...] = x.reshape(-1).view(np.uint8)
-        starts, counts = [0], [rows]  # byte offset and row count of each record, by position
-        end = self.record
-        sent = received = 0
-        bad = None
+        buf, comm, status, rows = self.buf, self.comm, self.status, self.rows
+        self.own[...] = x
         unpack = _COUNT.unpack_from
-        for cnt, dest, source in self.rounds:
-            outgoing = buf[:starts[cnt] if cnt < len(counts) else end]
+        sent = received = 0
+        for k, (cnt, dest, source, send_msg, recv_msg, expect, heads) in enumerate(self.rounds):
             try:
-                comm.Sendrecv([outgoing, BYTE], dest, TAG, [buf[end:], BYTE], source, TAG, status)
+                comm.Sendrecv(send_msg, dest, TAG, recv_msg, source, TAG, status)
             except MPI.Exception as err:
-                raise self._fail(g, _bruck_error(g, rows, f"more than {buf.nbytes - end} bytes of records",
+                raise self._fail(g, _bruck_error(g, rows, f"more than {buf.nbytes - heads[0]} bytes of records",
                                                  err)) from None
             nbytes = status.Get_count(BYTE)
-            sent, received = sent + outgoing.nbytes, received + nbytes
+            sent, received = sent + expect, received + nbytes
+            even = nbytes == expect
+            for h in heads:
+                even = even and unpack(buf, h)[0] == rows
+            if not even:
+                return self._walk(g, x, out, k, nbytes, sent, received, t0)
+        if out is None:
+            out = np.empty(self.full_shape, self.dtype)
+        elif out.shape != self.full_shape:
+            raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape {self.full_shape}")
+        blocks = out.reshape(self.blocks_shape)
+        r = self.rank
+        blocks[r:] = self.front
+        if r:
+            blocks[:r] = self.back
+        stats.record_call("all_gather", self.name, x.shape, self.dtype, sent, received, t0)
+        return out
+
+    def _walk(self, g, x, out, k, nbytes, sent, received, t0):
+        """The general record walk, from round ``k`` (whose ``nbytes`` just arrived) on."""
+        buf, comm, status, rows, row_bytes, rec = self.buf, self.comm, self.status, self.rows, self.row_bytes, self.record
+        have = sum(cnt for cnt, *_ in self.rounds[:k]) + 1
+        starts, counts = [j * rec for j in range(have)], [rows] * have  # the even rounds so far
+        end = have * rec
+        bad = None
+        unpack = _COUNT.unpack_from
+        for cnt, dest, source, *_ in self.rounds[k:]:
+            if len(counts) > have:  # a later round: send this round's prefix, receive
+                have = len(counts)
+                outgoing = buf[:starts[cnt] if cnt < have else end]
+                try:
+                    comm.Sendrecv([outgoing, BYTE], dest, TAG, [buf[end:], BYTE], source, TAG, status)
+                except MPI.Exception as err:
+                    raise self._fail(g, _bruck_error(g, rows, f"more than {buf.nbytes - end} bytes of records",
+                                                     err)) from None
+                nbytes = status.Get_count(BYTE)
+                sent, received = sent + outgoing.nbytes, received + nbytes
             stop = end + nbytes
             for _ in range(cnt):  # walk the received records: count, then rows
                 c = unpack(buf, end)[0] if end + 8 <= stop else -1

@@ -303,11 +303,16 @@ def fast_paths():
                     assert s["all_reduce"]["calls"] == 2 and s["reduce_scatter"]["calls"] == 1, s
                     if n & (n - 1) == 0:
                         assert s["all_reduce"]["bytes_sent"] == 2 * x.nbytes * (n.bit_length() - 1), s
+                    if len(shape) == 1 and shape[0] % n == 0:  # ring and halving: (N-1)/N * X
+                        assert s["reduce_scatter"]["bytes_sent"] == x.nbytes * (n - 1) // n, s
                 same(comm.all_reduce(inputs[r][::-1], g, op=op), want[::-1],
                      "fast all_reduce of a non-contiguous view")
     if n > 1:
         key = ("all_reduce", np.dtype(np.float32), (1000,), "sum", "auto")
         assert key in g._plans, "repeated small all_reduce did not cache a plan"
+        plan = g._plans.get(("reduce_scatter", np.dtype(np.float32), (1000,), "sum"))
+        want_plan = "HalvingPlan" if n > 2 and n & (n - 1) == 0 else "ReduceScatterPlan"
+        assert type(plan).__name__ == want_plan, f"reduce_scatter on {n} ranks cached {plan!r}"
         x = np.ones(6, np.float32)
         comm.all_reduce(x, g)
         comm.all_reduce(x, g)
@@ -320,10 +325,20 @@ def fast_paths():
     for rep in range(3):
         x = np.full((3, 2), r, np.int16)
         want = np.repeat(np.arange(n, dtype=np.int16), 3)[:, None].repeat(2, axis=1)
+        comm.reset_stats()
         same(comm.all_gather(x, g), want, f"fast all_gather #{rep}")
         out = np.empty((3 * n, 2), np.int16)
         assert comm.all_gather(x, g, out=out) is out
         same(out, want, "fast all_gather out=")
+        if n > 1:  # pair: X once; Bruck: N-1 records of an 8-byte count and X
+            per_call = x.nbytes if n == 2 else (n - 1) * (8 + x.nbytes)
+            assert comm.stats()["all_gather"] == {"calls": 2, "bytes_sent": 2 * per_call,
+                                                  "bytes_recv": 2 * per_call,
+                                                  "time_s": comm.stats()["all_gather"]["time_s"]}, comm.stats()
+    if n > 1:
+        plan = g._plans.get(("all_gather", np.dtype(np.int16), (3, 2)))
+        want_plan = "PairGatherPlan" if n == 2 else "BruckGatherPlan"
+        assert type(plan).__name__ == want_plan, f"all_gather on {n} ranks cached {plan!r}"
     # Uneven rows (within one of each other, the all_gather rule), with and without out=,
     # including 0-row blocks and the rank with the extra row last or first.
     for rows in ([3, 2, 3, 2, 2, 3, 3, 2][:n], [0] * (n - 1) + [1], [1] + [0] * (n - 1), [2] * n):
