@@ -158,7 +158,7 @@ class ReduceScatterPlan:
     """Ring reduce-scatter (see ring.ring_reduce_scatter) of one small (shape, dtype, op),
     every step a single Sendrecv (no pipeline chunks: the whole message fits in cache)."""
 
-    __slots__ = ("steps", "first", "ufunc", "status", "sent", "recv", "shape", "size", "divisor",
+    __slots__ = ("steps", "first", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor",
                  "dtype", "right", "left")
 
     def __init__(self, g, shape, dtype, op):
@@ -182,9 +182,9 @@ class ReduceScatterPlan:
             dest = None if s == n - 2 else partial[s % 2][:rb - ra]
             self.steps.append((ra, rb, got, [got, BYTE], got.nbytes, dest, None if dest is None else [dest, BYTE]))
         self.steps = tuple(self.steps)
-        lo, hi = bounds[r]
-        self.size = hi - lo
-        self.shape = (self.size // max(unit, 1),) + tuple(shape[1:])
+        first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path (right for unit 0 too)
+        self.shape = (last - first,) + tuple(shape[1:])
+        self.one_d = len(shape) == 1
         blocks = [bounds[(r - s - 1) % n] for s in range(n - 1)]
         self.sent = sum(b - a for a, b in blocks) * tmp.itemsize
         self.recv = sum(rb - ra for ra, rb, *_ in self.steps) * tmp.itemsize
@@ -195,8 +195,9 @@ class ReduceScatterPlan:
     def run(self, g, x):
         t0 = _clock()
         comm, status, ufunc, right, left = g.comm, self.status, self.ufunc, self.right, self.left
-        flat = x.reshape(-1)
-        result = np.empty(self.size, self.dtype)
+        flat = x if self.one_d else x.reshape(-1)  # a reshape costs as much as a small add
+        result = np.empty(self.shape, self.dtype)
+        into = result if self.one_d else result.reshape(-1)
         sa, sb = self.first
         msg = [flat[sa:sb], BYTE]
         nbytes = 0
@@ -205,14 +206,14 @@ class ReduceScatterPlan:
                 comm.Sendrecv(msg, right, TAG, got_msg, left, TAG, status)
                 if status.Get_count(BYTE) != nbytes:
                     raise _fail("reduce_scatter", g, x, status, left, nbytes)
-                ufunc(flat[ra:rb], got, out=result if dest is None else dest)
+                ufunc(flat[ra:rb], got, out=into if dest is None else dest)
                 msg = next_msg
         except MPI.Exception as err:
             raise _fail("reduce_scatter", g, x, status, left, nbytes, err) from None
         if self.divisor is not None:
             reduction.finish(result, "avg", self.divisor, result.dtype)
         stats.record_call("reduce_scatter", g.name, x.shape, x.dtype, self.sent, self.recv, t0)
-        return result.reshape(self.shape)
+        return result
 
 
 class HalvingPlan:
@@ -226,7 +227,7 @@ class HalvingPlan:
     general path (bit-identical results).
     """
 
-    __slots__ = ("first", "rounds", "ufunc", "status", "sent", "recv", "shape", "size", "divisor", "dtype")
+    __slots__ = ("first", "rounds", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor", "dtype")
 
     def __init__(self, g, shape, dtype, op):
         n, r = g.size, g.rank
@@ -249,17 +250,18 @@ class HalvingPlan:
         itemsize = np.dtype(dtype).itemsize
         self.sent = sum(s_hi - s_lo for _, s_lo, s_hi, _, _ in steps) * itemsize
         self.recv = sum(k_hi - k_lo for _, _, _, k_lo, k_hi in steps) * itemsize
-        lo, hi = bounds[r]
-        self.size = hi - lo
-        self.shape = (self.size // max(unit, 1),) + tuple(shape[1:])
+        first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path (right for unit 0 too)
+        self.shape = (last - first,) + tuple(shape[1:])
+        self.one_d = len(shape) == 1
         self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
         self.divisor = n if op == "avg" else None
 
     def run(self, g, x):
         t0 = _clock()
         comm, status, ufunc = g.comm, self.status, self.ufunc
-        flat = x.reshape(-1)
-        result = np.empty(self.size, self.dtype)
+        flat = x if self.one_d else x.reshape(-1)
+        result = np.empty(self.shape, self.dtype)
+        last_into = result if self.one_d else result.reshape(-1)
         peer, s_lo, s_hi, k_lo, k_hi, got, got_msg, nbytes, into = self.first
         try:
             comm.Sendrecv([flat[s_lo:s_hi], BYTE], peer, TAG, got_msg, peer, TAG, status)
@@ -271,10 +273,10 @@ class HalvingPlan:
                 comm.Sendrecv(msg, peer, TAG, got_msg, peer, TAG, status)
                 if status.Get_count(BYTE) != nbytes:
                     raise _fail("reduce_scatter", g, x, status, peer, nbytes)
-                ufunc(mine, got, out=result if i == last else mine)
+                ufunc(mine, got, out=last_into if i == last else mine)
         except MPI.Exception as err:
             raise _fail("reduce_scatter", g, x, status, peer, nbytes, err) from None
         if self.divisor is not None:
             reduction.finish(result, "avg", self.divisor, result.dtype)
         stats.record_call("reduce_scatter", g.name, x.shape, x.dtype, self.sent, self.recv, t0)
-        return result.reshape(self.shape)
+        return result
