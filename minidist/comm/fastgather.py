@@ -44,13 +44,14 @@ def make_plan(g, shape, dtype):
 
 
 class _GatherPlan:
-    __slots__ = ("rows", "tail", "row_bytes", "nbytes", "dtype", "status", "comm", "rank", "n", "name")
+    __slots__ = ("rows", "tail", "row_bytes", "nbytes", "dtype", "status", "comm", "rank", "n", "name", "op")
 
     def __init__(self, g, shape, dtype):
         self.rows, self.tail, self.dtype = shape[0], tuple(shape[1:]), np.dtype(dtype)
         self.row_bytes = math.prod(self.tail) * self.dtype.itemsize
         self.nbytes = self.rows * self.row_bytes
         self.status, self.comm, self.rank, self.n, self.name = MPI.Status(), g.comm, g.rank, g.size, g.name
+        self.op = ("all_gather", g.name, tuple(shape), self.dtype, "")  # its recent-ops entry
 
     def fits(self, x, out) -> bool:
         """Can the plan send x and write out?  Otherwise the general path copies x or raises
@@ -98,7 +99,7 @@ class PairGatherPlan(_GatherPlan):
             result[:rows] = x
         else:
             result[theirs:] = x
-        stats.record_call("all_gather", self.name, x.shape, self.dtype, self.nbytes, nbytes, t0)
+        stats.record_call(self.op, self.nbytes, nbytes, t0)
         return result
 
     def _fail(self, g, x, out, nbytes, theirs, odd):
@@ -178,7 +179,7 @@ class BruckGatherPlan(_GatherPlan):
         blocks[r:] = self.front
         if r:
             blocks[:r] = self.back
-        stats.record_call("all_gather", self.name, x.shape, self.dtype, sent, received, t0)
+        stats.record_call(self.op, sent, received, t0)
         return out
 
     def _walk(self, g, x, out, k, nbytes, sent, received, t0):
@@ -216,7 +217,7 @@ class BruckGatherPlan(_GatherPlan):
         if bad is not None:
             raise self._fail(g, _bruck_error(g, rows, f"a block of {bad} rows"))
         result = self._unpack(starts, counts, out)
-        stats.record_call("all_gather", self.name, x.shape, self.dtype, sent, received, t0)
+        stats.record_call(self.op, sent, received, t0)
         return result
 
     def _unpack(self, starts, counts, out):

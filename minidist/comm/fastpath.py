@@ -74,7 +74,7 @@ class AllReducePlan:
     reading x directly (two more rounds when N is not a power of two), then the division for "avg".
     """
 
-    __slots__ = ("steps", "peers", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor")
+    __slots__ = ("steps", "peers", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor", "op")
 
     def __init__(self, g, shape, dtype, op):
         self.steps = recursive_doubling_schedule(g.size, g.rank)
@@ -88,6 +88,7 @@ class AllReducePlan:
         self.recv = self.nbytes * sum(kind in (EXCHANGE, TAKE, RESULT_IN) for kind, _ in self.steps)
         self.status = MPI.Status()
         self.divisor = g.size if op == "avg" and g.size > 1 else None
+        self.op = ("all_reduce", g.name, tuple(shape), self.tmp.dtype, "")  # its recent-ops entry
 
     def run(self, g, x, out):
         """The all-reduce of ``x``, or None when ``out`` doesn't fit (the general path then
@@ -107,7 +108,7 @@ class AllReducePlan:
             self._general(g, x, acc)
         if self.divisor is not None:
             reduction.finish(acc, "avg", self.divisor, acc.dtype)
-        stats.record_call("all_reduce", g.name, x.shape, x.dtype, self.sent, self.recv, t0)
+        stats.record_call(self.op, self.sent, self.recv, t0)
         return acc
 
     def _doubling(self, g, x, acc):
@@ -159,7 +160,7 @@ class ReduceScatterPlan:
     every step a single Sendrecv (no pipeline chunks: the whole message fits in cache)."""
 
     __slots__ = ("steps", "first", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor",
-                 "dtype", "right", "left")
+                 "dtype", "right", "left", "op")
 
     def __init__(self, g, shape, dtype, op):
         n, r = g.size, g.rank
@@ -185,6 +186,7 @@ class ReduceScatterPlan:
         first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path (right for unit 0 too)
         self.shape = (last - first,) + tuple(shape[1:])
         self.one_d = len(shape) == 1
+        self.op = ("reduce_scatter", g.name, tuple(shape), np.dtype(dtype), "")  # its recent-ops entry
         blocks = [bounds[(r - s - 1) % n] for s in range(n - 1)]
         self.sent = sum(b - a for a, b in blocks) * tmp.itemsize
         self.recv = sum(rb - ra for ra, rb, *_ in self.steps) * tmp.itemsize
@@ -212,7 +214,7 @@ class ReduceScatterPlan:
             raise _fail("reduce_scatter", g, x, status, left, nbytes, err) from None
         if self.divisor is not None:
             reduction.finish(result, "avg", self.divisor, result.dtype)
-        stats.record_call("reduce_scatter", g.name, x.shape, x.dtype, self.sent, self.recv, t0)
+        stats.record_call(self.op, self.sent, self.recv, t0)
         return result
 
 
@@ -227,7 +229,7 @@ class HalvingPlan:
     general path (bit-identical results).
     """
 
-    __slots__ = ("first", "rounds", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor", "dtype")
+    __slots__ = ("first", "rounds", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor", "dtype", "op")
 
     def __init__(self, g, shape, dtype, op):
         n, r = g.size, g.rank
@@ -253,6 +255,7 @@ class HalvingPlan:
         first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path (right for unit 0 too)
         self.shape = (last - first,) + tuple(shape[1:])
         self.one_d = len(shape) == 1
+        self.op = ("reduce_scatter", g.name, tuple(shape), np.dtype(dtype), "")  # its recent-ops entry
         self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
         self.divisor = n if op == "avg" else None
 
@@ -278,5 +281,5 @@ class HalvingPlan:
             raise _fail("reduce_scatter", g, x, status, peer, nbytes, err) from None
         if self.divisor is not None:
             reduction.finish(result, "avg", self.divisor, result.dtype)
-        stats.record_call("reduce_scatter", g.name, x.shape, x.dtype, self.sent, self.recv, t0)
+        stats.record_call(self.op, self.sent, self.recv, t0)
         return result
