@@ -9,7 +9,7 @@
 
 Layers: p2p.py (buffers, byte accounting, simulated links) <- tree.py / ring.py (algorithms)
 <- collectives.py and rooted.py (public API; launch.py: argument checks, stats scope, async;
-fastpath.py: cached plans for repeated small calls) ; group.py holds communicators and the
+fastpath.py, fastgather.py: cached plans for repeated small calls) ; group.py holds communicators and the
 progress thread; check.py the debug-mode agreement of signatures.
 """
 
