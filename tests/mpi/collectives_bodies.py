@@ -321,6 +321,18 @@ def fast_paths():
             raise AssertionError("a wrong out= was accepted on the fast path")
         except ValueError as err:
             assert "out.shape=(7,)" in str(err)
+    # Counters are kept per thread (no lock on the fast path): stats() must sum the progress
+    # thread's (async call) and this thread's (sync call, run by a plan after the first).
+    if n > 1:
+        x = np.ones(8, np.float32)
+        comm.all_reduce(x, g)
+        comm.reset_stats()
+        comm.all_reduce(x, g, async_op=True).wait()
+        comm.all_reduce(x, g)
+        s = comm.stats()["all_reduce"]
+        assert s["calls"] == 2, s
+        if n & (n - 1) == 0:
+            assert s["bytes_sent"] == 2 * x.nbytes * (n.bit_length() - 1), s
     # all_gather: equal blocks (plans), then uneven ones, with and without out=.
     for rep in range(3):
         x = np.full((3, 2), r, np.int16)
