@@ -47,17 +47,18 @@ from minidist.comm.rooted import gather, scatter
 from minidist.comm.ring import (chain_broadcast, chain_reduce, pair_all_gather, ring_all_gather,
                                 ring_all_reduce, ring_reduce_scatter, split_bounds)
 
-# All-reduce: recursive doubling up to these sizes, the ring above.  Measured crossover
-# (benchmarks/bench_collectives.py, 2-core machine, float32, ring with 1 MB pipeline chunks,
-# median us).  2 ranks, recursive doubling reading x directly (no copy into the result
-# first), load ~4: 512 KB rd 237 / ring 438, 1 MB 594 / 677, 4 MB 3216 / 3654, 8 MB
-# 9917 / 5492 (for N=2 both send X once, rd in one message and with one pass of adds).
-# 4 ranks (oversubscribed: every ring step may wait a scheduler time slice for a
-# neighbour, so the ring's 2(N-1) synchronisations cost far more than rd's log2 N): 1 MB
-# rd 4.1 / ring 16.3 ms, 4 MB 15.9 / 18.0 ms, 8 MB 28.7 / 24.1 ms.  With a core per rank
-# (or real links) the ring wins sooner.
-SMALL_ALL_REDUCE_BYTES = 4 << 20        # groups of 2
-SMALL_ALL_REDUCE_BYTES_WIDE = 4 << 20   # groups of 3 or more
+# All-reduce: recursive doubling up to these sizes, the ring (Rabenseifner on 4, 8, ...
+# ranks) above.  Measured on the 2-core machine, quiet (load ~1.5), float32, `out=`, median
+# us of back-to-back calls, recursive doubling / ring / MPI's Allreduce:
+#   2 ranks: 512 KB 150 / 196 / 175, 1 MB 374 / 313 / 338, 2 MB 1010 / 639 / 788,
+#            4 MB 2743 / 1762 / 1997 (rd sends X per round in one message but adds all of it;
+#            the ring adds only half and pipelines the chunks)
+#   4 ranks: 256 KB 410 / 607 (Rabenseifner 482) / 293, 1 MB 1790 / 1510 (1477) / 1161,
+#            4 MB 10637 / 6495 (6727) / 6601
+# Earlier runs at load 4-6 put the crossover higher (every extra synchronisation of the ring
+# may cost a scheduler time slice when ranks outnumber cores), so it moves with the load.
+SMALL_ALL_REDUCE_BYTES = 512 << 10      # groups of 2
+SMALL_ALL_REDUCE_BYTES_WIDE = 512 << 10  # groups of 3 or more
 # Binomial tree below, pipelined chain above.
 SMALL_BROADCAST_BYTES = 256 * 1024
 
