@@ -29,7 +29,7 @@ from minidist.comm import stats
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG
 from minidist.comm.ring import _rows_error as _pair_error
-from minidist.comm.tree import _rows_error as _bruck_error
+from minidist.comm.tree import _rows_error as _bruck_error, unpack_records
 
 BYTE = MPI.BYTE
 _COUNT = struct.Struct("=q")  # a record's row count: native int64, as the general path writes it
@@ -221,22 +221,7 @@ class BruckGatherPlan(_GatherPlan):
         return result
 
     def _unpack(self, starts, counts, out):
-        """Copy each record's rows to its place: position j holds rank (r + j) % N's block."""
-        n, r, buf, row_bytes = self.n, self.rank, self.buf, self.row_bytes
-        by_rank = [counts[(b - r) % n] for b in range(n)]
-        shape = (sum(by_rank),) + self.tail
-        if out is None:
-            out = np.empty(shape, self.dtype)
-        elif out.shape != shape:
-            raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape {shape}")
-        flat = out.reshape(-1).view(np.uint8)
-        at = 0
-        for b in range(n):
-            j = (b - r) % n
-            size = by_rank[b] * row_bytes
-            flat[at:at + size] = buf[starts[j] + 8:starts[j] + 8 + size]
-            at += size
-        return out
+        return unpack_records(self.buf, starts, counts, self.rank, self.row_bytes, self.tail, self.dtype, out)
 
     def _fail(self, g, err):
         stats.note_op("all_gather", self.name, (self.rows,) + self.tail, self.dtype)

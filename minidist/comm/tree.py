@@ -222,10 +222,17 @@ def bruck_all_gather_rows(g, x: np.ndarray, out: np.ndarray | None = None):
             end += 8 + c * row_bytes
     if bad is not None:
         raise _rows_error(g, rows, f"a block of {bad} rows")
+    return unpack_records(buf, starts, counts, r, row_bytes, tail, x.dtype, out), sent, received
+
+
+def unpack_records(buf, starts, counts, r, row_bytes, tail, dtype, out=None):
+    """Copy each Bruck record's rows to its place in the result (allocated if ``out`` is
+    None): record position j holds rank (r + j) % N's block, after its 8-byte row count."""
+    n = len(counts)
     by_rank = [counts[(b - r) % n] for b in range(n)]
     shape = (sum(by_rank),) + tail
     if out is None:
-        out = np.empty(shape, x.dtype)
+        out = np.empty(shape, dtype)
     elif out.shape != shape:
         raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape {shape}")
     flat = out.reshape(-1).view(np.uint8)
@@ -235,7 +242,7 @@ def bruck_all_gather_rows(g, x: np.ndarray, out: np.ndarray | None = None):
         size = by_rank[b] * row_bytes
         flat[at:at + size] = buf[starts[j] + 8:starts[j] + 8 + size]
         at += size
-    return out, sent, received
+    return out
 
 
 def _rows_error(g, rows, what, err=None) -> Exception:
