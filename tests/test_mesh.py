@@ -132,3 +132,11 @@ def test_mesh_bad_size_raises_on_every_rank():
 def test_describe_with_world_rank_names():
     text = _layout(2, 1, 2, 1).describe(names=[4, 5, 6, 7])
     assert "tp groups: [4 5] [6 7]" in text and "dp groups: [4 6] [5 7]" in text
+
+
+def test_mesh_and_functional_are_part_of_the_comm_api():
+    from minidist import comm
+    from minidist.comm import functional, mesh
+
+    assert comm.Mesh is mesh.Mesh
+    assert comm.functional is functional
