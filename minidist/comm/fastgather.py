@@ -29,7 +29,7 @@ from minidist.comm import stats
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG
 from minidist.comm.ring import _rows_error as _pair_error
-from minidist.comm.tree import _rows_error as _bruck_error, unpack_records
+from minidist.comm.tree import _rows_error as _bruck_error, read_records, records_error, unpack_records
 
 BYTE = MPI.BYTE
 _COUNT = struct.Struct("=q")  # a record's row count: native int64, as the general path writes it
@@ -189,7 +189,6 @@ class BruckGatherPlan(_GatherPlan):
         starts, counts = [j * rec for j in range(have)], [rows] * have  # the even rounds so far
         end = have * rec
         bad = None
-        unpack = _COUNT.unpack_from
         for cnt, dest, source, *_ in self.rounds[k:]:
             if len(counts) > have:  # a later round: send this round's prefix, receive
                 have = len(counts)
@@ -201,19 +200,10 @@ class BruckGatherPlan(_GatherPlan):
                                                      err)) from None
                 nbytes = status.Get_count(BYTE)
                 sent, received = sent + outgoing.nbytes, received + nbytes
-            stop = end + nbytes
-            for _ in range(cnt):  # walk the received records: count, then rows
-                c = unpack(buf, end)[0] if end + 8 <= stop else -1
-                if c < 0 or end + 8 + c * row_bytes > stop:
-                    raise self._fail(g, CommError(
-                        f"all_gather on group {self.name!r}: a {nbytes}-byte message from rank {source} does "
-                        f"not hold {cnt} records of rows {self.tail} {self.dtype}: the ranks passed different "
-                        f"trailing shapes or dtypes"))
-                if abs(c - rows) > 1:
-                    bad = c  # keep going, so the other ranks get their records, then raise
-                starts.append(end)
-                counts.append(c)
-                end += 8 + c * row_bytes
+            end, c = read_records(buf, end, end + nbytes, cnt, rows, row_bytes, starts, counts)
+            if end is None:
+                raise self._fail(g, records_error(self.name, nbytes, source, cnt, self.tail, self.dtype))
+            bad = c if c is not None else bad  # keep going, so the other ranks get their records
         if bad is not None:
             raise self._fail(g, _bruck_error(g, rows, f"a block of {bad} rows"))
         result = self._unpack(starts, counts, out)

@@ -13,6 +13,7 @@ communicator (or, on the progress thread, its duplicate).
 from __future__ import annotations
 
 import math
+import struct
 
 import numpy as np
 from mpi4py import MPI
@@ -208,21 +209,40 @@ def bruck_all_gather_rows(g, x: np.ndarray, out: np.ndarray | None = None):
             raise _rows_error(g, rows, f"more than {buf.nbytes - end} bytes of records", err) from None
         nbytes = status.Get_count(BYTE)
         sent, received = sent + outgoing.nbytes, received + nbytes
-        stop = end + nbytes
-        for _ in range(cnt):  # walk the received records: count, then rows
-            c = int(buf[end:end + 8].view(np.int64)[0]) if end + 8 <= stop else -1
-            if c < 0 or end + 8 + c * row_bytes > stop:
-                raise CommError(f"all_gather on group {g.name!r}: a {nbytes}-byte message from rank "
-                                f"{(r + have) % n} does not hold {cnt} records of rows {tail} {x.dtype}: the "
-                                f"ranks passed different trailing shapes or dtypes")
-            if abs(c - rows) > 1:
-                bad = c  # keep going, so the other ranks get their records, then raise
-            starts.append(end)
-            counts.append(c)
-            end += 8 + c * row_bytes
+        end, c = read_records(buf, end, end + nbytes, cnt, rows, row_bytes, starts, counts)
+        if end is None:
+            raise records_error(g.name, nbytes, (r + have) % n, cnt, tail, x.dtype)
+        bad = c if c is not None else bad  # keep going, so the other ranks get their records
     if bad is not None:
         raise _rows_error(g, rows, f"a block of {bad} rows")
     return unpack_records(buf, starts, counts, r, row_bytes, tail, x.dtype, out), sent, received
+
+
+_COUNT = struct.Struct("=q")  # a record's row count: native int64
+
+
+def read_records(buf, end, stop, cnt, rows, row_bytes, starts, counts):
+    """Walk ``cnt`` records just received into ``buf[end:stop]`` (each: an 8-byte row count,
+    then the rows), appending each one's start and row count.  Returns ``(new_end, bad)``:
+    ``new_end`` is None when the bytes do not hold ``cnt`` whole records (the ranks passed
+    different trailing shapes or dtypes); ``bad`` is a row count that breaks ROWS_RULE, or None."""
+    bad = None
+    for _ in range(cnt):
+        c = _COUNT.unpack_from(buf, end)[0] if end + 8 <= stop else -1
+        if c < 0 or end + 8 + c * row_bytes > stop:
+            return None, bad
+        if abs(c - rows) > 1:
+            bad = c
+        starts.append(end)
+        counts.append(c)
+        end += 8 + c * row_bytes
+    return end, bad
+
+
+def records_error(group_name, nbytes, source, cnt, tail, dtype) -> CommError:
+    return CommError(f"all_gather on group {group_name!r}: a {nbytes}-byte message from rank {source} does "
+                     f"not hold {cnt} records of rows {tail} {dtype}: the ranks passed different trailing "
+                     f"shapes or dtypes")
 
 
 def unpack_records(buf, starts, counts, r, row_bytes, tail, dtype, out=None):
