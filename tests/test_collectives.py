@@ -46,7 +46,7 @@ def test_bad_input_raises_on_every_rank():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
 def test_all_gather_rows_differing_by_more_than_one_raise_on_every_rank(nprocs):
     out = run_mpi(nprocs, f"{ERRORS}::all_gather_rows_rule", timeout=60).stdout
     for r in range(nprocs):

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm import check, fastgather, fastpath, links, reduction, ring, stats, tree
+from minidist.comm import check, evengather, fastgather, fastpath, links, reduction, ring, stats, tree
 from minidist.comm.errors import CommError
 from minidist.comm.group import Group
 from minidist.comm.launch import (check_algorithm as _algorithm, check_group as _check_group,
@@ -238,34 +238,48 @@ def _reduce(g, x, root, op, algorithm):
 def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto"):
     """Concatenate every rank's ``x`` along axis 0, on every rank.
 
-    ``algorithm="ring"`` forces the textbook ring (N-1 steps, (N-1)/N * X bytes per rank,
-    Patarasuk & Yuan 2009) after a Bruck exchange of the row counts (8 bytes a rank);
-    ``"bruck"`` forces the Bruck all-gather below; ``"auto"`` is described next.
-
     The first dims may differ, by at most one row between any two ranks (as np.array_split
-    produces; ring.ROWS_RULE): a larger difference raises a CommError (2 ranks: on both;
-    more: on every rank, after the size exchange).  Two ranks: one Sendrecv, the receiver
-    learns the other's row count from the message size (ring.pair_all_gather).  More
-    ranks: a Bruck all-gather, ceil(log2 N) rounds, each block sent with its row count in
-    front (tree.bruck_all_gather_rows); every rank receives every other block once.
+    produces; ring.ROWS_RULE): a larger difference raises a CommError on every rank.
+
+    Which algorithm (``"auto"``):
+    * two ranks: one Sendrecv; the receiver learns the other's row count from the message
+      size (ring.pair_all_gather);
+    * ``out=`` given with N dividing out.shape[0] (so every block has out.shape[0]/N rows):
+      straight from ``out`` to ``out`` with no row counts on the wire (evengather.py),
+      by recursive doubling (log2 N rounds) when N is a power of two, else by the ring
+      (N-1 steps); (N-1)/N * X bytes per rank.  ``out=`` must then have the same shape on
+      every rank;
+    * otherwise a Bruck all-gather, ceil(log2 N) rounds, each block sent behind its row
+      count (tree.bruck_all_gather_rows); every rank receives every other block once.
+
+    ``algorithm="ring"`` forces the textbook ring (N-1 steps, (N-1)/N * X bytes per rank,
+    Patarasuk & Yuan 2009), after a Bruck exchange of the row counts (8 bytes a rank) unless
+    ``out=`` already fixes them; ``"doubling"`` forces recursive doubling (needs such an
+    ``out=`` and N a power of two); ``"bruck"`` forces the Bruck all-gather.
     Repeated calls with the same shape skip the argument checks (fastpath.py).
     """
     if algorithm == "auto" and type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):
-        plan = g._plans.get(("all_gather", x.dtype, x.shape)) if type(g) is Group else None
+        key = ("all_gather", x.dtype, x.shape, None if out is None else getattr(out, "shape", None))
+        plan = g._plans.get(key) if type(g) is Group else None
         result = None if plan is None else plan.run(g, x, out)
         if result is not None:
             return result
     _check_group(g, "all_gather")
-    _algorithm(algorithm, ("auto", "ring", "bruck"), "all_gather")
+    _algorithm(algorithm, ("auto", "ring", "doubling", "bruck"), "all_gather")
     x = _host(x, "all_gather")
     check.need_axis0(x, "all_gather")
     out = _check_out(out, x, "all_gather")
-    sig = ("all_gather", x, dict(rule="trailing"))
+    if algorithm == "doubling" and not (evengather.applies(g.size, x, out) and g.size & (g.size - 1) == 0):
+        raise ValueError(f"all_gather: algorithm='doubling' needs a power-of-two group and out= whose first "
+                         f"dim is a multiple of it; got {g.size} ranks and out.shape="
+                         f"{None if out is None else out.shape}")
+    # out's shape is part of the signature: it picks the algorithm, so ranks must agree on it.
+    sig = ("all_gather", x, dict(rule="trailing", extra=None if out is None else out.shape))
     result = _launch("all_gather", _all_gather, g, x, sig, async_op, out, algorithm)
     if algorithm == "auto" and type(x) is np.ndarray and not async_op:
-        plan = fastgather.make_plan(g, x.shape, x.dtype)
+        plan = fastgather.make_plan(g, x.shape, x.dtype, out)
         if plan is not None:
-            fastpath.store(g, ("all_gather", x.dtype, x.shape), plan)
+            fastpath.store(g, ("all_gather", x.dtype, x.shape, None if out is None else out.shape), plan)
     return result
 
 
@@ -275,9 +289,11 @@ def _all_gather(g, x, result=None, algorithm="auto"):
         return x.copy() if result is None else _fill(result, x)
     if result is not None and result.shape[1:] != x.shape[1:]:
         raise ValueError(f"all_gather: out.shape={result.shape} but the rows have shape {x.shape[1:]}")
-    if algorithm == "ring":
+    if algorithm != "bruck" and evengather.applies(n, x, result) and not (n == 2 and algorithm == "auto"):
+        out, sent, received = evengather.even_all_gather(g, x, result, algorithm)
+    elif algorithm == "ring":
         return _ring_all_gather_rows(g, x, result)
-    if n == 2 and 0 not in x.shape[1:] and algorithm == "auto":
+    elif n == 2 and 0 not in x.shape[1:] and algorithm == "auto":
         out, sent, received = pair_all_gather(g, x, result)
     else:
         # More ranks: Bruck with the row counts inside the records, ceil(log2 N) rounds.

@@ -7,7 +7,9 @@ algorithm and the same bytes as collectives._all_gather, so results are bit-iden
 * 2 ranks, :class:`PairGatherPlan`: ring.pair_all_gather, one ``Sendrecv``, the peer's row
   count read from the message size;
 * more ranks, :class:`BruckGatherPlan`: tree.bruck_all_gather_rows, every record = a row
-  count followed by the rows, ceil(log2 N) rounds.
+  count followed by the rows, ceil(log2 N) rounds;
+* more ranks with an ``out=`` that fixes every block's size, :class:`EvenGatherPlan`:
+  evengather.even_all_gather, straight from ``out`` to ``out``.
 
 What a plan saves is everything that depends only on the shape: row sizes, partners, the
 packing buffer with this rank's row count already written into it, the MPI status.  Row
@@ -25,7 +27,7 @@ import struct
 import numpy as np
 from mpi4py import MPI
 
-from minidist.comm import stats
+from minidist.comm import evengather, stats
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG
 from minidist.comm.ring import _rows_error as _pair_error
@@ -35,12 +37,17 @@ BYTE = MPI.BYTE
 _COUNT = struct.Struct("=q")  # a record's row count: native int64, as the general path writes it
 
 
-def make_plan(g, shape, dtype):
-    """The plan for all-gathers of ``shape`` x ``dtype`` on ``g``, or None where the general
-    path is kept (rows of zero bytes: nothing to gain, and no row size to divide by)."""
+def make_plan(g, shape, dtype, out=None):
+    """The plan for all-gathers of ``shape`` x ``dtype`` on ``g`` into an ``out`` of this
+    shape (or None), or None where the general path is kept (rows of zero bytes: nothing to
+    gain, and no row size to divide by; a block of the wrong size for the even lane)."""
     if g.size < 2 or 0 in shape[1:]:
         return None
-    return PairGatherPlan(g, shape, dtype) if g.size == 2 else BruckGatherPlan(g, shape, dtype)
+    if g.size == 2:
+        return PairGatherPlan(g, shape, dtype)
+    if evengather.applies(g.size, None, out):
+        return EvenGatherPlan(g, shape, dtype, out.shape) if out.shape[0] == g.size * shape[0] else None
+    return BruckGatherPlan(g, shape, dtype)
 
 
 class _GatherPlan:
@@ -216,3 +223,30 @@ class BruckGatherPlan(_GatherPlan):
     def _fail(self, g, err):
         stats.note_op("all_gather", self.name, (self.rows,) + self.tail, self.dtype)
         return err
+
+
+class EvenGatherPlan(_GatherPlan):
+    """evengather.even_all_gather for one (x shape, out shape): the byte ranges of every
+    round precomputed, so a call is one copy of x into out and one Sendrecv per round."""
+
+    __slots__ = ("full_shape", "own", "rounds")
+
+    def __init__(self, g, shape, dtype, out_shape):
+        super().__init__(g, shape, dtype)
+        self.full_shape = tuple(out_shape)
+        self.own = (self.rank * self.rows, (self.rank + 1) * self.rows)
+        self.rounds = evengather.byte_rounds(self.n, self.rank, "auto", self.nbytes)
+
+    def run(self, g, x, out):
+        """The gathered array, or None when the general path must take the call."""
+        if not (self.fits(x, out) and out is not None and out.shape == self.full_shape):
+            return None
+        t0 = stats._clock()
+        lo, hi = self.own
+        out[lo:hi] = x
+        sent, received, bad = evengather.exchange(g, out.reshape(-1).view(np.uint8), self.rounds, self.status)
+        if bad is not None:
+            stats.note_op("all_gather", self.name, x.shape, self.dtype)
+            raise evengather.error(g, out, bad)
+        stats.record_call(self.op, sent, received, t0)
+        return out

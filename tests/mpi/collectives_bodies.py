@@ -134,6 +134,17 @@ def check_movement():
             same(comm.all_gather(mine[r], g, async_op=True).wait(), want, f"async all_gather {dtype}")
             for algo in ("ring", "bruck"):
                 same(comm.all_gather(mine[r], g, algorithm=algo), want, f"all_gather {algo} {dtype} {shape}")
+            # out=: equal blocks go straight into out (recursive doubling or ring), uneven ones
+            # (whose total N never divides) and "bruck" through the row-count records.
+            algos = ("auto", "ring", "bruck") + (("doubling",) if n > 1 and n & (n - 1) == 0 else ())
+            for blocks in (inputs, mine):
+                for algo in algos if blocks is inputs else ("auto", "ring", "bruck"):
+                    full = np.concatenate(blocks)
+                    if algo == "doubling" and (full.shape[0] < n or full.size == 0):
+                        continue  # needs at least one row per block (of nonzero size)
+                    out = np.zeros_like(full)
+                    assert comm.all_gather(blocks[r], g, out=out, algorithm=algo) is out
+                    same(out, full, f"all_gather out= {algo} {dtype} {shape} equal={blocks is inputs}")
             for algo in ("binomial", "chain"):
                 other = np.zeros_like(x)
                 same(comm.broadcast(x if r == root else other, g, root=root, algorithm=algo),
@@ -342,15 +353,16 @@ def fast_paths():
         out = np.empty((3 * n, 2), np.int16)
         assert comm.all_gather(x, g, out=out) is out
         same(out, want, "fast all_gather out=")
-        if n > 1:  # pair: X once; Bruck: N-1 records of an 8-byte count and X
-            per_call = x.nbytes if n == 2 else (n - 1) * (8 + x.nbytes)
-            assert comm.stats()["all_gather"] == {"calls": 2, "bytes_sent": 2 * per_call,
-                                                  "bytes_recv": 2 * per_call,
+        if n > 1:  # pair: X once; Bruck: N-1 records of an 8-byte count and X; out= of N blocks: N-1 blocks
+            per_call = 2 * x.nbytes if n == 2 else (n - 1) * (8 + x.nbytes) + (n - 1) * x.nbytes
+            assert comm.stats()["all_gather"] == {"calls": 2, "bytes_sent": per_call,
+                                                  "bytes_recv": per_call,
                                                   "time_s": comm.stats()["all_gather"]["time_s"]}, comm.stats()
     if n > 1:
-        plan = g._plans.get(("all_gather", np.dtype(np.int16), (3, 2)))
-        want_plan = "PairGatherPlan" if n == 2 else "BruckGatherPlan"
-        assert type(plan).__name__ == want_plan, f"all_gather on {n} ranks cached {plan!r}"
+        for out_shape, want_plan in ((None, "BruckGatherPlan"), ((3 * n, 2), "EvenGatherPlan")):
+            plan = g._plans.get(("all_gather", np.dtype(np.int16), (3, 2), out_shape))
+            want_plan = "PairGatherPlan" if n == 2 else want_plan
+            assert type(plan).__name__ == want_plan, f"all_gather on {n} ranks, out {out_shape}: cached {plan!r}"
     # Uneven rows (within one of each other, the all_gather rule), with and without out=,
     # including 0-row blocks and the rank with the extra row last or first.
     for rows in ([3, 2, 3, 2, 2, 3, 3, 2][:n], [0] * (n - 1) + [1], [1] + [0] * (n - 1), [2] * n):

@@ -70,6 +70,9 @@ def check_mode_mismatch():
     got = comm.all_gather(np.full((r % 2 + 1, 2), r, np.int32), g)
     assert got.shape == (sum(k % 2 + 1 for k in range(n)), 2)
     assert np.array_equal(comm.all_reduce(y, g), y * n)
+    # ... but out= picks the algorithm, so its shape must agree (here rank 0 passes none).
+    out = None if r == 0 else np.empty((4 * n,), np.float32)
+    _expect(comm.CollectiveMismatchError, lambda: comm.all_gather(y, g, out=out), "rank 0: all_gather(shape=(4,)")
     print(f"rank {r}: check mode caught every mismatch")
 
 
@@ -103,6 +106,16 @@ def all_gather_rows_rule():
         _expect(comm.CommError, lambda: comm.all_gather(x, g), rule, "rows")
         total = 3 + (n - 1)
         _expect(comm.CommError, lambda: comm.all_gather(x, g, out=np.empty((total, 3), np.float32)), rule)
+        # out= whose first dim N divides: every block must have out.shape[0]/N rows, so a
+        # block of 1 row and one of 3 (the rest 2) make every rank raise, also on a plan.
+        x = np.full((2 - (r == 0) + (r == n - 1), 3), r, np.float32)
+        for algo in ("auto", "ring"):
+            _expect(comm.CommError, lambda: comm.all_gather(x, g, out=np.empty((2 * n, 3), np.float32),
+                                                            algorithm=algo), "rows")
+        # and so does a rank whose rows have another dtype (its messages have the wrong size)
+        x = np.full((2, 3), r, np.float64 if r == 0 else np.float32)
+        _expect(comm.CommError, lambda: comm.all_gather(x, g, out=np.empty((2 * n, 3), x.dtype), algorithm="ring"),
+                "bytes")
     got = comm.all_gather(np.full((r % 2 + 1,), r, np.int64), g)  # still usable
     assert got.tolist() == sum(([k] * (k % 2 + 1) for k in range(n)), []), got
     print(f"rank {r}: all_gather rows rule enforced")
