@@ -73,7 +73,7 @@ def worker(out_path: str, quick: bool) -> None:
         res = np.empty_like(x)  # like MPI's receive buffer: the result memory is reused
         ours = {"all_reduce": lambda: comm.all_reduce(x, g, out=res),
                 "all_gather": lambda: comm.all_gather(part, g, out=res[: n * (count // n)]),
-                "reduce_scatter": lambda: comm.reduce_scatter(x, g)}[name]
+                "reduce_scatter": lambda: comm.reduce_scatter(x, g, out=res[: count // n])}[name]
         mpi = {"all_reduce": lambda: world.Allreduce(x, full),
                "all_gather": lambda: world.Allgather(part, full[: n * (count // n)]),
                "reduce_scatter": lambda: world.Reduce_scatter_block(x, piece)}[name]

@@ -203,11 +203,15 @@ class ReduceScatterPlan:
         self.divisor = n if op == "avg" and n > 1 else None
         self.right, self.left = (r + 1) % n, (r - 1) % n
 
-    def run(self, g, x):
+    def run(self, g, x, out=None):
+        """This rank's part, or None when ``out`` doesn't fit (the general path then
+        raises its clear error) or x is not contiguous."""
         t0 = _clock()
+        result = _result(self, x, out)
+        if result is None:
+            return None
         comm, status, ufunc, right, left = g.comm, self.status, self.ufunc, self.right, self.left
         flat = x if self.one_d else x.reshape(-1)  # a reshape costs as much as a small add
-        result = np.empty(self.shape, self.dtype)
         into = result if self.one_d else result.reshape(-1)
         sa, sb = self.first
         msg = [flat[sa:sb], BYTE]
@@ -268,11 +272,14 @@ class HalvingPlan:
         self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
         self.divisor = n if op == "avg" else None
 
-    def run(self, g, x):
+    def run(self, g, x, out=None):
+        """As ReduceScatterPlan.run."""
         t0 = _clock()
+        result = _result(self, x, out)
+        if result is None:
+            return None
         comm, status, ufunc = g.comm, self.status, self.ufunc
         flat = x if self.one_d else x.reshape(-1)
-        result = np.empty(self.shape, self.dtype)
         last_into = result if self.one_d else result.reshape(-1)
         peer, s_lo, s_hi, k_lo, k_hi, got, got_msg, nbytes, into = self.first
         try:
@@ -292,3 +299,15 @@ class HalvingPlan:
             reduction.finish(result, "avg", self.divisor, result.dtype)
         stats.record_call(self.op, self.sent, self.recv, t0)
         return result
+
+
+def _result(plan, x, out):
+    """A reduce-scatter plan's result array: a fresh one, or ``out`` when it fits; None
+    (general path) when it doesn't or when x is not contiguous."""
+    if not x.flags.c_contiguous:
+        return None
+    if out is None:
+        return np.empty(plan.shape, plan.dtype)
+    if type(out) is np.ndarray and out.shape == plan.shape and out.dtype == plan.dtype and out.flags.c_contiguous:
+        return out
+    return None

@@ -102,6 +102,52 @@ def ring_reduce_scatter(g, x: np.ndarray, bounds, ufunc, dest) -> None:
         outgoing = out
 
 
+def pairwise_reduce_scatter(g, x: np.ndarray, bounds, ufunc, result: np.ndarray) -> None:
+    """Reduce-scatter of flat ``x`` by pairwise exchange: block r, reduced over all ranks,
+    lands in ``result`` (Thakur, Rabenseifner & Gropp 2005, sec. 4.3: MPICH's algorithm for
+    long messages and commutative ops).
+
+    N-1 steps; in step k rank r sends its own copy of block (r+k) to rank r+k, receives
+    rank (r-k)'s copy of block r and adds it into ``result``.  Per rank: (N-1)/N * X bytes,
+    like the ring, but every message comes straight from ``x``: no step waits for the sum
+    of the step before (the ring forwards partial sums, so a late rank delays everyone
+    behind it), and the running sum stays in one block-sized buffer, often in cache.
+    Measured on 4 oversubscribed ranks against MPI's Reduce_scatter_block: 1 MB 1.02x,
+    16 MB 1.05-1.09x, 64 MB 1.05-1.19x (recursive halving: 0.53-0.82x).  Each step is
+    pipelined in chunks of about PIPELINE_BYTES, as in :func:`ring_reduce_scatter`.
+    """
+    n, r, comm = g.size, g.rank, g.comm
+    lo, hi = bounds[r]
+    mine = x[lo:hi]
+    nchunks = _num_chunks(bounds, x.itemsize)
+    recvs = _chunks(hi - lo, nchunks)
+    tmp = (g.scratch("pw_recv0", recvs[0][1] - recvs[0][0], x.dtype),
+           g.scratch("pw_recv1", recvs[0][1] - recvs[0][0], x.dtype))
+    for k in range(1, n):
+        dst, src = (r + k) % n, (r - k) % n
+        outgoing = x[bounds[dst][0]:bounds[dst][1]]
+        if nchunks == 1:  # one blocking Sendrecv: measured 10% faster than Isend + Irecv + Waits
+            got = _sendrecv(comm, outgoing, dst, tmp[0][:hi - lo], src, TAG)
+            ufunc(mine if k == 1 else result, got, out=result)
+            continue
+        sends = _chunks(outgoing.size, nchunks)  # as dst cuts its block: same size, same chunks
+
+        def post(c):
+            got = tmp[c % 2][:recvs[c][1] - recvs[c][0]]
+            return got, _irecv(comm, got, src, TAG), _isend(comm, outgoing[sends[c][0]:sends[c][1]], dst, TAG)
+
+        pending = post(0)
+        for c, (a, b) in enumerate(recvs):
+            got, recv_req, send_req = pending
+            if c + 1 < nchunks:
+                pending = post(c + 1)  # in flight while chunk c is added below
+            _wait_recv(comm, recv_req, src, TAG, got.nbytes)
+            ufunc(mine[a:b] if k == 1 else result[a:b], got, out=result[a:b])
+            send_req.Wait()
+    if n == 1:
+        result[...] = mine
+
+
 def ring_all_gather(g, out: np.ndarray, bounds) -> None:
     """Ring all-gather in place: rank r's block out[bounds[r]] is already there; afterwards
     every block is everywhere.

@@ -80,10 +80,13 @@ def check_reductions():
                 same(got, want[rows[0]:rows[-1] + 1] if len(rows) else want[:0], f"reduce_scatter {op} {dtype} {shape}")
                 got = comm.reduce_scatter(x, g, op=op, async_op=True).wait()
                 same(got, want[rows[0]:rows[-1] + 1] if len(rows) else want[:0], f"async reduce_scatter {op} {dtype}")
-                for algo in ("ring",) + (("halving",) if n & (n - 1) == 0 else ()):
+                for algo in ("ring", "pairwise") + (("halving",) if n & (n - 1) == 0 else ()):
                     got = comm.reduce_scatter(x, g, op=op, algorithm=algo)
                     same(got, want[rows[0]:rows[-1] + 1] if len(rows) else want[:0],
                          f"reduce_scatter {algo} {op} {dtype} {shape}")
+                    out = np.zeros_like(got)
+                    assert comm.reduce_scatter(x, g, op=op, algorithm=algo, out=out) is out
+                    same(out, got, f"reduce_scatter out= {algo} {op} {dtype} {shape}")
                 root = salt % n
                 for algo in ("binomial", "chain"):
                     got = comm.reduce(x, g, root=root, op=op, algorithm=algo)
@@ -218,7 +221,7 @@ def check_traffic():
     if n & (n - 1) == 0:
         s = measure(lambda: comm.all_reduce(x, g, algorithm="rabenseifner"))["all_reduce"]
         assert s["bytes_sent"] == s["bytes_recv"] == 2 * (n - 1) * X // n, s
-    for algo in ("auto", "ring"):
+    for algo in ("auto", "ring", "pairwise"):
         s = measure(lambda: comm.reduce_scatter(x, g, algorithm=algo))["reduce_scatter"]
         assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X // n, (algo, s)
     # The textbook ring all-gather: (N-1) blocks of X, after an exchange of 8-byte row counts.
@@ -271,6 +274,19 @@ def large_paths():
         if r == n - 1:
             same(got, want, f"large reduce {dtype}")
         same(comm.broadcast(inputs[r], g, root=1 % n), inputs[1 % n], f"large broadcast {dtype}")
+    # reduce_scatter above PAIRWISE_BYTES: pairwise exchange, 4+ chunks a step, blocks of
+    # unequal length (200_002 rows over 3 ranks), into a fresh result and into out=.
+    C.PAIRWISE_BYTES = 256 << 10
+    for dtype in ("float32", "bfloat16", "int64"):
+        inputs = [make((200_002,), dtype, k, 9) for k in range(n)]
+        want = np.array_split(expected_reduce(inputs, "sum", dtype), n)[r]
+        comm.reset_stats()
+        same(comm.reduce_scatter(inputs[r], g), want, f"large reduce_scatter {dtype}")
+        acc = 4 if dtype == "bfloat16" else inputs[r].itemsize  # bfloat16 travels as float32
+        assert comm.stats()["reduce_scatter"]["bytes_sent"] == (200_002 - want.shape[0]) * acc, comm.stats()
+        out = np.zeros_like(want)
+        assert comm.reduce_scatter(inputs[r], g, out=out) is out
+        same(out, want, f"large reduce_scatter out= {dtype}")
     # out=: the result lands in (and is) the caller's buffer, on every path and dtype.
     for dtype in ("float32", "bfloat16"):
         x = make((200_001,), dtype, r, 8)
@@ -309,13 +325,16 @@ def fast_paths():
                     assert comm.all_reduce(x, g, op=op, out=out) is out
                     same(out, want, f"fast all_reduce out= {op} {dtype} {shape}")
                     same(comm.reduce_scatter(x, g, op=op), want_rs, f"fast reduce_scatter {op} {dtype} {shape}")
+                    part = np.empty_like(want_rs)
+                    assert comm.reduce_scatter(x, g, op=op, out=part) is part
+                    same(part, want_rs, f"fast reduce_scatter out= {op} {dtype} {shape}")
                     same(x, inputs[r], "input modified")
                     s = comm.stats()
-                    assert s["all_reduce"]["calls"] == 2 and s["reduce_scatter"]["calls"] == 1, s
+                    assert s["all_reduce"]["calls"] == 2 and s["reduce_scatter"]["calls"] == 2, s
                     if n & (n - 1) == 0:
                         assert s["all_reduce"]["bytes_sent"] == 2 * x.nbytes * (n.bit_length() - 1), s
                     if len(shape) == 1 and shape[0] % n == 0:  # ring and halving: (N-1)/N * X
-                        assert s["reduce_scatter"]["bytes_sent"] == x.nbytes * (n - 1) // n, s
+                        assert s["reduce_scatter"]["bytes_sent"] == 2 * x.nbytes * (n - 1) // n, s
                 same(comm.all_reduce(inputs[r][::-1], g, op=op), want[::-1],
                      "fast all_reduce of a non-contiguous view")
     if n > 1:
