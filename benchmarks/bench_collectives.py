@@ -10,7 +10,8 @@ over launches with the lowest and highest per-launch ratio (a ratio that flips b
 launches is noise, not a result).  Writes DIR/collectives.json plus a short table with the
 machine's load average during each launch.  Also measured: the memcpy bandwidth (the ceiling
 for shared-memory transfers) and the all-reduce crossover between recursive doubling and
-the ring, which sets collectives.SMALL_ALL_REDUCE_BYTES(_WIDE).
+the large-message algorithm (pairwise reduce-scatter + all-gather), which sets
+reducing.SMALL_ALL_REDUCE_BYTES(_WIDE).
 
 Repeated calls with the same shape run minidist's cached plans (comm/fastpath.py), as in a
 training loop; the first two (warm-up) calls build them.
@@ -98,7 +99,7 @@ def worker(out_path: str, quick: bool) -> None:
     crossover = []
     for size in CROSSOVER_SIZES[:2] if quick else CROSSOVER_SIZES:
         x = np.ones(size // 4, np.float32)
-        times = {a: [] for a in ("recursive_doubling", "ring")}
+        times = {a: [] for a in ("recursive_doubling", "pairwise")}
         for _ in range(_reps(size, quick)):
             for a in times:
                 times[a].append(timeit(lambda: comm.all_reduce(x, g, algorithm=a)))
@@ -166,10 +167,10 @@ def table(report: dict) -> str:
                      f"{row['minidist_s'] * 1e6:>10.1f}us{row['mpi_s'] * 1e6:>10.1f}us"
                      f"{row['minidist_busbw_GBps']:>8.2f}GB/s{row['mpi_busbw_GBps']:>7.2f}GB/s{row['ratio']:>7.2f}"
                      f"  [{row['ratio_min']:.2f}..{row['ratio_max']:.2f}]")
-    lines.append("all_reduce crossover (median us): size, recursive doubling, ring")
+    lines.append("all_reduce crossover (median us): size, recursive doubling, pairwise")
     for row in report["crossover"]:
         lines.append(f"  N={row['ranks']} {_size(row['bytes']):>7} {row['recursive_doubling_s'] * 1e6:>10.1f}"
-                     f" {row['ring_s'] * 1e6:>10.1f}")
+                     f" {row['pairwise_s'] * 1e6:>10.1f}")
     return "\n".join(lines)
 
 

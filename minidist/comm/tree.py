@@ -329,13 +329,22 @@ def rabenseifner_all_reduce(g, x: np.ndarray, out: np.ndarray, ufunc) -> None:
     a recursive-doubling all-gather in place in ``out``.
 
     2 log2(N) rounds; per rank 2(N-1)/N * X bytes, the bandwidth lower bound like the
-    ring's, in log2 N instead of N-1 messages per phase.  All-gather round k (mask = 1, 2,
-    ..., N/2): this rank holds the reduced blocks of its aligned group of ``mask`` ranks
-    and swaps them with the partner r ^ mask, whose blocks sit right beside them in ``out``.
+    ring's, in log2 N instead of N-1 messages per phase.
+    """
+    bounds = split_bounds_flat(x.size, g.size)
+    recursive_halving_reduce_scatter(g, x, bounds, ufunc, out[bounds[g.rank][0]:bounds[g.rank][1]])
+    recursive_doubling_all_gather(g, out, bounds)
+
+
+def recursive_doubling_all_gather(g, out: np.ndarray, bounds) -> None:
+    """All-gather in place in flat ``out`` for N a power of two, block b = out[bounds[b]],
+    this rank's block already there (Thakur et al. 2005, sec. 4.2).
+
+    Round k (mask = 1, 2, ..., N/2): this rank holds the blocks of its aligned group of
+    ``mask`` ranks and swaps them with the partner r ^ mask, whose blocks sit right beside
+    them in ``out``; log2 N rounds, (N-1)/N * X bytes per rank.
     """
     n, r, comm = g.size, g.rank, g.comm
-    bounds = split_bounds_flat(x.size, n)
-    recursive_halving_reduce_scatter(g, x, bounds, ufunc, out[bounds[r][0]:bounds[r][1]])
     mask = 1
     while mask < n:
         mine, theirs = r & ~(mask - 1), (r ^ mask) & ~(mask - 1)  # first rank of each group

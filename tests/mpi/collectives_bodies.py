@@ -11,6 +11,7 @@ from mpi4py import MPI
 from minidist import comm
 from minidist.backend import bfloat16
 from minidist.comm import collectives as C
+from minidist.comm import reducing as R
 from minidist.comm import ring
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
@@ -70,7 +71,7 @@ def check_reductions():
                 x = inputs[r]
                 before = x.copy()
                 want = expected_reduce(inputs, op, dtype)
-                for algo in ("recursive_doubling", "ring") + (("rabenseifner",) if n & (n - 1) == 0 else ()):
+                for algo in ("recursive_doubling", "ring", "pairwise") + (("rabenseifner",) if n & (n - 1) == 0 else ()):
                     got = comm.all_reduce(x, g, op=op, algorithm=algo)
                     same(got, want, f"all_reduce {algo} {op} {dtype} {shape}")
                 h = comm.all_reduce(x, g, op=op, async_op=True)
@@ -215,9 +216,10 @@ def check_traffic():
         fn()
         return comm.stats()
 
-    s = measure(lambda: comm.all_reduce(x, g, algorithm="ring"))["all_reduce"]
-    assert s["bytes_sent"] == s["bytes_recv"] == 2 * (n - 1) * X // n, s
-    assert s["calls"] == 1
+    for algo in ("ring", "pairwise"):
+        s = measure(lambda: comm.all_reduce(x, g, algorithm=algo))["all_reduce"]
+        assert s["bytes_sent"] == s["bytes_recv"] == 2 * (n - 1) * X // n, (algo, s)
+        assert s["calls"] == 1
     if n & (n - 1) == 0:
         s = measure(lambda: comm.all_reduce(x, g, algorithm="rabenseifner"))["all_reduce"]
         assert s["bytes_sent"] == s["bytes_recv"] == 2 * (n - 1) * X // n, s
@@ -258,7 +260,7 @@ def large_paths():
     so ~800 KB messages take the large-message paths in 4+ chunks per ring step."""
     g, world = comm.world(), MPI.COMM_WORLD
     n, r = g.size, g.rank
-    C.SMALL_ALL_REDUCE_BYTES = C.SMALL_ALL_REDUCE_BYTES_WIDE = C.SMALL_BROADCAST_BYTES = 256 << 10
+    R.SMALL_ALL_REDUCE_BYTES = R.SMALL_ALL_REDUCE_BYTES_WIDE = R.SMALL_REDUCE_BYTES = C.SMALL_BROADCAST_BYTES = 256 << 10
     ring.PIPELINE_BYTES = 64 << 10
     x = np.ones(200_001, np.float32)
     comm.reset_stats()
@@ -276,7 +278,7 @@ def large_paths():
         same(comm.broadcast(inputs[r], g, root=1 % n), inputs[1 % n], f"large broadcast {dtype}")
     # reduce_scatter above PAIRWISE_BYTES: pairwise exchange, 4+ chunks a step, blocks of
     # unequal length (200_002 rows over 3 ranks), into a fresh result and into out=.
-    C.PAIRWISE_BYTES = 256 << 10
+    R.PAIRWISE_BYTES = 256 << 10
     for dtype in ("float32", "bfloat16", "int64"):
         inputs = [make((200_002,), dtype, k, 9) for k in range(n)]
         want = np.array_split(expected_reduce(inputs, "sum", dtype), n)[r]
@@ -291,7 +293,7 @@ def large_paths():
     for dtype in ("float32", "bfloat16"):
         x = make((200_001,), dtype, r, 8)
         want = expected_reduce([make((200_001,), dtype, k, 8) for k in range(n)], "sum", dtype)
-        for algo in ("ring", "recursive_doubling"):
+        for algo in ("ring", "recursive_doubling", "pairwise"):
             out = np.full_like(x, 99)
             assert comm.all_reduce(x, g, algorithm=algo, out=out) is out
             same(out, want, f"all_reduce out= {algo} {dtype}")
