@@ -44,69 +44,103 @@ def make_plan(g, shape, dtype, out=None):
     if g.size < 2 or 0 in shape[1:]:
         return None
     if g.size == 2:
-        return PairGatherPlan(g, shape, dtype)
+        return PairGatherPlan(g, shape, dtype, out)
     if evengather.applies(g.size, None, out):
-        return EvenGatherPlan(g, shape, dtype, out.shape) if out.shape[0] == g.size * shape[0] else None
-    return BruckGatherPlan(g, shape, dtype)
+        return EvenGatherPlan(g, shape, dtype, out) if out.shape[0] == g.size * shape[0] else None
+    return BruckGatherPlan(g, shape, dtype, out)
 
 
 class _GatherPlan:
-    __slots__ = ("rows", "tail", "row_bytes", "nbytes", "dtype", "status", "comm", "rank", "n", "name", "op")
+    """What every all-gather plan knows: the block and row sizes, the group, and the ``out=``
+    it was made for (plans are cached per (x shape, dtype, out shape), None meaning no out)."""
 
-    def __init__(self, g, shape, dtype):
+    __slots__ = ("rows", "tail", "row_bytes", "nbytes", "dtype", "status", "comm", "rank", "n", "name", "call",
+                 "out_shape")
+
+    def __init__(self, g, shape, dtype, out=None):
+        self.out_shape = None if out is None else out.shape
         self.rows, self.tail, self.dtype = shape[0], tuple(shape[1:]), np.dtype(dtype)
         self.row_bytes = math.prod(self.tail) * self.dtype.itemsize
         self.nbytes = self.rows * self.row_bytes
         self.status, self.comm, self.rank, self.n, self.name = MPI.Status(), g.comm, g.rank, g.size, g.name
-        self.op = ("all_gather", g.name, tuple(shape), self.dtype, "")  # its recent-ops entry
+        self.call = stats.Call("all_gather", g.name, shape, self.dtype)  # its recent-ops entry and counters
 
-    def fits(self, x, out) -> bool:
-        """Can the plan send x and write out?  Otherwise the general path copies x or raises
-        its clear error about out.  (``flags`` is read only when needed: it builds an object.)"""
-        if not x.flags.c_contiguous:
-            return False
-        return out is None or (type(out) is np.ndarray and out.dtype == self.dtype
-                               and out.shape[1:] == self.tail and out.flags.c_contiguous)
+    def fits(self, out) -> bool:
+        """Is ``out`` what the plan was made for: None, or a NumPy array of exactly that shape
+        and dtype?  Otherwise the general path takes the call (and raises its clear error
+        about a wrong out).  Strided arrays are caught later: MPI raises BufferError before
+        sending from or into one (the pair plan), or the plan checks ``out.flags`` (the others,
+        which view out as blocks).  Each check here costs a measurable part of a 4 KB call."""
+        return out is None or (type(out) is np.ndarray and out.shape == self.out_shape and out.dtype is self.dtype)
 
 
 class PairGatherPlan(_GatherPlan):
-    """ring.pair_all_gather with the row size and partner precomputed."""
+    """ring.pair_all_gather with the row size and partner precomputed, and with ``out=``
+    (whose shape the plan was made for) the slices of out to receive into and copy x to,
+    and the size of the expected message: a call is then one Sendrecv, one size check and
+    one copy."""
 
-    __slots__ = ()
+    __slots__ = ("peer", "room", "own", "expect")
+
+    def __init__(self, g, shape, dtype, out=None):
+        super().__init__(g, shape, dtype, out)
+        rows, r, self.peer = self.rows, self.rank, 1 - self.rank
+        if out is not None:  # the peer has out.shape[0] - rows rows, or the call fails
+            theirs = out.shape[0] - rows
+            self.room = slice(rows, None) if r == 0 else slice(0, max(theirs, 0))
+            self.own = slice(0, rows) if r == 0 else slice(max(theirs, 0), None)
+            self.expect = theirs * self.row_bytes
 
     def run(self, g, x, out):
         """The gathered array, or None when the general path must take the call."""
-        if not self.fits(x, out):
+        if out is None:
+            return self._run_fresh(g, x)
+        if not self.fits(out):
             return None
         t0 = stats._clock()
+        status, peer = self.status, self.peer
+        try:
+            self.comm.Sendrecv([x, BYTE], peer, TAG, [out[self.room], BYTE], peer, TAG, status)
+        except BufferError:  # x or out is strided: nothing was sent, the general path copies x or rejects out
+            return None
+        except MPI.Exception as err:
+            raise _pair_error(g, x, f"a block longer than the {out.shape[0] - self.rows} rows of room", out,
+                              err) from None
+        nbytes = status.Get_count(BYTE)
+        if nbytes != self.expect:
+            theirs, odd = divmod(nbytes, self.row_bytes)
+            if odd or abs(theirs - self.rows) > 1:  # the general path words each error
+                return self._fail(g, x, out, nbytes, theirs, odd)
+            raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape "
+                             f"{(self.rows + theirs,) + self.tail}")
+        out[self.own] = x
+        stats.record_call(self.call, self.nbytes, nbytes, t0)
+        return out
+
+    def _run_fresh(self, g, x):
+        """Without out=: the result is a view of a fresh buffer one row longer than needed,
+        as the peer may have a row more (ring.pair_all_gather)."""
+        t0 = stats._clock()
         rows, r = self.rows, self.rank
-        if out is None:
-            buf = np.empty((2 * rows + 1,) + self.tail, self.dtype)  # one row of room to spare
-            room = buf[rows:] if r == 0 else buf[:rows + 1]
-        else:
-            buf = out
-            room = out[rows:] if r == 0 else out[:max(out.shape[0] - rows, 0)]
-        status, peer = self.status, 1 - r
+        buf = np.empty((2 * rows + 1,) + self.tail, self.dtype)
+        room = buf[rows:] if r == 0 else buf[:rows + 1]
+        status, peer = self.status, self.peer
         try:
             self.comm.Sendrecv([x, BYTE], peer, TAG, [room, BYTE], peer, TAG, status)
+        except BufferError:
+            return None
         except MPI.Exception as err:
-            raise _pair_error(g, x, f"a block longer than the {room.shape[0]} rows of room", out, err) from None
+            raise _pair_error(g, x, f"a block longer than the {room.shape[0]} rows of room", None, err) from None
         nbytes = status.Get_count(BYTE)
         theirs, odd = divmod(nbytes, self.row_bytes)
-        if odd or abs(theirs - rows) > 1:  # the general path words each error
-            return self._fail(g, x, out, nbytes, theirs, odd)
-        total = rows + theirs
-        if out is None:
-            result = buf[:total]
-        elif out.shape[0] != total:
-            raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape {(total,) + self.tail}")
-        else:
-            result = out
+        if odd or abs(theirs - rows) > 1:
+            return self._fail(g, x, None, nbytes, theirs, odd)
+        result = buf[:rows + theirs]
         if r == 0:
             result[:rows] = x
         else:
             result[theirs:] = x
-        stats.record_call(self.op, self.nbytes, nbytes, t0)
+        stats.record_call(self.call, self.nbytes, nbytes, t0)
         return result
 
     def _fail(self, g, x, out, nbytes, theirs, odd):
@@ -132,8 +166,8 @@ class BruckGatherPlan(_GatherPlan):
 
     __slots__ = ("buf", "own", "record", "rounds", "full_shape", "blocks_shape", "front", "back")
 
-    def __init__(self, g, shape, dtype):
-        super().__init__(g, shape, dtype)
+    def __init__(self, g, shape, dtype, out=None):
+        super().__init__(g, shape, dtype, out)
         n, r, rows = self.n, self.rank, self.rows
         buf = self.buf = np.empty(n * (8 + (rows + 1) * self.row_bytes), np.uint8)
         buf[:8].view(np.int64)[0] = rows
@@ -157,7 +191,7 @@ class BruckGatherPlan(_GatherPlan):
 
     def run(self, g, x, out):
         """The gathered array, or None when the general path must take the call."""
-        if not self.fits(x, out):
+        if not self.fits(out) or (out is not None and not out.flags.c_contiguous):
             return None
         t0 = stats._clock()
         buf, comm, status, rows = self.buf, self.comm, self.status, self.rows
@@ -186,7 +220,7 @@ class BruckGatherPlan(_GatherPlan):
         blocks[r:] = self.front
         if r:
             blocks[:r] = self.back
-        stats.record_call(self.op, sent, received, t0)
+        stats.record_call(self.call, sent, received, t0)
         return out
 
     def _walk(self, g, x, out, k, nbytes, sent, received, t0):
@@ -214,7 +248,7 @@ class BruckGatherPlan(_GatherPlan):
         if bad is not None:
             raise self._fail(g, _bruck_error(g, rows, f"a block of {bad} rows"))
         result = self._unpack(starts, counts, out)
-        stats.record_call(self.op, sent, received, t0)
+        stats.record_call(self.call, sent, received, t0)
         return result
 
     def _unpack(self, starts, counts, out):
@@ -229,17 +263,16 @@ class EvenGatherPlan(_GatherPlan):
     """evengather.even_all_gather for one (x shape, out shape): the byte ranges of every
     round precomputed, so a call is one copy of x into out and one Sendrecv per round."""
 
-    __slots__ = ("full_shape", "own", "rounds")
+    __slots__ = ("own", "rounds")
 
-    def __init__(self, g, shape, dtype, out_shape):
-        super().__init__(g, shape, dtype)
-        self.full_shape = tuple(out_shape)
+    def __init__(self, g, shape, dtype, out):
+        super().__init__(g, shape, dtype, out)
         self.own = (self.rank * self.rows, (self.rank + 1) * self.rows)
         self.rounds = evengather.byte_rounds(self.n, self.rank, "auto", self.nbytes)
 
     def run(self, g, x, out):
         """The gathered array, or None when the general path must take the call."""
-        if not (self.fits(x, out) and out is not None and out.shape == self.full_shape):
+        if out is None or not self.fits(out) or not out.flags.c_contiguous:
             return None
         t0 = stats._clock()
         lo, hi = self.own
@@ -248,5 +281,5 @@ class EvenGatherPlan(_GatherPlan):
         if bad is not None:
             stats.note_op("all_gather", self.name, x.shape, self.dtype)
             raise evengather.error(g, out, bad)
-        stats.record_call(self.op, sent, received, t0)
+        stats.record_call(self.call, sent, received, t0)
         return out

@@ -83,7 +83,7 @@ class AllReducePlan:
     reading x directly (two more rounds when N is not a power of two), then the division for "avg".
     """
 
-    __slots__ = ("steps", "peers", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor", "op")
+    __slots__ = ("steps", "peers", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor", "call")
 
     def __init__(self, g, shape, dtype, op):
         self.steps = recursive_doubling_schedule(g.size, g.rank)
@@ -97,27 +97,28 @@ class AllReducePlan:
         self.recv = self.nbytes * sum(kind in (EXCHANGE, TAKE, RESULT_IN) for kind, _ in self.steps)
         self.status = MPI.Status()
         self.divisor = g.size if op == "avg" and g.size > 1 else None
-        self.op = ("all_reduce", g.name, tuple(shape), self.tmp.dtype, "")  # its recent-ops entry
+        self.call = stats.Call("all_reduce", g.name, shape, self.tmp.dtype)  # its recent-ops entry and counters
 
     def run(self, g, x, out):
         """The all-reduce of ``x``, or None when ``out`` doesn't fit (the general path then
         raises its clear error) or x is not contiguous."""
         t0 = _clock()
-        if not x.flags.c_contiguous:  # MPI sends x itself: the general path copies it first
-            return None
         if out is None:
             acc = np.empty(x.shape, x.dtype)
-        elif type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype and out.flags.c_contiguous:
+        elif type(out) is np.ndarray and out.shape == x.shape and out.dtype is x.dtype and out.flags.c_contiguous:
             acc = out
         else:
             return None
-        if self.peers is not None:
-            self._doubling(g, x, acc)
-        else:
-            self._general(g, x, acc)
+        try:
+            if self.peers is not None:
+                self._doubling(g, x, acc)
+            else:
+                self._general(g, x, acc)
+        except BufferError:  # x is strided: MPI refused it before its first message; the general path copies it
+            return None
         if self.divisor is not None:
             reduction.finish(acc, "avg", self.divisor, acc.dtype)
-        stats.record_call(self.op, self.sent, self.recv, t0)
+        stats.record_call(self.call, self.sent, self.recv, t0)
         return acc
 
     def _doubling(self, g, x, acc):
@@ -169,7 +170,7 @@ class ReduceScatterPlan:
     every step a single Sendrecv (no pipeline chunks: the whole message fits in cache)."""
 
     __slots__ = ("steps", "first", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor",
-                 "dtype", "right", "left", "op")
+                 "dtype", "right", "left", "call")
 
     def __init__(self, g, shape, dtype, op):
         n, r = g.size, g.rank
@@ -195,7 +196,7 @@ class ReduceScatterPlan:
         first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path (right for unit 0 too)
         self.shape = (last - first,) + tuple(shape[1:])
         self.one_d = len(shape) == 1
-        self.op = ("reduce_scatter", g.name, tuple(shape), np.dtype(dtype), "")  # its recent-ops entry
+        self.call = stats.Call("reduce_scatter", g.name, shape, np.dtype(dtype))  # its recent-ops entry and counters
         blocks = [bounds[(r - s - 1) % n] for s in range(n - 1)]
         self.sent = sum(b - a for a, b in blocks) * tmp.itemsize
         self.recv = sum(rb - ra for ra, rb, *_ in self.steps) * tmp.itemsize
@@ -205,9 +206,10 @@ class ReduceScatterPlan:
 
     def run(self, g, x, out=None):
         """This rank's part, or None when ``out`` doesn't fit (the general path then
-        raises its clear error) or x is not contiguous."""
+        raises its clear error) or x is strided (MPI refuses to send it: BufferError
+        before the first message)."""
         t0 = _clock()
-        result = _result(self, x, out)
+        result = _result(self, out)
         if result is None:
             return None
         comm, status, ufunc, right, left = g.comm, self.status, self.ufunc, self.right, self.left
@@ -223,11 +225,13 @@ class ReduceScatterPlan:
                     raise _fail("reduce_scatter", g, x, status, left, nbytes)
                 ufunc(flat[ra:rb], got, out=into if dest is None else dest)
                 msg = next_msg
+        except BufferError:
+            return None
         except MPI.Exception as err:
             raise _fail("reduce_scatter", g, x, status, left, nbytes, err) from None
         if self.divisor is not None:
             reduction.finish(result, "avg", self.divisor, result.dtype)
-        stats.record_call(self.op, self.sent, self.recv, t0)
+        stats.record_call(self.call, self.sent, self.recv, t0)
         return result
 
 
@@ -242,7 +246,7 @@ class HalvingPlan:
     general path (bit-identical results).
     """
 
-    __slots__ = ("first", "rounds", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor", "dtype", "op")
+    __slots__ = ("first", "rounds", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor", "dtype", "call")
 
     def __init__(self, g, shape, dtype, op):
         n, r = g.size, g.rank
@@ -268,14 +272,14 @@ class HalvingPlan:
         first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path (right for unit 0 too)
         self.shape = (last - first,) + tuple(shape[1:])
         self.one_d = len(shape) == 1
-        self.op = ("reduce_scatter", g.name, tuple(shape), np.dtype(dtype), "")  # its recent-ops entry
+        self.call = stats.Call("reduce_scatter", g.name, shape, np.dtype(dtype))  # its recent-ops entry and counters
         self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
         self.divisor = n if op == "avg" else None
 
     def run(self, g, x, out=None):
         """As ReduceScatterPlan.run."""
         t0 = _clock()
-        result = _result(self, x, out)
+        result = _result(self, out)
         if result is None:
             return None
         comm, status, ufunc = g.comm, self.status, self.ufunc
@@ -293,21 +297,23 @@ class HalvingPlan:
                 if status.Get_count(BYTE) != nbytes:
                     raise _fail("reduce_scatter", g, x, status, peer, nbytes)
                 ufunc(mine, got, out=last_into if i == last else mine)
+        except BufferError:  # only the first Sendrecv sends from x
+            return None
         except MPI.Exception as err:
             raise _fail("reduce_scatter", g, x, status, peer, nbytes, err) from None
         if self.divisor is not None:
             reduction.finish(result, "avg", self.divisor, result.dtype)
-        stats.record_call(self.op, self.sent, self.recv, t0)
+        stats.record_call(self.call, self.sent, self.recv, t0)
         return result
 
 
-def _result(plan, x, out):
-    """A reduce-scatter plan's result array: a fresh one, or ``out`` when it fits; None
-    (general path) when it doesn't or when x is not contiguous."""
-    if not x.flags.c_contiguous:
-        return None
+def _result(plan, out):
+    """A reduce-scatter plan's result array: a fresh one, or ``out`` when it fits (a strided
+    out works when 1-D: the ufuncs write through it, MPI never sends it); None (general
+    path) when it doesn't."""
     if out is None:
         return np.empty(plan.shape, plan.dtype)
-    if type(out) is np.ndarray and out.shape == plan.shape and out.dtype == plan.dtype and out.flags.c_contiguous:
+    if (type(out) is np.ndarray and out.shape == plan.shape and out.dtype is plan.dtype
+            and (plan.one_d or out.flags.c_contiguous)):
         return out
     return None

@@ -64,25 +64,54 @@ def count_bytes(sent: int, received: int) -> None:
     rec[2] += received
 
 
-def record_call(op: tuple, sent: int, received: int, t0: float) -> None:
+class Call:
+    """What a cached plan records of each call (see :func:`record_call`): its recent-ops
+    entry ``op = (name, group_name, shape, dtype, "")``, fixed for the plan, and the
+    counters of ``name`` shared by all plans (:func:`tally`)."""
+
+    __slots__ = ("op", "tally")
+
+    def __init__(self, name: str, group_name: str, shape, dtype):
+        self.op = (name, group_name, tuple(shape), dtype, "")
+        self.tally = tally(name)
+
+
+class Tally:
+    """Counters of one collective name for the fast path: [calls, sent, received, time],
+    updated in place without a dict or thread-local lookup.  Only synchronous calls run
+    plans, so in practice one thread writes them; :func:`stats` adds them in."""
+
+    __slots__ = ("calls", "sent", "received", "time")
+
+    def __init__(self):
+        self.calls = self.sent = self.received = 0
+        self.time = 0.0
+
+
+_tallies: dict[str, Tally] = {}
+
+
+def tally(name: str) -> Tally:
+    with _lock:
+        return _tallies.setdefault(name, Tally())
+
+
+def record_call(call: Call, sent: int, received: int, t0: float) -> None:
     """Account one whole collective at once, the small-message fast path's only bookkeeping:
-    its recent-ops entry (what :func:`note_op` records) and a call of ``name`` that started
-    at ``t0`` (perf_counter) with these byte counts, or, inside another collective's scope,
-    just its bytes, charged to that outer collective as :class:`scope` would.
-    ``op = (name, group_name, shape, dtype, "")``, built once by the plan (all fixed for a
-    plan); one clock read serves both the elapsed time and the recent-ops timestamp."""
+    its recent-ops entry (what :func:`note_op` records) and a call that started at ``t0``
+    (perf_counter) with these byte counts, or, inside another collective's scope, just its
+    bytes, charged to that outer collective as :class:`scope` would.  One clock read serves
+    both the elapsed time and the recent-ops timestamp."""
     t1 = _clock()
-    _recent.append(op + (t1,))
-    state = _tls.state
-    outer = state.label
-    counters = state.counters
-    name = outer or op[0]
-    rec = counters.get(name) or _record(counters, name)
-    if outer is None:
-        rec[0] += 1
-        rec[3] += t1 - t0
-    rec[1] += sent
-    rec[2] += received
+    _recent.append((call.op, t1))
+    if _tls.state.label is None:
+        t = call.tally
+        t.calls += 1
+        t.sent += sent
+        t.received += received
+        t.time += t1 - t0
+    else:
+        count_bytes(sent, received)
 
 
 class scope:
@@ -127,6 +156,10 @@ def stats() -> dict:
     totals: dict[str, list] = {}
     with _lock:
         threads = list(_per_thread)
+        tallies = list(_tallies.items())
+    for name, t in tallies:
+        if t.calls or t.sent or t.received:
+            totals[name] = [t.calls, t.sent, t.received, t.time]
     for counters in threads:
         # dict.copy() and list() run without releasing the GIL, so a thread adding a new
         # name meanwhile cannot break the iteration; a count read mid-update is one call late.
@@ -143,11 +176,14 @@ def reset_stats() -> None:
     with _lock:
         for counters in _per_thread:
             counters.clear()
+        for t in _tallies.values():
+            t.calls = t.sent = t.received = 0
+            t.time = 0.0
 
 
 def note_op(name: str, group_name: str, shape, dtype, detail: str = "") -> None:
     """Remember that this rank started ``name``; error messages show the last few."""
-    _recent.append((name, group_name, shape, dtype, detail, _clock()))  # formatted when read
+    _recent.append(((name, group_name, shape, dtype, detail), _clock()))  # formatted when read
 
 
 def recent_ops(g=None) -> list[dict]:
@@ -156,9 +192,9 @@ def recent_ops(g=None) -> list[dict]:
     intervals: the fast path reads that clock anyway, so the log costs no second clock call."""
     ops = list(_recent)
     if g is not None:
-        ops = [op for op in ops if op[1] == g.name]
+        ops = [(op, t) for op, t in ops if op[1] == g.name]
     return [dict(name=n, group=gr, shape=s, dtype=_dtype_str(d), detail=det, time=t)
-            for n, gr, s, d, det, t in ops]
+            for (n, gr, s, d, det), t in ops]
 
 
 def _dtype_str(dtype) -> str | None:
@@ -175,4 +211,4 @@ def format_recent(n: int = 8) -> str:
     if not ops:
         return "  (no collective started yet)"
     return "\n".join(f"  {name}(group={gr!r}, shape={shape}, dtype={_dtype_str(dt)}{', ' + det if det else ''})"
-                     for name, gr, shape, dt, det, _ in ops)
+                     for (name, gr, shape, dt, det), _ in ops)
