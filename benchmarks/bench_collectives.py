@@ -2,8 +2,8 @@
 
     python benchmarks/bench_collectives.py [--out DIR] [--quick] [--ranks 2,4] [--launches 2]
 
-Launches itself under mpiexec for each rank count (``--launches`` times, interleaved: 2, 4,
-2, 4, ...), times all_reduce, all_gather and reduce_scatter at 4 KB .. 64 MB, interleaving
+Launches itself under mpiexec for each rank count and collective (``--launches`` times,
+interleaved: 2, 4, 2, 4, ...), times all_reduce, all_gather and reduce_scatter at 4 KB .. 64 MB, interleaving
 minidist and MPI rep by rep (the bandwidth of a shared machine drifts over minutes, so
 back-to-back pairs compare like with like), takes medians per launch and reports the median
 over launches with the lowest and highest per-launch ratio (a ratio that flips between
@@ -12,6 +12,12 @@ machine's load average during each launch.  Also measured: the memcpy bandwidth 
 for shared-memory transfers) and the all-reduce crossover between recursive doubling and
 the large-message algorithm (pairwise reduce-scatter + all-gather), which sets
 reducing.SMALL_ALL_REDUCE_BYTES(_WIDE).
+
+Each collective gets its own launch because MPICH's built-in collectives change the process
+they run in: after one MPI Allreduce or Reduce_scatter_block of 16 MB, a plain 8 MB Sendrecv
+in the same process took 2.2 ms instead of 1.8 ms (2 ranks), and minidist's all_gather, built
+on Sendrecv, measured 0.84x MPI's instead of 0.96-1.0x.  A minidist program calls no MPI
+collective, so it never pays that; within one launch the two sides still alternate rep by rep.
 
 Repeated calls with the same shape run minidist's cached plans (comm/fastpath.py), as in a
 training loop; the first two (warm-up) calls build them.
@@ -46,7 +52,7 @@ def _bus_factor(name: str, n: int) -> float:
 
 
 # ----------------------------------------------------------------- inside mpiexec
-def worker(out_path: str, quick: bool) -> None:
+def worker(out_path: str, quick: bool, collective: str) -> None:
     import numpy as np
     from mpi4py import MPI
 
@@ -82,7 +88,7 @@ def worker(out_path: str, quick: bool) -> None:
 
     results = []
     for size in QUICK_SIZES if quick else SIZES:
-        for name in COLLECTIVES:
+        for name in [collective]:  # one per launch (see the module docstring)
             ours, mpi = pair(name, size)
             inner = max(1, (256 << 10) // size)  # 64 calls a sample at 4 KB, 1 from 256 KB up
             for _ in range(2):  # warm-up: page faults, scratch buffers, MPI connections
@@ -97,7 +103,7 @@ def worker(out_path: str, quick: bool) -> None:
                                 minidist_busbw_GBps=size / mo * f / 1e9, mpi_busbw_GBps=size / mm * f / 1e9,
                                 ratio=mm / mo))
     crossover = []
-    for size in CROSSOVER_SIZES[:2] if quick else CROSSOVER_SIZES:
+    for size in [] if collective != "all_reduce" else CROSSOVER_SIZES[:2] if quick else CROSSOVER_SIZES:
         x = np.ones(size // 4, np.float32)
         times = {a: [] for a in ("recursive_doubling", "pairwise")}
         for _ in range(_reps(size, quick)):
@@ -123,13 +129,14 @@ def _timed_copy(dst, src):
 
 
 # ------------------------------------------------------------------- the launcher
-def launch(nprocs: int, quick: bool) -> dict:
+def launch(nprocs: int, quick: bool, collective: str) -> dict:
     from minidist.testing import mpiexec_command
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "part.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-        cmd = mpiexec_command(nprocs) + [sys.executable, os.path.abspath(__file__), "--worker", path]
+        cmd = mpiexec_command(nprocs) + [sys.executable, os.path.abspath(__file__), "--worker", path,
+                                         "--collective", collective]
         subprocess.run(cmd + (["--quick"] if quick else []), check=True, env=env, timeout=1800)
         with open(path) as f:
             return json.load(f)
@@ -185,19 +192,21 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
     p.add_argument("--launches", type=int, default=2, help="mpiexec launches per rank count")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--collective", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.quick)
+        worker(args.worker, args.quick, args.collective)
         return
     report = {"results": [], "crossover": [], "memcpy_GBps": None, "quick": args.quick, "load": []}
     parts = []
     for _ in range(args.launches):
         for nprocs in (int(v) for v in args.ranks.split(",")):
-            part = launch(nprocs, args.quick)
-            parts.append(part)
-            report["crossover"] += part["crossover"]
-            report["memcpy_GBps"] = max(report["memcpy_GBps"] or 0.0, part["memcpy_GBps"])
-            report["load"].append(part["load"])
+            for name in COLLECTIVES:
+                part = launch(nprocs, args.quick, name)
+                parts.append(part)
+                report["crossover"] += part["crossover"]
+                report["memcpy_GBps"] = max(report["memcpy_GBps"] or 0.0, part["memcpy_GBps"])
+                report["load"].append(part["load"])
     report["results"] = combine(parts)
     report["launches"] = parts
     os.makedirs(args.out, exist_ok=True)

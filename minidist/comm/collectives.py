@@ -42,6 +42,8 @@ fraction of the per-call Python work, which dominates the cost of small messages
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from minidist.comm import check, evengather, fastgather, fastpath, links, ring, stats, tree
@@ -139,7 +141,7 @@ def _ring_all_gather_rows(g, x, result):
     rows = tree.bruck_all_gather(g, np.array([x.shape[0]], np.int64).view(np.uint8)).view(np.int64)[:, 0]
     if rows.max() - rows.min() > 1:
         raise CommError(f"all_gather: row counts {rows.tolist()} break the rule: {ring.ROWS_RULE}")
-    unit = int(np.prod(x.shape[1:], dtype=np.int64))
+    unit = math.prod(x.shape[1:])  # elements per row (math.prod: np.prod costs microseconds)
     edges = np.concatenate([[0], np.cumsum(rows)]) * unit
     bounds = [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
     shape = (int(rows.sum()),) + x.shape[1:]

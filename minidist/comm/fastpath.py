@@ -36,6 +36,8 @@ partner spins in MPI on the other core meanwhile.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from mpi4py import MPI
 
@@ -174,7 +176,7 @@ class ReduceScatterPlan:
 
     def __init__(self, g, shape, dtype, op):
         n, r = g.size, g.rank
-        unit = int(np.prod(shape[1:], dtype=np.int64))
+        unit = math.prod(shape[1:])
         bounds = split_bounds(shape[0], n, unit)
         biggest = max(b - a for a, b in bounds)
         tmp = np.empty(biggest, dtype)
@@ -250,7 +252,7 @@ class HalvingPlan:
 
     def __init__(self, g, shape, dtype, op):
         n, r = g.size, g.rank
-        unit = int(np.prod(shape[1:], dtype=np.int64))
+        unit = math.prod(shape[1:])
         bounds = split_bounds(shape[0], n, unit)
         steps = halving_steps(n, r, bounds)
         peer, s_lo, s_hi, k_lo, k_hi = steps[0]

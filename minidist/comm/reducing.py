@@ -10,6 +10,8 @@ all_reduce and reduce_scatter run a plan cached on the group (fastpath.py).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from minidist.comm import check, fastpath, links, reduction, ring, tree
@@ -18,16 +20,15 @@ from minidist.comm.launch import (check_algorithm as _algorithm, check_group as 
                                   check_out as _check_out, host_array as _host, launch as _launch)
 from minidist.comm.ring import chain_reduce, ring_all_reduce, ring_reduce_scatter, split_bounds
 
-# All-reduce: recursive doubling up to these sizes, the ring (Rabenseifner on 4, 8, ...
-# ranks) above.  Measured on the 2-core machine, quiet (load ~1.5), float32, `out=`, median
-# us of back-to-back calls, recursive doubling / ring / MPI's Allreduce:
-#   2 ranks: 512 KB 150 / 196 / 175, 1 MB 374 / 313 / 338, 2 MB 1010 / 639 / 788,
-#            4 MB 2743 / 1762 / 1997 (rd sends X per round in one message but adds all of it;
-#            the ring adds only half and pipelines the chunks)
-#   4 ranks: 256 KB 410 / 607 (Rabenseifner 482) / 293, 1 MB 1790 / 1510 (1477) / 1161,
-#            4 MB 10637 / 6495 (6727) / 6601
-# Earlier runs at load 4-6 put the crossover higher (every extra synchronisation of the ring
-# may cost a scheduler time slice when ranks outnumber cores), so it moves with the load.
+# All-reduce: recursive doubling up to these sizes, pairwise reduce-scatter + all-gather
+# above (benchmarks/bench_collectives.py, crossover table; float32, median us of two
+# launches, load 1.3-2.4), recursive doubling / pairwise:
+#   2 ranks: 256 KB 91-95 / 128-132, 512 KB 162-166 / 192, 1 MB 356-368 / 297-312,
+#            4 MB 2025-2133 / 1706-1750 (doubling sends X a round in one message but adds
+#            all of it; pairwise adds only X/N per rank and pipelines the chunks)
+#   4 ranks: 256 KB 417-456 / 505-600, 512 KB 748-788 / 723-790, 1 MB 1560-1736 / 1113-1242
+# Earlier runs at load 4-6 put the crossover higher (every extra synchronisation may cost a
+# scheduler time slice when ranks outnumber cores), so it moves with the load.
 SMALL_ALL_REDUCE_BYTES = 512 << 10      # groups of 2
 SMALL_ALL_REDUCE_BYTES_WIDE = 512 << 10  # groups of 3 or more
 # reduce: binomial tree below, pipelined chain above.
@@ -184,7 +185,7 @@ def _reduce_scatter_algorithm(n: int, nbytes: int, algorithm: str) -> str:
 
 def _reduce_scatter(g, x, op, algorithm="auto", out=None):
     n, r = g.size, g.rank
-    unit = int(np.prod(x.shape[1:], dtype=np.int64))
+    unit = math.prod(x.shape[1:])  # elements per row (math.prod: np.prod costs microseconds)
     bounds = split_bounds(x.shape[0], n, unit)
     xin = reduction.to_accumulator(x)
     lo, hi = bounds[r]
