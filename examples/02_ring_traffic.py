@@ -9,8 +9,8 @@ N finished blocks the same way: (N-1)/N * X again.  An all-reduce is the two in 
 
     all_reduce      2 (N-1)/N * X      (independent of N for large N: ~2X, the lower bound)
     reduce_scatter    (N-1)/N * X      (X = the full input on each rank)
-    all_gather        (N-1)/N * X      (X = the full output on each rank), plus
-                      8 (N-1) bytes for N > 2: each block carries its row count
+    all_gather        (N-1)/N * X      (X = the full output on each rank); without out=
+                      and N > 2, plus 8 (N-1) bytes: each block carries its row count
 
 Every message minidist sends is counted per collective (``comm.stats()``), so the formulas
 can be checked exactly (with N = 2, 4 or 8 ranks; other N do not divide the messages into
@@ -62,9 +62,13 @@ def main():
             # (With N = 2 the receiver reads the count off the message size instead.)
             ("all_gather", lambda: comm.all_gather(x[: x.size // n], g), "(N-1)/N*X+8(N-1)",
              ring + (8 * (n - 1) if n > 2 else 0)),
+            # With out= (a host array; its first dim is the total) every block's size is
+            # known in advance and the blocks go straight into out: no counts on the wire.
+            ("all_gather out=", lambda: comm.all_gather(x[: x.size // n], g, out=to_host(x).copy()),
+             "(N-1)/N * X", ring),
         ]
         for name, run, text, formula in cases:
-            sent = measure(g, name, run)
+            sent = measure(g, name.split()[0], run)
             if g.rank == 0:
                 lines.append(row(name, nbytes, sent, text, formula))
     small = SIZES[0]
