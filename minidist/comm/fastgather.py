@@ -261,25 +261,39 @@ class BruckGatherPlan(_GatherPlan):
 
 class EvenGatherPlan(_GatherPlan):
     """evengather.even_all_gather for one (x shape, out shape): the byte ranges of every
-    round precomputed, so a call is one copy of x into out and one Sendrecv per round."""
+    round precomputed, so a call is one copy of x into out and one Sendrecv per round.
+    A message of the wrong size hands the remaining rounds to evengather.exchange, which
+    sends empty messages so that every rank raises (see evengather.py)."""
 
-    __slots__ = ("own", "rounds")
+    __slots__ = ("own", "rounds", "sent", "received")
 
     def __init__(self, g, shape, dtype, out):
         super().__init__(g, shape, dtype, out)
-        self.own = (self.rank * self.rows, (self.rank + 1) * self.rows)
+        self.own = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
         self.rounds = evengather.byte_rounds(self.n, self.rank, "auto", self.nbytes)
+        self.sent = sum(shi - slo for _, slo, shi, *_ in self.rounds)
+        self.received = sum(rhi - rlo for *_, rlo, rhi in self.rounds)
 
     def run(self, g, x, out):
         """The gathered array, or None when the general path must take the call."""
         if out is None or not self.fits(out) or not out.flags.c_contiguous:
             return None
         t0 = stats._clock()
-        lo, hi = self.own
-        out[lo:hi] = x
-        sent, received, bad = evengather.exchange(g, out.reshape(-1).view(np.uint8), self.rounds, self.status)
-        if bad is not None:
-            stats.note_op("all_gather", self.name, x.shape, self.dtype)
-            raise evengather.error(g, out, bad)
-        stats.record_call(self.call, sent, received, t0)
+        out[self.own] = x
+        flat = out.reshape(-1).view(np.uint8)
+        comm, status = self.comm, self.status
+        for k, (dest, slo, shi, source, rlo, rhi) in enumerate(self.rounds):
+            try:
+                comm.Sendrecv([flat[slo:shi], BYTE], dest, TAG, [flat[rlo:rhi], BYTE], source, TAG, status)
+                got = status.Get_count(BYTE)
+            except MPI.Exception as err:
+                if err.Get_error_class() != MPI.ERR_TRUNCATE:
+                    raise CommError(f"all_gather: MPI error while receiving on group {self.name!r}: {err}") from None
+                got = f"more than {rhi - rlo}"
+            if got != rhi - rlo:  # finish the rounds with empty messages, so that every rank raises
+                bad = f"rank {source} sent {got} bytes where {rhi - rlo} were expected"
+                evengather.exchange(g, flat, self.rounds[k + 1:], status, bad)
+                stats.note_op("all_gather", self.name, x.shape, self.dtype)
+                raise evengather.error(g, out, bad)
+        stats.record_call(self.call, self.sent, self.received, t0)
         return out

@@ -112,6 +112,14 @@ def all_gather_rows_rule():
         for algo in ("auto", "ring"):
             _expect(comm.CommError, lambda: comm.all_gather(x, g, out=np.empty((2 * n, 3), np.float32),
                                                             algorithm=algo), "rows")
+        # the same once the ranks with 2 rows have cached a plan for (2, 3) into (2N, 3)
+        for _ in range(2):
+            comm.all_gather(np.full((2, 3), r, np.float32), g, out=np.empty((2 * n, 3), np.float32))
+        _expect(comm.CommError, lambda: comm.all_gather(x, g, out=np.empty((2 * n, 3), np.float32)), "rows")
+        if n > 2:  # (two ranks exchange one message: a 48-byte block may be 2 rows of 24 bytes)
+            dt = np.float64 if r == 0 else np.float32
+            _expect(comm.CommError, lambda: comm.all_gather(np.full((2, 3), r, dt), g, out=np.empty((2 * n, 3), dt)),
+                    "bytes")
         # and so does a rank whose rows have another dtype (its messages have the wrong size)
         x = np.full((2, 3), r, np.float64 if r == 0 else np.float32)
         _expect(comm.CommError, lambda: comm.all_gather(x, g, out=np.empty((2 * n, 3), x.dtype), algorithm="ring"),
