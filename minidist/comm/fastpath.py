@@ -11,9 +11,11 @@ collectives in MPI-4, NCCL's plans); minidist does the same:
   group goes through the general, fully checked path, and then stores a plan: the partner
   of every round, scratch buffers with their MPI descriptors already built, the exact byte
   counts for ``comm.stats()`` and an ``MPI.Status`` to reuse;
-* later calls with the same key check only what can differ between calls (the input is a
-  C-contiguous NumPy array, ``out=`` fits) and run the plan: per round one ``Sendrecv`` and
-  one in-place ufunc, per call one recent-ops entry and one stats update.
+* later calls with the same key check only what can differ between calls (``out=`` fits)
+  and run the plan: per round one ``Sendrecv`` and one in-place ufunc, per call one
+  recent-ops entry and one update of the collective's counters (``stats.Call``).  A strided
+  input is left to MPI to notice: it raises BufferError before sending from one, and the
+  plan then hands the call to the general path, which copies the input.
 
 Plans are used only where they give exactly the general path's answer (same algorithm, same
 order of additions, so bit-identical results): synchronous calls on NumPy arrays with the
@@ -24,14 +26,14 @@ int64); for all_gather (fastgather.py), any dtype.  Everything else takes the ge
 
 Per call, what is left is Python calling MPI, so every attribute lookup counts: views and MPI
 descriptors of the plan's own buffers are built once, the recent-ops entry is a tuple built
-once, and ``stats.record_call`` takes no lock and reads the clock once.  Measured (4 KB
-float32, 2-core machine, 2 ranks / 4 oversubscribed ranks, us per call, MPI's built-in in
-brackets), before -> after this bookkeeping diet and the halving / Bruck plans:
-all_reduce 11.1 -> 9.8 (6.0) / 69 -> 62 (36); all_gather 10.8 -> 9.4 (4.0) / 140 -> 60 (22);
-reduce_scatter 12.6 -> 10.0 (4.5) / 229 -> 64 (23).  On 2 ranks a bare mpi4py Sendrecv plus
-one copy already takes 4.3-5.8 us; with MPI stubbed out a plan's Python costs 3-4 us a call.
-On 4 ranks sharing 2 cores every microsecond of Python between rounds costs more, as the
-partner spins in MPI on the other core meanwhile.
+once, and ``stats.record_call`` takes no lock, adds to the counters in place and reads the
+clock once.  Measured (4 KB float32, 2 ranks, us per call, MPI's built-in in brackets): a bare
+mpi4py Sendrecv takes 3.0-3.2 and one plus a copy 4.2-4.4; all_reduce 8.2 (5.6), all_gather
+6.7 (3.4), reduce_scatter 9.0 (4.8), down from 11.1 / 10.8 / 12.6 before the plans.  On 4
+ranks sharing 2 cores every microsecond of Python costs about three: a busy-wait of 2 us
+added to a hand-written recursive-doubling all-gather in plain mpi4py made it 6-7 us slower
+(33.5 -> 39-40 us; MPI's Allgather: 19.4), and that plain loop is already the ceiling a
+Python library reaches there, 0.57-0.6x MPI at 4 KB.
 """
 
 from __future__ import annotations
