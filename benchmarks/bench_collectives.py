@@ -78,12 +78,13 @@ def worker(out_path: str, quick: bool, collective: str) -> None:
         part = x[: count // n]
         full, piece = np.empty_like(x), np.empty(count // n, np.float32)
         res = np.empty_like(x)  # like MPI's receive buffer: the result memory is reused
+        even = x[: n * (count // n)]  # reduce_scatter: N equal blocks, as Reduce_scatter_block needs
         ours = {"all_reduce": lambda: comm.all_reduce(x, g, out=res),
                 "all_gather": lambda: comm.all_gather(part, g, out=res[: n * (count // n)]),
-                "reduce_scatter": lambda: comm.reduce_scatter(x, g, out=res[: count // n])}[name]
+                "reduce_scatter": lambda: comm.reduce_scatter(even, g, out=res[: len(piece)])}[name]
         mpi = {"all_reduce": lambda: world.Allreduce(x, full),
                "all_gather": lambda: world.Allgather(part, full[: n * (count // n)]),
-               "reduce_scatter": lambda: world.Reduce_scatter_block(x, piece)}[name]
+               "reduce_scatter": lambda: world.Reduce_scatter_block(even, piece)}[name]
         return ours, mpi
 
     results = []

@@ -64,7 +64,7 @@ def main():
              ring + (8 * (n - 1) if n > 2 else 0)),
             # With out= (a host array; its first dim is the total) every block's size is
             # known in advance and the blocks go straight into out: no counts on the wire.
-            ("all_gather out=", lambda: comm.all_gather(x[: x.size // n], g, out=to_host(x).copy()),
+            ("all_gather out=", lambda: comm.all_gather(x[: x.size // n], g, out=to_host(x[: n * (x.size // n)]).copy()),
              "(N-1)/N * X", ring),
         ]
         for name, run, text, formula in cases:

@@ -95,14 +95,14 @@ def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto
     x = _host(x, "all_gather")
     check.need_axis0(x, "all_gather")
     out = _check_out(out, x, "all_gather")
-    if algorithm == "doubling" and not (evengather.applies(g.size, x, out) and g.size & (g.size - 1) == 0):
+    if algorithm == "doubling" and g.size > 1 and not (evengather.applies(g.size, x, out) and g.size & (g.size - 1) == 0):
         raise ValueError(f"all_gather: algorithm='doubling' needs a power-of-two group and out= whose first "
                          f"dim is a multiple of it; got {g.size} ranks and out.shape="
                          f"{None if out is None else out.shape}")
     # out's shape is part of the signature: it picks the algorithm, so ranks must agree on it.
     sig = ("all_gather", x, dict(rule="trailing", extra=None if out is None else out.shape))
     result = _launch("all_gather", _all_gather, g, x, sig, async_op, out, algorithm)
-    if algorithm == "auto" and type(x) is np.ndarray and not async_op:
+    if algorithm == "auto" and type(x) is np.ndarray and not async_op and fastpath.plain(out, x.dtype):
         plan = fastgather.make_plan(g, x.shape, x.dtype, out)
         if plan is not None:
             fastpath.store(g, ("all_gather", x.dtype, x.shape, None if out is None else out.shape), plan)

@@ -68,9 +68,11 @@ class _GatherPlan:
     def fits(self, out) -> bool:
         """Is ``out`` what the plan was made for: None, or a NumPy array of exactly that shape
         and dtype?  Otherwise the general path takes the call (and raises its clear error
-        about a wrong out).  Strided arrays are caught later: MPI raises BufferError before
-        sending from or into one (the pair plan), or the plan checks ``out.flags`` (the others,
-        which view out as blocks).  Each check here costs a measurable part of a 4 KB call."""
+        about a wrong out).  Non-contiguous arrays are caught later: MPI raises BufferError
+        before sending from or into a strided one (the pair plan, which also checks that an
+        N-D x is not Fortran-ordered, as MPI would send that as it is), or the plan checks
+        ``out.flags`` (the others, which view out as blocks).  Each check here costs a
+        measurable part of a 4 KB call."""
         return out is None or (type(out) is np.ndarray and out.shape == self.out_shape and out.dtype is self.dtype)
 
 
@@ -93,6 +95,8 @@ class PairGatherPlan(_GatherPlan):
 
     def run(self, g, x, out):
         """The gathered array, or None when the general path must take the call."""
+        if x.ndim > 1 and not x.flags.c_contiguous:  # e.g. x.T: MPI would send its bytes column-major
+            return None
         if out is None:
             return self._run_fresh(g, x)
         if not self.fits(out):

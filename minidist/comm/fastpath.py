@@ -13,9 +13,10 @@ collectives in MPI-4, NCCL's plans); minidist does the same:
   counts for ``comm.stats()`` and an ``MPI.Status`` to reuse;
 * later calls with the same key check only what can differ between calls (``out=`` fits)
   and run the plan: per round one ``Sendrecv`` and one in-place ufunc, per call one
-  recent-ops entry and one update of the collective's counters (``stats.Call``).  A strided
-  input is left to MPI to notice: it raises BufferError before sending from one, and the
-  plan then hands the call to the general path, which copies the input.
+  recent-ops entry and one update of the collective's counters (``stats.Call``).  A
+  non-contiguous input goes to the general path, which copies it: a 1-D one is left to MPI
+  to notice (it raises BufferError before sending from a strided buffer); an N-D one is
+  checked, because MPI sends a Fortran-ordered array as it is, in column-major byte order.
 
 Plans are used only where they give exactly the general path's answer (same algorithm, same
 order of additions, so bit-identical results): synchronous calls on NumPy arrays with the
@@ -64,6 +65,14 @@ def usable(x, async_op: bool) -> bool:
     return type(x) is np.ndarray and not (async_op or check._enabled or links.enabled)
 
 
+def plain(out, dtype) -> bool:
+    """Would a plan take this ``out=``?  (None, or a NumPy array, not a subclass, with the
+    very dtype object of x: the plans test identity, which costs less than equality.)
+    Only then is a plan worth storing: one that refuses every call would be rebuilt at
+    every call."""
+    return out is None or (type(out) is np.ndarray and out.dtype is dtype)
+
+
 def store(g, key, plan) -> None:
     if len(g._plans) >= _MAX_PLANS:
         g._plans.clear()
@@ -107,6 +116,8 @@ class AllReducePlan:
         """The all-reduce of ``x``, or None when ``out`` doesn't fit (the general path then
         raises its clear error) or x is not contiguous."""
         t0 = _clock()
+        if x.ndim > 1 and not x.flags.c_contiguous:  # e.g. x.T: MPI would send its bytes column-major
+            return None
         if out is None:
             acc = np.empty(x.shape, x.dtype)
         elif type(out) is np.ndarray and out.shape == x.shape and out.dtype is x.dtype and out.flags.c_contiguous:
@@ -118,7 +129,7 @@ class AllReducePlan:
                 self._doubling(g, x, acc)
             else:
                 self._general(g, x, acc)
-        except BufferError:  # x is strided: MPI refused it before its first message; the general path copies it
+        except BufferError:  # a strided 1-D x: MPI refused it before its first message; the general path copies it
             return None
         if self.divisor is not None:
             reduction.finish(acc, "avg", self.divisor, acc.dtype)
@@ -210,8 +221,9 @@ class ReduceScatterPlan:
 
     def run(self, g, x, out=None):
         """This rank's part, or None when ``out`` doesn't fit (the general path then
-        raises its clear error) or x is strided (MPI refuses to send it: BufferError
-        before the first message)."""
+        raises its clear error) or x is a strided 1-D array (MPI refuses to send it:
+        BufferError before the first message; an N-D x is flattened, i.e. copied to C
+        order when it is not already)."""
         t0 = _clock()
         result = _result(self, out)
         if result is None:
@@ -312,12 +324,10 @@ class HalvingPlan:
 
 
 def _result(plan, out):
-    """A reduce-scatter plan's result array: a fresh one, or ``out`` when it fits (a strided
-    out works when 1-D: the ufuncs write through it, MPI never sends it); None (general
-    path) when it doesn't."""
+    """A reduce-scatter plan's result array: a fresh one, or ``out`` when it fits (C-contiguous,
+    as the general path demands); None (general path, which raises the clear error) otherwise."""
     if out is None:
         return np.empty(plan.shape, plan.dtype)
-    if (type(out) is np.ndarray and out.shape == plan.shape and out.dtype is plan.dtype
-            and (plan.one_d or out.flags.c_contiguous)):
+    if type(out) is np.ndarray and out.shape == plan.shape and out.dtype is plan.dtype and out.flags.c_contiguous:
         return out
     return None

@@ -65,7 +65,8 @@ def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str 
     out = _check_out(out, x, "all_reduce", x.shape)
     sig = ("all_reduce", x, dict(op=op))
     result = _launch("all_reduce", _all_reduce, g, x, sig, async_op, op, algorithm, out)
-    if (key is not None and g.size > 1 and _all_reduce_algorithm(g, x, algorithm) == "recursive_doubling"
+    if (key is not None and g.size > 1 and fastpath.plain(out, x.dtype)
+            and _all_reduce_algorithm(g, x, algorithm) == "recursive_doubling"
             and reduction.accumulator_dtype(x.dtype) == x.dtype
             and x.nbytes <= fastpath.PLAN_MAX_BYTES):
         fastpath.store(g, key, fastpath.AllReducePlan(g, x.shape, x.dtype, op))
@@ -156,7 +157,8 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: 
     out = _check_out(out, x, "reduce_scatter", (last - first,) + x.shape[1:])
     sig = ("reduce_scatter", x, dict(op=op))
     result = _launch("reduce_scatter", _reduce_scatter, g, x, sig, async_op, op, algorithm, out)
-    if key is not None and g.size > 1 and reduction.accumulator_dtype(x.dtype) == x.dtype:
+    if (key is not None and g.size > 1 and reduction.accumulator_dtype(x.dtype) == x.dtype
+            and fastpath.plain(out, x.dtype)):
         chosen = _reduce_scatter_algorithm(g.size, x.nbytes, "auto")
         if chosen == "halving":  # the plan owns X bytes of partial sums: small calls only
             if x.nbytes <= fastpath.PLAN_MAX_BYTES:

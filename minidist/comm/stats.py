@@ -23,7 +23,10 @@ class _State:
 
     Each thread adds only to its own counters (name -> [calls, bytes_sent, bytes_recv,
     time_s]), so the hot path takes no lock: an uncontended lock costs about as much as
-    the rest of a small collective's bookkeeping.  :func:`stats` sums the threads' dicts."""
+    the rest of a small collective's bookkeeping.  :func:`stats` sums the threads' dicts
+    and the cached plans' :class:`Tally` counters (shared by threads, but only synchronous
+    calls run plans, normally all on one thread; two threads running plans at once could
+    lose a count, never a message)."""
 
     __slots__ = ("label", "counters")
 

@@ -242,7 +242,8 @@ def read_records(buf, end, stop, cnt, rows, row_bytes, starts, counts):
 def records_error(group_name, nbytes, source, cnt, tail, dtype) -> CommError:
     return CommError(f"all_gather on group {group_name!r}: a {nbytes}-byte message from rank {source} does "
                      f"not hold {cnt} records of rows {tail} {dtype}: the ranks passed different trailing "
-                     f"shapes or dtypes")
+                     f"shapes or dtypes, or out= on some ranks only or with different shapes (out= picks "
+                     f"the algorithm, so it must agree)")
 
 
 def unpack_records(buf, starts, counts, r, row_bytes, tail, dtype, out=None):

@@ -279,6 +279,9 @@ def large_paths():
     # reduce_scatter above PAIRWISE_BYTES: pairwise exchange, 4+ chunks a step, blocks of
     # unequal length (200_002 rows over 3 ranks), into a fresh result and into out=.
     R.PAIRWISE_BYTES = 256 << 10
+    calls = []  # count the pairwise exchanges: the byte formula is the ring's too
+    pairwise = ring.pairwise_reduce_scatter
+    ring.pairwise_reduce_scatter = lambda *a: calls.append(1) or pairwise(*a)
     for dtype in ("float32", "bfloat16", "int64"):
         inputs = [make((200_002,), dtype, k, 9) for k in range(n)]
         want = np.array_split(expected_reduce(inputs, "sum", dtype), n)[r]
@@ -289,6 +292,8 @@ def large_paths():
         out = np.zeros_like(want)
         assert comm.reduce_scatter(inputs[r], g, out=out) is out
         same(out, want, f"large reduce_scatter out= {dtype}")
+    assert len(calls) == 6, f"auto took pairwise exchange in {len(calls)} of 6 large reduce_scatters"
+    ring.pairwise_reduce_scatter = pairwise
     # out=: the result lands in (and is) the caller's buffer, on every path and dtype.
     for dtype in ("float32", "bfloat16"):
         x = make((200_001,), dtype, r, 8)
@@ -339,13 +344,21 @@ def fast_paths():
                         assert s["reduce_scatter"]["bytes_sent"] == 2 * x.nbytes * (n - 1) // n, s
                 same(comm.all_reduce(inputs[r][::-1], g, op=op), want[::-1],
                      "fast all_reduce of a non-contiguous view")
-                if len(shape) == 1:  # a strided x (MPI refuses to send it: the general path copies it)
+                if len(shape) == 1 and shape[0] >= 2 * n:  # strided x, out (every rank's part > 1 element)
                     flipped = np.array_split(want[::-1], n)[r]
                     same(comm.reduce_scatter(inputs[r][::-1], g, op=op), flipped,
                          "fast reduce_scatter of a non-contiguous view")
-                    strided_out = np.zeros(2 * len(want_rs), want_rs.dtype)[::2]
-                    assert comm.reduce_scatter(x, g, op=op, out=strided_out) is strided_out
-                    same(strided_out, want_rs, "fast reduce_scatter into a strided out=")
+                    for _ in range(2):  # a strided out= is refused, with or without a cached plan
+                        try:
+                            comm.reduce_scatter(x, g, op=op, out=np.zeros(2 * len(want_rs), want_rs.dtype)[::2])
+                        except ValueError as err:
+                            assert "C-contiguous" in str(err), err
+                        else:
+                            raise AssertionError("reduce_scatter accepted a strided out=")
+                if len(shape) == 2:  # Fortran order: MPI would send the bytes column-major
+                    xf = np.asfortranarray(inputs[r])
+                    same(comm.all_reduce(xf, g, op=op), want, "fast all_reduce of a Fortran-ordered x")
+                    same(comm.reduce_scatter(xf, g, op=op), want_rs, "fast reduce_scatter of a Fortran-ordered x")
     if n > 1:
         key = ("all_reduce", np.dtype(np.float32), (1000,), "sum", "auto")
         assert key in g._plans, "repeated small all_reduce did not cache a plan"
@@ -360,8 +373,8 @@ def fast_paths():
             raise AssertionError("a wrong out= was accepted on the fast path")
         except ValueError as err:
             assert "out.shape=(7,)" in str(err)
-    # Counters are kept per thread (no lock on the fast path): stats() must sum the progress
-    # thread's (async call) and this thread's (sync call, run by a plan after the first).
+    # The general path counts per thread, plans in per-name tallies (no lock on either):
+    # stats() must add the progress thread's (async call) and the plan's (sync call).
     if n > 1:
         x = np.ones(8, np.float32)
         comm.all_reduce(x, g)
@@ -387,6 +400,9 @@ def fast_paths():
                                                   "bytes_recv": per_call,
                                                   "time_s": comm.stats()["all_gather"]["time_s"]}, comm.stats()
         same(comm.all_gather(np.full((3, 4), r, np.int16)[:, ::2], g), want, f"fast all_gather, strided x #{rep}")
+        xf = np.asfortranarray(np.full((3, 2), r, np.int16) + np.arange(2, dtype=np.int16))  # column-major bytes
+        same(comm.all_gather(xf, g), want + np.arange(2, dtype=np.int16), f"fast all_gather, Fortran x #{rep}")
+        same(comm.all_gather(xf, g, out=out), want + np.arange(2, dtype=np.int16), f"Fortran x, out= #{rep}")
     if n > 1:
         for out_shape, want_plan in ((None, "BruckGatherPlan"), ((3 * n, 2), "EvenGatherPlan")):
             plan = g._plans.get(("all_gather", np.dtype(np.int16), (3, 2), out_shape))
