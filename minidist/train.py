@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 
