@@ -149,6 +149,10 @@ def check_movement():
                     out = np.zeros_like(full)
                     assert comm.all_gather(blocks[r], g, out=out, algorithm=algo) is out
                     same(out, full, f"all_gather out= {algo} {dtype} {shape} equal={blocks is inputs}")
+                    if algo == "auto":  # on the progress thread's communicator
+                        out = np.zeros_like(full)
+                        assert comm.all_gather(blocks[r], g, out=out, async_op=True).wait() is out
+                        same(out, full, f"async all_gather out= {dtype} {shape} equal={blocks is inputs}")
             for algo in ("binomial", "chain"):
                 other = np.zeros_like(x)
                 same(comm.broadcast(x if r == root else other, g, root=root, algorithm=algo),
