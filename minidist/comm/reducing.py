@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from minidist.comm import check, fastpath, links, reduction, ring, tree
+from minidist.comm import check, fastpath, fastscatter, links, reduction, ring, tree
 from minidist.comm.group import Group
 from minidist.comm.launch import (check_algorithm as _algorithm, check_group as _check_group,
                                   check_out as _check_out, host_array as _host, launch as _launch)
@@ -66,10 +66,12 @@ def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str 
     sig = ("all_reduce", x, dict(op=op))
     result = _launch("all_reduce", _all_reduce, g, x, sig, async_op, op, algorithm, out)
     if (key is not None and g.size > 1 and fastpath.plain(out, x.dtype)
-            and _all_reduce_algorithm(g, x, algorithm) == "recursive_doubling"
-            and reduction.accumulator_dtype(x.dtype) == x.dtype
-            and x.nbytes <= fastpath.PLAN_MAX_BYTES):
-        fastpath.store(g, key, fastpath.AllReducePlan(g, x.shape, x.dtype, op))
+            and reduction.accumulator_dtype(x.dtype) == x.dtype):
+        chosen = _all_reduce_algorithm(g, x, algorithm)
+        if chosen == "recursive_doubling" and x.nbytes <= fastpath.PLAN_MAX_BYTES:
+            fastpath.store(g, key, fastpath.AllReducePlan(g, x.shape, x.dtype, op))
+        elif chosen == "pairwise" and -(-x.size // g.size) * x.itemsize <= ring.PIPELINE_BYTES:
+            fastpath.store(g, key, fastpath.PairwiseAllReducePlan(g, x.shape, x.dtype, op))  # one chunk a step
     return result
 
 
@@ -162,9 +164,13 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: 
         chosen = _reduce_scatter_algorithm(g.size, x.nbytes, "auto")
         if chosen == "halving":  # the plan owns X bytes of partial sums: small calls only
             if x.nbytes <= fastpath.PLAN_MAX_BYTES:
-                fastpath.store(g, key, fastpath.HalvingPlan(g, x.shape, x.dtype, op))
+                fastpath.store(g, key, fastscatter.HalvingPlan(g, x.shape, x.dtype, op))
         elif chosen == "ring" and x.nbytes <= ring.PIPELINE_BYTES:  # one chunk a step, like the plan
-            fastpath.store(g, key, fastpath.ReduceScatterPlan(g, x.shape, x.dtype, op))
+            fastpath.store(g, key, fastscatter.ReduceScatterPlan(g, x.shape, x.dtype, op))
+        elif chosen == "pairwise":
+            biggest = -(-x.shape[0] // g.size) * (x.nbytes // max(x.shape[0], 1))  # bytes of the largest block
+            if biggest <= ring.PIPELINE_BYTES:  # one chunk a step, like the plan
+                fastpath.store(g, key, fastscatter.PairwisePlan(g, x.shape, x.dtype, op))
     return result
 
 

@@ -369,6 +369,56 @@ def fast_paths():
         plan = g._plans.get(("reduce_scatter", np.dtype(np.float32), (1000,), "sum"))
         want_plan = "HalvingPlan" if n > 2 and n & (n - 1) == 0 else "ReduceScatterPlan"
         assert type(plan).__name__ == want_plan, f"reduce_scatter on {n} ranks cached {plan!r}"
+    if n > 1:  # pairwise all-reduce plans: tiny thresholds send these inputs that way
+        saved = R.SMALL_ALL_REDUCE_BYTES, R.SMALL_ALL_REDUCE_BYTES_WIDE
+        R.SMALL_ALL_REDUCE_BYTES = R.SMALL_ALL_REDUCE_BYTES_WIDE = 64
+        g._plans.clear()
+        for dtype in ("float32", "int64"):
+            for op in OPS:
+                for shape in ((7, 3), (1001,)):
+                    inputs = [make(shape, dtype, k, 79) for k in range(n)]
+                    want = expected_reduce(inputs, op, dtype)
+                    for rep in range(3):
+                        same(comm.all_reduce(inputs[r], g, op=op), want, f"pairwise all_reduce plan {op} {dtype} {shape}")
+                        res = np.empty_like(want)
+                        assert comm.all_reduce(inputs[r], g, op=op, out=res) is res
+                        same(res, want, f"pairwise all_reduce plan out= {op} {dtype} {shape}")
+                    if len(shape) == 2:
+                        same(comm.all_reduce(np.asfortranarray(inputs[r]), g, op=op), want, "pairwise plan, Fortran x")
+                    else:
+                        same(comm.all_reduce(inputs[r][::-1], g, op=op), want[::-1], "pairwise plan, strided x")
+        plan = g._plans.get(("all_reduce", np.dtype(np.float32), (1001,), "sum", "auto"))
+        assert type(plan).__name__ == "PairwiseAllReducePlan", f"all_reduce on {n} ranks cached {plan!r}"
+        comm.reset_stats()
+        comm.all_reduce(np.ones(1000 * n, np.float32), g)
+        comm.all_reduce(np.ones(1000 * n, np.float32), g)  # the second call runs the plan
+        assert comm.stats()["all_reduce"]["bytes_sent"] == 2 * 2 * (n - 1) * 4000, comm.stats()
+        R.SMALL_ALL_REDUCE_BYTES, R.SMALL_ALL_REDUCE_BYTES_WIDE = saved
+    if n > 2:  # pairwise-exchange plans: a tiny threshold sends these inputs that way
+        saved, R.PAIRWISE_BYTES = R.PAIRWISE_BYTES, 64
+        g._plans.clear()
+        for dtype in ("float32", "int64"):
+            for op in OPS:
+                for shape in ((7, 3), (1001,)):
+                    inputs = [make(shape, dtype, k, 78) for k in range(n)]
+                    want = np.array_split(expected_reduce(inputs, op, dtype), n)[r]
+                    for rep in range(3):
+                        same(comm.reduce_scatter(inputs[r], g, op=op), want, f"pairwise plan {op} {dtype} {shape}")
+                        part = np.empty_like(want)
+                        assert comm.reduce_scatter(inputs[r], g, op=op, out=part) is part
+                        same(part, want, f"pairwise plan out= {op} {dtype} {shape}")
+                    if len(shape) == 2:
+                        xf = np.asfortranarray(inputs[r])
+                        same(comm.reduce_scatter(xf, g, op=op), want, f"pairwise plan, Fortran x {op} {dtype}")
+                    else:
+                        flipped = np.array_split(expected_reduce(inputs, op, dtype)[::-1], n)[r]
+                        same(comm.reduce_scatter(inputs[r][::-1], g, op=op), flipped, f"pairwise plan, strided x {op}")
+        plan = g._plans.get(("reduce_scatter", np.dtype(np.float32), (1001,), "sum"))
+        assert type(plan).__name__ == "PairwisePlan", f"reduce_scatter on {n} ranks cached {plan!r}"
+        comm.reset_stats()
+        comm.reduce_scatter(np.ones(1001, np.float32), g)
+        assert comm.stats()["reduce_scatter"]["bytes_sent"] == (1001 - len(np.array_split(np.arange(1001), n)[r])) * 4
+        R.PAIRWISE_BYTES = saved
         x = np.ones(6, np.float32)
         comm.all_reduce(x, g)
         comm.all_reduce(x, g)

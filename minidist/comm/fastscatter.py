@@ -1,0 +1,230 @@
+"""Cached reduce-scatter plans: the ring, recursive halving and pairwise exchange of
+reducing.py with the per-call Python pared down (read :mod:`minidist.comm.fastpath` first:
+when plans are made and used, and why they pay).
+
+Every plan gives exactly the general path's answer (the same additions in the same order)
+and takes ``out=``; a strided 1-D x is refused by MPI (BufferError) before the first
+message, and the plan hands the call back to the general path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist.comm import reduction, stats
+from minidist.comm.fastpath import BYTE, TAG, _clock, _fail
+from minidist.comm.ring import split_bounds
+from minidist.comm.tree import halving_steps
+
+
+class ReduceScatterPlan:
+    """Ring reduce-scatter (see ring.ring_reduce_scatter) of one small (shape, dtype, op),
+    every step a single Sendrecv (no pipeline chunks: the whole message fits in cache)."""
+
+    __slots__ = ("steps", "first", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor",
+                 "dtype", "right", "left", "call")
+
+    def __init__(self, g, shape, dtype, op):
+        n, r = g.size, g.rank
+        unit = math.prod(shape[1:])
+        bounds = split_bounds(shape[0], n, unit)
+        biggest = max(b - a for a, b in bounds)
+        tmp = np.empty(biggest, dtype)
+        partial = [np.empty(biggest, dtype), np.empty(biggest, dtype)]
+        # Step s: send block (r-s-1) [x's own part at s=0, then the partial sum just made],
+        # receive block (r-s-2)'s partial from the left into tmp, add x's part of it into
+        # a partial buffer (or, in the last step, the result).  Views and MPI descriptors
+        # of the plan's own buffers are made here, once: per step (x's part to add, the
+        # receive view and descriptor, its size, where the sum goes [None: the result],
+        # and the descriptor of the next step's message: that sum).
+        self.first = bounds[(r - 1) % n]  # the step-0 message: x's own part of that block
+        self.steps = []
+        for s in range(n - 1):
+            ra, rb = bounds[(r - s - 2) % n]
+            got = tmp[:rb - ra]
+            dest = None if s == n - 2 else partial[s % 2][:rb - ra]
+            self.steps.append((ra, rb, got, [got, BYTE], got.nbytes, dest, None if dest is None else [dest, BYTE]))
+        self.steps = tuple(self.steps)
+        first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path (right for unit 0 too)
+        self.shape = (last - first,) + tuple(shape[1:])
+        self.one_d = len(shape) == 1
+        self.call = stats.Call("reduce_scatter", g.name, shape, np.dtype(dtype))  # its recent-ops entry and counters
+        blocks = [bounds[(r - s - 1) % n] for s in range(n - 1)]
+        self.sent = sum(b - a for a, b in blocks) * tmp.itemsize
+        self.recv = sum(rb - ra for ra, rb, *_ in self.steps) * tmp.itemsize
+        self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
+        self.divisor = n if op == "avg" and n > 1 else None
+        self.right, self.left = (r + 1) % n, (r - 1) % n
+
+    def run(self, g, x, out=None):
+        """This rank's part, or None when ``out`` doesn't fit (the general path then
+        raises its clear error) or x is a strided 1-D array (MPI refuses to send it:
+        BufferError before the first message; an N-D x is flattened, i.e. copied to C
+        order when it is not already)."""
+        t0 = _clock()
+        result = _result(self, out)
+        if result is None:
+            return None
+        comm, status, ufunc, right, left = g.comm, self.status, self.ufunc, self.right, self.left
+        flat = x if self.one_d else x.reshape(-1)  # a reshape costs as much as a small add
+        into = result if self.one_d else result.reshape(-1)
+        sa, sb = self.first
+        msg = [flat[sa:sb], BYTE]
+        nbytes = 0
+        try:
+            for ra, rb, got, got_msg, nbytes, dest, next_msg in self.steps:
+                comm.Sendrecv(msg, right, TAG, got_msg, left, TAG, status)
+                if status.Get_count(BYTE) != nbytes:
+                    raise _fail("reduce_scatter", g, x, status, left, nbytes)
+                ufunc(flat[ra:rb], got, out=into if dest is None else dest)
+                msg = next_msg
+        except BufferError:
+            return None
+        except MPI.Exception as err:
+            raise _fail("reduce_scatter", g, x, status, left, nbytes, err) from None
+        if self.divisor is not None:
+            reduction.finish(result, "avg", self.divisor, result.dtype)
+        stats.record_call(self.call, self.sent, self.recv, t0)
+        return result
+
+
+class HalvingPlan:
+    """Recursive-halving reduce-scatter (tree.recursive_halving_reduce_scatter) of one small
+    (shape, dtype, op) on 4, 8, 16, ... ranks, with the plan's own partial-sum buffer.
+
+    Round 0 sends x's half the partner keeps and adds the received half into ``acc``;
+    later rounds send a prefix or suffix of acc and add in place; the last adds into the
+    result.  All the acc views and MPI descriptors are made once, here, so a round is one
+    Sendrecv, one size check and one ufunc, the same additions in the same order as the
+    general path (bit-identical results).
+    """
+
+    __slots__ = ("first", "rounds", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor", "dtype", "call")
+
+    def __init__(self, g, shape, dtype, op):
+        n, r = g.size, g.rank
+        unit = math.prod(shape[1:])
+        bounds = split_bounds(shape[0], n, unit)
+        steps = halving_steps(n, r, bounds)
+        peer, s_lo, s_hi, k_lo, k_hi = steps[0]
+        acc, tmp = np.empty(k_hi - k_lo, dtype), np.empty(k_hi - k_lo, dtype)
+        base = k_lo  # acc[0] is element k_lo of the flat vector
+        # Round 0 reads x: (peer, x's send range, x's kept range, receive view and descriptor, size, sum into).
+        got = tmp[:k_hi - k_lo]
+        self.first = (peer, s_lo, s_hi, k_lo, k_hi, got, [got, BYTE], got.nbytes, acc[:k_hi - k_lo])
+        # Later rounds: (peer, send descriptor, receive view and descriptor, size, kept part of acc).
+        rounds = []
+        for peer, s_lo, s_hi, k_lo, k_hi in steps[1:]:
+            got = tmp[:k_hi - k_lo]
+            rounds.append((peer, [acc[s_lo - base:s_hi - base], BYTE], got, [got, BYTE], got.nbytes,
+                           acc[k_lo - base:k_hi - base]))
+        self.rounds = tuple(rounds)
+        itemsize = np.dtype(dtype).itemsize
+        self.sent = sum(s_hi - s_lo for _, s_lo, s_hi, _, _ in steps) * itemsize
+        self.recv = sum(k_hi - k_lo for _, _, _, k_lo, k_hi in steps) * itemsize
+        first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path (right for unit 0 too)
+        self.shape = (last - first,) + tuple(shape[1:])
+        self.one_d = len(shape) == 1
+        self.call = stats.Call("reduce_scatter", g.name, shape, np.dtype(dtype))  # its recent-ops entry and counters
+        self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
+        self.divisor = n if op == "avg" else None
+
+    def run(self, g, x, out=None):
+        """As ReduceScatterPlan.run."""
+        t0 = _clock()
+        result = _result(self, out)
+        if result is None:
+            return None
+        comm, status, ufunc = g.comm, self.status, self.ufunc
+        flat = x if self.one_d else x.reshape(-1)
+        last_into = result if self.one_d else result.reshape(-1)
+        peer, s_lo, s_hi, k_lo, k_hi, got, got_msg, nbytes, into = self.first
+        try:
+            comm.Sendrecv([flat[s_lo:s_hi], BYTE], peer, TAG, got_msg, peer, TAG, status)
+            if status.Get_count(BYTE) != nbytes:
+                raise _fail("reduce_scatter", g, x, status, peer, nbytes)
+            ufunc(flat[k_lo:k_hi], got, out=into)
+            last = len(self.rounds) - 1
+            for i, (peer, msg, got, got_msg, nbytes, mine) in enumerate(self.rounds):
+                comm.Sendrecv(msg, peer, TAG, got_msg, peer, TAG, status)
+                if status.Get_count(BYTE) != nbytes:
+                    raise _fail("reduce_scatter", g, x, status, peer, nbytes)
+                ufunc(mine, got, out=last_into if i == last else mine)
+        except BufferError:  # only the first Sendrecv sends from x
+            return None
+        except MPI.Exception as err:
+            raise _fail("reduce_scatter", g, x, status, peer, nbytes, err) from None
+        if self.divisor is not None:
+            reduction.finish(result, "avg", self.divisor, result.dtype)
+        stats.record_call(self.call, self.sent, self.recv, t0)
+        return result
+
+
+class PairwisePlan:
+    """ring.pairwise_reduce_scatter of one (shape, dtype, op) on more than two ranks, for
+    blocks of at most one pipeline chunk (then the general path does one Sendrecv a step
+    too): per step one Sendrecv straight from x and one ufunc into the result, the same
+    additions in the same order.  Worth it at 1 MB on 4 oversubscribed ranks, where the
+    general path's bookkeeping around the steps measured 50 us a call (25 before, 25
+    after), about eight times its cost on an idle core."""
+
+    __slots__ = ("mine", "steps", "tmp", "tmp_msg", "nbytes", "ufunc", "status", "sent", "recv", "shape",
+                 "one_d", "divisor", "dtype", "call")
+
+    def __init__(self, g, shape, dtype, op):
+        n, r = g.size, g.rank
+        bounds = split_bounds(shape[0], n, math.prod(shape[1:]))
+        self.mine = bounds[r]
+        self.tmp = np.empty(bounds[r][1] - bounds[r][0], dtype)
+        self.tmp_msg, self.nbytes = [self.tmp, BYTE], self.tmp.nbytes
+        # Step k: (rank to send to, x's block for it, rank to receive from).
+        self.steps = tuple(((r + k) % n, bounds[(r + k) % n][0], bounds[(r + k) % n][1], (r - k) % n)
+                           for k in range(1, n))
+        self.sent = sum(b - a for _, a, b, _ in self.steps) * self.tmp.itemsize
+        self.recv = (n - 1) * self.nbytes
+        first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path
+        self.shape = (last - first,) + tuple(shape[1:])
+        self.one_d = len(shape) == 1
+        self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
+        self.divisor = n if op == "avg" else None
+        self.call = stats.Call("reduce_scatter", g.name, shape, self.dtype)
+
+    def run(self, g, x, out=None):
+        """As ReduceScatterPlan.run."""
+        t0 = _clock()
+        result = _result(self, out)
+        if result is None:
+            return None
+        comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
+        flat = x if self.one_d else x.reshape(-1)
+        into = result if self.one_d else result.reshape(-1)
+        lo, hi = self.mine
+        acc, src = flat[lo:hi], None
+        try:
+            for dst, a, b, src in self.steps:
+                comm.Sendrecv([flat[a:b], BYTE], dst, TAG, tmp_msg, src, TAG, status)
+                if status.Get_count(BYTE) != nbytes:
+                    raise _fail("reduce_scatter", g, x, status, src, nbytes)
+                ufunc(acc, tmp, out=into)
+                acc = into
+        except BufferError:  # only the first Sendrecv can meet a strided x
+            return None
+        except MPI.Exception as err:
+            raise _fail("reduce_scatter", g, x, status, src, nbytes, err) from None
+        if self.divisor is not None:
+            reduction.finish(result, "avg", self.divisor, result.dtype)
+        stats.record_call(self.call, self.sent, self.recv, t0)
+        return result
+
+
+def _result(plan, out):
+    """A reduce-scatter plan's result array: a fresh one, or ``out`` when it fits (C-contiguous,
+    as the general path demands); None (general path, which raises the clear error) otherwise."""
+    if out is None:
+        return np.empty(plan.shape, plan.dtype)
+    if type(out) is np.ndarray and out.shape == plan.shape and out.dtype is plan.dtype and out.flags.c_contiguous:
+        return out
+    return None
