@@ -24,9 +24,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 
 _HANG_DIR = "MINIDIST_HANG_DIR"
+ABORT_GRACE_S = 0.5  # how long a failing rank waits for the others' reports before aborting the job
 _HANG_AFTER = "MINIDIST_HANG_AFTER_S"
 
 
@@ -48,10 +50,14 @@ def abort_on_exception():
     def _abort(exc_type, exc, tb, where="main thread"):
         rank = _world_rank()
         lines = traceback.format_exception(exc_type, exc, tb)
-        sys.stderr.write(f"[rank {rank}] uncaught exception in {where}, aborting the job:\n")
-        sys.stderr.write("".join(f"[rank {rank}] {ln}" for chunk in lines for ln in chunk.splitlines(True)))
+        # One write, so that a kill from another rank's abort cannot cut the report in two.
+        sys.stderr.write(f"[rank {rank}] uncaught exception in {where}, aborting the job:\n"
+                         + "".join(f"[rank {rank}] {ln}" for chunk in lines for ln in chunk.splitlines(True)))
         sys.stderr.flush()
         sys.stdout.flush()
+        # Ranks often fail together (each sees the other's bad message); give them a moment to
+        # print their own reports before the abort kills them.
+        time.sleep(ABORT_GRACE_S)
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
