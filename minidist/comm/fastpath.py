@@ -124,11 +124,8 @@ class AllReducePlan:
         t0 = _clock()
         if x.ndim > 1 and not x.flags.c_contiguous:  # e.g. x.T: MPI would send its bytes column-major
             return None
-        if out is None:
-            acc = np.empty(x.shape, x.dtype)
-        elif type(out) is np.ndarray and out.shape == x.shape and out.dtype is x.dtype and out.flags.c_contiguous:
-            acc = out
-        else:
+        acc = _all_reduce_result(x, out)
+        if acc is None:
             return None
         try:
             if self.peers is not None:
@@ -214,11 +211,8 @@ class PairwiseAllReducePlan:
     def run(self, g, x, out):
         """As AllReducePlan.run (an N-D x in Fortran order is flattened, i.e. copied, first)."""
         t0 = _clock()
-        if out is None:
-            acc = np.empty(x.shape, x.dtype)
-        elif type(out) is np.ndarray and out.shape == x.shape and out.dtype is x.dtype and out.flags.c_contiguous:
-            acc = out
-        else:
+        acc = _all_reduce_result(x, out)
+        if acc is None:
             return None
         comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
         flat, res = x.reshape(-1), acc.reshape(-1)
@@ -243,6 +237,16 @@ class PairwiseAllReducePlan:
             reduction.finish(acc, "avg", self.divisor, acc.dtype)
         stats.record_call(self.call, self.sent, self.recv, t0)
         return acc
+
+
+def _all_reduce_result(x, out):
+    """An all-reduce plan's result array: a fresh one, or ``out`` when it fits (C-contiguous:
+    later rounds send from it); None (the general path raises the clear error) otherwise."""
+    if out is None:
+        return np.empty(x.shape, x.dtype)
+    if type(out) is np.ndarray and out.shape == x.shape and out.dtype is x.dtype and out.flags.c_contiguous:
+        return out
+    return None
 
 
 def _gather_rounds(n, r, bounds) -> tuple:

@@ -65,11 +65,7 @@ def ring_reduce_scatter(g, x: np.ndarray, bounds, ufunc, dest) -> None:
     stores the sum in ``dest(block, s)`` (a flat array of the block's length).  Per rank:
     sends and receives (N-1)/N * X bytes (exactly, when N divides the length).
 
-    Each step is pipelined in chunks of about PIPELINE_BYTES with two receive buffers:
-    the receive and send of chunk c+1 are posted *before* chunk c is added, so the
-    neighbours can already move chunk c+1 (MPICH over shared memory lets the receiver
-    copy straight out of the sender's memory) while this rank computes, and each chunk is
-    added while it is still in cache.
+    Each step is pipelined in chunks of about PIPELINE_BYTES (:func:`_pipelined_step`).
     """
     n, r, comm = g.size, g.rank, g.comm
     right, left = (r + 1) % n, (r - 1) % n
@@ -84,22 +80,32 @@ def ring_reduce_scatter(g, x: np.ndarray, bounds, ufunc, dest) -> None:
             outgoing = x[bounds[b_send][0]:bounds[b_send][1]]
         mine = x[bounds[b_recv][0]:bounds[b_recv][1]]
         out = dest(b_recv, s)
-        sends = _chunks(outgoing.size, nchunks)
-        recvs = _chunks(mine.size, nchunks)
-
-        def post(c):
-            got = tmp[c % 2][:recvs[c][1] - recvs[c][0]]
-            return got, _irecv(comm, got, left, TAG), _isend(comm, outgoing[sends[c][0]:sends[c][1]], right, TAG)
-
-        pending = post(0)
-        for c, (lo, hi) in enumerate(recvs):
-            got, recv_req, send_req = pending
-            if c + 1 < nchunks:
-                pending = post(c + 1)  # in flight while chunk c is added below
-            _wait_recv(comm, recv_req, left, TAG, got.nbytes)
-            ufunc(mine[lo:hi], got, out=out[lo:hi])
-            send_req.Wait()
+        _pipelined_step(comm, outgoing, right, left, mine.size, nchunks, tmp,
+                        lambda lo, hi, got: ufunc(mine[lo:hi], got, out=out[lo:hi]))
         outgoing = out
+
+
+def _pipelined_step(comm, outgoing, dst, src, size, nchunks, tmp, combine) -> None:
+    """One step of a pipelined ring or pairwise exchange: send ``outgoing`` to ``dst`` while
+    receiving ``size`` elements from ``src``, both cut into ``nchunks`` chunks, into the two
+    receive buffers ``tmp`` in turn.  Chunk c+1 is posted before ``combine(lo, hi, got)``
+    reduces chunk c, so it is already moving while this rank computes (MPICH over shared
+    memory lets the receiver copy straight out of the sender's memory), and each chunk is
+    reduced while it is still in cache."""
+    sends, recvs = _chunks(outgoing.size, nchunks), _chunks(size, nchunks)
+
+    def post(c):
+        got = tmp[c % 2][:recvs[c][1] - recvs[c][0]]
+        return got, _irecv(comm, got, src, TAG), _isend(comm, outgoing[sends[c][0]:sends[c][1]], dst, TAG)
+
+    pending = post(0)
+    for c, (lo, hi) in enumerate(recvs):
+        got, recv_req, send_req = pending
+        if c + 1 < nchunks:
+            pending = post(c + 1)  # in flight while chunk c is reduced below
+        _wait_recv(comm, recv_req, src, TAG, got.nbytes)
+        combine(lo, hi, got)
+        send_req.Wait()
 
 
 def pairwise_reduce_scatter(g, x: np.ndarray, bounds, ufunc, result: np.ndarray) -> None:
@@ -126,24 +132,12 @@ def pairwise_reduce_scatter(g, x: np.ndarray, bounds, ufunc, result: np.ndarray)
     for k in range(1, n):
         dst, src = (r + k) % n, (r - k) % n
         outgoing = x[bounds[dst][0]:bounds[dst][1]]
+        acc = mine if k == 1 else result  # the first step adds x's own block, later ones the sum so far
         if nchunks == 1:  # one blocking Sendrecv: measured 10% faster than Isend + Irecv + Waits
-            got = _sendrecv(comm, outgoing, dst, tmp[0][:hi - lo], src, TAG)
-            ufunc(mine if k == 1 else result, got, out=result)
-            continue
-        sends = _chunks(outgoing.size, nchunks)  # as dst cuts its block: same size, same chunks
-
-        def post(c):
-            got = tmp[c % 2][:recvs[c][1] - recvs[c][0]]
-            return got, _irecv(comm, got, src, TAG), _isend(comm, outgoing[sends[c][0]:sends[c][1]], dst, TAG)
-
-        pending = post(0)
-        for c, (a, b) in enumerate(recvs):
-            got, recv_req, send_req = pending
-            if c + 1 < nchunks:
-                pending = post(c + 1)  # in flight while chunk c is added below
-            _wait_recv(comm, recv_req, src, TAG, got.nbytes)
-            ufunc(mine[a:b] if k == 1 else result[a:b], got, out=result[a:b])
-            send_req.Wait()
+            ufunc(acc, _sendrecv(comm, outgoing, dst, tmp[0][:hi - lo], src, TAG), out=result)
+        else:  # dst cuts its block (the same size) into the same chunks
+            _pipelined_step(comm, outgoing, dst, src, hi - lo, nchunks, tmp,
+                            lambda a, b, got: ufunc(acc[a:b], got, out=result[a:b]))
     if n == 1:
         result[...] = mine
 
