@@ -22,7 +22,7 @@ Plans are used only where they give exactly the general path's answer (same algo
 order of additions, so bit-identical results): synchronous calls on NumPy arrays with the
 debug-mode signature check and the simulated link both off; for all_reduce (recursive
 doubling up to PLAN_MAX_BYTES, here; the pairwise reduce-scatter + all-gather while every
-block is one pipeline chunk, here too) and reduce_scatter (ring up to one pipeline chunk,
+block is one pipeline chunk, in fastscatter.py) and reduce_scatter (ring up to one pipeline chunk,
 recursive halving on 4, 8, ... ranks up to PLAN_MAX_BYTES, pairwise exchange while every
 block is one chunk: fastscatter.py) in a dtype that is its own accumulator (float32/float64/
 int32/int64); for all_gather (fastgather.py), any dtype.  Everything else takes the general
@@ -45,15 +45,12 @@ Python library reaches there, 0.57-0.6x MPI at 4 KB.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from mpi4py import MPI
 
 from minidist.comm import check, links, reduction, stats
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _size_error, _truncated
-from minidist.comm.ring import split_bounds
 from minidist.comm.tree import (EXCHANGE, GIVE, RESULT_IN, RESULT_OUT, TAKE,
                                 recursive_doubling_schedule)
 
@@ -183,62 +180,6 @@ class AllReducePlan:
             raise _fail("all_reduce", g, x, status, peer, nbytes, err) from None
 
 
-class PairwiseAllReducePlan:
-    """reducing.pairwise_all_reduce of one (shape, dtype, op) whose blocks fit one pipeline
-    chunk: the pairwise reduce-scatter of :class:`PairwisePlan` into this rank's block of
-    the result, then the in-place all-gather (recursive doubling on 2, 4, 8, ... ranks, the
-    ring otherwise), every round one Sendrecv on precomputed ranges of the flat result."""
-
-    __slots__ = ("mine", "steps", "rounds", "tmp", "tmp_msg", "nbytes", "ufunc", "status", "sent", "recv",
-                 "divisor", "call")
-
-    def __init__(self, g, shape, dtype, op):
-        n, r = g.size, g.rank
-        bounds = split_bounds(math.prod(shape), n)
-        self.mine = bounds[r]
-        self.tmp = np.empty(bounds[r][1] - bounds[r][0], dtype)
-        self.tmp_msg, self.nbytes = [self.tmp, BYTE], self.tmp.nbytes
-        self.steps = tuple(((r + k) % n, bounds[(r + k) % n][0], bounds[(r + k) % n][1], (r - k) % n)
-                           for k in range(1, n))
-        self.rounds = _gather_rounds(n, r, bounds)  # (dest, send lo, hi, source, receive lo, hi)
-        size = self.tmp.itemsize
-        self.sent = size * (sum(b - a for _, a, b, _ in self.steps) + sum(hi - lo for _, lo, hi, *_ in self.rounds))
-        self.recv = size * ((n - 1) * (bounds[r][1] - bounds[r][0]) + sum(b - a for *_, a, b in self.rounds))
-        self.ufunc, self.status = reduction.UFUNCS[op], MPI.Status()
-        self.divisor = n if op == "avg" else None
-        self.call = stats.Call("all_reduce", g.name, shape, np.dtype(dtype))
-
-    def run(self, g, x, out):
-        """As AllReducePlan.run (an N-D x in Fortran order is flattened, i.e. copied, first)."""
-        t0 = _clock()
-        acc = _all_reduce_result(x, out)
-        if acc is None:
-            return None
-        comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
-        flat, res = x.reshape(-1), acc.reshape(-1)
-        lo, hi = self.mine
-        mine, into, src = flat[lo:hi], res[lo:hi], None
-        try:
-            for dst, a, b, src in self.steps:
-                comm.Sendrecv([flat[a:b], BYTE], dst, TAG, tmp_msg, src, TAG, status)
-                if status.Get_count(BYTE) != nbytes:
-                    raise _fail("all_reduce", g, x, status, src, nbytes)
-                ufunc(mine, tmp, out=into)
-                mine = into
-            for dst, a, b, src, c, d in self.rounds:
-                comm.Sendrecv([res[a:b], BYTE], dst, TAG, [res[c:d], BYTE], src, TAG, status)
-                if status.Get_count(BYTE) != (d - c) * tmp.itemsize:
-                    raise _fail("all_reduce", g, x, status, src, (d - c) * tmp.itemsize)
-        except BufferError:  # only the first Sendrecv can meet a strided x
-            return None
-        except MPI.Exception as err:
-            raise _fail("all_reduce", g, x, status, src, nbytes, err) from None
-        if self.divisor is not None:
-            reduction.finish(acc, "avg", self.divisor, acc.dtype)
-        stats.record_call(self.call, self.sent, self.recv, t0)
-        return acc
-
-
 def _all_reduce_result(x, out):
     """An all-reduce plan's result array: a fresh one, or ``out`` when it fits (C-contiguous:
     later rounds send from it); None (the general path raises the clear error) otherwise."""
@@ -247,22 +188,3 @@ def _all_reduce_result(x, out):
     if type(out) is np.ndarray and out.shape == x.shape and out.dtype is x.dtype and out.flags.c_contiguous:
         return out
     return None
-
-
-def _gather_rounds(n, r, bounds) -> tuple:
-    """The in-place all-gather of reducing.pairwise_all_reduce as (dest, send lo, send hi,
-    source, receive lo, receive hi) element ranges: tree.recursive_doubling_all_gather on
-    2, 4, 8, ... ranks, ring.ring_all_gather otherwise (the same messages in the same order)."""
-    rounds = []
-    if n & (n - 1) == 0:
-        mask = 1
-        while mask < n:
-            mine, theirs = r & ~(mask - 1), (r ^ mask) & ~(mask - 1)
-            rounds.append((r ^ mask, bounds[mine][0], bounds[mine + mask - 1][1],
-                           r ^ mask, bounds[theirs][0], bounds[theirs + mask - 1][1]))
-            mask <<= 1
-    else:
-        for s in range(n - 1):
-            b_send, b_recv = (r - s) % n, (r - s - 1) % n
-            rounds.append(((r + 1) % n, *bounds[b_send], (r - 1) % n, *bounds[b_recv]))
-    return tuple(rounds)

@@ -1,5 +1,6 @@
 """Cached reduce-scatter plans: the ring, recursive halving and pairwise exchange of
-reducing.py with the per-call Python pared down (read :mod:`minidist.comm.fastpath` first:
+reducing.py with the per-call Python pared down, and the pairwise all-reduce plan built on
+the last (all-reduce = reduce-scatter + all-gather) (read :mod:`minidist.comm.fastpath` first:
 when plans are made and used, and why they pay).
 
 Every plan gives exactly the general path's answer (the same additions in the same order)
@@ -15,19 +16,49 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist.comm import reduction, stats
-from minidist.comm.fastpath import BYTE, TAG, _clock, _fail
+from minidist.comm.fastpath import BYTE, TAG, _all_reduce_result, _clock, _fail
 from minidist.comm.ring import split_bounds
 from minidist.comm.tree import halving_steps
 
 
-class ReduceScatterPlan:
+class _ScatterPlan:
+    """What every reduce-scatter plan knows: this rank's part (shape and dtype), how to
+    reduce (ufunc, the divisor of "avg"), and its recent-ops entry and counters."""
+
+    __slots__ = ("shape", "one_d", "dtype", "ufunc", "divisor", "status", "call")
+
+    def __init__(self, g, shape, dtype, op):
+        first, last = split_bounds(shape[0], g.size)[g.rank]  # in rows, as the general path
+        self.shape = (last - first,) + tuple(shape[1:])
+        self.one_d = len(shape) == 1
+        self.dtype, self.ufunc, self.status = np.dtype(dtype), reduction.UFUNCS[op], MPI.Status()
+        self.divisor = g.size if op == "avg" and g.size > 1 else None
+        self.call = stats.Call("reduce_scatter", g.name, shape, self.dtype)
+
+    def result(self, out):
+        """A fresh result array, or ``out`` when it fits (C-contiguous, as the general path
+        demands); None (general path, which raises the clear error) otherwise."""
+        if out is None:
+            return np.empty(self.shape, self.dtype)
+        if type(out) is np.ndarray and out.shape == self.shape and out.dtype is self.dtype and out.flags.c_contiguous:
+            return out
+        return None
+
+    def finish(self, result, sent, received, t0):
+        if self.divisor is not None:
+            reduction.finish(result, "avg", self.divisor, result.dtype)
+        stats.record_call(self.call, sent, received, t0)
+        return result
+
+
+class ReduceScatterPlan(_ScatterPlan):
     """Ring reduce-scatter (see ring.ring_reduce_scatter) of one small (shape, dtype, op),
     every step a single Sendrecv (no pipeline chunks: the whole message fits in cache)."""
 
-    __slots__ = ("steps", "first", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor",
-                 "dtype", "right", "left", "call")
+    __slots__ = ("steps", "first", "sent", "recv", "right", "left")
 
     def __init__(self, g, shape, dtype, op):
+        super().__init__(g, shape, dtype, op)
         n, r = g.size, g.rank
         unit = math.prod(shape[1:])
         bounds = split_bounds(shape[0], n, unit)
@@ -48,15 +79,9 @@ class ReduceScatterPlan:
             dest = None if s == n - 2 else partial[s % 2][:rb - ra]
             self.steps.append((ra, rb, got, [got, BYTE], got.nbytes, dest, None if dest is None else [dest, BYTE]))
         self.steps = tuple(self.steps)
-        first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path (right for unit 0 too)
-        self.shape = (last - first,) + tuple(shape[1:])
-        self.one_d = len(shape) == 1
-        self.call = stats.Call("reduce_scatter", g.name, shape, np.dtype(dtype))  # its recent-ops entry and counters
         blocks = [bounds[(r - s - 1) % n] for s in range(n - 1)]
         self.sent = sum(b - a for a, b in blocks) * tmp.itemsize
         self.recv = sum(rb - ra for ra, rb, *_ in self.steps) * tmp.itemsize
-        self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
-        self.divisor = n if op == "avg" and n > 1 else None
         self.right, self.left = (r + 1) % n, (r - 1) % n
 
     def run(self, g, x, out=None):
@@ -65,7 +90,7 @@ class ReduceScatterPlan:
         BufferError before the first message; an N-D x is flattened, i.e. copied to C
         order when it is not already)."""
         t0 = _clock()
-        result = _result(self, out)
+        result = self.result(out)
         if result is None:
             return None
         comm, status, ufunc, right, left = g.comm, self.status, self.ufunc, self.right, self.left
@@ -85,13 +110,10 @@ class ReduceScatterPlan:
             return None
         except MPI.Exception as err:
             raise _fail("reduce_scatter", g, x, status, left, nbytes, err) from None
-        if self.divisor is not None:
-            reduction.finish(result, "avg", self.divisor, result.dtype)
-        stats.record_call(self.call, self.sent, self.recv, t0)
-        return result
+        return self.finish(result, self.sent, self.recv, t0)
 
 
-class HalvingPlan:
+class HalvingPlan(_ScatterPlan):
     """Recursive-halving reduce-scatter (tree.recursive_halving_reduce_scatter) of one small
     (shape, dtype, op) on 4, 8, 16, ... ranks, with the plan's own partial-sum buffer.
 
@@ -102,9 +124,10 @@ class HalvingPlan:
     general path (bit-identical results).
     """
 
-    __slots__ = ("first", "rounds", "ufunc", "status", "sent", "recv", "shape", "one_d", "divisor", "dtype", "call")
+    __slots__ = ("first", "rounds", "sent", "recv")
 
     def __init__(self, g, shape, dtype, op):
+        super().__init__(g, shape, dtype, op)
         n, r = g.size, g.rank
         unit = math.prod(shape[1:])
         bounds = split_bounds(shape[0], n, unit)
@@ -125,17 +148,11 @@ class HalvingPlan:
         itemsize = np.dtype(dtype).itemsize
         self.sent = sum(s_hi - s_lo for _, s_lo, s_hi, _, _ in steps) * itemsize
         self.recv = sum(k_hi - k_lo for _, _, _, k_lo, k_hi in steps) * itemsize
-        first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path (right for unit 0 too)
-        self.shape = (last - first,) + tuple(shape[1:])
-        self.one_d = len(shape) == 1
-        self.call = stats.Call("reduce_scatter", g.name, shape, np.dtype(dtype))  # its recent-ops entry and counters
-        self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
-        self.divisor = n if op == "avg" else None
 
     def run(self, g, x, out=None):
         """As ReduceScatterPlan.run."""
         t0 = _clock()
-        result = _result(self, out)
+        result = self.result(out)
         if result is None:
             return None
         comm, status, ufunc = g.comm, self.status, self.ufunc
@@ -157,13 +174,10 @@ class HalvingPlan:
             return None
         except MPI.Exception as err:
             raise _fail("reduce_scatter", g, x, status, peer, nbytes, err) from None
-        if self.divisor is not None:
-            reduction.finish(result, "avg", self.divisor, result.dtype)
-        stats.record_call(self.call, self.sent, self.recv, t0)
-        return result
+        return self.finish(result, self.sent, self.recv, t0)
 
 
-class PairwisePlan:
+class PairwisePlan(_ScatterPlan):
     """ring.pairwise_reduce_scatter of one (shape, dtype, op) on more than two ranks, for
     blocks of at most one pipeline chunk (then the general path does one Sendrecv a step
     too): per step one Sendrecv straight from x and one ufunc into the result, the same
@@ -171,10 +185,10 @@ class PairwisePlan:
     general path's bookkeeping around the steps measured 50 us a call (25 before, 25
     after), about eight times its cost on an idle core."""
 
-    __slots__ = ("mine", "steps", "tmp", "tmp_msg", "nbytes", "ufunc", "status", "sent", "recv", "shape",
-                 "one_d", "divisor", "dtype", "call")
+    __slots__ = ("mine", "steps", "tmp", "tmp_msg", "nbytes", "sent", "recv")
 
     def __init__(self, g, shape, dtype, op):
+        super().__init__(g, shape, dtype, op)
         n, r = g.size, g.rank
         bounds = split_bounds(shape[0], n, math.prod(shape[1:]))
         self.mine = bounds[r]
@@ -185,46 +199,95 @@ class PairwisePlan:
                            for k in range(1, n))
         self.sent = sum(b - a for _, a, b, _ in self.steps) * self.tmp.itemsize
         self.recv = (n - 1) * self.nbytes
-        first, last = split_bounds(shape[0], n)[r]  # in rows, as the general path
-        self.shape = (last - first,) + tuple(shape[1:])
-        self.one_d = len(shape) == 1
-        self.ufunc, self.status, self.dtype = reduction.UFUNCS[op], MPI.Status(), np.dtype(dtype)
-        self.divisor = n if op == "avg" else None
-        self.call = stats.Call("reduce_scatter", g.name, shape, self.dtype)
 
     def run(self, g, x, out=None):
         """As ReduceScatterPlan.run."""
         t0 = _clock()
-        result = _result(self, out)
+        result = self.result(out)
         if result is None:
             return None
+        try:
+            self.reduce(g, x, x if self.one_d else x.reshape(-1), result if self.one_d else result.reshape(-1))
+        except BufferError:  # only the first Sendrecv can meet a strided x
+            return None
+        return self.finish(result, self.sent, self.recv, t0)
+
+    def reduce(self, g, x, flat, into, what="reduce_scatter"):
+        """The steps: this rank's block of the reduction of every rank's ``flat`` lands in
+        ``into``.  A strided x raises BufferError at the first Sendrecv, before any message."""
         comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
-        flat = x if self.one_d else x.reshape(-1)
-        into = result if self.one_d else result.reshape(-1)
         lo, hi = self.mine
         acc, src = flat[lo:hi], None
         try:
             for dst, a, b, src in self.steps:
                 comm.Sendrecv([flat[a:b], BYTE], dst, TAG, tmp_msg, src, TAG, status)
                 if status.Get_count(BYTE) != nbytes:
-                    raise _fail("reduce_scatter", g, x, status, src, nbytes)
+                    raise _fail(what, g, x, status, src, nbytes)
                 ufunc(acc, tmp, out=into)
                 acc = into
+        except MPI.Exception as err:
+            raise _fail(what, g, x, status, src, nbytes, err) from None
+
+
+class PairwiseAllReducePlan:
+    """reducing.pairwise_all_reduce of one (shape, dtype, op) whose blocks fit one pipeline
+    chunk: the steps of a :class:`PairwisePlan` over the flat vector into this rank's block
+    of the result, then the in-place all-gather (recursive doubling on 2, 4, 8, ... ranks,
+    the ring otherwise), every round one Sendrecv on precomputed ranges of the flat result."""
+
+    __slots__ = ("scatter", "rounds", "itemsize", "sent", "recv", "call")
+
+    def __init__(self, g, shape, dtype, op):
+        size = math.prod(shape)
+        self.scatter = PairwisePlan(g, (size,), dtype, op)  # its divisor applies to the whole result
+        self.rounds = _gather_rounds(g.size, g.rank, split_bounds(size, g.size))
+        self.itemsize = np.dtype(dtype).itemsize
+        self.sent = self.scatter.sent + self.itemsize * sum(hi - lo for _, lo, hi, *_ in self.rounds)
+        self.recv = self.scatter.recv + self.itemsize * sum(b - a for *_, a, b in self.rounds)
+        self.call = stats.Call("all_reduce", g.name, shape, np.dtype(dtype))
+
+    def run(self, g, x, out):
+        """As fastpath.AllReducePlan.run (an N-D x in Fortran order is flattened, i.e. copied, first)."""
+        t0 = _clock()
+        acc = _all_reduce_result(x, out)
+        if acc is None:
+            return None
+        flat, res = x.reshape(-1), acc.reshape(-1)
+        lo, hi = self.scatter.mine
+        try:
+            self.scatter.reduce(g, x, flat, res[lo:hi], "all_reduce")
         except BufferError:  # only the first Sendrecv can meet a strided x
             return None
+        comm, status, src, nbytes = g.comm, self.scatter.status, None, 0
+        try:
+            for dst, a, b, src, c, d in self.rounds:
+                nbytes = (d - c) * self.itemsize
+                comm.Sendrecv([res[a:b], BYTE], dst, TAG, [res[c:d], BYTE], src, TAG, status)
+                if status.Get_count(BYTE) != nbytes:
+                    raise _fail("all_reduce", g, x, status, src, nbytes)
         except MPI.Exception as err:
-            raise _fail("reduce_scatter", g, x, status, src, nbytes, err) from None
-        if self.divisor is not None:
-            reduction.finish(result, "avg", self.divisor, result.dtype)
+            raise _fail("all_reduce", g, x, status, src, nbytes, err) from None
+        divisor = self.scatter.divisor
+        if divisor is not None:
+            reduction.finish(acc, "avg", divisor, acc.dtype)
         stats.record_call(self.call, self.sent, self.recv, t0)
-        return result
+        return acc
 
 
-def _result(plan, out):
-    """A reduce-scatter plan's result array: a fresh one, or ``out`` when it fits (C-contiguous,
-    as the general path demands); None (general path, which raises the clear error) otherwise."""
-    if out is None:
-        return np.empty(plan.shape, plan.dtype)
-    if type(out) is np.ndarray and out.shape == plan.shape and out.dtype is plan.dtype and out.flags.c_contiguous:
-        return out
-    return None
+def _gather_rounds(n, r, bounds) -> tuple:
+    """The in-place all-gather of reducing.pairwise_all_reduce as (dest, send lo, send hi,
+    source, receive lo, receive hi) element ranges: tree.recursive_doubling_all_gather on
+    2, 4, 8, ... ranks, ring.ring_all_gather otherwise (the same messages in the same order)."""
+    rounds = []
+    if n & (n - 1) == 0:
+        mask = 1
+        while mask < n:
+            mine, theirs = r & ~(mask - 1), (r ^ mask) & ~(mask - 1)
+            rounds.append((r ^ mask, bounds[mine][0], bounds[mine + mask - 1][1],
+                           r ^ mask, bounds[theirs][0], bounds[theirs + mask - 1][1]))
+            mask <<= 1
+    else:
+        for s in range(n - 1):
+            b_send, b_recv = (r - s) % n, (r - s - 1) % n
+            rounds.append(((r + 1) % n, *bounds[b_send], (r - 1) % n, *bounds[b_recv]))
+    return tuple(rounds)

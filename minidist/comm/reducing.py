@@ -71,7 +71,7 @@ def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str 
         if chosen == "recursive_doubling" and x.nbytes <= fastpath.PLAN_MAX_BYTES:
             fastpath.store(g, key, fastpath.AllReducePlan(g, x.shape, x.dtype, op))
         elif chosen == "pairwise" and -(-x.size // g.size) * x.itemsize <= ring.PIPELINE_BYTES:
-            fastpath.store(g, key, fastpath.PairwiseAllReducePlan(g, x.shape, x.dtype, op))  # one chunk a step
+            fastpath.store(g, key, fastscatter.PairwiseAllReducePlan(g, x.shape, x.dtype, op))  # one chunk a step
     return result
 
 
