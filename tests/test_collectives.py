@@ -82,3 +82,13 @@ def test_size_mismatch_on_the_cached_fast_path_fails_loudly():
     assert "expected a 16-byte message" in msg or "expected a 20-byte message" in msg
     assert "during all_reduce" in msg and "MINIDIST_CHECK_COLLECTIVES=1" in msg
     assert "all_reduce(group='world', shape=(" in msg
+
+
+@pytest.mark.mpi
+def test_size_mismatch_on_a_one_shot_plan_fails_loudly():
+    with pytest.raises(MPIJobFailed) as err:
+        run_mpi(3, f"{ERRORS}::reduce_scatter_size_mismatch_after_plan", timeout=60)
+    msg = str(err.value)
+    assert "a size mismatch went unnoticed" not in msg
+    assert "during reduce_scatter" in msg and "MINIDIST_CHECK_COLLECTIVES=1" in msg
+    assert "expected a 8-byte message" in msg or "expected a 12-byte message" in msg

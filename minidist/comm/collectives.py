@@ -15,11 +15,13 @@ collective      algorithm                                    sent per rank
 all_reduce      small: recursive doubling, log2 N rounds     log2(N) * X
                 large: pairwise reduce-scatter, then         2(N-1)/N * X
                 all-gather (doubling on 2^k ranks, or ring)
-reduce_scatter  small: ring, N-1 steps; N=4,8,..: halving    (N-1)/N * X
+reduce_scatter  small: one-shot, N-1 messages in one round   (N-1)/N * X
+                medium: ring, N-1 steps; N=4,8,..: halving
                 large, N>2: pairwise exchange, N-1 steps     (N-1)/N * X
-all_gather      N=2: one Sendrecv                            (N-1) * X_own
-                out= of N equal blocks: doubling (2^k) or    (N-1) * X_own
-                ring, straight into out
+all_gather      out= of N equal blocks, small: one-shot,     (N-1) * X_own
+                every block to every rank in one round;
+                larger: doubling (2^k) or ring, into out
+                otherwise, N=2: one Sendrecv                 (N-1) * X_own
                 otherwise: Bruck with row counts, log2 N     (N-1) * (X_own + 8)
 broadcast       small: binomial tree; large: pipelined chain tree: <= log2(N) X; chain: X
 reduce          small: binomial tree; large: pipelined chain tree: X; chain: X
@@ -68,20 +70,22 @@ def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto
     produces; ring.ROWS_RULE): a larger difference raises a CommError on every rank.
 
     Which algorithm (``"auto"``):
-    * two ranks: one Sendrecv; the receiver learns the other's row count from the message
-      size (ring.pair_all_gather);
     * ``out=`` given with N dividing out.shape[0] (so every block has out.shape[0]/N rows):
-      straight from ``out`` to ``out`` with no row counts on the wire (evengather.py),
-      by recursive doubling (log2 N rounds) when N is a power of two, else by the ring
-      (N-1 steps); (N-1)/N * X bytes per rank.  ``out=`` must then have the same shape on
-      every rank;
+      straight into ``out`` with no row counts on the wire (evengather.py): up to
+      evengather.DIRECT_BYTES in one round, every block to every rank at once (direct.py),
+      above by recursive doubling (log2 N rounds) when N is a power of two, else by the
+      ring (N-1 steps); (N-1)/N * X bytes per rank.  ``out=`` must then have the same
+      shape on every rank;
+    * otherwise, two ranks: one Sendrecv; the receiver learns the other's row count from
+      the message size (ring.pair_all_gather);
     * otherwise a Bruck all-gather, ceil(log2 N) rounds, each block sent behind its row
       count (tree.bruck_all_gather_rows); every rank receives every other block once.
 
     ``algorithm="ring"`` forces the textbook ring (N-1 steps, (N-1)/N * X bytes per rank,
     Patarasuk & Yuan 2009), after a Bruck exchange of the row counts (8 bytes a rank) unless
-    ``out=`` already fixes them; ``"doubling"`` forces recursive doubling (needs such an
-    ``out=`` and N a power of two); ``"bruck"`` forces the Bruck all-gather.
+    ``out=`` already fixes them; ``"direct"`` forces the one-shot exchange and
+    ``"doubling"`` recursive doubling (both need such an ``out=``, doubling also N a power
+    of two); ``"bruck"`` forces the Bruck all-gather.
     Repeated calls with the same shape skip the argument checks (fastpath.py).
     """
     if algorithm == "auto" and type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):
@@ -91,14 +95,15 @@ def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto
         if result is not None:
             return result
     _check_group(g, "all_gather")
-    _algorithm(algorithm, ("auto", "ring", "doubling", "bruck"), "all_gather")
+    _algorithm(algorithm, ("auto", "ring", "direct", "doubling", "bruck"), "all_gather")
     x = _host(x, "all_gather")
     check.need_axis0(x, "all_gather")
     out = _check_out(out, x, "all_gather")
-    if algorithm == "doubling" and g.size > 1 and not (evengather.applies(g.size, x, out) and g.size & (g.size - 1) == 0):
-        raise ValueError(f"all_gather: algorithm='doubling' needs a power-of-two group and out= whose first "
-                         f"dim is a multiple of it; got {g.size} ranks and out.shape="
-                         f"{None if out is None else out.shape}")
+    if algorithm in ("direct", "doubling") and g.size > 1 and not (
+            evengather.applies(g.size, x, out) and (algorithm == "direct" or g.size & (g.size - 1) == 0)):
+        raise ValueError(f"all_gather: algorithm={algorithm!r} needs out= whose first dim is a multiple of the "
+                         f"group size{' (a power of two)' if algorithm == 'doubling' else ''}; got {g.size} ranks "
+                         f"and out.shape={None if out is None else out.shape}")
     # out's shape is part of the signature: it picks the algorithm, so ranks must agree on it.
     sig = ("all_gather", x, dict(rule="trailing", extra=None if out is None else out.shape))
     result = _launch("all_gather", _all_gather, g, x, sig, async_op, out, algorithm)
@@ -115,7 +120,7 @@ def _all_gather(g, x, result=None, algorithm="auto"):
         return x.copy() if result is None else _fill(result, x)
     if result is not None and result.shape[1:] != x.shape[1:]:
         raise ValueError(f"all_gather: out.shape={result.shape} but the rows have shape {x.shape[1:]}")
-    if algorithm != "bruck" and evengather.applies(n, x, result) and not (n == 2 and algorithm == "auto"):
+    if algorithm != "bruck" and evengather.applies(n, x, result):
         out, sent, received = evengather.even_all_gather(g, x, result, algorithm)
     elif algorithm == "ring":
         return _ring_all_gather_rows(g, x, result)

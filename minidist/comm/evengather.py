@@ -16,8 +16,10 @@ counts.  All ranks take this lane or not from ``out.shape`` alone, without a mes
 ``MINIDIST_CHECK_COLLECTIVES=1``, checks that; otherwise the ranks would disagree about
 the messages and raise or hang).
 
-Schedules, both (N-1)/N * X bytes sent and received per rank:
+Schedules, all (N-1)/N * X bytes sent and received per rank:
 
+* small results (up to DIRECT_BYTES): the one-shot exchange of direct.py, every block sent
+  to every rank in a single round;
 * N a power of two: recursive doubling (Thakur, Rabenseifner & Gropp 2005, sec. 4.2).  In
   round k the rank holds its aligned group of 2^k blocks, contiguous in ``out``, and swaps
   it with rank r ^ 2^k, whose group lies right beside it; log2 N rounds.
@@ -40,13 +42,17 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from minidist.comm import links, stats
+from minidist.comm import direct, links, stats
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG
 from minidist.comm.ring import ROWS_RULE
 
 BYTE = MPI.BYTE
 _EMPTY = np.empty(0, np.uint8)
+
+# The one-shot exchange up to this result size (out.nbytes), the rounds above.  Measured on
+# 4 oversubscribed ranks (2 cores; float32, ratio to MPI's Allgather), see pick().
+DIRECT_BYTES = 256 << 10
 
 
 def applies(n: int, x: np.ndarray, out) -> bool:
@@ -75,18 +81,21 @@ def schedule(n: int, r: int, algorithm: str) -> tuple:
     return tuple(rounds)
 
 
-def pick(n: int, algorithm: str) -> str:
-    """The schedule for ``algorithm`` = "auto" | "doubling" | "ring"."""
+def pick(n: int, algorithm: str, nbytes: int) -> str:
+    """The schedule for ``algorithm`` = "auto" | "direct" | "doubling" | "ring" and a result
+    of ``nbytes`` (the same on every rank, as out's shape is)."""
     if algorithm == "auto":
+        if nbytes <= DIRECT_BYTES:
+            return "direct"
         return "doubling" if n & (n - 1) == 0 else "ring"
     return algorithm
 
 
 def byte_rounds(n: int, r: int, algorithm: str, block: int) -> tuple:
-    """:func:`schedule` in bytes of the flat result, ``block`` bytes a block:
-    (dest, send start, send stop, source, receive start, receive stop) per round."""
+    """:func:`schedule` ("doubling" or "ring") in bytes of the flat result, ``block`` bytes
+    a block: (dest, send start, send stop, source, receive start, receive stop) per round."""
     return tuple((dest, slo * block, shi * block, source, rlo * block, rhi * block)
-                 for dest, (slo, shi), source, (rlo, rhi) in schedule(n, r, pick(n, algorithm)))
+                 for dest, (slo, shi), source, (rlo, rhi) in schedule(n, r, algorithm))
 
 
 def even_all_gather(g, x: np.ndarray, out: np.ndarray, algorithm: str = "auto"):
@@ -94,6 +103,12 @@ def even_all_gather(g, x: np.ndarray, out: np.ndarray, algorithm: str = "auto"):
     Returns ``(out, bytes_sent, bytes_received)``; raises CommError on every rank if some
     rank's block does not have T/N rows or the ranks disagree on trailing shape or dtype."""
     n, r = g.size, g.rank
+    algorithm = pick(n, algorithm, out.nbytes)
+    if algorithm == "direct":
+        out, sent, received, bad = direct.all_gather(g, x, out)
+        if bad is not None:
+            raise error(g, out, bad)
+        return out, sent, received
     per = out.shape[0] // n
     block = math.prod(out.shape[1:]) * out.itemsize * per
     bad = None

@@ -4,12 +4,14 @@ Same idea as :mod:`minidist.comm.fastpath` (read that first): a plan is built af
 fully checked call with a given (dtype, shape) on a group and runs later calls with the same
 algorithm and the same bytes as collectives._all_gather, so results are bit-identical:
 
-* 2 ranks, :class:`PairGatherPlan`: ring.pair_all_gather, one ``Sendrecv``, the peer's row
-  count read from the message size;
-* more ranks, :class:`BruckGatherPlan`: tree.bruck_all_gather_rows, every record = a row
-  count followed by the rows, ceil(log2 N) rounds;
-* more ranks with an ``out=`` that fixes every block's size, :class:`EvenGatherPlan`:
-  evengather.even_all_gather, straight from ``out`` to ``out``.
+* an ``out=`` that fixes every block's size, small: :class:`DirectGatherPlan`, the one-shot
+  exchange of direct.py on persistent requests (one ``Startall``, one ``Waitall``);
+* such an ``out=``, larger: :class:`EvenGatherPlan`: evengather.even_all_gather, straight
+  from ``out`` to ``out``;
+* otherwise, 2 ranks, :class:`PairGatherPlan`: ring.pair_all_gather, one ``Sendrecv``, the
+  peer's row count read from the message size;
+* otherwise, more ranks, :class:`BruckGatherPlan`: tree.bruck_all_gather_rows, every
+  record = a row count followed by the rows, ceil(log2 N) rounds.
 
 What a plan saves is everything that depends only on the shape: row sizes, partners, the
 packing buffer with this rank's row count already written into it, the MPI status.  Row
@@ -27,7 +29,7 @@ import struct
 import numpy as np
 from mpi4py import MPI
 
-from minidist.comm import evengather, stats
+from minidist.comm import direct, evengather, fastpath, stats
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG
 from minidist.comm.ring import _rows_error as _pair_error
@@ -43,10 +45,14 @@ def make_plan(g, shape, dtype, out=None):
     gain, and no row size to divide by; a block of the wrong size for the even lane)."""
     if g.size < 2 or 0 in shape[1:]:
         return None
+    if evengather.applies(g.size, None, out):
+        if out.shape[0] != g.size * shape[0]:
+            return None
+        if evengather.pick(g.size, "auto", out.nbytes) == "direct" and out.nbytes <= fastpath.PLAN_MAX_BYTES:
+            return DirectGatherPlan(g, shape, dtype, out)
+        return EvenGatherPlan(g, shape, dtype, out)
     if g.size == 2:
         return PairGatherPlan(g, shape, dtype, out)
-    if evengather.applies(g.size, None, out):
-        return EvenGatherPlan(g, shape, dtype, out) if out.shape[0] == g.size * shape[0] else None
     return BruckGatherPlan(g, shape, dtype, out)
 
 
@@ -274,7 +280,8 @@ class EvenGatherPlan(_GatherPlan):
     def __init__(self, g, shape, dtype, out):
         super().__init__(g, shape, dtype, out)
         self.own = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
-        self.rounds = evengather.byte_rounds(self.n, self.rank, "auto", self.nbytes)
+        self.rounds = evengather.byte_rounds(self.n, self.rank, evengather.pick(self.n, "auto", out.nbytes),
+                                             self.nbytes)
         self.sent = sum(shi - slo for _, slo, shi, *_ in self.rounds)
         self.received = sum(rhi - rlo for *_, rlo, rhi in self.rounds)
 
@@ -301,3 +308,45 @@ class EvenGatherPlan(_GatherPlan):
                 raise evengather.error(g, out, bad)
         stats.record_call(self.call, self.sent, self.received, t0)
         return out
+
+
+class DirectGatherPlan(_GatherPlan):
+    """direct.all_gather for one (x shape, out shape) on buffers of the plan's own, with the
+    round as persistent requests (direct.Exchange): a call copies x in, runs one
+    ``Startall`` and one ``Waitall``, checks the received sizes and copies the result out.
+    (The requests hold their buffers' addresses, hence the plan's own buffer: binding them
+    to the caller's ``out`` would keep that array alive and tie the plan to it.)"""
+
+    __slots__ = ("buf", "own", "exchange", "sources", "sent")
+
+    def __init__(self, g, shape, dtype, out):
+        super().__init__(g, shape, dtype, out)
+        n, r, block = self.n, self.rank, self.nbytes
+        self.buf = np.empty(out.shape, self.dtype)
+        self.own = self.buf[r * self.rows:(r + 1) * self.rows]
+        flat = self.buf.reshape(-1).view(np.uint8)
+        to, self.sources = direct.peers(n, r)
+        self.exchange = direct.Exchange(self.comm, [(flat[s * block:(s + 1) * block], s) for s in self.sources],
+                                        [(flat[r * block:(r + 1) * block], d) for d in to])
+        self.sent = block * (n - 1)
+
+    def run(self, g, x, out):
+        """The gathered array, or None when the general path must take the call."""
+        if out is None or not self.fits(out) or not out.flags.c_contiguous:
+            return None
+        t0 = stats._clock()
+        self.own[...] = x
+        exchange = self.exchange
+        exchange.start()
+        counts = exchange.finish()
+        for got in counts:
+            if got != self.nbytes:
+                src, got = direct.first_wrong(counts, self.nbytes, self.sources)
+                stats.note_op("all_gather", self.name, x.shape, self.dtype)
+                raise evengather.error(g, out, f"rank {src} sent {got} bytes where {self.nbytes} were expected")
+        out[...] = self.buf
+        stats.record_call(self.call, self.sent, self.sent, t0)
+        return out
+
+    def close(self) -> None:
+        self.exchange.close()

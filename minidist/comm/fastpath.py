@@ -78,8 +78,24 @@ def plain(out, dtype) -> bool:
 
 def store(g, key, plan) -> None:
     if len(g._plans) >= _MAX_PLANS:
-        g._plans.clear()
+        drop(g)
+    old = g._plans.get(key)
+    if old is not None:
+        _close(old)
     g._plans[key] = plan
+
+
+def drop(g) -> None:
+    """Forget every plan of ``g``, freeing the MPI requests of those that hold some."""
+    for plan in g._plans.values():
+        _close(plan)
+    g._plans.clear()
+
+
+def _close(plan) -> None:
+    close = getattr(plan, "close", None)
+    if close is not None:
+        close()
 
 
 def _fail(what, g, x, status, src, expected, err=None) -> CommError:

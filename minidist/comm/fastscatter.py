@@ -15,8 +15,9 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from minidist.comm import reduction, stats
+from minidist.comm import direct, reduction, stats
 from minidist.comm.fastpath import BYTE, TAG, _all_reduce_result, _clock, _fail
+from minidist.comm.p2p import _size_error
 from minidist.comm.ring import split_bounds
 from minidist.comm.tree import halving_steps
 
@@ -49,6 +50,54 @@ class _ScatterPlan:
             reduction.finish(result, "avg", self.divisor, result.dtype)
         stats.record_call(self.call, sent, received, t0)
         return result
+
+
+class DirectScatterPlan(_ScatterPlan):
+    """direct.reduce_scatter for one small (shape, dtype, op) on buffers of the plan's own,
+    the round as persistent requests (direct.Exchange): a call copies x into the send
+    buffer, runs one ``Startall`` and one ``Waitall``, checks the sizes and adds the N
+    copies of this rank's block in rank order (this rank's own straight from the send
+    buffer), the general path's additions in the general path's order."""
+
+    __slots__ = ("src", "flat_out", "exchange", "operands", "sources", "expect", "sent", "recv")
+
+    def __init__(self, g, shape, dtype, op):
+        super().__init__(g, shape, dtype, op)
+        n, r = g.size, g.rank
+        bounds = split_bounds(shape[0], n, math.prod(shape[1:]))
+        flat = np.empty(bounds[-1][1], dtype)
+        self.src = flat.reshape(shape)  # x is copied here, whatever its memory layout
+        lo, hi = bounds[r]
+        stage = np.empty((n - 1, hi - lo), dtype)
+        to, self.sources = direct.peers(n, r)
+        self.exchange = direct.Exchange(g.comm, [(stage[k], s) for k, s in enumerate(self.sources)],
+                                        [(flat[bounds[d][0]:bounds[d][1]], d) for d in to])
+        self.operands = direct._operands(stage, self.sources, flat[lo:hi], r)
+        self.expect = stage[0].nbytes
+        self.sent = sum(bounds[d][1] - bounds[d][0] for d in to) * flat.itemsize
+        self.recv = stage.nbytes
+
+    def run(self, g, x, out=None):
+        """This rank's part, or None when ``out`` doesn't fit (the general path then raises
+        its clear error)."""
+        t0 = _clock()
+        result = self.result(out)
+        if result is None:
+            return None
+        self.src[...] = x
+        exchange = self.exchange
+        exchange.start()
+        counts = exchange.finish()
+        for got in counts:
+            if got != self.expect:
+                stats.note_op("reduce_scatter", g.name, x.shape, x.dtype)
+                src, got = direct.first_wrong(counts, self.expect, self.sources)
+                raise _size_error(g.comm, src, TAG, self.expect, got, "reduce_scatter")
+        direct.add_in_rank_order(self.ufunc, self.operands, result if self.one_d else result.reshape(-1))
+        return self.finish(result, self.sent, self.recv, t0)
+
+    def close(self) -> None:
+        self.exchange.close()
 
 
 class ReduceScatterPlan(_ScatterPlan):

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from minidist.comm import check, fastpath, fastscatter, links, reduction, ring, tree
+from minidist.comm import check, direct, fastpath, fastscatter, links, reduction, ring, stats, tree
 from minidist.comm.group import Group
 from minidist.comm.launch import (check_algorithm as _algorithm, check_group as _check_group,
                                   check_out as _check_out, host_array as _host, launch as _launch)
@@ -132,13 +132,16 @@ def pairwise_all_reduce(g, x: np.ndarray, out: np.ndarray, ufunc) -> None:
 def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str = "auto", out=None):
     """Reduce all ranks' ``x``, then rank i keeps part i of axis 0 (``np.array_split`` sizes).
 
-    Small inputs: the ring, N-1 steps, each rank sends and receives (N-1)/N * X bytes
+    Up to DIRECT_BYTES: the one-shot exchange (direct.py), every block sent to its owner in
+    a single round, the N copies of a block then added in rank order; each rank sends and
+    receives (N-1)/N * X bytes.  Medium inputs: the ring, N-1 steps, the same bytes
     (Patarasuk & Yuan 2009); for N = 4, 8, 16, ... recursive halving, the same bytes in
     log2 N rounds.  From PAIRWISE_BYTES up on more than two ranks: pairwise exchange, the
     same bytes again in N-1 steps that do not wait for each other (ring.pairwise_reduce_scatter).
-    float16/bfloat16 accumulate in float32.  Repeated small calls run a cached plan (ring or
-    halving).  ``algorithm="ring"``, ``"halving"`` (2, 4, 8... ranks) or ``"pairwise"``
-    forces one.  ``out=``: the caller's result array (its shape is this rank's part).
+    float16/bfloat16 accumulate in float32.  Repeated calls run a cached plan while the
+    messages are small.  ``algorithm="direct"``, ``"ring"``, ``"halving"`` (2, 4, 8... ranks)
+    or ``"pairwise"`` forces one.  ``out=``: the caller's result array (its shape is this
+    rank's part).
     """
     key = None
     if algorithm == "auto" and type(x) is np.ndarray and not (async_op or check._enabled or links.enabled):
@@ -149,7 +152,7 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: 
             return result
     _check_group(g, "reduce_scatter")
     op = reduction.check_op(op, "reduce_scatter")
-    _algorithm(algorithm, ("auto", "ring", "halving", "pairwise"), "reduce_scatter")
+    _algorithm(algorithm, ("auto", "direct", "ring", "halving", "pairwise"), "reduce_scatter")
     if algorithm == "halving" and g.size & (g.size - 1):
         raise ValueError(f"reduce_scatter: algorithm='halving' needs a power-of-two group, got {g.size} ranks")
     x = _host(x, "reduce_scatter")
@@ -162,7 +165,10 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: 
     if (key is not None and g.size > 1 and reduction.accumulator_dtype(x.dtype) == x.dtype
             and fastpath.plain(out, x.dtype)):
         chosen = _reduce_scatter_algorithm(g.size, x.nbytes, "auto")
-        if chosen == "halving":  # the plan owns X bytes of partial sums: small calls only
+        if chosen == "direct":  # the plan owns 2X bytes of buffers: small calls only
+            if x.nbytes <= fastpath.PLAN_MAX_BYTES:
+                fastpath.store(g, key, fastscatter.DirectScatterPlan(g, x.shape, x.dtype, op))
+        elif chosen == "halving":  # the plan owns X bytes of partial sums: small calls only
             if x.nbytes <= fastpath.PLAN_MAX_BYTES:
                 fastpath.store(g, key, fastscatter.HalvingPlan(g, x.shape, x.dtype, op))
         elif chosen == "ring" and x.nbytes <= ring.PIPELINE_BYTES:  # one chunk a step, like the plan
@@ -181,11 +187,16 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: 
 #   3 ranks: 256 KB 0.71 / 0.66, 1 MB 0.71 / 0.65, 16 MB 0.95 / 0.82
 # (below 1 MB the cached halving and ring plans win by their lower per-call cost).
 PAIRWISE_BYTES = 1 << 20
+# reduce_scatter: the one-shot exchange up to this input size (see DIRECT_BYTES' measurements
+# in benchmarks/bench_collectives.py's crossover table).
+DIRECT_BYTES = 64 << 10
 
 
 def _reduce_scatter_algorithm(n: int, nbytes: int, algorithm: str) -> str:
     if algorithm != "auto":
         return algorithm
+    if nbytes <= DIRECT_BYTES:
+        return "direct"
     if n > 2 and nbytes >= PAIRWISE_BYTES:
         return "pairwise"
     return "halving" if _halving(n) else "ring"
@@ -202,6 +213,8 @@ def _reduce_scatter(g, x, op, algorithm="auto", out=None):
     algorithm = _reduce_scatter_algorithm(n, x.nbytes, algorithm)
     if n == 1:
         result[...] = xin
+    elif algorithm == "direct":
+        stats.count_bytes(*direct.reduce_scatter(g, xin, bounds, reduction.UFUNCS[op], result))
     elif algorithm == "pairwise":
         ring.pairwise_reduce_scatter(g, xin, bounds, reduction.UFUNCS[op], result)
     elif algorithm == "halving":

@@ -5,6 +5,8 @@ result locally) and also runs MPI's built-in counterpart (allowed in tests) as a
 oracle.  Inputs are small integers, so sums are exact in every dtype, including float16 and
 bfloat16, and results can be compared bit for bit.
 """
+import contextlib
+
 import numpy as np
 from mpi4py import MPI
 
@@ -12,7 +14,7 @@ from minidist import comm
 from minidist.backend import bfloat16
 from minidist.comm import collectives as C
 from minidist.comm import reducing as R
-from minidist.comm import ring
+from minidist.comm import evengather, ring
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
 OPS = ["sum", "avg", "max", "min"]
@@ -81,7 +83,7 @@ def check_reductions():
                 same(got, want[rows[0]:rows[-1] + 1] if len(rows) else want[:0], f"reduce_scatter {op} {dtype} {shape}")
                 got = comm.reduce_scatter(x, g, op=op, async_op=True).wait()
                 same(got, want[rows[0]:rows[-1] + 1] if len(rows) else want[:0], f"async reduce_scatter {op} {dtype}")
-                for algo in ("ring", "pairwise") + (("halving",) if n & (n - 1) == 0 else ()):
+                for algo in ("direct", "ring", "pairwise") + (("halving",) if n & (n - 1) == 0 else ()):
                     got = comm.reduce_scatter(x, g, op=op, algorithm=algo)
                     same(got, want[rows[0]:rows[-1] + 1] if len(rows) else want[:0],
                          f"reduce_scatter {algo} {op} {dtype} {shape}")
@@ -140,11 +142,11 @@ def check_movement():
                 same(comm.all_gather(mine[r], g, algorithm=algo), want, f"all_gather {algo} {dtype} {shape}")
             # out=: equal blocks go straight into out (recursive doubling or ring), uneven ones
             # (whose total N never divides) and "bruck" through the row-count records.
-            algos = ("auto", "ring", "bruck") + (("doubling",) if n > 1 and n & (n - 1) == 0 else ())
+            algos = ("auto", "direct", "ring", "bruck") + (("doubling",) if n > 1 and n & (n - 1) == 0 else ())
             for blocks in (inputs, mine):
                 for algo in algos if blocks is inputs else ("auto", "ring", "bruck"):
                     full = np.concatenate(blocks)
-                    if algo == "doubling" and (full.shape[0] < n or full.size == 0):
+                    if algo in ("direct", "doubling") and (full.shape[0] < n or full.size == 0):
                         continue  # needs at least one row per block (of nonzero size)
                     out = np.zeros_like(full)
                     assert comm.all_gather(blocks[r], g, out=out, algorithm=algo) is out
@@ -227,9 +229,14 @@ def check_traffic():
     if n & (n - 1) == 0:
         s = measure(lambda: comm.all_reduce(x, g, algorithm="rabenseifner"))["all_reduce"]
         assert s["bytes_sent"] == s["bytes_recv"] == 2 * (n - 1) * X // n, s
-    for algo in ("auto", "ring", "pairwise"):
+    for algo in ("auto", "direct", "ring", "pairwise"):
         s = measure(lambda: comm.reduce_scatter(x, g, algorithm=algo))["reduce_scatter"]
         assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X // n, (algo, s)
+    # All-gather into out= of N equal blocks: (N-1) blocks of X each way, no row counts.
+    full = np.empty(x.size * n, np.float32)
+    for algo in ("auto", "direct", "ring") + (("doubling",) if n & (n - 1) == 0 else ()):
+        s = measure(lambda: comm.all_gather(x, g, out=full, algorithm=algo))["all_gather"]
+        assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X, (algo, s)
     # The textbook ring all-gather: (N-1) blocks of X, after an exchange of 8-byte row counts.
     s = measure(lambda: comm.all_gather(x, g, algorithm="ring"))["all_gather"]
     assert s["bytes_sent"] == s["bytes_recv"] == (n - 1) * X + 8 * (n - 1), s
@@ -320,6 +327,33 @@ def fast_paths():
     """Repeated calls run cached plans (fastpath.py): same answers as the oracles, same
     traffic formulas, the same clear errors, and uneven all_gather still right."""
     g = comm.world()
+    r = g.rank
+    for direct in (True, False):  # small calls take the one-shot plans; then the ring/halving ones
+        with _direct_lanes(g, direct):
+            _reducing_plans(g, direct)
+            _gather_plans(g, direct)
+            _uneven_gathers(g)
+    with _direct_lanes(g, False):  # tiny thresholds send small inputs the large-message ways
+        _more_plans(g)
+    comm.barrier(g)
+    print(f"rank {r}: fast paths passed")
+
+
+@contextlib.contextmanager
+def _direct_lanes(g, on):
+    """The one-shot (direct.py) lanes at their thresholds, or (on=False) never taken."""
+    saved = R.DIRECT_BYTES, evengather.DIRECT_BYTES
+    if not on:
+        R.DIRECT_BYTES = evengather.DIRECT_BYTES = -1
+    g._plans.clear()
+    try:
+        yield
+    finally:
+        R.DIRECT_BYTES, evengather.DIRECT_BYTES = saved
+        g._plans.clear()
+
+
+def _reducing_plans(g, direct):
     n, r = g.size, g.rank
     for dtype in ("float32", "float64", "int32", "int64"):
         for op in OPS:
@@ -368,7 +402,12 @@ def fast_paths():
         assert key in g._plans, "repeated small all_reduce did not cache a plan"
         plan = g._plans.get(("reduce_scatter", np.dtype(np.float32), (1000,), "sum"))
         want_plan = "HalvingPlan" if n > 2 and n & (n - 1) == 0 else "ReduceScatterPlan"
+        want_plan = "DirectScatterPlan" if direct else want_plan
         assert type(plan).__name__ == want_plan, f"reduce_scatter on {n} ranks cached {plan!r}"
+
+
+def _more_plans(g):
+    n, r = g.size, g.rank
     if n > 1:  # pairwise all-reduce plans: tiny thresholds send these inputs that way
         saved = R.SMALL_ALL_REDUCE_BYTES, R.SMALL_ALL_REDUCE_BYTES_WIDE
         R.SMALL_ALL_REDUCE_BYTES = R.SMALL_ALL_REDUCE_BYTES_WIDE = 64
@@ -439,7 +478,11 @@ def fast_paths():
         assert s["calls"] == 2, s
         if n & (n - 1) == 0:
             assert s["bytes_sent"] == 2 * x.nbytes * (n.bit_length() - 1), s
-    # all_gather: equal blocks (plans), then uneven ones, with and without out=.
+
+
+def _gather_plans(g, direct):
+    """all_gather of equal blocks, with and without out=: cached plans."""
+    n, r = g.size, g.rank
     for rep in range(3):
         x = np.full((3, 2), r, np.int16)
         want = np.repeat(np.arange(n, dtype=np.int16), 3)[:, None].repeat(2, axis=1)
@@ -458,10 +501,14 @@ def fast_paths():
         same(comm.all_gather(xf, g), want + np.arange(2, dtype=np.int16), f"fast all_gather, Fortran x #{rep}")
         same(comm.all_gather(xf, g, out=out), want + np.arange(2, dtype=np.int16), f"Fortran x, out= #{rep}")
     if n > 1:
-        for out_shape, want_plan in ((None, "BruckGatherPlan"), ((3 * n, 2), "EvenGatherPlan")):
+        for out_shape, want_plan in ((None, "PairGatherPlan" if n == 2 else "BruckGatherPlan"),
+                                     ((3 * n, 2), "DirectGatherPlan" if direct else "EvenGatherPlan")):
             plan = g._plans.get(("all_gather", np.dtype(np.int16), (3, 2), out_shape))
-            want_plan = "PairGatherPlan" if n == 2 else want_plan
             assert type(plan).__name__ == want_plan, f"all_gather on {n} ranks, out {out_shape}: cached {plan!r}"
+
+
+def _uneven_gathers(g):
+    n, r = g.size, g.rank
     # Uneven rows (within one of each other, the all_gather rule), with and without out=,
     # including 0-row blocks and the rank with the extra row last or first.
     for rows in ([3, 2, 3, 2, 2, 3, 3, 2][:n], [0] * (n - 1) + [1], [1] + [0] * (n - 1), [2] * n):
@@ -480,5 +527,3 @@ def fast_paths():
                 same(got, want, f"pair all_gather {rows}")
                 assert received == (total - rows[r]) * 8 and sent == rows[r] * 8
                 same(ring.pair_all_gather(g, x)[0], want, f"pair all_gather, no out= {rows}")
-    comm.barrier(g)
-    print(f"rank {r}: fast paths passed")

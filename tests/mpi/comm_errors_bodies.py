@@ -109,7 +109,7 @@ def all_gather_rows_rule():
         # out= whose first dim N divides: every block must have out.shape[0]/N rows, so a
         # block of 1 row and one of 3 (the rest 2) make every rank raise, also on a plan.
         x = np.full((2 - (r == 0) + (r == n - 1), 3), r, np.float32)
-        for algo in ("auto", "ring"):
+        for algo in ("auto", "direct", "ring"):
             _expect(comm.CommError, lambda: comm.all_gather(x, g, out=np.empty((2 * n, 3), np.float32),
                                                             algorithm=algo), "rows")
         # the same once the ranks with 2 rows have cached a plan for (2, 3) into (2N, 3)
@@ -127,3 +127,13 @@ def all_gather_rows_rule():
     got = comm.all_gather(np.full((r % 2 + 1,), r, np.int64), g)  # still usable
     assert got.tolist() == sum(([k] * (k % 2 + 1) for k in range(n)), []), got
     print(f"rank {r}: all_gather rows rule enforced")
+
+
+def reduce_scatter_size_mismatch_after_plan():
+    """A one-shot reduce-scatter plan (persistent requests, direct.py) that gets messages of
+    the wrong size, longer (truncated) and shorter, fails loudly on the ranks that see them."""
+    g = comm.world()
+    for _ in range(3):
+        comm.reduce_scatter(np.ones(2 * g.size, np.float32), g)
+    comm.reduce_scatter(np.ones(3 * g.size if g.rank == 1 else 2 * g.size, np.float32), g)
+    raise AssertionError("a size mismatch went unnoticed")

@@ -1,0 +1,199 @@
+"""One-shot ("direct") all-gather and reduce-scatter: every message of the collective posted at once.
+
+Recursive doubling, halving and the ring move a small message in log2 N or N-1 rounds, and
+in every round a rank waits for one partner before it may go on.  For a few kilobytes the
+bytes cost nothing and those waits are the whole price; on ranks that share cores each wait
+may also cost a scheduler switch.  The one-shot schedule has a single round: a rank posts a
+receive from every other rank and a send to every other rank, then waits once for all of
+them.  Thakur, Rabenseifner & Gropp (2005) use the same idea for MPICH's medium-size
+all-to-all ("post all the Irecvs and Isends, then Waitall").
+
+* all-gather: rank r sends its block to each other rank and receives each other block
+  straight into its place in ``out``;
+* reduce-scatter: rank r sends block j of its input to rank j and receives the N-1 copies of
+  its own block, then adds the N of them in rank order (block of rank 0 + rank 1 + ...).
+
+Both send and receive (N-1)/N * X bytes per rank (X = gathered or pre-scatter size), the
+same as the ring, in N-1 messages each way.  That many messages suit small X and few ranks;
+large messages keep the pipelined algorithms.
+
+A single round also makes a whole collective two MPI calls when the buffers are fixed:
+``Startall`` and ``Waitall`` on persistent requests (``Send_init``/``Recv_init``, MPI 1.1).
+:class:`Exchange` holds such a round; the cached plans (fastgather.py, fastscatter.py) run
+one on buffers of their own, copying the input in and the result out.
+
+Wrong input ends with an error on every rank whose messages are affected, never a hang:
+there is only one round, so no rank can wait for another that gave up.  Every received
+size is checked; a rank whose own block has the wrong size (all-gather) sends empty
+messages, so that every other rank sees the mismatch too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist.comm import links
+from minidist.comm.errors import CommError
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _size_error
+
+BYTE = MPI.BYTE
+_EMPTY = np.empty(0, np.uint8)
+
+
+def peers(n: int, r: int):
+    """Rank r's partners in posting order: sends go to r+1, r+2, ..., receives come from
+    r-1, r-2, ..., so that the N ranks do not all start with the same rank."""
+    return [(r + k) % n for k in range(1, n)], [(r - k) % n for k in range(1, n)]
+
+
+def post(comm, recvs, sends) -> list:
+    """Post the round: an Irecv per (buffer, source), then an Isend per (buffer, dest)."""
+    reqs = [comm.Irecv([buf, BYTE], src, TAG) for buf, src in recvs]
+    for buf, dest in sends:
+        if links.enabled:
+            links.delay(buf.nbytes)
+        reqs.append(comm.Isend([buf, BYTE], dest, TAG))
+    return reqs
+
+
+def wait(reqs, statuses, nrecv: int) -> list:
+    """Wait for the whole round; the byte count of each of the first ``nrecv`` requests (the
+    receives), or the text "more than K" for one that got a longer message than its K-byte
+    buffer.  A truncated receive makes Waitall stop early (MPI_ERR_IN_STATUS); the requests
+    it left pending are then waited for too, so nothing of the round stays in flight."""
+    try:
+        MPI.Request.Waitall(reqs, statuses)
+    except MPI.Exception as err:
+        if err.Get_error_class() not in (MPI.ERR_IN_STATUS, MPI.ERR_TRUNCATE):
+            raise CommError(f"MPI error in a one-shot exchange: {err}") from None
+        return _settle(reqs, statuses, nrecv)
+    return [statuses[i].Get_count(BYTE) for i in range(nrecv)]
+
+
+def _settle(reqs, statuses, nrecv):
+    later = [MPI.Status() for _ in reqs]
+    MPI.Request.Waitall(reqs, later)  # the pending ones; completed ones return at once
+    counts = []
+    for i in range(nrecv):
+        code = statuses[i].Get_error()
+        kind = MPI.Get_error_class(code) if code != MPI.SUCCESS else MPI.SUCCESS
+        if kind == MPI.ERR_TRUNCATE:
+            counts.append(f"more than {statuses[i].Get_count(BYTE)}")
+        elif kind == MPI.ERR_PENDING:
+            counts.append(later[i].Get_count(BYTE))
+        else:
+            counts.append(statuses[i].Get_count(BYTE))
+    return counts
+
+
+def first_wrong(counts, expected, sources):
+    """(source, count) of the first receive whose count is not ``expected`` bytes, or None."""
+    for got, src in zip(counts, sources):
+        if got != expected:
+            return src, got
+    return None
+
+
+def all_gather(g, x: np.ndarray, out: np.ndarray):
+    """Every rank's ``x`` (T/N rows each, T = out.shape[0]) into ``out``, one round.
+    Returns ``(out, bytes_sent, bytes_received, bad)``: ``bad`` describes the first wrong
+    size seen (this rank's block, or a message), None if all was well."""
+    n, r = g.size, g.rank
+    per = out.shape[0] // n
+    flat = out.reshape(-1).view(np.uint8)
+    block = flat.nbytes // n
+    bad = None
+    if x.shape[0] == per:
+        out[r * per:(r + 1) * per] = x
+        mine = flat[r * block:(r + 1) * block]
+    else:  # empty messages tell everybody else that something is wrong
+        bad, mine = f"this rank's block has {x.shape[0]} rows", _EMPTY
+    to, frm = peers(n, r)
+    reqs = post(g.comm, [(flat[s * block:(s + 1) * block], s) for s in frm], [(mine, d) for d in to])
+    counts = wait(reqs, [MPI.Status() for _ in reqs], n - 1)
+    wrong = first_wrong(counts, block, frm)
+    if bad is None and wrong is not None:
+        bad = f"rank {wrong[0]} sent {wrong[1]} bytes where {block} were expected"
+    received = sum(c for c in counts if type(c) is int)
+    return out, mine.nbytes * (n - 1), received, bad
+
+
+def reduce_scatter(g, x: np.ndarray, bounds, ufunc, result: np.ndarray) -> tuple:
+    """Flat ``x`` in N blocks (``bounds``, element ranges); this rank's block, summed over
+    the ranks in rank order, into flat ``result``.  Returns (bytes sent, bytes received);
+    raises CommError (naming the rank and sizes) on a message of the wrong size."""
+    n, r = g.size, g.rank
+    lo, hi = bounds[r]
+    stage = g.scratch("direct_rs", (n - 1) * (hi - lo), x.dtype).reshape(n - 1, hi - lo)
+    to, frm = peers(n, r)
+    reqs = post(g.comm, [(stage[k], s) for k, s in enumerate(frm)], [(x[bounds[d][0]:bounds[d][1]], d) for d in to])
+    counts = wait(reqs, [MPI.Status() for _ in reqs], n - 1)
+    wrong = first_wrong(counts, stage[0].nbytes, frm)
+    if wrong is not None:
+        raise _size_error(g.comm, wrong[0], TAG, stage[0].nbytes, wrong[1], "reduce_scatter")
+    add_in_rank_order(ufunc, _operands(stage, frm, x[lo:hi], r), result)
+    sent = sum(bounds[d][1] - bounds[d][0] for d in to) * x.itemsize
+    return sent, stage.nbytes
+
+
+def _operands(stage, frm, own, r):
+    """The N blocks in rank order: row k of ``stage`` came from rank frm[k]; r's is ``own``."""
+    rows = [None] * (len(frm) + 1)
+    rows[r] = own
+    for k, s in enumerate(frm):
+        rows[s] = stage[k]
+    return rows
+
+
+def add_in_rank_order(ufunc, operands, result) -> None:
+    """result = ((op0 + op1) + op2) + ...: the same order on every path, so the general
+    path and the cached plan give bit-identical sums."""
+    ufunc(operands[0], operands[1], out=result)
+    for operand in operands[2:]:
+        ufunc(result, operand, out=result)
+
+
+# -------------------------------------------------------------- persistent rounds
+_live = weakref.WeakSet()  # every open Exchange, freed before MPI_Finalize (see close_all)
+
+
+class Exchange:
+    """One round on fixed buffers as persistent requests: :meth:`run` is one ``Startall``
+    and one ``Waitall``, returning the received byte counts.  Requests hold the buffers'
+    addresses, so the buffers must live as long as the Exchange (its owner keeps them)."""
+
+    __slots__ = ("reqs", "statuses", "nrecv", "__weakref__")
+
+    def __init__(self, comm, recvs, sends):
+        self.reqs = [comm.Recv_init([buf, BYTE], src, TAG) for buf, src in recvs]
+        self.reqs += [comm.Send_init([buf, BYTE], dest, TAG) for buf, dest in sends]
+        self.statuses = [MPI.Status() for _ in self.reqs]
+        self.nrecv = len(recvs)
+        _live.add(self)
+
+    def start(self) -> None:
+        MPI.Prequest.Startall(self.reqs)
+
+    def finish(self) -> list:
+        return wait(self.reqs, self.statuses, self.nrecv)
+
+    def close(self) -> None:
+        """Free the requests (MPI warns at exit about persistent requests left open)."""
+        if not MPI.Is_finalized():
+            for req in self.reqs:
+                if req != MPI.REQUEST_NULL:
+                    req.Free()
+        self.reqs = []
+        _live.discard(self)
+
+    __del__ = close
+
+
+@atexit.register  # runs before mpi4py's MPI_Finalize, which Python calls after atexit's hooks
+def close_all() -> None:
+    for exchange in list(_live):
+        exchange.close()
