@@ -38,7 +38,9 @@ import time
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
-CROSSOVER_SIZES = [64 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20, 8 << 20]
+CROSSOVER_SIZES = {"all_reduce": [64 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20, 8 << 20],
+                   "all_gather": [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20],
+                   "reduce_scatter": [16 << 10, 64 << 10, 256 << 10, 1 << 20]}
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter"]
 
 
@@ -104,13 +106,17 @@ def worker(out_path: str, quick: bool, collective: str) -> None:
                                 minidist_busbw_GBps=size / mo * f / 1e9, mpi_busbw_GBps=size / mm * f / 1e9,
                                 ratio=mm / mo))
     crossover = []
-    for size in [] if collective != "all_reduce" else CROSSOVER_SIZES[:2] if quick else CROSSOVER_SIZES:
-        x = np.ones(size // 4, np.float32)
-        times = {a: [] for a in ("recursive_doubling", "pairwise")}
+    sizes = CROSSOVER_SIZES[collective]
+    for size in sizes[:2] if quick else sizes:
+        variants = crossover_variants(collective, size, g)
+        times = {a: [] for a in variants}
+        for fn in variants.values():  # warm-up: plans, scratch buffers
+            fn(), fn()
         for _ in range(_reps(size, quick)):
-            for a in times:
-                times[a].append(timeit(lambda: comm.all_reduce(x, g, algorithm=a)))
-        crossover.append(dict(ranks=n, bytes=size, **{f"{a}_s": float(np.median(t)) for a, t in times.items()}))
+            for a, fn in variants.items():
+                times[a].append(timeit(fn, max(1, (256 << 10) // size)))
+        crossover.append(dict(collective=collective, ranks=n, bytes=size,
+                              times_s={a: float(np.median(t)) for a, t in times.items()}))
     if r == 0:
         src = np.ones(16 << 20, np.float32)  # 64 MB
         dst = np.empty_like(src)
@@ -119,6 +125,39 @@ def worker(out_path: str, quick: bool, collective: str) -> None:
         with open(out_path, "w") as f:
             json.dump(dict(results=results, crossover=crossover, memcpy_GBps=src.nbytes / best / 1e9,
                            load=os.getloadavg()[0]), f)
+
+
+def crossover_variants(collective, size, g):
+    """The algorithms on either side of a size threshold, as callables.  all_reduce names
+    them with ``algorithm=`` (plans are cached per algorithm); all_gather and
+    reduce_scatter cache plans for "auto" only, so each side sets the one-shot threshold
+    (direct.py) before every call and runs on a group of its own, whose plans it keeps."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from minidist import comm
+    from minidist.comm import evengather
+    from minidist.comm import reducing as R
+
+    n = g.size
+    if collective == "all_reduce":
+        x = np.ones(size // 4, np.float32)
+        return {a: (lambda a=a: comm.all_reduce(x, g, algorithm=a)) for a in ("recursive_doubling", "pairwise")}
+    x = np.ones((size // 4 // n) * (n if collective == "reduce_scatter" else 1), np.float32)
+    res = np.empty(x.size * n if collective == "all_gather" else x.size // n, np.float32)
+    variants = {}
+    for name, limit in (("direct", 1 << 62), ("rounds", -1)):
+        grp = comm.Group(MPI.COMM_WORLD.Dup(), f"bench_{name}")
+        if collective == "all_gather":
+            def fn(grp=grp, limit=limit):
+                evengather.DIRECT_BYTES = limit
+                return comm.all_gather(x, grp, out=res)
+        else:
+            def fn(grp=grp, limit=limit):
+                R.DIRECT_BYTES = limit
+                return comm.reduce_scatter(x, grp, out=res)
+        variants[name] = fn
+    return variants
 
 
 def _timed_copy(dst, src):
@@ -175,10 +214,10 @@ def table(report: dict) -> str:
                      f"{row['minidist_s'] * 1e6:>10.1f}us{row['mpi_s'] * 1e6:>10.1f}us"
                      f"{row['minidist_busbw_GBps']:>8.2f}GB/s{row['mpi_busbw_GBps']:>7.2f}GB/s{row['ratio']:>7.2f}"
                      f"  [{row['ratio_min']:.2f}..{row['ratio_max']:.2f}]")
-    lines.append("all_reduce crossover (median us): size, recursive doubling, pairwise")
-    for row in report["crossover"]:
-        lines.append(f"  N={row['ranks']} {_size(row['bytes']):>7} {row['recursive_doubling_s'] * 1e6:>10.1f}"
-                     f" {row['pairwise_s'] * 1e6:>10.1f}")
+    lines.append("crossovers (median us per launch; \"rounds\" = what auto takes without the one-shot lane)")
+    for row in sorted(report["crossover"], key=lambda r: (r["collective"], r["ranks"], r["bytes"])):
+        lines.append(f"  {row['collective']:<15} N={row['ranks']} {_size(row['bytes']):>7}  " +
+                     "  ".join(f"{a} {t * 1e6:.1f}" for a, t in row["times_s"].items()))
     return "\n".join(lines)
 
 

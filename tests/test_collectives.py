@@ -39,6 +39,14 @@ def test_repeated_calls_run_cached_plans_correctly(nprocs):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_one_shot_plans_bound_to_the_callers_arrays(nprocs):
+    out = run_mpi(nprocs, f"{BODIES}::bound_plans", timeout=60).stdout
+    for r in range(nprocs):
+        assert f"rank {r}: bound plans passed" in out
+
+
+@pytest.mark.mpi
 def test_bad_input_raises_on_every_rank():
     out = run_mpi(3, f"{ERRORS}::bad_input", timeout=60).stdout
     for r in range(3):

@@ -159,27 +159,38 @@ def add_in_rank_order(ufunc, operands, result) -> None:
 
 # -------------------------------------------------------------- persistent rounds
 _live = weakref.WeakSet()  # every open Exchange, freed before MPI_Finalize (see close_all)
+_startall, _waitall = MPI.Prequest.Startall, MPI.Request.Waitall
 
 
 class Exchange:
     """One round on fixed buffers as persistent requests: :meth:`run` is one ``Startall``
-    and one ``Waitall``, returning the received byte counts.  Requests hold the buffers'
-    addresses, so the buffers must live as long as the Exchange (its owner keeps them)."""
+    and one ``Waitall``.  Requests hold the buffers' addresses, so the buffers must live as
+    long as the Exchange (its owner keeps them)."""
 
-    __slots__ = ("reqs", "statuses", "nrecv", "__weakref__")
+    __slots__ = ("reqs", "statuses", "received", "sources", "__weakref__")
 
     def __init__(self, comm, recvs, sends):
         self.reqs = [comm.Recv_init([buf, BYTE], src, TAG) for buf, src in recvs]
         self.reqs += [comm.Send_init([buf, BYTE], dest, TAG) for buf, dest in sends]
         self.statuses = [MPI.Status() for _ in self.reqs]
-        self.nrecv = len(recvs)
+        self.received = self.statuses[:len(recvs)]
+        self.sources = [src for _, src in recvs]
         _live.add(self)
 
-    def start(self) -> None:
-        MPI.Prequest.Startall(self.reqs)
-
-    def finish(self) -> list:
-        return wait(self.reqs, self.statuses, self.nrecv)
+    def run(self, expect: int):
+        """Run the round.  None when every receive brought ``expect`` bytes, else the
+        (source, byte count or "more than K") of the first that did not."""
+        _startall(self.reqs)
+        try:
+            _waitall(self.reqs, self.statuses)
+        except MPI.Exception as err:
+            if err.Get_error_class() not in (MPI.ERR_IN_STATUS, MPI.ERR_TRUNCATE):
+                raise CommError(f"MPI error in a one-shot exchange: {err}") from None
+            return first_wrong(_settle(self.reqs, self.statuses, len(self.sources)), expect, self.sources)
+        for status in self.received:
+            if status.Get_count(BYTE) != expect:
+                return first_wrong([s.Get_count(BYTE) for s in self.received], expect, self.sources)
+        return None
 
     def close(self) -> None:
         """Free the requests (MPI warns at exit about persistent requests left open)."""

@@ -311,42 +311,72 @@ class EvenGatherPlan(_GatherPlan):
 
 
 class DirectGatherPlan(_GatherPlan):
-    """direct.all_gather for one (x shape, out shape) on buffers of the plan's own, with the
-    round as persistent requests (direct.Exchange): a call copies x in, runs one
-    ``Startall`` and one ``Waitall``, checks the received sizes and copies the result out.
-    (The requests hold their buffers' addresses, hence the plan's own buffer: binding them
-    to the caller's ``out`` would keep that array alive and tie the plan to it.)"""
+    """direct.all_gather for one (x shape, out shape), the round as persistent requests
+    (direct.Exchange: one ``Startall``, one ``Waitall``).
 
-    __slots__ = ("buf", "own", "exchange", "sources", "sent")
+    Requests hold their buffers' addresses, so the plan starts on buffers of its own: a
+    call copies x in and the result out.  When the same x and out arrays come twice in a
+    row (a training loop's parameter shard and gather buffer), the plan binds a second
+    set of requests to them, and later calls with those very arrays send from x and
+    receive into out with no copy but x's block into out (what MPI_Allgather copies too).
+    Bound requests keep x and out alive: only one pair is bound at a time, and only small
+    arrays get plans (fastpath.PLAN_MAX_BYTES)."""
+
+    __slots__ = ("buf", "own", "exchange", "bound", "seen")
 
     def __init__(self, g, shape, dtype, out):
         super().__init__(g, shape, dtype, out)
-        n, r, block = self.n, self.rank, self.nbytes
         self.buf = np.empty(out.shape, self.dtype)
-        self.own = self.buf[r * self.rows:(r + 1) * self.rows]
-        flat = self.buf.reshape(-1).view(np.uint8)
-        to, self.sources = direct.peers(n, r)
-        self.exchange = direct.Exchange(self.comm, [(flat[s * block:(s + 1) * block], s) for s in self.sources],
-                                        [(flat[r * block:(r + 1) * block], d) for d in to])
-        self.sent = block * (n - 1)
+        self.own = self.buf[self.rank * self.rows:(self.rank + 1) * self.rows]
+        self.exchange = self._exchange(self.buf, self.own)
+        self.bound = self.seen = None  # (x, out, own block of out, Exchange); (x, out) of the last copied call
+
+    def _exchange(self, out, x):
+        flat, block, r = out.reshape(-1).view(np.uint8), self.nbytes, self.rank
+        to, frm = direct.peers(self.n, r)
+        return direct.Exchange(self.comm, [(flat[s * block:(s + 1) * block], s) for s in frm],
+                               [(x, d) for d in to])
 
     def run(self, g, x, out):
         """The gathered array, or None when the general path must take the call."""
         if out is None or not self.fits(out) or not out.flags.c_contiguous:
             return None
         t0 = stats._clock()
-        self.own[...] = x
-        exchange = self.exchange
-        exchange.start()
-        counts = exchange.finish()
-        for got in counts:
-            if got != self.nbytes:
-                src, got = direct.first_wrong(counts, self.nbytes, self.sources)
-                stats.note_op("all_gather", self.name, x.shape, self.dtype)
-                raise evengather.error(g, out, f"rank {src} sent {got} bytes where {self.nbytes} were expected")
-        out[...] = self.buf
-        stats.record_call(self.call, self.sent, self.sent, t0)
+        bound = self.bound
+        if bound is not None and bound[0] is x and bound[1] is out:
+            bound[2][...] = x
+            wrong = bound[3].run(self.nbytes)
+        else:
+            self.own[...] = x
+            wrong = self.exchange.run(self.nbytes)
+            if wrong is None:
+                out[...] = self.buf
+                self._bind(x, out)
+        if wrong is not None:
+            stats.note_op("all_gather", self.name, x.shape, self.dtype)
+            raise evengather.error(g, out, f"rank {wrong[0]} sent {wrong[1]} bytes where {self.nbytes} were expected")
+        stats.record_call(self.call, self.nbytes * (self.n - 1), self.nbytes * (self.n - 1), t0)
         return out
+
+    def _bind(self, x, out):
+        """Bind requests to (x, out) if they came in the previous call too."""
+        seen, self.seen = self.seen, (x, out)
+        if seen is None or seen[0] is not x or seen[1] is not out or x.ndim > 1 and not x.flags.c_contiguous:
+            return
+        try:
+            exchange = self._exchange(out, x)
+        except BufferError:  # a strided 1-D x: keep copying it
+            return
+        self.close_bound()
+        own = out[self.rank * self.rows:(self.rank + 1) * self.rows]
+        self.bound, self.seen = (x, out, own, exchange), None
+
+    def close_bound(self) -> None:
+        if self.bound is not None:
+            self.bound[3].close()
+            self.bound = None
 
     def close(self) -> None:
         self.exchange.close()
+        self.close_bound()
+        self.seen = None

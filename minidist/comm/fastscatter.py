@@ -53,29 +53,37 @@ class _ScatterPlan:
 
 
 class DirectScatterPlan(_ScatterPlan):
-    """direct.reduce_scatter for one small (shape, dtype, op) on buffers of the plan's own,
-    the round as persistent requests (direct.Exchange): a call copies x into the send
-    buffer, runs one ``Startall`` and one ``Waitall``, checks the sizes and adds the N
-    copies of this rank's block in rank order (this rank's own straight from the send
-    buffer), the general path's additions in the general path's order."""
+    """direct.reduce_scatter for one small (shape, dtype, op), the round as persistent
+    requests (direct.Exchange: one ``Startall``, one ``Waitall``), then the N copies of
+    this rank's block added in rank order: the general path's additions in its order.
 
-    __slots__ = ("src", "flat_out", "exchange", "operands", "sources", "expect", "sent", "recv")
+    The sends start on a buffer of the plan's own, into which a call copies x.  When the
+    same x array comes twice in a row (a gradient buffer), the plan binds a second set of
+    requests to it, and later calls with that very array send from it without the copy
+    (one array bound at a time, kept alive by the requests; small arrays only)."""
+
+    __slots__ = ("src", "exchange", "operands", "expect", "sent", "recv", "bounds", "stage", "bound", "seen")
 
     def __init__(self, g, shape, dtype, op):
         super().__init__(g, shape, dtype, op)
         n, r = g.size, g.rank
-        bounds = split_bounds(shape[0], n, math.prod(shape[1:]))
-        flat = np.empty(bounds[-1][1], dtype)
-        self.src = flat.reshape(shape)  # x is copied here, whatever its memory layout
-        lo, hi = bounds[r]
-        stage = np.empty((n - 1, hi - lo), dtype)
-        to, self.sources = direct.peers(n, r)
-        self.exchange = direct.Exchange(g.comm, [(stage[k], s) for k, s in enumerate(self.sources)],
-                                        [(flat[bounds[d][0]:bounds[d][1]], d) for d in to])
-        self.operands = direct._operands(stage, self.sources, flat[lo:hi], r)
-        self.expect = stage[0].nbytes
-        self.sent = sum(bounds[d][1] - bounds[d][0] for d in to) * flat.itemsize
-        self.recv = stage.nbytes
+        self.bounds = split_bounds(shape[0], n, math.prod(shape[1:]))
+        lo, hi = self.bounds[r]
+        self.stage = np.empty((n - 1, hi - lo), dtype)
+        self.src = np.empty(shape, dtype)  # x is copied here, whatever its memory layout
+        self.exchange, self.operands = self._exchange(g, self.src.reshape(-1))
+        self.expect = self.stage[0].nbytes
+        self.sent = (self.bounds[-1][1] - (hi - lo)) * self.stage.itemsize
+        self.recv = self.stage.nbytes
+        self.bound = self.seen = None  # (x, Exchange, operands); the x of the last copied call
+
+    def _exchange(self, g, flat):
+        """The round sending from flat, and the operands to add (this rank's from flat)."""
+        bounds, stage, n, r = self.bounds, self.stage, g.size, g.rank
+        to, frm = direct.peers(n, r)
+        exchange = direct.Exchange(g.comm, [(stage[k], s) for k, s in enumerate(frm)],
+                                   [(flat[bounds[d][0]:bounds[d][1]], d) for d in to])
+        return exchange, direct._operands(stage, frm, flat[bounds[r][0]:bounds[r][1]], r)
 
     def run(self, g, x, out=None):
         """This rank's part, or None when ``out`` doesn't fit (the general path then raises
@@ -84,20 +92,40 @@ class DirectScatterPlan(_ScatterPlan):
         result = self.result(out)
         if result is None:
             return None
-        self.src[...] = x
-        exchange = self.exchange
-        exchange.start()
-        counts = exchange.finish()
-        for got in counts:
-            if got != self.expect:
-                stats.note_op("reduce_scatter", g.name, x.shape, x.dtype)
-                src, got = direct.first_wrong(counts, self.expect, self.sources)
-                raise _size_error(g.comm, src, TAG, self.expect, got, "reduce_scatter")
-        direct.add_in_rank_order(self.ufunc, self.operands, result if self.one_d else result.reshape(-1))
+        bound = self.bound
+        if bound is not None and bound[0] is x:
+            wrong, operands = bound[1].run(self.expect), bound[2]
+        else:
+            self.src[...] = x
+            wrong, operands = self.exchange.run(self.expect), self.operands
+            self._bind(g, x)
+        if wrong is not None:
+            stats.note_op("reduce_scatter", g.name, x.shape, x.dtype)
+            raise _size_error(g.comm, wrong[0], TAG, self.expect, wrong[1], "reduce_scatter")
+        into = result if self.one_d else result.reshape(-1)
+        ufunc = self.ufunc
+        ufunc(operands[0], operands[1], out=into)
+        for operand in operands[2:]:
+            ufunc(into, operand, out=into)
         return self.finish(result, self.sent, self.recv, t0)
+
+    def _bind(self, g, x):
+        """Bind requests to x if it came in the previous call too (and is C-contiguous)."""
+        seen, self.seen = self.seen, x
+        if seen is not x or not x.flags.c_contiguous:
+            return
+        self.close_bound()
+        self.bound, self.seen = (x,) + self._exchange(g, x.reshape(-1)), None
+
+    def close_bound(self) -> None:
+        if self.bound is not None:
+            self.bound[1].close()
+            self.bound = None
 
     def close(self) -> None:
         self.exchange.close()
+        self.close_bound()
+        self.seen = None
 
 
 class ReduceScatterPlan(_ScatterPlan):

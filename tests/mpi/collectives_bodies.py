@@ -507,6 +507,54 @@ def _gather_plans(g, direct):
             assert type(plan).__name__ == want_plan, f"all_gather on {n} ranks, out {out_shape}: cached {plan!r}"
 
 
+def bound_plans():
+    """The one-shot plans bind persistent requests to x and out once the same arrays come
+    twice in a row: results stay right when the arrays' contents change in place, when
+    other arrays come in between, for Fortran-ordered and strided inputs, and the stats
+    still count every call."""
+    g = comm.world()
+    n, r = g.size, g.rank
+    rng = np.random.default_rng(5)
+    xs = [rng.integers(-50, 50, (n, 4, 3)).astype(np.float64) for _ in range(2)]  # every rank's rows, 2 sets
+    gx = [a[r].copy() for a in xs]  # this rank's block of each set
+    outs = [np.empty((4 * n, 3)), np.empty((4 * n, 3))]
+    sx = [rng.integers(-50, 50, (n, 6 * n, 2)).astype(np.float32) for _ in range(2)]  # reduce_scatter inputs
+    rx = [a[r].copy() for a in sx]
+    comm.reset_stats()
+    calls = 0
+    for step in range(12):
+        k = 0 if step < 6 or step % 2 else 1  # the same pair 6 times, then alternating
+        if step in (3, 9):  # new contents, same arrays
+            xs[k] += 1
+            gx[k][...] = xs[k][r]
+            sx[k] *= 2
+            rx[k][...] = sx[k][r]
+        got = comm.all_gather(gx[k], g, out=outs[k])
+        assert got is outs[k]
+        same(got, xs[k].reshape(4 * n, 3), f"bound all_gather step {step}")
+        want_rs = np.array_split(sx[k].sum(axis=0), n)[r]
+        same(comm.reduce_scatter(rx[k], g), want_rs, f"bound reduce_scatter step {step}")
+        calls += 1
+    for step in range(3):  # Fortran-ordered and strided inputs never bind, and stay right
+        xf = np.asfortranarray(gx[0])
+        same(comm.all_gather(xf, g, out=outs[0]), xs[0].reshape(4 * n, 3), "bound lane, Fortran x")
+        big = np.zeros((6 * n, 4), np.float32)
+        big[:, ::2] = rx[0]
+        same(comm.reduce_scatter(big[:, ::2], g), np.array_split(sx[0].sum(axis=0), n)[r], "strided x")
+        calls += 1
+    if n > 1:
+        plan = g._plans[("all_gather", np.dtype(np.float64), (4, 3), (4 * n, 3))]
+        assert type(plan).__name__ == "DirectGatherPlan", plan
+        assert plan.bound is not None and plan.bound[0] is gx[0] and plan.bound[1] is outs[0], "never bound"
+        plan = g._plans[("reduce_scatter", np.dtype(np.float32), (6 * n, 2), "sum")]
+        assert plan.bound is not None and plan.bound[0] is rx[0], "reduce_scatter plan never bound"
+        s = comm.stats()
+        assert s["all_gather"]["calls"] == s["reduce_scatter"]["calls"] == calls, s
+        assert s["all_gather"]["bytes_sent"] == calls * (n - 1) * gx[0].nbytes, s
+    comm.barrier(g)
+    print(f"rank {r}: bound plans passed")
+
+
 def _uneven_gathers(g):
     n, r = g.size, g.rank
     # Uneven rows (within one of each other, the all_gather rule), with and without out=,
