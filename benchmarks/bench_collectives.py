@@ -81,11 +81,14 @@ def worker(out_path: str, quick: bool, collective: str) -> None:
         full, piece = np.empty_like(x), np.empty(count // n, np.float32)
         res = np.empty_like(x)  # like MPI's receive buffer: the result memory is reused
         even = x[: n * (count // n)]  # reduce_scatter: N equal blocks, as Reduce_scatter_block needs
+        # The same input and result arrays every call, on both sides, as in a training loop
+        # (minidist's one-shot plans then send and receive in place: direct.py).
+        gathered, gathered_mpi, mine = res[: n * (count // n)], full[: n * (count // n)], res[: len(piece)]
         ours = {"all_reduce": lambda: comm.all_reduce(x, g, out=res),
-                "all_gather": lambda: comm.all_gather(part, g, out=res[: n * (count // n)]),
-                "reduce_scatter": lambda: comm.reduce_scatter(even, g, out=res[: len(piece)])}[name]
+                "all_gather": lambda: comm.all_gather(part, g, out=gathered),
+                "reduce_scatter": lambda: comm.reduce_scatter(even, g, out=mine)}[name]
         mpi = {"all_reduce": lambda: world.Allreduce(x, full),
-               "all_gather": lambda: world.Allgather(part, full[: n * (count // n)]),
+               "all_gather": lambda: world.Allgather(part, gathered_mpi),
                "reduce_scatter": lambda: world.Reduce_scatter_block(even, piece)}[name]
         return ours, mpi
 

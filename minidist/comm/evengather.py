@@ -50,8 +50,11 @@ from minidist.comm.ring import ROWS_RULE
 BYTE = MPI.BYTE
 _EMPTY = np.empty(0, np.uint8)
 
-# The one-shot exchange up to this result size (out.nbytes), the rounds above.  Measured on
-# 4 oversubscribed ranks (2 cores; float32, ratio to MPI's Allgather), see pick().
+# The one-shot exchange (direct.py) up to this result size (out.nbytes), the rounds above.
+# Measured with benchmarks/bench_collectives.py (crossover table; float32, cached plans,
+# median us, load ~2), one-shot / rounds (2 ranks: the pair exchange; 4: recursive doubling):
+#   2 ranks: 16 KB 9.8 / 14.1, 64 KB 14.3 / 19.6, 256 KB 37.5 / 40.4, 1 MB 148 / 150
+#   4 ranks: 16 KB 42.6 / 70.7, 64 KB 79.4 / 99.1, 256 KB 171 / 187, 1 MB 462 / 411
 DIRECT_BYTES = 256 << 10
 
 

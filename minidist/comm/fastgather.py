@@ -45,12 +45,14 @@ def make_plan(g, shape, dtype, out=None):
     gain, and no row size to divide by; a block of the wrong size for the even lane)."""
     if g.size < 2 or 0 in shape[1:]:
         return None
-    if evengather.applies(g.size, None, out):
+    if evengather.applies(g.size, None, out):  # the general path's choice, see collectives._all_gather
+        direct = evengather.pick(g.size, "auto", out.nbytes) == "direct"
         if out.shape[0] != g.size * shape[0]:
             return None
-        if evengather.pick(g.size, "auto", out.nbytes) == "direct" and out.nbytes <= fastpath.PLAN_MAX_BYTES:
+        if direct and out.nbytes <= fastpath.PLAN_MAX_BYTES:
             return DirectGatherPlan(g, shape, dtype, out)
-        return EvenGatherPlan(g, shape, dtype, out)
+        if g.size > 2:
+            return EvenGatherPlan(g, shape, dtype, out)
     if g.size == 2:
         return PairGatherPlan(g, shape, dtype, out)
     return BruckGatherPlan(g, shape, dtype, out)

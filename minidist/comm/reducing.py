@@ -187,9 +187,14 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: 
 #   3 ranks: 256 KB 0.71 / 0.66, 1 MB 0.71 / 0.65, 16 MB 0.95 / 0.82
 # (below 1 MB the cached halving and ring plans win by their lower per-call cost).
 PAIRWISE_BYTES = 1 << 20
-# reduce_scatter: the one-shot exchange up to this input size (see DIRECT_BYTES' measurements
-# in benchmarks/bench_collectives.py's crossover table).
-DIRECT_BYTES = 64 << 10
+# reduce_scatter: the one-shot exchange (direct.py) up to this input size.  Measured with
+# benchmarks/bench_collectives.py (crossover table; float32, cached plans, median us, load
+# ~2), one-shot / the algorithm auto takes otherwise:
+#   2 ranks: 16 KB 13.1 / 14.2, 64 KB 17.8 / 19.1, 256 KB 44.3 / 47.4, 1 MB 229 / 168
+#   4 ranks: 16 KB 56.0 / 76.7, 64 KB 99.4 / 108, 256 KB 211 / 239, 1 MB 698 / 560
+# (from 1 MB the pipelined algorithms win: every block is sent whole, and N-1 of them at
+# once compete for the same memory bandwidth).
+DIRECT_BYTES = 256 << 10
 
 
 def _reduce_scatter_algorithm(n: int, nbytes: int, algorithm: str) -> str:
