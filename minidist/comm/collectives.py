@@ -19,9 +19,9 @@ reduce_scatter  small: one-shot, N-1 messages in one round   (N-1)/N * X
                 medium: ring, N-1 steps; N=4,8,..: halving
                 (N=2: both one exchange)
                 large, N>2: pairwise exchange, N-1 steps     (N-1)/N * X
-all_gather      out= of N equal blocks, small: one-shot,     (N-1) * X_own
-                every block to every rank in one round;
-                larger, N>2: doubling (2^k) or ring, into out
+all_gather      out= of N equal blocks, N<=4 or small:       (N-1) * X_own
+                one-shot, every block to every rank in one
+                round; else doubling (2^k) or ring, into out
                 otherwise, N=2: one Sendrecv                 (N-1) * X_own
                 otherwise: Bruck with row counts, log2 N     (N-1) * (X_own + 8)
 broadcast       small: binomial tree; large: pipelined chain tree: <= log2(N) X; chain: X
@@ -72,11 +72,11 @@ def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto
 
     Which algorithm (``"auto"``):
     * ``out=`` given with N dividing out.shape[0] (so every block has out.shape[0]/N rows):
-      straight into ``out`` with no row counts on the wire (evengather.py): up to
-      evengather.DIRECT_BYTES in one round, every block to every rank at once (direct.py),
-      above (on more than two ranks) by recursive doubling (log2 N rounds) when N is a
-      power of two, else by the ring (N-1 steps); (N-1)/N * X bytes per rank.  ``out=``
-      must then have the same shape on every rank;
+      straight into ``out`` with no row counts on the wire (evengather.py): on up to
+      evengather.DIRECT_MAX_RANKS ranks, and up to evengather.DIRECT_BYTES on more, in one
+      round, every block to every rank at once (direct.py); otherwise by recursive
+      doubling (log2 N rounds) when N is a power of two, else by the ring (N-1 steps);
+      (N-1)/N * X bytes per rank.  ``out=`` must then have the same shape on every rank;
     * otherwise, two ranks: one Sendrecv; the receiver learns the other's row count from
       the message size (ring.pair_all_gather);
     * otherwise a Bruck all-gather, ceil(log2 N) rounds, each block sent behind its row
@@ -121,8 +121,7 @@ def _all_gather(g, x, result=None, algorithm="auto"):
         return x.copy() if result is None else _fill(result, x)
     if result is not None and result.shape[1:] != x.shape[1:]:
         raise ValueError(f"all_gather: out.shape={result.shape} but the rows have shape {x.shape[1:]}")
-    if algorithm != "bruck" and evengather.applies(n, x, result) and (
-            n > 2 or algorithm != "auto" or evengather.pick(n, algorithm, result.nbytes) == "direct"):
+    if algorithm != "bruck" and evengather.applies(n, x, result):
         out, sent, received = evengather.even_all_gather(g, x, result, algorithm)
     elif algorithm == "ring":
         return _ring_all_gather_rows(g, x, result)

@@ -105,21 +105,28 @@ def all_gather(g, x: np.ndarray, out: np.ndarray):
     n, r = g.size, g.rank
     per = out.shape[0] // n
     flat = out.reshape(-1).view(np.uint8)
-    block = flat.nbytes // n
     bad = None
     if x.shape[0] == per:
-        out[r * per:(r + 1) * per] = x
-        mine = flat[r * block:(r + 1) * block]
+        out[r * per:(r + 1) * per] = x  # first: measured faster than copying while the messages fly
     else:  # empty messages tell everybody else that something is wrong
-        bad, mine = f"this rank's block has {x.shape[0]} rows", _EMPTY
+        bad = f"this rank's block has {x.shape[0]} rows"
+    sent, received, wrong = gather_round(g.comm, flat, n, r, bad is not None)
+    return out, sent, received, bad or wrong
+
+
+def gather_round(comm, flat: np.ndarray, n: int, r: int, empty: bool = False):
+    """The one round of the all-gather on the flat bytes of the result (N blocks, this
+    rank's already in place; ``empty``: send empty messages instead).  Returns (bytes sent,
+    bytes received, None or the text of the first wrong size received)."""
+    block = flat.nbytes // n
+    mine = _EMPTY if empty else flat[r * block:(r + 1) * block]
     to, frm = peers(n, r)
-    reqs = post(g.comm, [(flat[s * block:(s + 1) * block], s) for s in frm], [(mine, d) for d in to])
+    reqs = post(comm, [(flat[s * block:(s + 1) * block], s) for s in frm], [(mine, d) for d in to])
     counts = wait(reqs, [MPI.Status() for _ in reqs], n - 1)
     wrong = first_wrong(counts, block, frm)
-    if bad is None and wrong is not None:
-        bad = f"rank {wrong[0]} sent {wrong[1]} bytes where {block} were expected"
     received = sum(c for c in counts if type(c) is int)
-    return out, mine.nbytes * (n - 1), received, bad
+    text = None if wrong is None else f"rank {wrong[0]} sent {wrong[1]} bytes where {block} were expected"
+    return mine.nbytes * (n - 1), received, text
 
 
 def reduce_scatter(g, x: np.ndarray, bounds, ufunc, result: np.ndarray) -> tuple:

@@ -18,8 +18,8 @@ the messages and raise or hang).
 
 Schedules, all (N-1)/N * X bytes sent and received per rank:
 
-* small results (up to DIRECT_BYTES): the one-shot exchange of direct.py, every block sent
-  to every rank in a single round;
+* up to 4 ranks, and small results on more: the one-shot exchange of direct.py, every
+  block sent to every rank in a single round;
 * N a power of two: recursive doubling (Thakur, Rabenseifner & Gropp 2005, sec. 4.2).  In
   round k the rank holds its aligned group of 2^k blocks, contiguous in ``out``, and swaps
   it with rank r ^ 2^k, whose group lies right beside it; log2 N rounds.
@@ -50,11 +50,18 @@ from minidist.comm.ring import ROWS_RULE
 BYTE = MPI.BYTE
 _EMPTY = np.empty(0, np.uint8)
 
-# The one-shot exchange (direct.py) up to this result size (out.nbytes), the rounds above.
-# Measured with benchmarks/bench_collectives.py (crossover table; float32, cached plans,
-# median us, load ~2), one-shot / rounds (2 ranks: the pair exchange; 4: recursive doubling):
-#   2 ranks: 16 KB 9.8 / 14.1, 64 KB 14.3 / 19.6, 256 KB 37.5 / 40.4, 1 MB 148 / 150
-#   4 ranks: 16 KB 42.6 / 70.7, 64 KB 79.4 / 99.1, 256 KB 171 / 187, 1 MB 462 / 411
+# The one-shot exchange (direct.py) at every size on up to DIRECT_MAX_RANKS ranks, and up
+# to DIRECT_BYTES of result on more; the rounds above.  Measured on 4 oversubscribed ranks
+# (2 cores, float32, ratio to MPI's Allgather, every variant with a result buffer of its own
+# and the order rotated each repetition; three launches):
+#   one-shot:           1 MB 1.01-1.05, 4 MB 0.89-1.08, 16 MB 0.97-1.04, 64 MB 1.18-1.19
+#   recursive doubling: 1 MB 0.98-1.06, 4 MB 0.97-0.98, 16 MB 0.86-1.00, 64 MB 0.90
+#   ring:               1 MB 0.92-0.95, 4 MB 0.96-1.00, 16 MB 0.89-1.00, 64 MB 0.98
+# (A rank that is descheduled between two rounds stalls the partners waiting for it; the
+# one-shot exchange has a single wait.)  With more ranks every rank would have N-1 large
+# messages in flight at once, which networks punish (incast) and rings avoid; that case is
+# not measured here, so it keeps the rounds.
+DIRECT_MAX_RANKS = 4
 DIRECT_BYTES = 256 << 10
 
 
@@ -88,7 +95,7 @@ def pick(n: int, algorithm: str, nbytes: int) -> str:
     """The schedule for ``algorithm`` = "auto" | "direct" | "doubling" | "ring" and a result
     of ``nbytes`` (the same on every rank, as out's shape is)."""
     if algorithm == "auto":
-        if nbytes <= DIRECT_BYTES:
+        if n <= DIRECT_MAX_RANKS or nbytes <= DIRECT_BYTES:
             return "direct"
         return "doubling" if n & (n - 1) == 0 else "ring"
     return algorithm

@@ -46,13 +46,11 @@ def make_plan(g, shape, dtype, out=None):
     if g.size < 2 or 0 in shape[1:]:
         return None
     if evengather.applies(g.size, None, out):  # the general path's choice, see collectives._all_gather
-        direct = evengather.pick(g.size, "auto", out.nbytes) == "direct"
         if out.shape[0] != g.size * shape[0]:
             return None
-        if direct and out.nbytes <= fastpath.PLAN_MAX_BYTES:
+        if evengather.pick(g.size, "auto", out.nbytes) == "direct":
             return DirectGatherPlan(g, shape, dtype, out)
-        if g.size > 2:
-            return EvenGatherPlan(g, shape, dtype, out)
+        return EvenGatherPlan(g, shape, dtype, out)
     if g.size == 2:
         return PairGatherPlan(g, shape, dtype, out)
     return BruckGatherPlan(g, shape, dtype, out)
@@ -313,25 +311,31 @@ class EvenGatherPlan(_GatherPlan):
 
 
 class DirectGatherPlan(_GatherPlan):
-    """direct.all_gather for one (x shape, out shape), the round as persistent requests
-    (direct.Exchange: one ``Startall``, one ``Waitall``).
+    """direct.all_gather for one (x shape, out shape).
 
-    Requests hold their buffers' addresses, so the plan starts on buffers of its own: a
-    call copies x in and the result out.  When the same x and out arrays come twice in a
-    row (a training loop's parameter shard and gather buffer), the plan binds a second
-    set of requests to them, and later calls with those very arrays send from x and
-    receive into out with no copy but x's block into out (what MPI_Allgather copies too).
-    Bound requests keep x and out alive: only one pair is bound at a time, and only small
-    arrays get plans (fastpath.PLAN_MAX_BYTES)."""
+    Small results (up to fastpath.PLAN_MAX_BYTES) run the round as persistent requests
+    (direct.Exchange: one ``Startall``, one ``Waitall``).  Requests hold their buffers'
+    addresses, so the plan starts on a buffer of its own: a call copies x in and the result
+    out.  When the same x and out arrays come twice in a row (a training loop's parameter
+    shard and gather buffer), the plan binds a second set of requests to them, and later
+    calls with those very arrays send from x and receive into out with no copy but x's
+    block into out (what MPI_Allgather copies too).  Bound requests keep x and out alive,
+    so only one pair is bound at a time.
+
+    Larger results post the round on the caller's ``out`` at every call, as the general
+    path does: a copy would cost more than the requests, and keeping a large ``out`` alive
+    would defeat callers that free it (ZeRO-3 frees gathered parameters after use)."""
 
     __slots__ = ("buf", "own", "exchange", "bound", "seen")
 
     def __init__(self, g, shape, dtype, out):
         super().__init__(g, shape, dtype, out)
-        self.buf = np.empty(out.shape, self.dtype)
-        self.own = self.buf[self.rank * self.rows:(self.rank + 1) * self.rows]
-        self.exchange = self._exchange(self.buf, self.own)
-        self.bound = self.seen = None  # (x, out, own block of out, Exchange); (x, out) of the last copied call
+        self.buf = self.own = self.exchange = self.bound = self.seen = None
+        if out.nbytes <= fastpath.PLAN_MAX_BYTES:
+            self.buf = np.empty(out.shape, self.dtype)
+            self.own = self.buf[self.rank * self.rows:(self.rank + 1) * self.rows]
+            self.exchange = self._exchange(self.buf, self.own)
+        # self.bound: (x, out, own block of out, Exchange); self.seen: (x, out) of the last copied call
 
     def _exchange(self, out, x):
         flat, block, r = out.reshape(-1).view(np.uint8), self.nbytes, self.rank
@@ -348,15 +352,19 @@ class DirectGatherPlan(_GatherPlan):
         if bound is not None and bound[0] is x and bound[1] is out:
             bound[2][...] = x
             wrong = bound[3].run(self.nbytes)
-        else:
+        elif self.buf is not None:
             self.own[...] = x
             wrong = self.exchange.run(self.nbytes)
             if wrong is None:
                 out[...] = self.buf
                 self._bind(x, out)
+        else:
+            out[self.rank * self.rows:(self.rank + 1) * self.rows] = x
+            wrong = direct.gather_round(self.comm, out.reshape(-1).view(np.uint8), self.n, self.rank)[2]
         if wrong is not None:
             stats.note_op("all_gather", self.name, x.shape, self.dtype)
-            raise evengather.error(g, out, f"rank {wrong[0]} sent {wrong[1]} bytes where {self.nbytes} were expected")
+            raise evengather.error(g, out, wrong if type(wrong) is str else
+                                   f"rank {wrong[0]} sent {wrong[1]} bytes where {self.nbytes} were expected")
         stats.record_call(self.call, self.nbytes * (self.n - 1), self.nbytes * (self.n - 1), t0)
         return out
 
@@ -379,6 +387,7 @@ class DirectGatherPlan(_GatherPlan):
             self.bound = None
 
     def close(self) -> None:
-        self.exchange.close()
+        if self.exchange is not None:
+            self.exchange.close()
         self.close_bound()
         self.seen = None

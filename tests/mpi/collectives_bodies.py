@@ -342,14 +342,14 @@ def fast_paths():
 @contextlib.contextmanager
 def _direct_lanes(g, on):
     """The one-shot (direct.py) lanes at their thresholds, or (on=False) never taken."""
-    saved = R.DIRECT_BYTES, evengather.DIRECT_BYTES
+    saved = R.DIRECT_BYTES, evengather.DIRECT_BYTES, evengather.DIRECT_MAX_RANKS
     if not on:
-        R.DIRECT_BYTES = evengather.DIRECT_BYTES = -1
+        R.DIRECT_BYTES = evengather.DIRECT_BYTES = evengather.DIRECT_MAX_RANKS = -1
     g._plans.clear()
     try:
         yield
     finally:
-        R.DIRECT_BYTES, evengather.DIRECT_BYTES = saved
+        R.DIRECT_BYTES, evengather.DIRECT_BYTES, evengather.DIRECT_MAX_RANKS = saved
         g._plans.clear()
 
 
@@ -502,8 +502,7 @@ def _gather_plans(g, direct):
         same(comm.all_gather(xf, g, out=out), want + np.arange(2, dtype=np.int16), f"Fortran x, out= #{rep}")
     if n > 1:
         for out_shape, want_plan in ((None, "PairGatherPlan" if n == 2 else "BruckGatherPlan"),
-                                     ((3 * n, 2), "DirectGatherPlan" if direct else
-                                      "PairGatherPlan" if n == 2 else "EvenGatherPlan")):
+                                     ((3 * n, 2), "DirectGatherPlan" if direct else "EvenGatherPlan")):
             plan = g._plans.get(("all_gather", np.dtype(np.int16), (3, 2), out_shape))
             assert type(plan).__name__ == want_plan, f"all_gather on {n} ranks, out {out_shape}: cached {plan!r}"
 
@@ -552,6 +551,16 @@ def bound_plans():
         s = comm.stats()
         assert s["all_gather"]["calls"] == s["reduce_scatter"]["calls"] == calls, s
         assert s["all_gather"]["bytes_sent"] == calls * (n - 1) * gx[0].nbytes, s
+    # Results larger than fastpath.PLAN_MAX_BYTES: a round on the caller's arrays every call,
+    # never bound (the plan must not keep a large out alive).
+    mine, big_out = np.empty((40000, 2), np.float32), np.empty((40000 * n, 2), np.float32)
+    for step in range(4):
+        mine[...] = r + 10 * step
+        want = np.repeat(np.arange(n, dtype=np.float32) + 10 * step, 40000)[:, None].repeat(2, axis=1)
+        same(comm.all_gather(mine, g, out=big_out), want, f"large one-shot all_gather step {step}")
+    if 1 < n <= evengather.DIRECT_MAX_RANKS:
+        plan = g._plans[("all_gather", np.dtype(np.float32), (40000, 2), (40000 * n, 2))]
+        assert type(plan).__name__ == "DirectGatherPlan" and plan.buf is None and plan.bound is None, plan
     comm.barrier(g)
     print(f"rank {r}: bound plans passed")
 
