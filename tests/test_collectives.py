@@ -100,3 +100,10 @@ def test_size_mismatch_on_a_one_shot_plan_fails_loudly():
     assert "a size mismatch went unnoticed" not in msg
     assert "during reduce_scatter" in msg and "MINIDIST_CHECK_COLLECTIVES=1" in msg
     assert "expected a 8-byte message" in msg or "expected a 12-byte message" in msg
+
+
+@pytest.mark.mpi
+def test_one_shot_round_with_several_bad_messages_raises_everywhere_and_recovers():
+    out = run_mpi(3, f"{ERRORS}::one_shot_two_oversized_senders", timeout=60).stdout
+    for r in range(3):
+        assert f"rank {r}: one-shot errors recovered" in out

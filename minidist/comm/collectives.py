@@ -17,7 +17,7 @@ all_reduce      small: recursive doubling, log2 N rounds     log2(N) * X
                 all-gather (doubling on 2^k ranks, or ring)
 reduce_scatter  small: one-shot, N-1 messages in one round   (N-1)/N * X
                 medium: ring, N-1 steps; N=4,8,..: halving
-                (N=2: both one exchange)
+                (on 2 ranks all three are one exchange)
                 large, N>2: pairwise exchange, N-1 steps     (N-1)/N * X
 all_gather      out= of N equal blocks, N<=4 or small:       (N-1) * X_own
                 one-shot, every block to every rank in one

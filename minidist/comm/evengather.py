@@ -18,8 +18,8 @@ the messages and raise or hang).
 
 Schedules, all (N-1)/N * X bytes sent and received per rank:
 
-* up to 4 ranks, and small results on more: the one-shot exchange of direct.py, every
-  block sent to every rank in a single round;
+* on up to DIRECT_MAX_RANKS ranks, and for small results on more: the one-shot exchange of
+  direct.py, every block sent to every rank in a single round;
 * N a power of two: recursive doubling (Thakur, Rabenseifner & Gropp 2005, sec. 4.2).  In
   round k the rank holds its aligned group of 2^k blocks, contiguous in ``out``, and swaps
   it with rank r ^ 2^k, whose group lies right beside it; log2 N rounds.
@@ -77,6 +77,8 @@ def schedule(n: int, r: int, algorithm: str) -> tuple:
     """Rank r's rounds as (dest, send blocks (lo, hi), source, receive blocks (lo, hi)),
     block b being rows [b*T/N, (b+1)*T/N) of ``out``.  ``algorithm``: "doubling" (N a
     power of two) or "ring"."""
+    if algorithm not in ("doubling", "ring"):
+        raise ValueError(f"evengather.schedule: no rounds for algorithm {algorithm!r}")
     rounds = []
     if algorithm == "doubling":
         mask = 1

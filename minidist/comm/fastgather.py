@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -310,6 +311,14 @@ class EvenGatherPlan(_GatherPlan):
         return out
 
 
+class _Bound(NamedTuple):
+    """Persistent requests bound to a caller's arrays: x, out, x's block of out, the round."""
+    x: np.ndarray
+    out: np.ndarray
+    own: np.ndarray
+    exchange: direct.Exchange
+
+
 class DirectGatherPlan(_GatherPlan):
     """direct.all_gather for one (x shape, out shape).
 
@@ -335,7 +344,7 @@ class DirectGatherPlan(_GatherPlan):
             self.buf = np.empty(out.shape, self.dtype)
             self.own = self.buf[self.rank * self.rows:(self.rank + 1) * self.rows]
             self.exchange = self._exchange(self.buf, self.own)
-        # self.bound: (x, out, own block of out, Exchange); self.seen: (x, out) of the last copied call
+        # self.bound: a _Bound or None; self.seen: (x, out) of the last call that copied
 
     def _exchange(self, out, x):
         flat, block, r = out.reshape(-1).view(np.uint8), self.nbytes, self.rank
@@ -349,9 +358,9 @@ class DirectGatherPlan(_GatherPlan):
             return None
         t0 = stats._clock()
         bound = self.bound
-        if bound is not None and bound[0] is x and bound[1] is out:
-            bound[2][...] = x
-            wrong = bound[3].run(self.nbytes)
+        if bound is not None and bound.x is x and bound.out is out:
+            bound.own[...] = x
+            wrong = bound.exchange.run(self.nbytes)
         elif self.buf is not None:
             self.own[...] = x
             wrong = self.exchange.run(self.nbytes)
@@ -363,27 +372,27 @@ class DirectGatherPlan(_GatherPlan):
             wrong = direct.gather_round(self.comm, out.reshape(-1).view(np.uint8), self.n, self.rank)[2]
         if wrong is not None:
             stats.note_op("all_gather", self.name, x.shape, self.dtype)
-            raise evengather.error(g, out, wrong if type(wrong) is str else
-                                   f"rank {wrong[0]} sent {wrong[1]} bytes where {self.nbytes} were expected")
+            raise evengather.error(g, out, direct.describe(wrong, self.nbytes))
         stats.record_call(self.call, self.nbytes * (self.n - 1), self.nbytes * (self.n - 1), t0)
         return out
 
     def _bind(self, x, out):
-        """Bind requests to (x, out) if they came in the previous call too."""
+        """Bind requests to (x, out) if they came in the previous call too.  Not when x is
+        not C-contiguous (MPI would send its bytes in memory order) or lies inside out (a
+        receive could overwrite it while it is being sent)."""
         seen, self.seen = self.seen, (x, out)
-        if seen is None or seen[0] is not x or seen[1] is not out or x.ndim > 1 and not x.flags.c_contiguous:
+        if seen is None or seen[0] is not x or seen[1] is not out:
             return
-        try:
-            exchange = self._exchange(out, x)
-        except BufferError:  # a strided 1-D x: keep copying it
+        self.seen = None
+        if not x.flags.c_contiguous or np.may_share_memory(x, out):
             return
         self.close_bound()
         own = out[self.rank * self.rows:(self.rank + 1) * self.rows]
-        self.bound, self.seen = (x, out, own, exchange), None
+        self.bound = _Bound(x, out, own, self._exchange(out, x))
 
     def close_bound(self) -> None:
         if self.bound is not None:
-            self.bound[3].close()
+            self.bound.exchange.close()
             self.bound = None
 
     def close(self) -> None:

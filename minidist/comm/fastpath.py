@@ -23,18 +23,19 @@ order of additions, so bit-identical results): synchronous calls on NumPy arrays
 debug-mode signature check and the simulated link both off; for all_reduce (recursive
 doubling up to PLAN_MAX_BYTES, here; the pairwise reduce-scatter + all-gather while every
 block is one pipeline chunk, in fastscatter.py) and reduce_scatter (the one-shot exchange
-up to PLAN_MAX_BYTES, ring up to one pipeline chunk, recursive halving on 4, 8, ... ranks up
+up to reducing.DIRECT_BYTES, ring up to one pipeline chunk, recursive halving on 4, 8, ... ranks up
 to PLAN_MAX_BYTES, pairwise exchange while every block is one chunk: fastscatter.py) in a
 dtype that is its own accumulator (float32/float64/int32/int64); for all_gather
-(fastgather.py), any dtype.  Everything else takes the general path.
+(fastgather.py), any dtype.  Everything else takes the general path.  The pairwise plans
+matter on oversubscribed ranks: at 1 MB on 4 ranks sharing 2 cores
+the general path's bookkeeping around the messages cost about 50 us a call (8x its cost on an
+idle core), and the plans took reduce_scatter from 0.78-0.83x MPI to 1.00-1.01x and
+all_reduce from 0.84-0.92x to 0.95-1.06x.
 
 The one-shot plans (direct.py) go one step further: their single round is a set of MPI
 persistent requests, so a whole collective is one ``Startall`` and one ``Waitall``, with no
 per-message Python at all.  That took 4 KB on 4 oversubscribed ranks from 0.38-0.40x MPI's
-Allgather and Reduce_scatter_block to 0.5-0.6x (see direct.py for the measurements).  The pairwise plans matter on oversubscribed ranks: at 1 MB on 4 ranks sharing 2 cores
-the general path's bookkeeping around the messages cost about 50 us a call (8x its cost on an
-idle core), and the plans took reduce_scatter from 0.78-0.83x MPI to 1.00-1.01x and
-all_reduce from 0.84-0.92x to 0.95-1.06x.
+Allgather and Reduce_scatter_block to 0.5-0.6x (direct.py has the measurements).
 
 Per call, what is left is Python calling MPI, so every attribute lookup counts: views and MPI
 descriptors of the plan's own buffers are built once, the recent-ops entry is a tuple built
@@ -44,8 +45,9 @@ mpi4py Sendrecv takes 3.0-3.2 and one plus a copy 4.2-4.4; all_reduce 8.2 (5.6),
 6.7 (3.4), reduce_scatter 9.0 (4.8), down from 11.1 / 10.8 / 12.6 before the plans.  On 4
 ranks sharing 2 cores every microsecond of Python costs about three: a busy-wait of 2 us
 added to a hand-written recursive-doubling all-gather in plain mpi4py made it 6-7 us slower
-(33.5 -> 39-40 us; MPI's Allgather: 19.4), and that plain loop is already the ceiling a
-Python library reaches there, 0.57-0.6x MPI at 4 KB.
+(33.5 -> 39-40 us; MPI's Allgather: 19.4), and that plain loop reached only 0.57-0.6x MPI
+at 4 KB: the ceiling of a round-by-round loop in Python, which the one-shot plans pass by
+having no loop.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class DirectScatterPlan(_ScatterPlan):
         to, frm = direct.peers(n, r)
         exchange = direct.Exchange(g.comm, [(stage[k], s) for k, s in enumerate(frm)],
                                    [(flat[bounds[d][0]:bounds[d][1]], d) for d in to])
-        return exchange, direct._operands(stage, frm, flat[bounds[r][0]:bounds[r][1]], r)
+        return exchange, direct.operands(stage, frm, flat[bounds[r][0]:bounds[r][1]], r)
 
     def run(self, g, x, out=None):
         """This rank's part, or None when ``out`` doesn't fit (the general path then raises
@@ -93,7 +93,9 @@ class DirectScatterPlan(_ScatterPlan):
         if result is None:
             return None
         bound = self.bound
-        if bound is not None and bound[0] is x:
+        # The bound lane adds x's own block straight from x: not when out overlaps x (in
+        # place), where the first add would overwrite it; the copying lane reads the copy.
+        if bound is not None and bound[0] is x and (out is None or not np.may_share_memory(out, x)):
             wrong, operands = bound[1].run(self.expect), bound[2]
         else:
             self.src[...] = x
@@ -102,11 +104,7 @@ class DirectScatterPlan(_ScatterPlan):
         if wrong is not None:
             stats.note_op("reduce_scatter", g.name, x.shape, x.dtype)
             raise _size_error(g.comm, wrong[0], TAG, self.expect, wrong[1], "reduce_scatter")
-        into = result if self.one_d else result.reshape(-1)
-        ufunc = self.ufunc
-        ufunc(operands[0], operands[1], out=into)
-        for operand in operands[2:]:
-            ufunc(into, operand, out=into)
+        direct.add_in_rank_order(self.ufunc, operands, result if self.one_d else result.reshape(-1))
         return self.finish(result, self.sent, self.recv, t0)
 
     def _bind(self, g, x):

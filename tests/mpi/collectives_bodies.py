@@ -14,7 +14,7 @@ from minidist import comm
 from minidist.backend import bfloat16
 from minidist.comm import collectives as C
 from minidist.comm import reducing as R
-from minidist.comm import evengather, ring
+from minidist.comm import direct, evengather, ring
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
 OPS = ["sum", "avg", "max", "min"]
@@ -551,6 +551,22 @@ def bound_plans():
         s = comm.stats()
         assert s["all_gather"]["calls"] == s["reduce_scatter"]["calls"] == calls, s
         assert s["all_gather"]["bytes_sent"] == calls * (n - 1) * gx[0].nbytes, s
+    # In place: out= is x's own block (as ZeRO does with a flat gradient buffer), on the
+    # general path, the copying lane and with the same arrays again and again.
+    flat = np.empty(4 * n, np.float64)
+    mine_part = flat[4 * r:4 * r + 4]
+    for step in range(5):
+        flat[...] = np.arange(4 * n) + 100 * r + step
+        want = (np.arange(4 * n) * n + 100 * sum(range(n)) + n * step)[4 * r:4 * r + 4]
+        assert comm.reduce_scatter(flat, g, out=mine_part) is mine_part
+        same(mine_part, want.astype(np.float64), f"in-place reduce_scatter step {step}")
+        flat[...] = np.arange(4 * n) + 100 * r + step
+        assert comm.reduce_scatter(flat, g, out=mine_part, algorithm="direct") is mine_part
+        same(mine_part, want.astype(np.float64), f"in-place direct reduce_scatter step {step}")
+    # After the exit hook freed every persistent request, the plans still work (afresh).
+    direct.close_all()
+    same(comm.all_gather(gx[0], g, out=outs[0]), xs[0].reshape(4 * n, 3), "all_gather after close_all")
+    same(comm.reduce_scatter(rx[0], g), np.array_split(sx[0].sum(axis=0), n)[r], "reduce_scatter after close_all")
     # Results larger than fastpath.PLAN_MAX_BYTES: a round on the caller's arrays every call,
     # never bound (the plan must not keep a large out alive).
     mine, big_out = np.empty((40000, 2), np.float32), np.empty((40000 * n, 2), np.float32)

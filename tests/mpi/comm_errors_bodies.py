@@ -137,3 +137,27 @@ def reduce_scatter_size_mismatch_after_plan():
         comm.reduce_scatter(np.ones(2 * g.size, np.float32), g)
     comm.reduce_scatter(np.ones(3 * g.size if g.rank == 1 else 2 * g.size, np.float32), g)
     raise AssertionError("a size mismatch went unnoticed")
+
+
+def one_shot_two_oversized_senders():
+    """Two ranks send longer messages than rank 0 expects in the same one-shot round: every
+    rank raises a CommError (not a raw MPI error), no request stays in flight, and the
+    same calls work afterwards, on the general path and on a cached plan."""
+    g = comm.world()
+    n, r = g.size, g.rank
+    for attempt in range(3):  # the first builds rank 0's plan for (2n,), later ones run it
+        x = np.ones(2 * n if r == 0 or attempt == 0 else 3 * n, np.float32)
+        if attempt == 0:  # everybody agrees: builds the (2n,) plans
+            comm.reduce_scatter(x, g)
+            comm.reduce_scatter(x, g)
+            continue
+        _expect(comm.CommError, lambda: comm.reduce_scatter(x, g), "reduce_scatter", "bytes")
+        x = np.ones(2 * n, np.float32)
+        got = comm.reduce_scatter(x, g)  # the group and rank 0's plan are still usable
+        assert got.tolist() == [float(n)] * 2, got
+        out = np.empty((2 * n, 3), np.float32)
+        block = np.full((2 + (r > 0), 3), r, np.float32)  # two ranks' blocks too long for out
+        _expect(comm.CommError, lambda: comm.all_gather(block, g, out=out), "rows")
+        comm.all_gather(np.full((2, 3), r, np.float32), g, out=out)
+        assert out[::2, 0].tolist() == list(range(n)), out
+    print(f"rank {r}: one-shot errors recovered")
