@@ -107,3 +107,13 @@ def test_one_shot_round_with_several_bad_messages_raises_everywhere_and_recovers
     out = run_mpi(3, f"{ERRORS}::one_shot_two_oversized_senders", timeout=60).stdout
     for r in range(3):
         assert f"rank {r}: one-shot errors recovered" in out
+
+
+def test_all_gather_schedule_choice_follows_the_measured_thresholds():
+    from minidist.comm.evengather import pick
+
+    assert pick(4, "auto", 4 << 10) == pick(8, "auto", 4 << 10) == pick(2, "auto", 256 << 10) == "direct"
+    assert pick(4, "auto", 1 << 20) == "doubling" and pick(3, "auto", 1 << 20) == "ring"
+    assert pick(3, "auto", 4 << 20) == pick(4, "auto", 64 << 20) == "direct"
+    assert pick(2, "auto", 64 << 20) == pick(8, "auto", 64 << 20) == "doubling"
+    assert pick(5, "auto", 64 << 20) == "ring" and pick(4, "ring", 4 << 10) == "ring"

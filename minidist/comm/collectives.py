@@ -19,9 +19,10 @@ reduce_scatter  small: one-shot, N-1 messages in one round   (N-1)/N * X
                 medium: ring, N-1 steps; N=4,8,..: halving
                 (on 2 ranks all three are one exchange)
                 large, N>2: pairwise exchange, N-1 steps     (N-1)/N * X
-all_gather      out= of N equal blocks, N<=4 or small:       (N-1) * X_own
-                one-shot, every block to every rank in one
-                round; else doubling (2^k) or ring, into out
+all_gather      out= of N equal blocks, small (or large on   (N-1) * X_own
+                3-4 ranks): one-shot, every block to every
+                rank in one round; else doubling (2^k) or
+                ring, into out
                 otherwise, N=2: one Sendrecv                 (N-1) * X_own
                 otherwise: Bruck with row counts, log2 N     (N-1) * (X_own + 8)
 broadcast       small: binomial tree; large: pipelined chain tree: <= log2(N) X; chain: X
@@ -72,11 +73,11 @@ def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto
 
     Which algorithm (``"auto"``):
     * ``out=`` given with N dividing out.shape[0] (so every block has out.shape[0]/N rows):
-      straight into ``out`` with no row counts on the wire (evengather.py): on up to
-      evengather.DIRECT_MAX_RANKS ranks, and up to evengather.DIRECT_BYTES on more, in one
-      round, every block to every rank at once (direct.py); otherwise by recursive
-      doubling (log2 N rounds) when N is a power of two, else by the ring (N-1 steps);
-      (N-1)/N * X bytes per rank.  ``out=`` must then have the same shape on every rank;
+      straight into ``out`` with no row counts on the wire (evengather.py): small results
+      (and large ones on 3 or 4 ranks; evengather.DIRECT_BYTES) in one round, every block
+      to every rank at once (direct.py); otherwise by recursive doubling (log2 N rounds)
+      when N is a power of two, else by the ring (N-1 steps); (N-1)/N * X bytes per rank.
+      ``out=`` must then have the same shape on every rank;
     * otherwise, two ranks: one Sendrecv; the receiver learns the other's row count from
       the message size (ring.pair_all_gather);
     * otherwise a Bruck all-gather, ceil(log2 N) rounds, each block sent behind its row

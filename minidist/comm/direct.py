@@ -15,10 +15,10 @@ all-to-all ("post all the Irecvs and Isends, then Waitall").
 
 Both send and receive (N-1)/N * X bytes per rank (X = gathered or pre-scatter size), the
 same as the ring, in N-1 messages each way.  Where it is chosen (thresholds measured in
-evengather.py and reducing.py): the all-gather into ``out=`` on up to 4 ranks at every size
-(a single wait also spares oversubscribed ranks the stalls of a descheduled partner between
-rounds) and on more ranks for small results; the reduce-scatter for small inputs (large
-ones keep the pipelined algorithms, which add each chunk while the next one travels).
+evengather.py and reducing.py): the all-gather into ``out=`` for small results, and for
+large ones on 3 or 4 ranks (a single wait also spares oversubscribed ranks the stalls of a
+descheduled partner between rounds); the reduce-scatter for small inputs (large ones keep
+the pipelined algorithms, which add each chunk while the next one travels).
 
 A single round also makes a whole collective two MPI calls when the buffers are fixed:
 ``Startall`` and ``Waitall`` on persistent requests (``Send_init``/``Recv_init``, MPI 1.1).

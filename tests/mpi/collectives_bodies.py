@@ -344,7 +344,8 @@ def _direct_lanes(g, on):
     """The one-shot (direct.py) lanes at their thresholds, or (on=False) never taken."""
     saved = R.DIRECT_BYTES, evengather.DIRECT_BYTES, evengather.DIRECT_MAX_RANKS
     if not on:
-        R.DIRECT_BYTES = evengather.DIRECT_BYTES = evengather.DIRECT_MAX_RANKS = -1
+        R.DIRECT_BYTES = evengather.DIRECT_BYTES = -1
+        evengather.DIRECT_MAX_RANKS = 0
     g._plans.clear()
     try:
         yield
@@ -570,11 +571,13 @@ def bound_plans():
     # Results larger than fastpath.PLAN_MAX_BYTES: a round on the caller's arrays every call,
     # never bound (the plan must not keep a large out alive).
     mine, big_out = np.empty((40000, 2), np.float32), np.empty((40000 * n, 2), np.float32)
+    saved, evengather.DIRECT_BYTES = evengather.DIRECT_BYTES, 1 << 30  # one-shot at this size too
     for step in range(4):
         mine[...] = r + 10 * step
         want = np.repeat(np.arange(n, dtype=np.float32) + 10 * step, 40000)[:, None].repeat(2, axis=1)
         same(comm.all_gather(mine, g, out=big_out), want, f"large one-shot all_gather step {step}")
-    if 1 < n <= evengather.DIRECT_MAX_RANKS:
+    evengather.DIRECT_BYTES = saved
+    if n > 1:
         plan = g._plans[("all_gather", np.dtype(np.float32), (40000, 2), (40000 * n, 2))]
         assert type(plan).__name__ == "DirectGatherPlan" and plan.buf is None and plan.bound is None, plan
     comm.barrier(g)
