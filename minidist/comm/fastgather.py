@@ -51,7 +51,8 @@ def make_plan(g, shape, dtype, out=None):
             return None
         if evengather.pick(g.size, "auto", out.nbytes) == "direct":
             return DirectGatherPlan(g, shape, dtype, out)
-        return EvenGatherPlan(g, shape, dtype, out)
+        if g.size > 2:  # two ranks keep the pair exchange (collectives._pair_lane)
+            return EvenGatherPlan(g, shape, dtype, out)
     if g.size == 2:
         return PairGatherPlan(g, shape, dtype, out)
     return BruckGatherPlan(g, shape, dtype, out)

@@ -503,7 +503,8 @@ def _gather_plans(g, direct):
         same(comm.all_gather(xf, g, out=out), want + np.arange(2, dtype=np.int16), f"Fortran x, out= #{rep}")
     if n > 1:
         for out_shape, want_plan in ((None, "PairGatherPlan" if n == 2 else "BruckGatherPlan"),
-                                     ((3 * n, 2), "DirectGatherPlan" if direct else "EvenGatherPlan")):
+                                     ((3 * n, 2), "DirectGatherPlan" if direct else
+                                      "PairGatherPlan" if n == 2 else "EvenGatherPlan")):
             plan = g._plans.get(("all_gather", np.dtype(np.int16), (3, 2), out_shape))
             assert type(plan).__name__ == want_plan, f"all_gather on {n} ranks, out {out_shape}: cached {plan!r}"
 
