@@ -25,9 +25,11 @@ A single round also makes a whole collective two MPI calls when the buffers are 
 :class:`Exchange` holds such a round.  The cached plans (fastgather.DirectGatherPlan,
 fastscatter.DirectScatterPlan) run one on buffers of their own, copying the input in and
 the result out, and bind a second one to the caller's arrays when the same ones come back.
-Measured at 4 KB (ratio to MPI's built-in, 2 / 4 ranks, the same arrays every call):
-all_gather 0.54-0.59 / 0.55-0.60, reduce_scatter 0.53-0.63 / 0.48-0.52, against 0.53 /
-0.38-0.40 and 0.51 / 0.39 for the previous plans (one Sendrecv per round).
+Measured at 4 KB (ratio to MPI's built-in, 2 / 4 ranks, the same arrays every call, five
+full benchmark runs): all_gather 0.47-0.59 / 0.52-0.60, reduce_scatter 0.53-0.63 /
+0.45-0.52, against 0.53 / 0.38-0.40 and 0.51 / 0.39 for the previous plans (one Sendrecv
+per round).  On 4 ranks sharing 2 cores what remains is mostly the N-1 additions after the
+wait (a 256-element add costs ~0.5 us alone and ~2 us there).
 
 Wrong input never hangs: there is only one round, so no rank can wait for another that
 gave up.  Every received size is checked, and a rank whose own all-gather block has the

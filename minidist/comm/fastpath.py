@@ -35,7 +35,8 @@ all_reduce from 0.84-0.92x to 0.95-1.06x.
 The one-shot plans (direct.py) go one step further: their single round is a set of MPI
 persistent requests, so a whole collective is one ``Startall`` and one ``Waitall``, with no
 per-message Python at all.  That took 4 KB on 4 oversubscribed ranks from 0.38-0.40x MPI's
-Allgather and Reduce_scatter_block to 0.5-0.6x (direct.py has the measurements).
+Allgather and Reduce_scatter_block to 0.52-0.60x and 0.45-0.52x (direct.py has the
+measurements).
 
 Per call, what is left is Python calling MPI, so every attribute lookup counts: views and MPI
 descriptors of the plan's own buffers are built once, the recent-ops entry is a tuple built
