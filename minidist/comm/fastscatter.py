@@ -11,6 +11,7 @@ message, and the plan hands the call back to the general path.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -52,6 +53,13 @@ class _ScatterPlan:
         return result
 
 
+class _BoundInput(NamedTuple):
+    """Persistent requests bound to a caller's x: x, the round, the blocks to add."""
+    x: np.ndarray
+    exchange: direct.Exchange
+    operands: list
+
+
 class DirectScatterPlan(_ScatterPlan):
     """direct.reduce_scatter for one small (shape, dtype, op), the round as persistent
     requests (direct.Exchange: one ``Startall``, one ``Waitall``), then the N copies of
@@ -75,7 +83,7 @@ class DirectScatterPlan(_ScatterPlan):
         self.expect = self.stage[0].nbytes
         self.sent = (self.bounds[-1][1] - (hi - lo)) * self.stage.itemsize
         self.recv = self.stage.nbytes
-        self.bound = self.seen = None  # (x, Exchange, operands); the x of the last copied call
+        self.bound = self.seen = None  # a _BoundInput or None; the x of the last call that copied
 
     def _exchange(self, g, flat):
         """The round sending from flat, and the operands to add (this rank's from flat)."""
@@ -95,8 +103,8 @@ class DirectScatterPlan(_ScatterPlan):
         bound = self.bound
         # The bound lane adds x's own block straight from x: not when out overlaps x (in
         # place), where the first add would overwrite it; the copying lane reads the copy.
-        if bound is not None and bound[0] is x and (out is None or not np.may_share_memory(out, x)):
-            wrong, operands = bound[1].run(self.expect), bound[2]
+        if bound is not None and bound.x is x and (out is None or not np.may_share_memory(out, x)):
+            wrong, operands = bound.exchange.run(self.expect), bound.operands
         else:
             self.src[...] = x
             wrong, operands = self.exchange.run(self.expect), self.operands
@@ -113,11 +121,11 @@ class DirectScatterPlan(_ScatterPlan):
         if seen is not x or not x.flags.c_contiguous:
             return
         self.close_bound()
-        self.bound, self.seen = (x,) + self._exchange(g, x.reshape(-1)), None
+        self.bound, self.seen = _BoundInput(x, *self._exchange(g, x.reshape(-1))), None
 
     def close_bound(self) -> None:
         if self.bound is not None:
-            self.bound[1].close()
+            self.bound.exchange.close()
             self.bound = None
 
     def close(self) -> None:

@@ -547,9 +547,9 @@ def bound_plans():
     if n > 1:
         plan = g._plans[("all_gather", np.dtype(np.float64), (4, 3), (4 * n, 3))]
         assert type(plan).__name__ == "DirectGatherPlan", plan
-        assert plan.bound is not None and plan.bound[0] is gx[0] and plan.bound[1] is outs[0], "never bound"
+        assert plan.bound is not None and plan.bound.x is gx[0] and plan.bound.out is outs[0], "never bound"
         plan = g._plans[("reduce_scatter", np.dtype(np.float32), (6 * n, 2), "sum")]
-        assert plan.bound is not None and plan.bound[0] is rx[0], "reduce_scatter plan never bound"
+        assert plan.bound is not None and plan.bound.x is rx[0], "reduce_scatter plan never bound"
         s = comm.stats()
         assert s["all_gather"]["calls"] == s["reduce_scatter"]["calls"] == calls, s
         assert s["all_gather"]["bytes_sent"] == calls * (n - 1) * gx[0].nbytes, s
