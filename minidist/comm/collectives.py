@@ -73,13 +73,13 @@ def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto
 
     Which algorithm (``"auto"``):
     * ``out=`` given with N dividing out.shape[0] (so every block has out.shape[0]/N rows):
-      straight into ``out`` with no row counts on the wire (evengather.py): small results
-      (and large ones on 3 or 4 ranks; evengather.DIRECT_BYTES) in one round, every block
-      to every rank at once (direct.py); otherwise by recursive doubling (log2 N rounds)
+      straight into ``out`` with no row counts on the wire (evengather.py): small results,
+      and all on up to 4 ranks (evengather.DIRECT_BYTES), in one round, every block to
+      every rank at once (direct.py); otherwise by recursive doubling (log2 N rounds)
       when N is a power of two, else by the ring (N-1 steps); (N-1)/N * X bytes per rank.
       ``out=`` must then have the same shape on every rank;
-    * otherwise (and for large results on two ranks), two ranks: one Sendrecv; the
-      receiver learns the other's row count from the message size (ring.pair_all_gather);
+    * otherwise, two ranks: one Sendrecv; the receiver learns the other's row count from
+      the message size (ring.pair_all_gather);
     * otherwise a Bruck all-gather, ceil(log2 N) rounds, each block sent behind its row
       count (tree.bruck_all_gather_rows); every rank receives every other block once.
 
@@ -144,11 +144,9 @@ def _all_gather(g, x, result=None, algorithm="auto"):
 
 
 def _pair_lane(n, out, algorithm) -> bool:
-    """Two ranks, results above the one-shot size: the pair exchange even with out= of equal
-    blocks.  It is the same single message, sent from x before x is copied into out; with
-    each side's own buffers and the order rotated (ratio to MPI's Allgather, two launches)
-    it measured 0.83-0.92 at 1 MB and 0.99-1.06 at 16 MB, against 0.82 and 0.92-0.99 for
-    copying first and sending from out."""
+    """Two ranks where "auto" does not pick the one-shot round (only when its thresholds are
+    turned down, as the benchmark's crossover table does): the pair exchange, one Sendrecv
+    from x, as fastgather.PairGatherPlan does, so that plan and general path agree."""
     return n == 2 and algorithm == "auto" and evengather.pick(n, algorithm, out.nbytes) != "direct"
 
 

@@ -193,11 +193,11 @@ _startall, _waitall = MPI.Prequest.Startall, MPI.Request.Waitall
 
 class Exchange:
     """One round on fixed buffers as persistent requests: :meth:`run` is one ``Startall``
-    and one ``Waitall``.  Requests hold the buffers' addresses, so the buffers must live as
+    and one ``Waitall`` (or :meth:`start`, work, :meth:`finish`).  Requests hold the buffers' addresses, so the buffers must live as
     long as the Exchange (its owner keeps them).  Once closed, it still works: it posts
     the same round afresh each time (a collective run from a late exit hook, say)."""
 
-    __slots__ = ("comm", "recvs", "sends", "reqs", "statuses", "received", "sources", "__weakref__")
+    __slots__ = ("comm", "recvs", "sends", "reqs", "active", "statuses", "received", "sources", "__weakref__")
 
     def __init__(self, comm, recvs, sends):
         self.comm, self.recvs, self.sends = comm, recvs, sends
@@ -206,16 +206,39 @@ class Exchange:
         self.statuses = [MPI.Status() for _ in self.reqs]
         self.received = self.statuses[:len(recvs)]
         self.sources = [src for _, src in recvs]
+        self.active = None  # the requests of the round in flight
         _live.add(self)
 
     def run(self, expect: int):
-        """Run the round.  None when every receive brought ``expect`` bytes, else the
-        (source, byte count or "more than K") of the first that did not."""
+        """:meth:`start`, then :meth:`finish`, inlined: this is the 4 KB path, where on
+        oversubscribed ranks each Python call costs about ten times its own time."""
         reqs = self.reqs
         if reqs is None:
-            reqs = post(self.comm, self.recvs, self.sends)
+            reqs = self.active = post(self.comm, self.recvs, self.sends)
         else:
             _startall(reqs)
+            self.active = reqs
+        try:
+            _waitall(reqs, self.statuses)
+        except MPI.Exception as err:
+            return first_wrong(_settle(err, reqs, self.statuses, len(self.sources)), expect, self.sources)
+        for status in self.received:
+            if status.Get_count(BYTE) != expect:
+                return first_wrong([s.Get_count(BYTE) for s in self.received], expect, self.sources)
+        return None
+
+    def start(self) -> None:
+        """Start the round; the caller may work until :meth:`finish`."""
+        if self.reqs is None:
+            self.active = post(self.comm, self.recvs, self.sends)
+        else:
+            _startall(self.reqs)
+            self.active = self.reqs
+
+    def finish(self, expect: int):
+        """Wait for the round.  None when every receive brought ``expect`` bytes, else the
+        (source, byte count or "more than K") of the first that did not."""
+        reqs = self.active
         try:
             _waitall(reqs, self.statuses)
         except MPI.Exception as err:

@@ -18,7 +18,7 @@ the messages and raise or hang).
 
 Schedules, all (N-1)/N * X bytes sent and received per rank:
 
-* small results, and large ones on 3 or 4 ranks (see DIRECT_BYTES): the one-shot exchange
+* small results, and every size on up to 4 ranks (see DIRECT_BYTES): the one-shot exchange
   of direct.py, every block sent to every rank in a single round;
 * N a power of two: recursive doubling (Thakur, Rabenseifner & Gropp 2005, sec. 4.2).  In
   round k the rank holds its aligned group of 2^k blocks, contiguous in ``out``, and swaps
@@ -50,23 +50,21 @@ from minidist.comm.ring import ROWS_RULE
 BYTE = MPI.BYTE
 _EMPTY = np.empty(0, np.uint8)
 
-# When the one-shot exchange (direct.py) is chosen, from benchmarks/bench_collectives.py's
-# crossover table (float32, cached plans, each side with its own result buffer and the order
-# alternated; median us of two launches at load 2.5-3), one-shot / rounds (2 ranks: one
-# Sendrecv; 4 ranks: recursive doubling):
-#   2 ranks: 16 KB 10.5-11 / 15.7, 256 KB 33-36 / 47-49, 1 MB 201-208 / 178-186,
-#            4 MB 971-1006 / 883-1030
-#   4 ranks: 16 KB 43-47 / 72-79, 256 KB 172-174 / 209, 1 MB 692-747 / 572-638,
-#            4 MB 2428-2532 / 2804-2885
+# When the one-shot exchange (direct.py) is chosen: up to DIRECT_BYTES of result on any
+# number of ranks, and at every size on up to DIRECT_MAX_RANKS ranks.  From
+# benchmarks/bench_collectives.py's crossover table (float32, cached plans, each side with
+# its own result buffer and the order alternated; median us of two launches at load 2.5-3),
+# one-shot / rounds (2 ranks: one Sendrecv; 4 ranks: recursive doubling):
+#   2 ranks: 16 KB 10.5-11 / 15.7, 256 KB 33-36 / 47-49
+#   4 ranks: 16 KB 43-47 / 72-79, 256 KB 172-174 / 209, 4 MB 2428-2532 / 2804-2885
 # and against MPI's Allgather on 4 ranks, 16 MB 1.04-1.15x and 64 MB 1.11-1.31x with the
-# one-shot exchange, 0.85-0.93x with recursive doubling.  So: up to DIRECT_BYTES of result
-# on any number of ranks, and from DIRECT_LARGE_BYTES up on 3 to DIRECT_MAX_RANKS ranks.
-# Why the middle sizes differ is not understood; a guess is MPICH's switch from eager to
-# rendezvous messages.  Large messages on more ranks keep the rounds: there every rank would
-# have N-1 large messages in flight at once, which networks punish (incast) and rings
-# avoid, and this machine cannot measure it.
+# one-shot exchange, 0.85-0.93x with recursive doubling.  Between those, at 1 MB, the
+# one-shot round lost while it was posted afresh at every call; on persistent requests
+# (fastgather.DirectGatherPlan, once the same arrays come back) it wins there too.  Large
+# messages on more ranks keep the rounds: there every rank would have N-1 large messages in
+# flight at once, which networks punish (incast) and rings avoid, and this machine cannot
+# measure it.
 DIRECT_BYTES = 256 << 10
-DIRECT_LARGE_BYTES = 4 << 20
 DIRECT_MAX_RANKS = 4
 
 
@@ -102,7 +100,7 @@ def pick(n: int, algorithm: str, nbytes: int) -> str:
     """The schedule for ``algorithm`` = "auto" | "direct" | "doubling" | "ring" and a result
     of ``nbytes`` (the same on every rank, as out's shape is)."""
     if algorithm == "auto":
-        if nbytes <= DIRECT_BYTES or 2 < n <= DIRECT_MAX_RANKS and nbytes >= DIRECT_LARGE_BYTES:
+        if nbytes <= DIRECT_BYTES or n <= DIRECT_MAX_RANKS:
             return "direct"
         return "doubling" if n & (n - 1) == 0 else "ring"
     return algorithm

@@ -49,6 +49,10 @@ _lock = threading.Lock()
 _per_thread: list[dict] = []
 _tls = _Local()
 _recent: collections.deque = collections.deque(maxlen=32)  # append is atomic: no lock
+# How many threads are inside a scope now (under _lock).  Zero, the usual case when a plan
+# runs, proves that this thread is in none, without the thread-local lookup (~0.15 us, paid
+# about ten times over on oversubscribed ranks).
+_labelled = 0
 _clock = time.perf_counter
 
 
@@ -107,7 +111,7 @@ def record_call(call: Call, sent: int, received: int, t0: float) -> None:
     both the elapsed time and the recent-ops timestamp."""
     t1 = _clock()
     _recent.append((call.op, t1))
-    if _tls.state.label is None:
+    if not _labelled or _tls.state.label is None:  # _labelled first: it spares most calls the thread-local
         t = call.tally
         t.calls += 1
         t.sent += sent
@@ -130,18 +134,24 @@ class scope:
         self.name = name
 
     def __enter__(self):
+        global _labelled
         state = _tls.state
         self.outer = state.label
         if self.outer is None:
+            with _lock:
+                _labelled += 1
             state.label = self.name
             self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
+        global _labelled
         if self.outer is None:
             elapsed = time.perf_counter() - self.t0
             state = _tls.state
             state.label = None
+            with _lock:
+                _labelled -= 1
             rec = _record(state.counters, self.name)
             rec[0] += 1
             rec[3] += elapsed

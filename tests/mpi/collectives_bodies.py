@@ -6,6 +6,8 @@ oracle.  Inputs are small integers, so sums are exact in every dtype, including 
 bfloat16, and results can be compared bit for bit.
 """
 import contextlib
+import gc
+import weakref
 
 import numpy as np
 from mpi4py import MPI
@@ -569,18 +571,41 @@ def bound_plans():
     direct.close_all()
     same(comm.all_gather(gx[0], g, out=outs[0]), xs[0].reshape(4 * n, 3), "all_gather after close_all")
     same(comm.reduce_scatter(rx[0], g), np.array_split(sx[0].sum(axis=0), n)[r], "reduce_scatter after close_all")
-    # Results larger than fastpath.PLAN_MAX_BYTES: a round on the caller's arrays every call,
-    # never bound (the plan must not keep a large out alive).
+    # Results larger than fastpath.PLAN_MAX_BYTES: no staging; persistent requests on the
+    # caller's arrays once they come twice in a row, held by weak reference only, so that
+    # the plan never keeps a large out alive.
     mine, big_out = np.empty((40000, 2), np.float32), np.empty((40000 * n, 2), np.float32)
-    saved, evengather.DIRECT_BYTES = evengather.DIRECT_BYTES, 1 << 30  # one-shot at this size too
-    for step in range(4):
-        mine[...] = r + 10 * step
-        want = np.repeat(np.arange(n, dtype=np.float32) + 10 * step, 40000)[:, None].repeat(2, axis=1)
-        same(comm.all_gather(mine, g, out=big_out), want, f"large one-shot all_gather step {step}")
-    evengather.DIRECT_BYTES = saved
+    saved, evengather.DIRECT_BYTES = evengather.DIRECT_BYTES, 1 << 30  # one-shot at this size on any N
+    key = ("all_gather", np.dtype(np.float32), (40000, 2), (40000 * n, 2))
+
+    def gather_steps(x, out, steps, what):
+        for step in steps:
+            x[...] = r + 10 * step
+            want = np.repeat(np.arange(n, dtype=np.float32) + 10 * step, 40000)[:, None].repeat(2, axis=1)
+            assert comm.all_gather(x, g, out=out) is out
+            same(out, want, f"large one-shot all_gather, {what}, step {step}")
+
+    gather_steps(mine, big_out, range(4), "same arrays")
+    plan = g._plans.get(key)
     if n > 1:
-        plan = g._plans[("all_gather", np.dtype(np.float32), (40000, 2), (40000 * n, 2))]
         assert type(plan).__name__ == "DirectGatherPlan" and plan.buf is None and plan.bound is None, plan
+        assert plan.held is not None and plan.held.out() is big_out, "large lane never held"
+        try:  # the weak reference pins the memory the requests point at
+            big_out.resize(big_out.size + 1, refcheck=False)
+            raise AssertionError("a held out could be resized")
+        except ValueError:
+            pass
+    gone = weakref.ref(big_out)
+    del big_out
+    gc.collect()
+    assert gone() is None, "the plan kept a large out alive"
+    other = np.empty((40000 * n, 2), np.float32)
+    gather_steps(mine, other, range(4, 8), "a new out after the old one died")
+    for step in (8, 9):  # a new x each call: the held pair stays, and is not used
+        gather_steps(mine.copy(), other, [step], "a new x each call")
+    if n > 1:
+        assert plan.held is not None and plan.held.x() is mine and plan.held.out() is other
+    evengather.DIRECT_BYTES = saved
     comm.barrier(g)
     print(f"rank {r}: bound plans passed")
 
