@@ -379,8 +379,10 @@ class DirectGatherPlan(_GatherPlan):
             # docstring).  The cache key has matched out's shape, and out is the very array
             # held.  The round sends from x, so x's block goes into out while messages fly.
             held.exchange.start()
-            out[self.rank * self.rows:(self.rank + 1) * self.rows] = x
-            wrong = held.exchange.finish(self.nbytes)
+            try:
+                out[self.rank * self.rows:(self.rank + 1) * self.rows] = x
+            finally:  # out made read-only since: the round still ends before the error leaves
+                wrong = held.exchange.finish(self.nbytes)
         elif out is None or not self.fits(out) or not out.flags.c_contiguous:
             return None
         elif self.bound is not None and self.bound.x is x and self.bound.out is out:

@@ -59,6 +59,8 @@ def check_out(out, x, where: str, shape=None):
     if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.dtype != x.dtype:
         raise ValueError(f"{where}: out must be a C-contiguous host array of dtype {x.dtype}, got "
                          f"{type(out).__name__} {getattr(out, 'dtype', '')}")
+    if not out.flags.writeable:
+        raise ValueError(f"{where}: out is read-only (out.flags.writeable is False)")
     if shape is not None and out.shape != tuple(shape):
         raise ValueError(f"{where}: out.shape={out.shape} but the result has shape {tuple(shape)}")
     return out

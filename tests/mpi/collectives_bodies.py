@@ -595,6 +595,14 @@ def bound_plans():
             raise AssertionError("a held out could be resized")
         except ValueError:
             pass
+    big_out.flags.writeable = False  # on every rank: the held round still ends, then each raises
+    try:
+        comm.all_gather(mine, g, out=big_out)
+        raise AssertionError("a read-only out was written")
+    except ValueError as err:
+        assert "read-only" in str(err), err
+    big_out.flags.writeable = True
+    gather_steps(mine, big_out, [4], "writeable again")  # no request was left in flight
     gone = weakref.ref(big_out)
     del big_out
     gc.collect()

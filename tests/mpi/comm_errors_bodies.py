@@ -41,6 +41,9 @@ def bad_input():
     _expect(TypeError, lambda: comm.all_reduce(x, "world"), "Group")
     _expect(ValueError, lambda: comm.all_reduce(x, g, out=np.empty(7, np.float32)), "out.shape=(7,)")
     _expect(ValueError, lambda: comm.all_reduce(x, g, out=np.empty(6, np.float64)), "float32")
+    frozen = np.empty(6, np.float32)
+    frozen.flags.writeable = False
+    _expect(ValueError, lambda: comm.all_reduce(x, g, out=frozen), "read-only")
     # Nobody sent anything, so the group is still usable.
     assert np.array_equal(comm.all_reduce(x, g), x * n)
     print(f"rank {r}: bad input rejected")
