@@ -19,8 +19,8 @@ reduce_scatter  small: one-shot, N-1 messages in one round   (N-1)/N * X
                 medium: ring, N-1 steps; N=4,8,..: halving
                 large, N>2: pairwise exchange, N-1 steps     (N-1)/N * X
                 (on 2 ranks every one of them is one exchange)
-all_gather      out= of N equal blocks, small (or large on   (N-1) * X_own
-                3-4 ranks): one-shot, every block to every
+all_gather      out= of N equal blocks, small (any size on   (N-1) * X_own
+                up to 4 ranks): one-shot, every block to every
                 rank in one round; else, N>2: doubling (2^k)
                 or ring, into out
                 otherwise, N=2: one Sendrecv                 (N-1) * X_own
@@ -74,7 +74,7 @@ def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto
     Which algorithm (``"auto"``):
     * ``out=`` given with N dividing out.shape[0] (so every block has out.shape[0]/N rows):
       straight into ``out`` with no row counts on the wire (evengather.py): small results,
-      and all on up to 4 ranks (evengather.DIRECT_BYTES), in one round, every block to
+      and all on up to 4 ranks (evengather.DIRECT_BYTES, DIRECT_MAX_RANKS), in one round, every block to
       every rank at once (direct.py); otherwise by recursive doubling (log2 N rounds)
       when N is a power of two, else by the ring (N-1 steps); (N-1)/N * X bytes per rank.
       ``out=`` must then have the same shape on every rank;
@@ -144,10 +144,13 @@ def _all_gather(g, x, result=None, algorithm="auto"):
 
 
 def _pair_lane(n, out, algorithm) -> bool:
-    """Two ranks where "auto" does not pick the one-shot round (only when its thresholds are
-    turned down, as the benchmark's crossover table does): the pair exchange, one Sendrecv
-    from x, as fastgather.PairGatherPlan does, so that plan and general path agree."""
-    return n == 2 and algorithm == "auto" and evengather.pick(n, algorithm, out.nbytes) != "direct"
+    """Two ranks, results above the one-shot size: the pair exchange, one Sendrecv from x
+    (ring.pair_all_gather).  It sends the same single message each way as the one-shot
+    round, so it agrees with the cached plan (fastgather.DirectGatherPlan), which holds
+    persistent requests once the same arrays come back and otherwise sends the same way:
+    with a different out each call, posting the one-shot round from out measured 1.4-1.6x
+    slower at 1 MB."""
+    return n == 2 and algorithm == "auto" and out.nbytes > evengather.DIRECT_BYTES
 
 
 def _ring_all_gather_rows(g, x, result):

@@ -15,21 +15,25 @@ all-to-all ("post all the Irecvs and Isends, then Waitall").
 
 Both send and receive (N-1)/N * X bytes per rank (X = gathered or pre-scatter size), the
 same as the ring, in N-1 messages each way.  Where it is chosen (thresholds measured in
-evengather.py and reducing.py): the all-gather into ``out=`` for small results, and for
-large ones on 3 or 4 ranks (a single wait also spares oversubscribed ranks the stalls of a
-descheduled partner between rounds); the reduce-scatter for small inputs (large ones keep
-the pipelined algorithms, which add each chunk while the next one travels).
+evengather.py and reducing.py): the all-gather into ``out=`` for small results, and at
+every size on up to 4 ranks (a single wait also spares oversubscribed ranks the stalls of
+a descheduled partner between rounds); the reduce-scatter for small inputs (large ones
+keep the pipelined algorithms, which add each chunk while the next one travels).
 
 A single round also makes a whole collective two MPI calls when the buffers are fixed:
 ``Startall`` and ``Waitall`` on persistent requests (``Send_init``/``Recv_init``, MPI 1.1).
 :class:`Exchange` holds such a round.  The cached plans (fastgather.DirectGatherPlan,
 fastscatter.DirectScatterPlan) run one on buffers of their own, copying the input in and
-the result out, and bind a second one to the caller's arrays when the same ones come back.
-Measured at 4 KB (ratio to MPI's built-in, 2 / 4 ranks, the same arrays every call, five
-full benchmark runs): all_gather 0.47-0.59 / 0.52-0.60, reduce_scatter 0.53-0.63 /
-0.45-0.52, against 0.53 / 0.38-0.40 and 0.51 / 0.39 for the previous plans (one Sendrecv
-per round).  On 4 ranks sharing 2 cores what remains is mostly the N-1 additions after the
-wait (a 256-element add costs ~0.5 us alone and ~2 us there).
+the result out, and bind a second one to the caller's arrays when the same ones come back
+(large all-gather results: on the caller's arrays only, held by weak reference).
+
+Why it pays, measured on this project's 2-core machine: with ranks sharing cores, each
+microsecond of Python around the messages showed up several (up to about ten) times over
+in a call's time, while a rank running Python delays partners that spin in MPI.  At 4 KB
+(ratio to MPI's built-in, 2 / 4 ranks, the same arrays every call) all_gather went from
+0.53 / 0.38-0.40 with one Sendrecv per round to 0.57-0.59 / 0.54-0.56, reduce_scatter
+from 0.51 / 0.39 to 0.63-0.64 / 0.50-0.54.  On 4 ranks what remains is mostly the N-1
+additions after the wait and the per-call bookkeeping (recent-ops log, counters).
 
 Wrong input never hangs: there is only one round, so no rank can wait for another that
 gave up.  Every received size is checked, and a rank whose own all-gather block has the
@@ -193,9 +197,11 @@ _startall, _waitall = MPI.Prequest.Startall, MPI.Request.Waitall
 
 class Exchange:
     """One round on fixed buffers as persistent requests: :meth:`run` is one ``Startall``
-    and one ``Waitall`` (or :meth:`start`, work, :meth:`finish`).  Requests hold the buffers' addresses, so the buffers must live as
-    long as the Exchange (its owner keeps them).  Once closed, it still works: it posts
-    the same round afresh each time (a collective run from a late exit hook, say)."""
+    and one ``Waitall`` (or :meth:`start`, work, :meth:`finish`).  Requests hold the
+    buffers' addresses: their owner keeps the buffers alive, or (a held all-gather round,
+    fastgather.DirectGatherPlan) starts the round only while they live.  Once closed, it
+    still works: it posts the same round afresh each time (a collective run from a late
+    exit hook, say)."""
 
     __slots__ = ("comm", "recvs", "sends", "reqs", "active", "statuses", "received", "sources", "__weakref__")
 

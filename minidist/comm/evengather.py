@@ -18,7 +18,7 @@ the messages and raise or hang).
 
 Schedules, all (N-1)/N * X bytes sent and received per rank:
 
-* small results, and every size on up to 4 ranks (see DIRECT_BYTES): the one-shot exchange
+* small results, and every size on up to 4 ranks (DIRECT_BYTES, DIRECT_MAX_RANKS): the one-shot exchange
   of direct.py, every block sent to every rank in a single round;
 * N a power of two: recursive doubling (Thakur, Rabenseifner & Gropp 2005, sec. 4.2).  In
   round k the rank holds its aligned group of 2^k blocks, contiguous in ``out``, and swaps
@@ -58,9 +58,11 @@ _EMPTY = np.empty(0, np.uint8)
 #   2 ranks: 16 KB 10.5-11 / 15.7, 256 KB 33-36 / 47-49
 #   4 ranks: 16 KB 43-47 / 72-79, 256 KB 172-174 / 209, 4 MB 2428-2532 / 2804-2885
 # and against MPI's Allgather on 4 ranks, 16 MB 1.04-1.15x and 64 MB 1.11-1.31x with the
-# one-shot exchange, 0.85-0.93x with recursive doubling.  Between those, at 1 MB, the
-# one-shot round lost while it was posted afresh at every call; on persistent requests
-# (fastgather.DirectGatherPlan, once the same arrays come back) it wins there too.  Large
+# one-shot exchange, 0.85-0.93x with recursive doubling.  Between those, at 1 MB on 4
+# ranks, it depends on the caller: with the same out every call (persistent requests,
+# fastgather.DirectGatherPlan) the one-shot round measured ~12% faster than doubling, with
+# a different out every call ~14% slower.  (Two ranks above DIRECT_BYTES send one message
+# each way either way: collectives._pair_lane.)  Large
 # messages on more ranks keep the rounds: there every rank would have N-1 large messages in
 # flight at once, which networks punish (incast) and rings avoid, and this machine cannot
 # measure it.

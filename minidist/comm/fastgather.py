@@ -83,7 +83,8 @@ class _GatherPlan:
         N-D x is not Fortran-ordered, as MPI would send that as it is), or the plan checks
         ``out.flags`` (the others, which view out as blocks).  Each check here costs a
         measurable part of a 4 KB call."""
-        return out is None or (type(out) is np.ndarray and out.shape == self.out_shape and out.dtype is self.dtype)
+        return out is None or (type(out) is np.ndarray and out.shape == self.out_shape and out.dtype is self.dtype
+                               and out.flags.writeable)
 
 
 class PairGatherPlan(_GatherPlan):
@@ -377,16 +378,14 @@ class DirectGatherPlan(_GatherPlan):
         # The bound and held lanes first, with no checks but identity: every line before the
         # Startall counts (see the class docstring).  The cache key has matched out's
         # shape, and out is the very array bound, so it fits as it did then.
-        if bound is not None and bound.x is x and bound.out is out:
+        if bound is not None and bound.x is x and bound.out is out and out.flags.writeable:
             bound.own[...] = x
             wrong = bound.exchange.run(self.nbytes)
-        elif held is not None and held.x() is x and held.out() is out:
+        elif held is not None and held.x() is x and held.out() is out and out.flags.writeable:
             # The round sends from x, so x's block goes into out while the messages fly.
             held.exchange.start()
-            try:
-                out[self.rank * self.rows:(self.rank + 1) * self.rows] = x
-            finally:  # out made read-only since: the round still ends before the error leaves
-                wrong = held.exchange.finish(self.nbytes)
+            out[self.rank * self.rows:(self.rank + 1) * self.rows] = x
+            wrong = held.exchange.finish(self.nbytes)
         elif out is None or not self.fits(out) or not out.flags.c_contiguous:
             return None
         elif self.buf is not None:
@@ -397,8 +396,7 @@ class DirectGatherPlan(_GatherPlan):
                 if self._again(x, out):
                     self._bind(x, out)
         else:
-            out[self.rank * self.rows:(self.rank + 1) * self.rows] = x
-            wrong = direct.gather_round(self.comm, out.reshape(-1).view(np.uint8), self.n, self.rank)[2]
+            wrong = self._round(x, out)
             if wrong is None and self._again(x, out):
                 self._hold(x, out)
         if wrong is not None:
@@ -406,6 +404,26 @@ class DirectGatherPlan(_GatherPlan):
             raise evengather.error(g, out, direct.describe(wrong, self.nbytes))
         stats.record_call(self.call, self.nbytes * (self.n - 1), self.nbytes * (self.n - 1), t0)
         return out
+
+    def _round(self, x, out):
+        """A large round posted afresh.  Two ranks: one Sendrecv from x, then x's block into
+        out, as the general path (collectives._pair_lane) does: the same message each way as
+        the one-shot round, and faster than copying first and posting from out."""
+        own = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
+        if self.n == 2 and x.flags.c_contiguous and not np.may_share_memory(x, out):
+            peer = 1 - self.rank
+            theirs = out[peer * self.rows:(peer + 1) * self.rows]
+            try:
+                self.comm.Sendrecv([x, BYTE], peer, TAG, [theirs, BYTE], peer, TAG, self.status)
+            except MPI.Exception as err:
+                if err.Get_error_class() != MPI.ERR_TRUNCATE:
+                    raise CommError(f"all_gather: MPI error on group {self.name!r}: {err}") from None
+                return peer, f"more than {self.nbytes}"
+            out[own] = x
+            got = self.status.Get_count(BYTE)
+            return None if got == self.nbytes else (peer, got)
+        out[own] = x
+        return direct.gather_round(self.comm, out.reshape(-1).view(np.uint8), self.n, self.rank)[2]
 
     def _again(self, x, out) -> bool:
         """Did (x, out) come in the previous call too (then requests may be bound to them)?

@@ -42,7 +42,8 @@ class _ScatterPlan:
         demands); None (general path, which raises the clear error) otherwise."""
         if out is None:
             return np.empty(self.shape, self.dtype)
-        if type(out) is np.ndarray and out.shape == self.shape and out.dtype is self.dtype and out.flags.c_contiguous:
+        if (type(out) is np.ndarray and out.shape == self.shape and out.dtype is self.dtype and out.flags.c_contiguous
+                and out.flags.writeable):
             return out
         return None
 
@@ -84,7 +85,7 @@ class DirectScatterPlan(_ScatterPlan):
         self.sent = (self.bounds[-1][1] - (hi - lo)) * self.stage.itemsize
         self.recv = self.stage.nbytes
         self.bound = self.seen = None  # a _BoundInput or None; the x of the last call that copied
-        self.fit = None  # the last out found to fit and to lie outside the bound x (None fits)
+        self.fit = None  # the last out found to fit and to lie outside the bound x
 
     def _exchange(self, g, flat):
         """The round sending from flat, and the operands to add (this rank's from flat)."""
@@ -102,7 +103,8 @@ class DirectScatterPlan(_ScatterPlan):
         # The bound lane (the 4 KB path of a training loop): every check here is paid many
         # times over on oversubscribed ranks (on 4 ranks sharing 2 cores, the out checks
         # below cost ~7 us of a ~50 us call), so an out that passed them once is remembered.
-        if bound is not None and bound.x is x and (out is self.fit or self._fits_bound(out, x)):
+        if bound is not None and bound.x is x and (out is None or out is self.fit and out.shape == self.shape
+                                                   and out.flags.writeable or self._fits_bound(out, x)):
             result = np.empty(self.shape, self.dtype) if out is None else out
             wrong, operands = bound.exchange.run(self.expect), bound.operands
         else:
@@ -125,7 +127,7 @@ class DirectScatterPlan(_ScatterPlan):
         """May the bound lane write into ``out``: does it fit, and lie outside x?  (The bound
         lane adds x's own block straight from x: in place, with out inside x, the first add
         would overwrite it; the copying lane reads the copy.)"""
-        if out is not None and (self.result(out) is None or np.may_share_memory(out, x)):
+        if self.result(out) is None or np.may_share_memory(out, x):
             return False
         self.fit = out
         return True

@@ -567,6 +567,27 @@ def bound_plans():
         flat[...] = np.arange(4 * n) + 100 * r + step
         assert comm.reduce_scatter(flat, g, out=mine_part, algorithm="direct") is mine_part
         same(mine_part, want.astype(np.float64), f"in-place direct reduce_scatter step {step}")
+    # The bound reduce-scatter remembers an out it checked; changed in place since (shape,
+    # writeable), it is checked again and refused with the general path's errors.
+    want_rs = np.array_split(sx[0].sum(axis=0), n)[r]
+    mine_rs = np.empty_like(want_rs)
+    for _ in range(3):
+        assert comm.reduce_scatter(rx[0], g, out=mine_rs) is mine_rs
+        same(mine_rs, want_rs, "bound reduce_scatter into out=")
+    if want_rs.size > 1:
+        mine_rs.shape = (want_rs.shape[1], want_rs.shape[0])
+        try:
+            comm.reduce_scatter(rx[0], g, out=mine_rs)
+            raise AssertionError("an out reshaped in place was accepted")
+        except ValueError as err:
+            assert "out.shape" in str(err), err
+        mine_rs.shape = want_rs.shape
+    mine_rs.flags.writeable = False
+    try:
+        comm.reduce_scatter(rx[0], g, out=mine_rs)
+        raise AssertionError("a read-only out was accepted")
+    except ValueError as err:
+        assert "out is read-only" in str(err), err
     # After the exit hook freed every persistent request, the plans still work (afresh).
     direct.close_all()
     same(comm.all_gather(gx[0], g, out=outs[0]), xs[0].reshape(4 * n, 3), "all_gather after close_all")
@@ -595,13 +616,16 @@ def bound_plans():
             raise AssertionError("a held out could be resized")
         except ValueError:
             pass
-    big_out.flags.writeable = False  # on every rank: the held round still ends, then each raises
-    try:
-        comm.all_gather(mine, g, out=big_out)
-        raise AssertionError("a read-only out was written")
-    except ValueError as err:
-        assert "read-only" in str(err), err
-    big_out.flags.writeable = True
+    for frozen in (big_out, outs[0]):  # held (large) and bound (small) out, read-only on every rank
+        before = frozen.copy()
+        frozen.flags.writeable = False
+        try:
+            comm.all_gather(mine if frozen is big_out else gx[0], g, out=frozen)
+            raise AssertionError("a read-only out was accepted")
+        except ValueError as err:
+            assert "out is read-only" in str(err), err
+        assert np.array_equal(frozen, before), "a read-only out was written"
+        frozen.flags.writeable = True
     gather_steps(mine, big_out, [4], "writeable again")  # no request was left in flight
     gone = weakref.ref(big_out)
     del big_out

@@ -43,7 +43,7 @@ def bad_input():
     _expect(ValueError, lambda: comm.all_reduce(x, g, out=np.empty(6, np.float64)), "float32")
     frozen = np.empty(6, np.float32)
     frozen.flags.writeable = False
-    _expect(ValueError, lambda: comm.all_reduce(x, g, out=frozen), "read-only")
+    _expect(ValueError, lambda: comm.all_reduce(x, g, out=frozen), "out is read-only")
     # Nobody sent anything, so the group is still usable.
     assert np.array_equal(comm.all_reduce(x, g), x * n)
     print(f"rank {r}: bad input rejected")
