@@ -31,8 +31,8 @@ Why it pays, measured on this project's 2-core machine: with ranks sharing cores
 microsecond of Python around the messages showed up several (up to about ten) times over
 in a call's time, while a rank running Python delays partners that spin in MPI.  At 4 KB
 (ratio to MPI's built-in, 2 / 4 ranks, the same arrays every call) all_gather went from
-0.53 / 0.38-0.40 with one Sendrecv per round to 0.57-0.59 / 0.54-0.56, reduce_scatter
-from 0.51 / 0.39 to 0.63-0.64 / 0.50-0.54.  On 4 ranks what remains is mostly the N-1
+0.53 / 0.38-0.40 with one Sendrecv per round to 0.57-0.58 / 0.55-0.57, reduce_scatter
+from 0.51 / 0.39 to 0.60-0.62 / 0.50-0.53 (two full benchmark runs).  On 4 ranks what remains is mostly the N-1
 additions after the wait and the per-call bookkeeping (recent-ops log, counters).
 
 Wrong input never hangs: there is only one round, so no rank can wait for another that
