@@ -217,7 +217,9 @@ class Exchange:
 
     def run(self, expect: int):
         """:meth:`start`, then :meth:`finish`, inlined: this is the 4 KB path, where on
-        oversubscribed ranks each Python call costs about ten times its own time."""
+        oversubscribed ranks each Python call costs several times its own time (4-rank
+        reduce_scatter at 4 KB, four launches each: 0.49-0.52x MPI inlined, 0.47-0.51x
+        calling the two)."""
         reqs = self.reqs
         if reqs is None:
             reqs = self.active = post(self.comm, self.recvs, self.sends)
