@@ -146,7 +146,7 @@ def _all_gather(g, x, result=None, algorithm="auto"):
 def _pair_lane(n, out, algorithm) -> bool:
     """Two ranks, results above the one-shot size: the pair exchange, one Sendrecv from x
     (ring.pair_all_gather).  It sends the same single message each way as the one-shot
-    round, so it agrees with the cached plan (fastgather.DirectGatherPlan), which holds
+    round, so it agrees with the cached plan (directgather.DirectGatherPlan), which holds
     persistent requests once the same arrays come back and otherwise sends the same way:
     with a different out each call, posting the one-shot round from out measured 1.4-1.6x
     slower at 1 MB."""

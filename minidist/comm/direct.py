@@ -22,7 +22,7 @@ keep the pipelined algorithms, which add each chunk while the next one travels).
 
 A single round also makes a whole collective two MPI calls when the buffers are fixed:
 ``Startall`` and ``Waitall`` on persistent requests (``Send_init``/``Recv_init``, MPI 1.1).
-:class:`Exchange` holds such a round.  The cached plans (fastgather.DirectGatherPlan,
+:class:`Exchange` holds such a round.  The cached plans (directgather.DirectGatherPlan,
 fastscatter.DirectScatterPlan) run one on buffers of their own, copying the input in and
 the result out, and bind a second one to the caller's arrays when the same ones come back
 (large all-gather results: on the caller's arrays only, held by weak reference).
@@ -199,7 +199,7 @@ class Exchange:
     """One round on fixed buffers as persistent requests: :meth:`run` is one ``Startall``
     and one ``Waitall`` (or :meth:`start`, work, :meth:`finish`).  Requests hold the
     buffers' addresses: their owner keeps the buffers alive, or (a held all-gather round,
-    fastgather.DirectGatherPlan) starts the round only while they live.  Once closed, it
+    directgather.DirectGatherPlan) starts the round only while they live.  Once closed, it
     still works: it posts the same round afresh each time (a collective run from a late
     exit hook, say)."""
 

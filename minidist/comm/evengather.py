@@ -60,7 +60,7 @@ _EMPTY = np.empty(0, np.uint8)
 # and against MPI's Allgather on 4 ranks, 16 MB 1.04-1.15x and 64 MB 1.11-1.31x with the
 # one-shot exchange, 0.85-0.93x with recursive doubling.  Between those, at 1 MB on 4
 # ranks, it depends on the caller: with the same out every call (persistent requests,
-# fastgather.DirectGatherPlan) the one-shot round measured ~12% faster than doubling, with
+# directgather.DirectGatherPlan) the one-shot round measured ~12% faster than doubling, with
 # a different out every call ~14% slower.  (Two ranks above DIRECT_BYTES send one message
 # each way either way: collectives._pair_lane.)  Large
 # messages on more ranks keep the rounds: there every rank would have N-1 large messages in

@@ -5,8 +5,8 @@ fully checked call with a given (dtype, shape) on a group and runs later calls w
 algorithm and the same bytes as collectives._all_gather, so results are bit-identical:
 
 * an ``out=`` that fixes every block's size, small or on up to 4 ranks:
-  :class:`DirectGatherPlan`, the one-shot exchange of direct.py on persistent requests (one
-  ``Startall``, one ``Waitall``);
+  directgather.DirectGatherPlan, the one-shot exchange of direct.py on persistent requests
+  (one ``Startall``, one ``Waitall``);
 * such an ``out=``, larger on more ranks: :class:`EvenGatherPlan`:
   evengather.even_all_gather, straight from ``out`` to ``out``;
 * otherwise, 2 ranks, :class:`PairGatherPlan`: ring.pair_all_gather, one ``Sendrecv``, the
@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import math
 import struct
-import weakref
-from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
-from minidist.comm import direct, evengather, fastpath, stats
+from minidist.comm import evengather, stats
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG
 from minidist.comm.ring import _rows_error as _pair_error
@@ -52,6 +50,7 @@ def make_plan(g, shape, dtype, out=None):
         if out.shape[0] != g.size * shape[0]:
             return None
         if evengather.pick(g.size, "auto", out.nbytes) == "direct":
+            from minidist.comm.directgather import DirectGatherPlan  # late: it builds on _GatherPlan
             return DirectGatherPlan(g, shape, dtype, out)
         if g.size > 2:  # two ranks otherwise take the pair exchange (collectives._pair_lane)
             return EvenGatherPlan(g, shape, dtype, out)
@@ -313,160 +312,3 @@ class EvenGatherPlan(_GatherPlan):
                 raise evengather.error(g, out, bad)
         stats.record_call(self.call, self.sent, self.received, t0)
         return out
-
-
-class _Bound(NamedTuple):
-    """Persistent requests bound to a caller's arrays: x, out, x's block of out, the round."""
-    x: np.ndarray
-    out: np.ndarray
-    own: np.ndarray
-    exchange: direct.Exchange
-
-
-class _Held(NamedTuple):
-    """Persistent requests on the memory of a caller's large x and out, which they do not
-    keep alive: weak references to both.  (NumPy refuses to resize an array that has a
-    weak reference, so a live x or out still has the memory the requests point at.)"""
-    x: weakref.ref
-    out: weakref.ref
-    exchange: direct.Exchange
-
-
-class DirectGatherPlan(_GatherPlan):
-    """direct.all_gather for one (x shape, out shape).
-
-    Small results (up to fastpath.PLAN_MAX_BYTES) run the round as persistent requests
-    (direct.Exchange: one ``Startall``, one ``Waitall``).  Requests hold their buffers'
-    addresses, so the plan starts on a buffer of its own: a call copies x in and the result
-    out.  When the same x and out arrays come twice in a row (a training loop's parameter
-    shard and gather buffer), the plan binds a second set of requests to them, and later
-    calls with those very arrays send from x and receive into out with no copy but x's
-    block into out (what MPI_Allgather copies too).  Bound requests keep x and out alive,
-    so only one pair is bound at a time.
-
-    Larger results post the round on the caller's ``out`` (a copy would cost more than the
-    messages save), and once the same x and out come twice in a row, the plan holds
-    persistent requests on their memory too, but by weak reference only: a large ``out``
-    must not outlive its caller's use of it (ZeRO-3 frees gathered parameters).  Posting
-    afresh costs more than it seems.  Each microsecond of Python before the messages start
-    showed up about ten times over in the call's time (1 MB result, 2 ranks: an empty
-    40-step loop, 0.7 us, added 8 us; measured against MPI's Allgather in one launch, the
-    same round posted by hand on persistent requests ran at 1.07-1.24x, through a plan with
-    its checks in front at 0.95-1.06x, and through the public function at 0.83-0.93x)."""
-
-    __slots__ = ("buf", "own", "exchange", "bound", "seen", "held")
-
-    def __init__(self, g, shape, dtype, out):
-        super().__init__(g, shape, dtype, out)
-        self.buf = self.own = self.exchange = self.bound = self.seen = self.held = None
-        if out.nbytes <= fastpath.PLAN_MAX_BYTES:
-            self.buf = np.empty(out.shape, self.dtype)
-            self.own = self.buf[self.rank * self.rows:(self.rank + 1) * self.rows]
-            self.exchange = self._exchange(self.buf, self.own)
-        # self.bound: a _Bound or None; self.seen: (x, out) of the last call that copied
-
-    def _exchange(self, out, x):
-        flat, block, r = out.reshape(-1).view(np.uint8), self.nbytes, self.rank
-        to, frm = direct.peers(self.n, r)
-        return direct.Exchange(self.comm, [(flat[s * block:(s + 1) * block], s) for s in frm],
-                               [(x, d) for d in to])
-
-    def run(self, g, x, out):
-        """The gathered array, or None when the general path must take the call."""
-        t0 = stats._clock()
-        bound, held = self.bound, self.held
-        # The bound and held lanes first, with no checks but identity: every line before the
-        # Startall counts (see the class docstring).  The cache key has matched out's
-        # shape, and out is the very array bound, so it fits as it did then.
-        if bound is not None and bound.x is x and bound.out is out and out.flags.writeable:
-            bound.own[...] = x
-            wrong = bound.exchange.run(self.nbytes)
-        elif held is not None and held.x() is x and held.out() is out and out.flags.writeable:
-            # The round sends from x, so x's block goes into out while the messages fly.
-            held.exchange.start()
-            out[self.rank * self.rows:(self.rank + 1) * self.rows] = x
-            wrong = held.exchange.finish(self.nbytes)
-        elif out is None or not self.fits(out) or not out.flags.c_contiguous:
-            return None
-        elif self.buf is not None:
-            self.own[...] = x
-            wrong = self.exchange.run(self.nbytes)
-            if wrong is None:
-                out[...] = self.buf
-                if self._again(x, out):
-                    self._bind(x, out)
-        else:
-            wrong = self._round(x, out)
-            if wrong is None and self._again(x, out):
-                self._hold(x, out)
-        if wrong is not None:
-            stats.note_op("all_gather", self.name, x.shape, self.dtype)
-            raise evengather.error(g, out, direct.describe(wrong, self.nbytes))
-        stats.record_call(self.call, self.nbytes * (self.n - 1), self.nbytes * (self.n - 1), t0)
-        return out
-
-    def _round(self, x, out):
-        """A large round posted afresh.  Two ranks: one Sendrecv from x, then x's block into
-        out, as the general path (collectives._pair_lane) does: the same message each way as
-        the one-shot round, and faster than copying first and posting from out."""
-        own = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
-        if self.n == 2 and x.flags.c_contiguous and not np.may_share_memory(x, out):
-            peer = 1 - self.rank
-            theirs = out[peer * self.rows:(peer + 1) * self.rows]
-            try:
-                self.comm.Sendrecv([x, BYTE], peer, TAG, [theirs, BYTE], peer, TAG, self.status)
-            except MPI.Exception as err:
-                if err.Get_error_class() != MPI.ERR_TRUNCATE:
-                    raise CommError(f"all_gather: MPI error on group {self.name!r}: {err}") from None
-                return peer, f"more than {self.nbytes}"
-            out[own] = x
-            got = self.status.Get_count(BYTE)
-            return None if got == self.nbytes else (peer, got)
-        out[own] = x
-        return direct.gather_round(self.comm, out.reshape(-1).view(np.uint8), self.n, self.rank)[2]
-
-    def _again(self, x, out) -> bool:
-        """Did (x, out) come in the previous call too (then requests may be bound to them)?
-        Not when x is not C-contiguous (MPI would send its bytes in memory order) or lies
-        inside out (a receive could overwrite it while it is being sent).  Large arrays are
-        remembered by weak reference only."""
-        seen = self.seen
-        if self.buf is None:
-            self.seen = (weakref.ref(x), weakref.ref(out))
-            seen = seen and (seen[0](), seen[1]())
-        else:
-            self.seen = (x, out)
-        if seen is None or seen[0] is not x or seen[1] is not out:
-            return False
-        self.seen = None
-        return x.flags.c_contiguous and not np.may_share_memory(x, out)
-
-    def _bind(self, x, out):
-        self.close_bound()
-        own = out[self.rank * self.rows:(self.rank + 1) * self.rows]
-        self.bound = _Bound(x, out, own, self._exchange(out, x))
-
-    def _hold(self, x, out):
-        """Requests on the memory of (x, out), given to MPI by address only, so that the
-        plan does not keep them alive."""
-        self.close_bound()
-        xa, oa = MPI.buffer(x).address, MPI.buffer(out).address
-        block = self.nbytes
-        to, frm = direct.peers(self.n, self.rank)
-        exchange = direct.Exchange(self.comm, [(MPI.buffer.fromaddress(oa + s * block, block), s) for s in frm],
-                                   [(MPI.buffer.fromaddress(xa, block, readonly=True), d) for d in to])
-        self.held = _Held(weakref.ref(x), weakref.ref(out), exchange)
-
-    def close_bound(self) -> None:
-        if self.bound is not None:
-            self.bound.exchange.close()
-            self.bound = None
-        if self.held is not None:
-            self.held.exchange.close()
-            self.held = None
-
-    def close(self) -> None:
-        if self.exchange is not None:
-            self.exchange.close()
-        self.close_bound()
-        self.seen = None
