@@ -197,56 +197,38 @@ _startall, _waitall = MPI.Prequest.Startall, MPI.Request.Waitall
 
 class Exchange:
     """One round on fixed buffers as persistent requests: :meth:`run` is one ``Startall``
-    and one ``Waitall`` (or :meth:`start`, work, :meth:`finish`).  Requests hold the
-    buffers' addresses: their owner keeps the buffers alive, or (a held all-gather round,
-    directgather.DirectGatherPlan) starts the round only while they live.  Once closed, it
+    and one ``Waitall``, with an optional local copy (``during``: a (dst, src) pair of
+    arrays) done while the messages travel.  Requests hold the buffers' addresses: their
+    owner keeps the buffers alive, or (a held all-gather round,
+    directgather.DirectGatherPlan) runs the round only while they live.  Once closed, it
     still works: it posts the same round afresh each time (a collective run from a late
     exit hook, say)."""
 
-    __slots__ = ("comm", "recvs", "sends", "reqs", "active", "statuses", "received", "sources", "__weakref__")
+    __slots__ = ("comm", "recvs", "sends", "reqs", "during", "statuses", "received", "sources", "__weakref__")
 
-    def __init__(self, comm, recvs, sends):
-        self.comm, self.recvs, self.sends = comm, recvs, sends
+    def __init__(self, comm, recvs, sends, during=None):
+        self.comm, self.recvs, self.sends, self.during = comm, recvs, sends, during
         self.reqs = [comm.Recv_init([buf, BYTE], src, TAG) for buf, src in recvs]
         self.reqs += [comm.Send_init([buf, BYTE], dest, TAG) for buf, dest in sends]
         self.statuses = [MPI.Status() for _ in self.reqs]
         self.received = self.statuses[:len(recvs)]
         self.sources = [src for _, src in recvs]
-        self.active = None  # the requests of the round in flight
         _live.add(self)
 
     def run(self, expect: int):
-        """:meth:`start`, then :meth:`finish`, inlined: this is the 4 KB path, where on
-        oversubscribed ranks each Python call costs several times its own time (4-rank
-        reduce_scatter at 4 KB, four launches each: 0.49-0.52x MPI inlined, 0.47-0.51x
-        calling the two)."""
+        """Start the round, make the ``during`` copy, wait.  None when every receive
+        brought ``expect`` bytes, else the (source, byte count or "more than K") of the
+        first that did not.  One method, not a start and a finish: on oversubscribed ranks
+        each Python call costs several times its own time (4-rank reduce_scatter at 4 KB,
+        four launches each: 0.49-0.52x MPI in one method, 0.47-0.51x calling two)."""
         reqs = self.reqs
         if reqs is None:
-            reqs = self.active = post(self.comm, self.recvs, self.sends)
+            reqs = post(self.comm, self.recvs, self.sends)
         else:
             _startall(reqs)
-            self.active = reqs
-        try:
-            _waitall(reqs, self.statuses)
-        except MPI.Exception as err:
-            return first_wrong(_settle(err, reqs, self.statuses, len(self.sources)), expect, self.sources)
-        for status in self.received:
-            if status.Get_count(BYTE) != expect:
-                return first_wrong([s.Get_count(BYTE) for s in self.received], expect, self.sources)
-        return None
-
-    def start(self) -> None:
-        """Start the round; the caller may work until :meth:`finish`."""
-        if self.reqs is None:
-            self.active = post(self.comm, self.recvs, self.sends)
-        else:
-            _startall(self.reqs)
-            self.active = self.reqs
-
-    def finish(self, expect: int):
-        """Wait for the round.  None when every receive brought ``expect`` bytes, else the
-        (source, byte count or "more than K") of the first that did not."""
-        reqs = self.active
+        if self.during is not None:
+            dst, src = self.during
+            dst[...] = src
         try:
             _waitall(reqs, self.statuses)
         except MPI.Exception as err:

@@ -83,10 +83,7 @@ class DirectGatherPlan(_GatherPlan):
             bound.own[...] = x
             wrong = bound.exchange.run(self.nbytes)
         elif held is not None and held.x() is x and held.out() is out and out.flags.writeable:
-            # The round sends from x, so x's block goes into out while the messages fly.
-            held.exchange.start()
-            out[self.rank * self.rows:(self.rank + 1) * self.rows] = x
-            wrong = held.exchange.finish(self.nbytes)
+            wrong = held.exchange.run(self.nbytes)  # x's block goes into out while the messages fly
         elif out is None or not self.fits(out) or not out.flags.c_contiguous:
             return None
         elif self.buf is not None:
@@ -138,14 +135,17 @@ class DirectGatherPlan(_GatherPlan):
         self.bound = _Bound(x, out, own, self._exchange(out, x))
 
     def _hold(self, x, out):
-        """Requests on the memory of (x, out), given to MPI by address only, so that the
-        plan does not keep them alive."""
+        """Requests on the memory of (x, out), and the copy of x's block into out, given
+        by address only, so that the plan does not keep them alive.  The round sends from
+        x, so the copy is made while the messages travel."""
         self.close_bound()
-        xa, oa = MPI.buffer(x).address, MPI.buffer(out).address
         block = self.nbytes
+        xa, oa = MPI.buffer(x).address, MPI.buffer(out).address
+        sent = MPI.buffer.fromaddress(xa, block, readonly=True)
+        own = np.frombuffer(MPI.buffer.fromaddress(oa + self.rank * block, block), np.uint8)
         to, frm = direct.peers(self.n, self.rank)
         exchange = direct.Exchange(self.comm, [(MPI.buffer.fromaddress(oa + s * block, block), s) for s in frm],
-                                   [(MPI.buffer.fromaddress(xa, block, readonly=True), d) for d in to])
+                                   [(sent, d) for d in to], during=(own, np.frombuffer(sent, np.uint8)))
         self.held = _Held(weakref.ref(x), weakref.ref(out), exchange)
 
     def close_bound(self) -> None:
