@@ -19,6 +19,13 @@ in the same process took 2.2 ms instead of 1.8 ms (2 ranks), and minidist's all_
 on Sendrecv, measured 0.84x MPI's instead of 0.96-1.0x.  A minidist program calls no MPI
 collective, so it never pays that; within one launch the two sides still alternate rep by rep.
 
+Strict alternation is also what keeps the comparison fair within a launch: a call right after
+the other side's call is slower than one right after itself (1 MB all_gather on 4 ranks: 10-36
+us slower, on both sides alike; each side has its own result buffer, so the other side's
+buffer has just pushed it out of cache).  Here every call follows the other side's.  A driver
+that runs several minidist variants between two MPI calls puts MPI after minidist far more
+often than the reverse, and so flatters minidist (by 5-25 % at 1 MB in such a run).
+
 Repeated calls with the same shape run minidist's cached plans (comm/fastpath.py), as in a
 training loop; the first two (warm-up) calls build them.
 
