@@ -1,6 +1,6 @@
 """Bus bandwidth of minidist's hand-written collectives next to MPI's built-ins.
 
-    python benchmarks/bench_collectives.py [--out DIR] [--quick] [--ranks 2,4] [--launches 2]
+    python benchmarks/bench_collectives.py [--out DIR] [--quick] [--ranks 2,4] [--launches 3]
 
 Launches itself under mpiexec for each rank count and collective (``--launches`` times,
 interleaved: 2, 4, 2, 4, ...), times all_reduce, all_gather and reduce_scatter at 4 KB .. 64 MB, interleaving
@@ -241,7 +241,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="bench-results", help="directory for collectives.json")
     p.add_argument("--quick", action="store_true", help="small sizes and few reps (smoke run)")
     p.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
-    p.add_argument("--launches", type=int, default=2, help="mpiexec launches per rank count")
+    p.add_argument("--launches", type=int, default=3,
+                   help="mpiexec launches per rank count (odd, so that the median is one launch's)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--collective", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
