@@ -19,12 +19,15 @@ in the same process took 2.2 ms instead of 1.8 ms (2 ranks), and minidist's all_
 on Sendrecv, measured 0.84x MPI's instead of 0.96-1.0x.  A minidist program calls no MPI
 collective, so it never pays that; within one launch the two sides still alternate rep by rep.
 
-Strict alternation is also what keeps the comparison fair within a launch: a call right after
-the other side's call is slower than one right after itself (1 MB all_gather on 4 ranks: 10-36
-us slower, on both sides alike; each side has its own result buffer, so the other side's
-buffer has just pushed it out of cache).  Here every call follows the other side's.  A driver
-that runs several minidist variants between two MPI calls puts MPI after minidist far more
-often than the reverse, and so flatters minidist (by 5-25 % at 1 MB in such a run).
+Which call a sample follows matters as much as the drift.  A call right after the other
+side's is slower than one right after its own (1 MB all_gather on 4 ranks: 10-36 us slower,
+on both sides alike: each side has its own result buffer, and the other side's has just
+pushed it out of cache), and small messages are timed as up to 64 back-to-back calls of one
+side anyway.  So every rep times each side twice in a row and the table's ratio compares the
+second samples, each side right after itself, as a loop of one library's calls runs; the
+first samples (each side right after the other's) are reported too, as "after other".
+Drivers that run several minidist variants between two MPI calls put MPI after minidist far
+more often than the reverse, and so flatter minidist (by 5-25 % at 1 MB in such a run).
 
 Repeated calls with the same shape run minidist's cached plans (comm/fastpath.py), as in a
 training loop; the first two (warm-up) calls build them.
@@ -106,15 +109,19 @@ def worker(out_path: str, quick: bool, collective: str) -> None:
             inner = max(1, (256 << 10) // size)  # 64 calls a sample at 4 KB, 1 from 256 KB up
             for _ in range(2):  # warm-up: page faults, scratch buffers, MPI connections
                 timeit(ours, inner), timeit(mpi, inner)
-            t_ours, t_mpi = [], []
+            t_ours, t_mpi, cold_ours, cold_mpi = [], [], [], []
             for _ in range(_reps(size, quick)):
+                # Each side twice in a row: the first sample runs right after the other
+                # side's calls, the second right after its own (see the module docstring).
+                cold_ours.append(timeit(ours, inner))
                 t_ours.append(timeit(ours, inner))
+                cold_mpi.append(timeit(mpi, inner))
                 t_mpi.append(timeit(mpi, inner))
             mo, mm = float(np.median(t_ours)), float(np.median(t_mpi))
             f = _bus_factor(name, n)
             results.append(dict(collective=name, ranks=n, bytes=size, minidist_s=mo, mpi_s=mm,
                                 minidist_busbw_GBps=size / mo * f / 1e9, mpi_busbw_GBps=size / mm * f / 1e9,
-                                ratio=mm / mo))
+                                ratio=mm / mo, ratio_after_other=float(np.median(cold_mpi) / np.median(cold_ours))))
     crossover = []
     sizes = CROSSOVER_SIZES[collective]
     for size in sizes[:2] if quick else sizes:
@@ -210,6 +217,7 @@ def combine(parts: list) -> list:
                         minidist_busbw_GBps=size / mo * f / 1e9, mpi_busbw_GBps=size / mm * f / 1e9,
                         ratio=statistics.median(r["ratio"] for r in runs),
                         ratio_min=min(r["ratio"] for r in runs), ratio_max=max(r["ratio"] for r in runs),
+                        ratio_after_other=statistics.median(r["ratio_after_other"] for r in runs),
                         launches=len(runs)))
     return sorted(out, key=lambda r: (r["ranks"], COLLECTIVES.index(r["collective"]), r["bytes"]))
 
@@ -217,14 +225,15 @@ def combine(parts: list) -> list:
 def table(report: dict) -> str:
     lines = [f"memcpy bandwidth (ceiling): {report['memcpy_GBps']:.1f} GB/s; load average during the "
              f"launches: {', '.join(f'{v:.1f}' for v in report['load'])}",
-             "ratio = MPI time / minidist time (>1: minidist faster), median over launches [min..max]",
+             "ratio = MPI time / minidist time (>1: minidist faster), each side's call right after its own, "
+             "median over launches [min..max]; after other: the same for calls right after the other side's",
              f"{'collective':<15}{'N':>3}{'size':>7}{'minidist':>12}{'MPI':>12}{'busbw ours':>12}"
-             f"{'busbw MPI':>11}{'ratio':>7}  {'range':<12}"]
+             f"{'busbw MPI':>11}{'ratio':>7}  {'range':<12}{'after other':>12}"]
     for row in report["results"]:
         lines.append(f"{row['collective']:<15}{row['ranks']:>3}{_size(row['bytes']):>7}"
                      f"{row['minidist_s'] * 1e6:>10.1f}us{row['mpi_s'] * 1e6:>10.1f}us"
                      f"{row['minidist_busbw_GBps']:>8.2f}GB/s{row['mpi_busbw_GBps']:>7.2f}GB/s{row['ratio']:>7.2f}"
-                     f"  [{row['ratio_min']:.2f}..{row['ratio_max']:.2f}]")
+                     f"  [{row['ratio_min']:.2f}..{row['ratio_max']:.2f}]{row['ratio_after_other']:>11.2f}")
     lines.append("crossovers (median us per launch; \"rounds\" = what auto takes without the one-shot lane)")
     for row in sorted(report["crossover"], key=lambda r: (r["collective"], r["ranks"], r["bytes"])):
         lines.append(f"  {row['collective']:<15} N={row['ranks']} {_size(row['bytes']):>7}  " +

@@ -31,7 +31,7 @@ def test_bench_collectives_quick(tmp_path):
     rows = {(r["collective"], r["ranks"], r["bytes"]): r for r in report["results"]}
     assert set(rows) == {(c, 2, s) for c in bc.COLLECTIVES for s in bc.QUICK_SIZES}
     for row in rows.values():
-        for field in ("minidist_s", "mpi_s", "minidist_busbw_GBps", "mpi_busbw_GBps", "ratio"):
+        for field in ("minidist_s", "mpi_s", "minidist_busbw_GBps", "mpi_busbw_GBps", "ratio", "ratio_after_other"):
             assert math.isfinite(row[field]) and row[field] > 0, (row, field)
         assert row["ratio"] == pytest.approx(row["mpi_s"] / row["minidist_s"])
         assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
