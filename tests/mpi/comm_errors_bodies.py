@@ -164,3 +164,21 @@ def one_shot_two_oversized_senders():
         comm.all_gather(np.full((2, 3), r, np.float32), g, out=out)
         assert out[::2, 0].tolist() == list(range(n)), out
     print(f"rank {r}: one-shot errors recovered")
+
+
+def all_reduce_sizes_across_the_algorithm_threshold():
+    """Sizes so different that the ranks pick different algorithms (recursive doubling
+    below reducing's threshold, pairwise exchange above): their messages no longer pair up,
+    so only the ranks that receive a wrong size can raise.  The abort hook that
+    ``comm.world()`` installs must then end the job with that error, not leave it hanging."""
+    g = comm.world()
+    comm.all_reduce(np.ones(100 if g.rank == 0 else 300_000), g)
+    raise AssertionError("a size mismatch went unnoticed")
+
+
+def all_gather_out_on_one_rank_only():
+    """``out=`` picks the all-gather's algorithm, so a rank that passes it while the others
+    do not runs another schedule: the same loud end as above."""
+    g = comm.world()
+    comm.all_gather(np.ones((3, 2)), g, out=np.empty((3 * g.size, 2)) if g.rank == 0 else None)
+    raise AssertionError("a size mismatch went unnoticed")
