@@ -13,8 +13,9 @@ rank has T/N rows.  Then every block's place in ``out`` is known in advance, and
 message can go from ``out`` straight into ``out``, as MPI_Allgather does with its equal
 counts.  All ranks take this lane or not from ``out.shape`` alone, without a message, so
 ``out=`` must be given on every rank or on none, with the same shape (debug mode,
-``MINIDIST_CHECK_COLLECTIVES=1``, checks that; otherwise the ranks would disagree about
-the messages and raise or hang).
+``MINIDIST_CHECK_COLLECTIVES=1``, checks that; otherwise the ranks run different
+schedules, only those that receive a wrong size raise, and the abort hook that
+``comm.world()`` installs ends the job with that error: tested on 4 ranks).
 
 Schedules, all (N-1)/N * X bytes sent and received per rank:
 
