@@ -207,9 +207,11 @@ class AllReducePlan:
 
 def _all_reduce_result(x, out):
     """An all-reduce plan's result array: a fresh one, or ``out`` when it fits (C-contiguous:
-    later rounds send from it); None (the general path raises the clear error) otherwise."""
+    later rounds send from it; writeable, or numpy would raise between two messages); None
+    (the general path raises the clear error, before any message) otherwise."""
     if out is None:
         return np.empty(x.shape, x.dtype)
-    if type(out) is np.ndarray and out.shape == x.shape and out.dtype is x.dtype and out.flags.c_contiguous:
+    if (type(out) is np.ndarray and out.shape == x.shape and out.dtype is x.dtype and out.flags.c_contiguous
+            and out.flags.writeable):
         return out
     return None

@@ -2,6 +2,7 @@
 import numpy as np
 
 from minidist import comm
+from minidist.comm import reducing
 
 
 def _expect(exc_type, fn, *needles):
@@ -44,6 +45,18 @@ def bad_input():
     frozen = np.empty(6, np.float32)
     frozen.flags.writeable = False
     _expect(ValueError, lambda: comm.all_reduce(x, g, out=frozen), "out is read-only")
+    # ... also once a plan is cached: recursive doubling, and pairwise exchange (a tiny
+    # threshold sends 3000 floats that way).  The plans hand the call to the general path,
+    # which refuses it before any message, instead of numpy failing between two messages.
+    saved, reducing.SMALL_ALL_REDUCE_BYTES_WIDE = reducing.SMALL_ALL_REDUCE_BYTES_WIDE, 64
+    for size in (6, 3000):
+        y = np.ones(size, np.float32)
+        for _ in range(2):
+            comm.all_reduce(y, g, out=np.empty_like(y))
+        ro = np.empty_like(y)
+        ro.flags.writeable = False
+        _expect(ValueError, lambda: comm.all_reduce(y, g, out=ro), "out is read-only")
+    reducing.SMALL_ALL_REDUCE_BYTES_WIDE = saved
     # Nobody sent anything, so the group is still usable.
     assert np.array_equal(comm.all_reduce(x, g), x * n)
     print(f"rank {r}: bad input rejected")
