@@ -185,7 +185,8 @@ def all_reduce_sizes_across_the_algorithm_threshold():
     so only the ranks that receive a wrong size can raise.  The abort hook that
     ``comm.world()`` installs must then end the job with that error, not leave it hanging."""
     g = comm.world()
-    comm.all_reduce(np.ones(100 if g.rank == 0 else 300_000), g)
+    large = 4 * reducing.SMALL_ALL_REDUCE_BYTES_WIDE // 8  # float64 elements, four times the threshold
+    comm.all_reduce(np.ones(100 if g.rank == 0 else large), g)
     raise AssertionError("a size mismatch went unnoticed")
 
 
