@@ -11,7 +11,7 @@ launches is noise, not a result).  Writes DIR/collectives.json plus a short tabl
 machine's load average during each launch.  Also measured: the memcpy bandwidth (the ceiling
 for shared-memory transfers) and the all-reduce crossover between recursive doubling and
 the large-message algorithm (pairwise reduce-scatter + all-gather), which sets
-reducing.SMALL_ALL_REDUCE_BYTES(_WIDE).
+reducing.SMALL_ALL_REDUCE_BYTES(_WIDE) (docs/perf-notes.md).
 
 Each collective gets its own launch because MPICH's built-in collectives change the process
 they run in: after one MPI Allreduce or Reduce_scatter_block of 16 MB, a plain 8 MB Sendrecv
@@ -29,7 +29,7 @@ first samples (each side right after the other's) are reported too, as "after ot
 Drivers that run several minidist variants between two MPI calls put MPI after minidist far
 more often than the reverse, and so flatter minidist (by 5-25 % at 1 MB in such a run).
 
-Repeated calls with the same shape run minidist's cached plans (comm/fastpath.py), as in a
+Repeated calls with the same shape run minidist's cached plans (comm/fast/), as in a
 training loop; the first two (warm-up) calls build them.
 
 Bus bandwidth (the nccl-tests convention, comparable across N): for a message of S bytes
@@ -92,7 +92,7 @@ def worker(out_path: str, quick: bool, collective: str) -> None:
         res = np.empty_like(x)  # like MPI's receive buffer: the result memory is reused
         even = x[: n * (count // n)]  # reduce_scatter: N equal blocks, as Reduce_scatter_block needs
         # The same input and result arrays every call, on both sides, as in a training loop
-        # (minidist's one-shot plans then send and receive in place: direct.py).
+        # (minidist's one-shot plans then send and receive in place: comm/fast/).
         gathered, gathered_mpi, mine = res[: n * (count // n)], full[: n * (count // n)], res[: len(piece)]
         ours = {"all_reduce": lambda: comm.all_reduce(x, g, out=res),
                 "all_gather": lambda: comm.all_gather(part, g, out=gathered),
@@ -149,12 +149,13 @@ def crossover_variants(collective, size, g):
     """The algorithms on either side of a size threshold, as callables.  all_reduce names
     them with ``algorithm=`` (plans are cached per algorithm); all_gather and
     reduce_scatter cache plans for "auto" only, so each side sets the one-shot threshold
-    (direct.py) before every call and runs on a group of its own, whose plans it keeps."""
+    (collectives.ONE_SHOT_BYTES, reducing.ONE_SHOT_BYTES) before every call and runs on a
+    group of its own, whose plans it keeps."""
     import numpy as np
     from mpi4py import MPI
 
     from minidist import comm
-    from minidist.comm import evengather
+    from minidist.comm import collectives as C
     from minidist.comm import reducing as R
 
     n = g.size
@@ -168,11 +169,11 @@ def crossover_variants(collective, size, g):
         res = np.empty(x.size * n if collective == "all_gather" else x.size // n, np.float32)  # one each (cache)
         if collective == "all_gather":
             def fn(grp=grp, limit=limit, res=res):
-                evengather.DIRECT_BYTES = evengather.DIRECT_MAX_RANKS = limit
+                C.ONE_SHOT_BYTES = C.ONE_SHOT_MAX_RANKS = limit
                 return comm.all_gather(x, grp, out=res)
         else:
             def fn(grp=grp, limit=limit, res=res):
-                R.DIRECT_BYTES = limit
+                R.ONE_SHOT_BYTES = limit
                 return comm.reduce_scatter(x, grp, out=res)
         variants[name] = fn
     return variants

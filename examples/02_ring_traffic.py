@@ -5,7 +5,9 @@ Run:  mpiexec -n 4 python examples/02_ring_traffic.py
 A ring (Patarasuk & Yuan 2009) cuts a message of X bytes into N blocks.  In a ring
 reduce-scatter every rank passes N-1 blocks to its right neighbour, adding its own
 contribution on the way: (N-1)/N * X bytes sent per rank.  A ring all-gather circulates the
-N finished blocks the same way: (N-1)/N * X again.  An all-reduce is the two in a row:
+N finished blocks the same way: (N-1)/N * X again.  An all-reduce is the two in a row.
+The all-reduce and reduce-scatter below run the textbook ring, minidist/comm/algorithms/ring.py
+(``algorithm="ring"``), which reads on one screen:
 
     all_reduce      2 (N-1)/N * X      (independent of N for large N: ~2X, the lower bound)
     reduce_scatter    (N-1)/N * X      (X = the full input on each rank)
@@ -55,7 +57,7 @@ def main():
         ring = (n - 1) * nbytes // n
         cases = [
             ("all_reduce", lambda: comm.all_reduce(x, g, algorithm="ring"), "2(N-1)/N * X", 2 * ring),
-            ("reduce_scatter", lambda: comm.reduce_scatter(x, g), "(N-1)/N * X", ring),
+            ("reduce_scatter", lambda: comm.reduce_scatter(x, g, algorithm="ring"), "(N-1)/N * X", ring),
             # all_gather's X is its output: each rank contributes X/N bytes.  Inputs may be
             # uneven, so with N > 2 every block travels with its row count (one int64) in
             # front: a Bruck all-gather in which each rank sends the N-1 other blocks once.

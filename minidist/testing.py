@@ -4,7 +4,7 @@ Distributed programs fail in two nasty ways: one rank raises while the others wa
 forever, or every rank waits for a message nobody sends.  This module turns both into fast,
 readable failures:
 
-* :func:`abort_on_exception` makes an uncaught exception on any rank (main thread or a
+* ``minidist.comm.abort.abort_on_exception`` (which ``comm.world()`` installs) makes an uncaught exception on any rank (main thread or a
   helper thread) print that rank's traceback and abort the whole MPI job.
 * :func:`run_mpi` launches ``mpiexec -n N python -m minidist.testing TARGET`` with a timeout.
   Every rank arms :mod:`faulthandler` to dump its stack to a per-rank file shortly before the
@@ -23,53 +23,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-import traceback
 
 _HANG_DIR = "MINIDIST_HANG_DIR"
-ABORT_GRACE_S = 0.5  # how long a failing rank waits for the others' reports before aborting the job
 _HANG_AFTER = "MINIDIST_HANG_AFTER_S"
 
 
 class MPIJobFailed(AssertionError):
     """An mpiexec job exited non-zero or timed out; the message holds every rank's output."""
-
-
-def _world_rank() -> int:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_rank()
-
-
-def abort_on_exception():
-    """Make an uncaught exception on this rank abort the whole MPI job (idempotent)."""
-    if getattr(sys.excepthook, "_minidist", False):
-        return
-
-    def _abort(exc_type, exc, tb, where="main thread"):
-        rank = _world_rank()
-        lines = traceback.format_exception(exc_type, exc, tb)
-        # One write, so that a kill from another rank's abort cannot cut the report in two.
-        sys.stderr.write(f"[rank {rank}] uncaught exception in {where}, aborting the job:\n"
-                         + "".join(f"[rank {rank}] {ln}" for chunk in lines for ln in chunk.splitlines(True)))
-        sys.stderr.flush()
-        sys.stdout.flush()
-        # Ranks often fail together (each sees the other's bad message); give them a moment to
-        # print their own reports before the abort kills them.
-        time.sleep(ABORT_GRACE_S)
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
-
-    def _thread_abort(args):
-        if args.exc_type is SystemExit:
-            return
-        _abort(args.exc_type, args.exc_value, args.exc_traceback, f"thread {args.thread.name}")
-
-    _abort._minidist = True
-    sys.excepthook = _abort
-    threading.excepthook = _thread_abort
 
 
 def mpiexec_command(nprocs: int) -> list[str]:
@@ -131,7 +91,9 @@ def _arm_hang_dump():
     dump_dir, after = os.environ.get(_HANG_DIR), os.environ.get(_HANG_AFTER)
     if not (dump_dir and after):
         return None
-    f = open(os.path.join(dump_dir, f"rank{_world_rank()}"), "w")
+    from mpi4py import MPI
+
+    f = open(os.path.join(dump_dir, f"rank{MPI.COMM_WORLD.Get_rank()}"), "w")
     # exit=False: a rank that exited first would make mpiexec kill the others before they dump.
     faulthandler.dump_traceback_later(float(after), exit=False, file=f)
     return f
@@ -140,6 +102,8 @@ def _arm_hang_dump():
 def _main(argv):
     if not argv:
         sys.exit("usage: python -m minidist.testing SCRIPT.py[::FUNCTION] [ARGS...]")
+    from minidist.comm.abort import abort_on_exception  # here: the test runner's own process needs no MPI
+
     abort_on_exception()
     _keep = _arm_hang_dump()  # noqa: F841  (the file must stay open)
     target, sys.argv = argv[0], argv

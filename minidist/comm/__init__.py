@@ -2,34 +2,74 @@
 
     from minidist import comm
     g = comm.world()
-    y = comm.all_reduce(x, g, op="sum")          # ring / recursive doubling, see collectives.py
+    y = comm.all_reduce(x, g, op="sum")          # doubling when small, pairwise + gather when large
+    y = comm.all_reduce(x, g, algorithm="ring")  # the textbook ring (algorithms/ring.py)
     h = comm.all_reduce(x, g, async_op=True)     # runs on the group's progress thread
     y = h.wait()
     comm.stats()                                 # bytes and time per collective on this rank
+    comm.set_fast_path(False)                    # only the textbook algorithms from now on
 
-Layers: p2p.py (buffers, byte accounting, simulated links) <- tree.py / ring.py (algorithms)
-<- collectives.py and rooted.py (public API; launch.py: argument checks, stats scope, async;
-fastpath.py, fastgather.py: cached plans for repeated small calls) ; group.py holds communicators and the
-progress thread; check.py the debug-mode agreement of signatures; mesh.py the device mesh
-(``comm.Mesh(dp=2, tp=2).group("tp")``); functional.py the differentiable collectives.
+Start reading at ``algorithms/ring.py``.  The modules, from the wire up:
+
+  p2p.py            every message the algorithms send: raw bytes, size checks, byte accounting
+  links.py          optional simulated latency/bandwidth per message
+  stats.py          per-collective counters and the recent-ops log
+  errors.py         CommError, CollectiveMismatchError
+  abort.py          one rank's uncaught exception aborts the whole job (comm.world() installs it)
+  progress.py       async collectives: one FIFO worker thread per group
+  group.py          Group: a communicator, its async twin, scratch buffers, the plan cache
+  algorithms/       the textbook algorithms, one short function each, with their step schedules:
+    blocks.py       split_bounds (N blocks like np.array_split), the all-gather rows rule
+    ring.py         ring reduce-scatter, all-gather, all-reduce (start here)
+    doubling.py     recursive doubling / halving, Rabenseifner
+    pairwise.py     pairwise reduce-scatter and all-to-all, the 2-rank all-gather swap
+    oneshot.py      one-shot all-gather / reduce-scatter (every message in one round)
+    bruck.py        Bruck all-gather (fixed records, and rows with their counts)
+    evengather.py   all-gather of equal blocks straight into out=
+    trees.py        binomial broadcast / reduce, dissemination barrier
+    pipelined.py    chunked ring reduce-scatter, chain broadcast / reduce
+  fast/             the speed-up wing (switch: MINIDIST_FAST_PATH=0, set_fast_path(False)):
+    __init__.py     run() and remember(): the one plan lookup and the one plan table
+    common.py       what every plan shares
+    exchange.py     a round on MPI persistent requests (one Startall, one Waitall)
+    allreduce.py    recursive-doubling and pairwise all-reduce plans
+    scatter.py      one-shot, ring, halving and pairwise reduce-scatter plans
+    gather.py       pair, Bruck and even all-gather plans
+    directgather.py the one-shot all-gather plan on the caller's own arrays
+  reduction.py      sum/avg/max/min; float16/bfloat16 accumulated in float32
+  check.py          argument checks; MINIDIST_CHECK_COLLECTIVES signature agreement
+  launch.py         argument coercion; run a collective here or on the progress thread
+  reducing.py       all_reduce, reduce_scatter, reduce (algorithm choice and thresholds)
+  rooted.py         scatter, gather
+  collectives.py    all_gather, broadcast, all_to_all, ppermute, barrier (and re-exports)
+  mesh.py           Mesh(dp, pp, tp, cp): a Group per set of axes
+  functional.py     differentiable collectives (Megatron's f/g, all-gather <-> reduce-scatter)
+
+The path of ``comm.all_reduce(x, g)`` to the wire: reducing.all_reduce asks fast.run once
+(a cached plan runs the call, unless the fast path is off); otherwise it checks the
+arguments, picks the algorithm (reducing.all_reduce_algorithm), and launch.launch runs
+reducing._all_reduce in the collective's stats scope, which calls e.g.
+algorithms.doubling.recursive_doubling_all_reduce, whose messages go through
+p2p._sendrecv to MPI's Sendrecv; afterwards fast.remember caches the plan for next time.
 """
 
 from minidist.comm.check import check_enabled, set_check
 from minidist.comm.collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather,
                                        ppermute, reduce, reduce_scatter, scatter)
 from minidist.comm.errors import CollectiveMismatchError, CommError
+from minidist.comm.fast import fast_path_enabled, set_fast_path
 from minidist.comm.group import Group, world
 from minidist.comm.links import link_model, set_link_model
 from minidist.comm.mesh import Mesh
 from minidist.comm.p2p import Request, irecv, isend, recv, recv_into, send, sendrecv
 from minidist.comm.progress import Handle
 from minidist.comm.stats import recent_ops, reset_stats, stats
-from minidist.comm import functional  # noqa: E402  (differentiable collectives: comm.functional.*)
+from minidist.comm import functional  # differentiable collectives: comm.functional.*
 
 __all__ = [
     "Group", "world", "Mesh", "functional", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
     "scatter", "gather", "all_to_all", "ppermute", "barrier", "send", "recv", "recv_into",
     "sendrecv", "isend", "irecv", "Request", "Handle", "stats", "reset_stats", "recent_ops",
-    "set_link_model", "link_model", "set_check", "check_enabled", "CommError",
-    "CollectiveMismatchError",
+    "set_link_model", "link_model", "set_check", "check_enabled", "set_fast_path", "fast_path_enabled",
+    "CommError", "CollectiveMismatchError",
 ]

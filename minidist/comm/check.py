@@ -25,7 +25,7 @@ from minidist.backend import dtype_name
 from minidist.comm import stats
 from minidist.comm.errors import CollectiveMismatchError
 from minidist.comm.p2p import TAG_CHECK
-from minidist.comm.tree import bruck_all_gather
+from minidist.comm.algorithms.bruck import bruck_all_gather
 
 _enabled = os.environ.get("MINIDIST_CHECK_COLLECTIVES", "0").strip().lower() not in ("", "0", "false", "no")
 

@@ -37,13 +37,7 @@ from __future__ import annotations
 
 from minidist.autograd import Tensor, make_tensor
 from minidist.backend import xp
-
-
-def _comm():
-    # Imported on use: minidist.comm's package may import this module while initialising.
-    from minidist import comm
-
-    return comm
+from minidist.comm import collectives
 
 
 def _data(x):
@@ -70,12 +64,12 @@ def _part_bounds(length, size, rank):
 
 def _gather_along(a, g, axis):
     """All-gather ``a`` along ``axis`` (any axis, via axis 0)."""
-    return xp.moveaxis(_comm().all_gather(_to_front(a, axis), g), 0, axis)
+    return xp.moveaxis(collectives.all_gather(_to_front(a, axis), g), 0, axis)
 
 
 def _reduce_scatter_along(a, g, axis):
     """Sum ``a`` over the group, keep part ``g.rank`` of ``axis`` (array_split parts)."""
-    return xp.moveaxis(_comm().reduce_scatter(_to_front(a, axis), g, op="sum"), 0, axis)
+    return xp.moveaxis(collectives.reduce_scatter(_to_front(a, axis), g, op="sum"), 0, axis)
 
 
 def _my_slice(a, g, axis):
@@ -94,7 +88,7 @@ def copy_to_group(x, g):
     Put it where a replicated activation enters a tensor-parallel region: every rank uses
     the same ``x`` with its own weight shard, so ``x``'s gradient is the sum of all ranks'.
     """
-    return make_tensor(_data(x), (x,), lambda grad: (_comm().all_reduce(grad, g, op="sum"),))
+    return make_tensor(_data(x), (x,), lambda grad: (collectives.all_reduce(grad, g, op="sum"),))
 
 
 def reduce_from_group(x, g):
@@ -103,7 +97,7 @@ def reduce_from_group(x, g):
     Put it where a tensor-parallel region ends with partial sums (row-parallel matmul): the
     sum is replicated, and so is the computation after it, so the gradient is complete.
     """
-    return make_tensor(_comm().all_reduce(_data(x), g, op="sum"), (x,), lambda grad: (grad,))
+    return make_tensor(collectives.all_reduce(_data(x), g, op="sum"), (x,), lambda grad: (grad,))
 
 
 # ---------------------------------------------- all-gather <-> reduce-scatter (sequence parallel)
@@ -176,8 +170,8 @@ def ppermute(x, g, perm):
     permutation is its inverse); a rank that sent nothing gets a zero gradient.
     """
     perm = [tuple(p) for p in perm]
-    out = _comm().ppermute(_data(x), g, perm=perm)
-    return make_tensor(out, (x,), lambda grad: (_comm().ppermute(grad, g, perm=_inverse(perm)),))
+    out = collectives.ppermute(_data(x), g, perm=perm)
+    return make_tensor(out, (x,), lambda grad: (collectives.ppermute(grad, g, perm=_inverse(perm)),))
 
 
 def _all_to_all(a, g, split_axis, concat_axis):
@@ -185,7 +179,7 @@ def _all_to_all(a, g, split_axis, concat_axis):
     if n % g.size:
         raise ValueError(f"all_to_all: split axis {split_axis} has length {n}, "
                          f"not divisible by the group size {g.size}")
-    received = _comm().all_to_all(_to_front(a, split_axis), g)  # parts of rank 0, 1, ... stacked
+    received = collectives.all_to_all(_to_front(a, split_axis), g)  # parts of rank 0, 1, ... stacked
     parts = received.reshape(g.size, n // g.size, *received.shape[1:])
     return xp.concatenate([xp.moveaxis(p, 0, split_axis) for p in parts], axis=concat_axis)
 

@@ -18,6 +18,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
+from minidist.comm.abort import abort_on_exception
 from minidist.comm.progress import ProgressWorker
 
 _world = None
@@ -41,7 +42,7 @@ class Group:
         self.name = name if name is not None else f"group{self.size}"
         self.world_ranks = _world_ranks(mpi_comm)
         self._scratch: dict[str, np.ndarray] = {}
-        self._plans: dict = {}  # small-message plans, see fastpath.py
+        self._plans: dict = {}  # cached plans of repeated calls, see comm/fast/
         self._worker = None
         self._worker_lock = threading.Lock()
         # The twin runs this group's async collectives on a duplicate communicator, so
@@ -93,8 +94,6 @@ def world() -> Group:
     global _world
     with _world_lock:
         if _world is None:
-            from minidist.testing import abort_on_exception
-
             abort_on_exception()
             _world = Group(MPI.COMM_WORLD, "world")
         return _world

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from itertools import combinations
 
+from minidist.comm.group import Group, world as world_group
+
 AXES = ("dp", "pp", "cp", "tp")
 """Axis names from outermost (slowest-varying rank index) to innermost (fastest)."""
 
@@ -165,9 +167,7 @@ class Mesh:
         # arguments, so every rank raises the same error and nobody is left waiting.
         self.layout = MeshLayout(dp=dp, pp=pp, tp=tp, cp=cp)
         if world is None:
-            from minidist import comm
-
-            world = comm.world()
+            world = world_group()
         if world.size != self.layout.world_size:
             sizes = ", ".join(f"{a}={self.layout.shape[a]}" for a in AXES)
             raise ValueError(f"mesh {sizes} needs {self.layout.world_size} ranks "
@@ -177,8 +177,6 @@ class Mesh:
         self._groups = self._build_groups()
 
     def _build_groups(self) -> dict:
-        from .group import Group
-
         groups, by_ranks = {}, {}
         for axes in all_axis_sets():
             # The axes of size > 1 decide who is in the group; reuse identical groups.

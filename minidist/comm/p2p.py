@@ -1,7 +1,7 @@
-"""Point-to-point messages: the only MPI data calls minidist makes.
+"""Point-to-point messages: every message minidist's collectives send starts here.
 
-Every collective in :mod:`minidist.comm.collectives` is built from the few functions here, so
-this is the one place that
+The algorithms (:mod:`minidist.comm.algorithms`), the public collectives and the check mode
+send and receive only through the functions of this module, so this is the one place that
 
 * turns an array into an MPI buffer without pickling: a contiguous host array viewed as raw
   bytes (``MPI.BYTE``).  That also carries dtypes MPI has no name for (bfloat16, float16);
@@ -13,9 +13,17 @@ this is the one place that
 * checks that each received message had exactly the expected size, so that ranks calling a
   collective with different shapes get an error instead of a silently wrong answer.
 
+One wing bypasses it, on purpose: the cached plans of :mod:`minidist.comm.fast`.  They call
+mpi4py themselves (``Sendrecv``/``Send``/``Recv`` on message descriptors built once, and
+``Startall``/``Waitall`` on the persistent requests that :func:`persistent_round` made),
+because one more Python call per message is a measurable part of a small collective
+(docs/perf-notes.md).  They still check every received size, never run while the simulated
+link is on, and charge each call's exact byte counts once, through ``stats.record_call``; the
+tests check that ``comm.stats()`` reads the same with the fast path on and off.
+
 Public functions take group-relative ranks and a :class:`~minidist.comm.group.Group`.
-The underscored helpers take an mpi4py communicator and host NumPy arrays; collectives use
-them on their hot paths.
+The underscored helpers take an mpi4py communicator and host NumPy arrays; the algorithms
+use them.
 """
 
 from __future__ import annotations
@@ -125,6 +133,88 @@ def _wait_recv(comm, req, src: int, tag: int, nbytes: int) -> None:
     except MPI.Exception as err:
         raise _truncated(comm, src, tag, nbytes, err) from None
     _check_status(comm, status, src, tag, nbytes)
+
+
+def _exchange(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int, status=None):
+    """Send ``a`` to ``dst`` while receiving into ``out`` from ``src``, for callers that learn
+    something from the size that arrives (a row count, a wrong block): returns the bytes
+    received, or the text "more than K" when the message did not fit ``out``'s K bytes."""
+    if links.enabled:
+        links.delay(a.nbytes)
+    status = MPI.Status() if status is None else status
+    try:
+        comm.Sendrecv([a, MPI.BYTE], dst, tag, [out, MPI.BYTE], src, tag, status)
+    except MPI.Exception as err:
+        if err.Get_error_class() != MPI.ERR_TRUNCATE:
+            raise CommError(f"MPI error while receiving from rank {src} (tag {tag}): {err}") from None
+        stats.count_bytes(a.nbytes, 0)
+        return f"more than {out.nbytes}"
+    got = status.Get_count(MPI.BYTE)
+    stats.count_bytes(a.nbytes, got)
+    return got
+
+
+def _waitall(requests) -> None:
+    """Complete sends (or receives whose size the caller does not check)."""
+    MPI.Request.Waitall(requests)
+
+
+# ------------------------------------------------------ one round of many messages at once
+def _post_round(comm, recvs, sends, tag: int) -> list:
+    """Post a round: an Irecv per (buffer, source), then an Isend per (buffer, dest).
+    Complete it with :func:`_wait_round`."""
+    reqs = [comm.Irecv([buf, MPI.BYTE], src, tag) for buf, src in recvs]
+    sent = 0
+    for buf, dest in sends:
+        if links.enabled:
+            links.delay(buf.nbytes)
+        reqs.append(comm.Isend([buf, MPI.BYTE], dest, tag))
+        sent += buf.nbytes
+    stats.count_bytes(sent, 0)
+    return reqs
+
+
+def _wait_round(reqs, nrecv: int) -> list:
+    """Wait for a whole round; the byte count of each of the first ``nrecv`` requests (the
+    receives), or the text "more than K" for one that got more than its K-byte buffer."""
+    statuses = [MPI.Status() for _ in reqs]
+    try:
+        MPI.Request.Waitall(reqs, statuses)
+        counts = [statuses[i].Get_count(MPI.BYTE) for i in range(nrecv)]
+    except MPI.Exception as err:
+        counts = _settle(err, reqs, statuses, nrecv)
+    stats.count_bytes(0, sum(c for c in counts if type(c) is int))
+    return counts
+
+
+def _settle(err, reqs, statuses, nrecv) -> list:
+    """After a Waitall that failed: a truncated receive makes it stop and leave the later
+    requests pending (MPI_ERR_IN_STATUS).  Complete those one by one (each may be
+    truncated too), so that nothing of the round stays in flight, then give the counts."""
+    if err.Get_error_class() not in (MPI.ERR_IN_STATUS, MPI.ERR_TRUNCATE):
+        raise CommError(f"MPI error in a round of messages: {err}") from None
+    counts = []
+    for i, req in enumerate(reqs):
+        status, code = statuses[i], statuses[i].Get_error()
+        kind = MPI.SUCCESS if code == MPI.SUCCESS else MPI.Get_error_class(code)
+        if kind == MPI.ERR_PENDING or err.Get_error_class() == MPI.ERR_TRUNCATE:
+            status = MPI.Status()
+            try:
+                req.Wait(status)
+                kind = MPI.SUCCESS
+            except MPI.Exception as again:
+                kind = again.Get_error_class()
+        if i < nrecv:
+            got = status.Get_count(MPI.BYTE)
+            counts.append(f"more than {got}" if kind == MPI.ERR_TRUNCATE else got)
+    return counts
+
+
+def _persistent_round(comm, recvs, sends, tag: int) -> list:
+    """The same round as persistent requests (``Recv_init``/``Send_init``, MPI 1.1): made
+    once, then started and completed as often as needed (see fast/exchange.py)."""
+    reqs = [comm.Recv_init([buf, MPI.BYTE], src, tag) for buf, src in recvs]
+    return reqs + [comm.Send_init([buf, MPI.BYTE], dest, tag) for buf, dest in sends]
 
 
 # ----------------------------------------------------------- public, group-relative API

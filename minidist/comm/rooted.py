@@ -8,13 +8,12 @@ keeps it simple: N-1 messages, posted all at once.
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
 
 from minidist.backend import bfloat16
 from minidist.comm import check
 from minidist.comm.launch import check_group as _check_group, host_array as _host, launch as _launch
-from minidist.comm.p2p import TAG_COLLECTIVE as TAG, TAG_META, _isend, _recv, _send
-from minidist.comm.ring import split_bounds
+from minidist.comm.algorithms.blocks import split_bounds
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, TAG_META, _isend, _recv, _send, _waitall
 
 
 def _meta(x) -> np.ndarray:
@@ -55,7 +54,7 @@ def _scatter(g, x, root):
     for i, (lo, hi) in enumerate(parts):
         if i != root:
             requests += [_isend(g.comm, _meta(x[lo:hi]), i, TAG_META), _isend(g.comm, x[lo:hi], i, TAG)]
-    MPI.Request.Waitall(requests)
+    _waitall(requests)
     lo, hi = parts[root]
     return x[lo:hi].copy()
 

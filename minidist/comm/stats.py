@@ -39,7 +39,7 @@ class _State:
 
 class _Local(threading.local):
     """``_tls.state`` is this thread's :class:`_State`.  One object behind one thread-local
-    lookup (each costs ~0.15 us) instead of one lookup per attribute."""
+    lookup instead of one lookup per attribute (docs/perf-notes.md, "Per-call costs")."""
 
     def __init__(self):
         self.state = _State()
@@ -50,7 +50,7 @@ _per_thread: list[dict] = []
 _tls = _Local()
 _recent: collections.deque = collections.deque(maxlen=32)  # append is atomic: no lock
 # How many threads are inside a scope now (under _lock).  Zero, the usual case when a plan
-# runs, proves that this thread is in none, without the thread-local lookup (~0.15 us, paid
+# runs, proves that this thread is in none, without the thread-local lookup (a cost paid
 # about ten times over on oversubscribed ranks).
 _labelled = 0
 _clock = time.perf_counter

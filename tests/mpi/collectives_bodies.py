@@ -16,7 +16,9 @@ from minidist import comm
 from minidist.backend import bfloat16
 from minidist.comm import collectives as C
 from minidist.comm import reducing as R
-from minidist.comm import direct, evengather, ring
+from minidist.comm.algorithms import pairwise, pipelined
+from minidist.comm.stats import scope as stats_scope
+from minidist.comm.fast import exchange
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
 OPS = ["sum", "avg", "max", "min"]
@@ -61,6 +63,15 @@ def shapes(n):
 
 def _counts(rows, n, unit):
     return [len(p) * unit for p in np.array_split(np.arange(rows), n)]
+
+
+def no_plans_when_off(g):
+    """True with the fast path on (then the caller checks the plans it expects); with it off
+    (MINIDIST_FAST_PATH=0), checks that the textbook path never cached a plan."""
+    if comm.fast_path_enabled():
+        return True
+    assert not g._plans, f"the fast path is off, yet plans were cached: {list(g._plans)}"
+    return False
 
 
 def check_reductions():
@@ -274,7 +285,7 @@ def large_paths():
     g, world = comm.world(), MPI.COMM_WORLD
     n, r = g.size, g.rank
     R.SMALL_ALL_REDUCE_BYTES = R.SMALL_ALL_REDUCE_BYTES_WIDE = R.SMALL_REDUCE_BYTES = C.SMALL_BROADCAST_BYTES = 256 << 10
-    ring.PIPELINE_BYTES = 64 << 10
+    pipelined.PIPELINE_BYTES = 64 << 10
     x = np.ones(200_001, np.float32)
     comm.reset_stats()
     comm.all_reduce(x, g)
@@ -293,8 +304,8 @@ def large_paths():
     # unequal length (200_002 rows over 3 ranks), into a fresh result and into out=.
     R.PAIRWISE_BYTES = 256 << 10
     calls = []  # count the pairwise exchanges: the byte formula is the ring's too
-    pairwise = ring.pairwise_reduce_scatter
-    ring.pairwise_reduce_scatter = lambda *a: calls.append(1) or pairwise(*a)
+    plain = R._REDUCE_SCATTERS["pairwise"]
+    R._REDUCE_SCATTERS["pairwise"] = lambda *a: calls.append(1) or plain(*a)
     for dtype in ("float32", "bfloat16", "int64"):
         inputs = [make((200_002,), dtype, k, 9) for k in range(n)]
         want = np.array_split(expected_reduce(inputs, "sum", dtype), n)[r]
@@ -306,7 +317,7 @@ def large_paths():
         assert comm.reduce_scatter(inputs[r], g, out=out) is out
         same(out, want, f"large reduce_scatter out= {dtype}")
     assert len(calls) == 6, f"auto took pairwise exchange in {len(calls)} of 6 large reduce_scatters"
-    ring.pairwise_reduce_scatter = pairwise
+    R._REDUCE_SCATTERS["pairwise"] = plain
     # out=: the result lands in (and is) the caller's buffer, on every path and dtype.
     for dtype in ("float32", "bfloat16"):
         x = make((200_001,), dtype, r, 8)
@@ -343,16 +354,16 @@ def fast_paths():
 
 @contextlib.contextmanager
 def _direct_lanes(g, on):
-    """The one-shot (direct.py) lanes at their thresholds, or (on=False) never taken."""
-    saved = R.DIRECT_BYTES, evengather.DIRECT_BYTES, evengather.DIRECT_MAX_RANKS
+    """The one-shot (oneshot.py) lanes at their thresholds, or (on=False) never taken."""
+    saved = R.ONE_SHOT_BYTES, C.ONE_SHOT_BYTES, C.ONE_SHOT_MAX_RANKS
     if not on:
-        R.DIRECT_BYTES = evengather.DIRECT_BYTES = -1
-        evengather.DIRECT_MAX_RANKS = 0
+        R.ONE_SHOT_BYTES = C.ONE_SHOT_BYTES = -1
+        C.ONE_SHOT_MAX_RANKS = 0
     g._plans.clear()
     try:
         yield
     finally:
-        R.DIRECT_BYTES, evengather.DIRECT_BYTES, evengather.DIRECT_MAX_RANKS = saved
+        R.ONE_SHOT_BYTES, C.ONE_SHOT_BYTES, C.ONE_SHOT_MAX_RANKS = saved
         g._plans.clear()
 
 
@@ -400,10 +411,10 @@ def _reducing_plans(g, direct):
                     xf = np.asfortranarray(inputs[r])
                     same(comm.all_reduce(xf, g, op=op), want, "fast all_reduce of a Fortran-ordered x")
                     same(comm.reduce_scatter(xf, g, op=op), want_rs, "fast reduce_scatter of a Fortran-ordered x")
-    if n > 1:
-        key = ("all_reduce", np.dtype(np.float32), (1000,), "sum", "auto")
+    if n > 1 and no_plans_when_off(g):
+        key = (("all_reduce", "sum", "auto"), np.dtype(np.float32), (1000,))
         assert key in g._plans, "repeated small all_reduce did not cache a plan"
-        plan = g._plans.get(("reduce_scatter", np.dtype(np.float32), (1000,), "sum"))
+        plan = g._plans.get((("reduce_scatter", "sum"), np.dtype(np.float32), (1000,)))
         want_plan = "HalvingPlan" if n > 2 and n & (n - 1) == 0 else "ReduceScatterPlan"
         want_plan = "DirectScatterPlan" if direct else want_plan
         assert type(plan).__name__ == want_plan, f"reduce_scatter on {n} ranks cached {plan!r}"
@@ -429,8 +440,8 @@ def _more_plans(g):
                         same(comm.all_reduce(np.asfortranarray(inputs[r]), g, op=op), want, "pairwise plan, Fortran x")
                     else:
                         same(comm.all_reduce(inputs[r][::-1], g, op=op), want[::-1], "pairwise plan, strided x")
-        plan = g._plans.get(("all_reduce", np.dtype(np.float32), (1001,), "sum", "auto"))
-        assert type(plan).__name__ == "PairwiseAllReducePlan", f"all_reduce on {n} ranks cached {plan!r}"
+        plan = g._plans.get((("all_reduce", "sum", "auto"), np.dtype(np.float32), (1001,)))
+        assert not no_plans_when_off(g) or type(plan).__name__ == "PairwiseAllReducePlan", f"all_reduce on {n} ranks cached {plan!r}"
         comm.reset_stats()
         comm.all_reduce(np.ones(1000 * n, np.float32), g)
         comm.all_reduce(np.ones(1000 * n, np.float32), g)  # the second call runs the plan
@@ -455,8 +466,8 @@ def _more_plans(g):
                     else:
                         flipped = np.array_split(expected_reduce(inputs, op, dtype)[::-1], n)[r]
                         same(comm.reduce_scatter(inputs[r][::-1], g, op=op), flipped, f"pairwise plan, strided x {op}")
-        plan = g._plans.get(("reduce_scatter", np.dtype(np.float32), (1001,), "sum"))
-        assert type(plan).__name__ == "PairwisePlan", f"reduce_scatter on {n} ranks cached {plan!r}"
+        plan = g._plans.get((("reduce_scatter", "sum"), np.dtype(np.float32), (1001,)))
+        assert not no_plans_when_off(g) or type(plan).__name__ == "PairwisePlan", f"reduce_scatter on {n} ranks cached {plan!r}"
         comm.reset_stats()
         comm.reduce_scatter(np.ones(1001, np.float32), g)
         assert comm.stats()["reduce_scatter"]["bytes_sent"] == (1001 - len(np.array_split(np.arange(1001), n)[r])) * 4
@@ -507,8 +518,8 @@ def _gather_plans(g, direct):
         for out_shape, want_plan in ((None, "PairGatherPlan" if n == 2 else "BruckGatherPlan"),
                                      ((3 * n, 2), "DirectGatherPlan" if direct else
                                       "PairGatherPlan" if n == 2 else "EvenGatherPlan")):
-            plan = g._plans.get(("all_gather", np.dtype(np.int16), (3, 2), out_shape))
-            assert type(plan).__name__ == want_plan, f"all_gather on {n} ranks, out {out_shape}: cached {plan!r}"
+            plan = g._plans.get((("all_gather", out_shape), np.dtype(np.int16), (3, 2)))
+            assert not no_plans_when_off(g) or type(plan).__name__ == want_plan, f"all_gather on {n} ranks, out {out_shape}: cached {plan!r}"
 
 
 def bound_plans():
@@ -546,12 +557,13 @@ def bound_plans():
         big[:, ::2] = rx[0]
         same(comm.reduce_scatter(big[:, ::2], g), np.array_split(sx[0].sum(axis=0), n)[r], "strided x")
         calls += 1
-    if n > 1:
-        plan = g._plans[("all_gather", np.dtype(np.float64), (4, 3), (4 * n, 3))]
+    if n > 1 and no_plans_when_off(g):
+        plan = g._plans[(("all_gather", (4 * n, 3)), np.dtype(np.float64), (4, 3))]
         assert type(plan).__name__ == "DirectGatherPlan", plan
         assert plan.bound is not None and plan.bound.x is gx[0] and plan.bound.out is outs[0], "never bound"
-        plan = g._plans[("reduce_scatter", np.dtype(np.float32), (6 * n, 2), "sum")]
+        plan = g._plans[(("reduce_scatter", "sum"), np.dtype(np.float32), (6 * n, 2))]
         assert plan.bound is not None and plan.bound.x is rx[0], "reduce_scatter plan never bound"
+    if n > 1:  # the same accounting with the fast path on and off
         s = comm.stats()
         assert s["all_gather"]["calls"] == s["reduce_scatter"]["calls"] == calls, s
         assert s["all_gather"]["bytes_sent"] == calls * (n - 1) * gx[0].nbytes, s
@@ -589,15 +601,15 @@ def bound_plans():
     except ValueError as err:
         assert "out is read-only" in str(err), err
     # After the exit hook freed every persistent request, the plans still work (afresh).
-    direct.close_all()
+    exchange.close_all()
     same(comm.all_gather(gx[0], g, out=outs[0]), xs[0].reshape(4 * n, 3), "all_gather after close_all")
     same(comm.reduce_scatter(rx[0], g), np.array_split(sx[0].sum(axis=0), n)[r], "reduce_scatter after close_all")
     # Results larger than fastpath.PLAN_MAX_BYTES: no staging; persistent requests on the
     # caller's arrays once they come twice in a row, held by weak reference only, so that
     # the plan never keeps a large out alive.
     mine, big_out = np.empty((40000, 2), np.float32), np.empty((40000 * n, 2), np.float32)
-    saved, evengather.DIRECT_BYTES = evengather.DIRECT_BYTES, 1 << 30  # one-shot at this size on any N
-    key = ("all_gather", np.dtype(np.float32), (40000, 2), (40000 * n, 2))
+    saved, C.ONE_SHOT_BYTES = C.ONE_SHOT_BYTES, 1 << 30  # one-shot at this size on any N
+    key = (("all_gather", (40000 * n, 2)), np.dtype(np.float32), (40000, 2))
 
     def gather_steps(x, out, steps, what):
         for step in steps:
@@ -608,7 +620,7 @@ def bound_plans():
 
     gather_steps(mine, big_out, range(4), "same arrays")
     plan = g._plans.get(key)
-    if n > 1:
+    if n > 1 and no_plans_when_off(g):
         assert type(plan).__name__ == "DirectGatherPlan" and plan.buf is None and plan.bound is None, plan
         assert plan.held is not None and plan.held.out() is big_out, "large lane never held"
         try:  # the weak reference pins the memory the requests point at
@@ -635,9 +647,9 @@ def bound_plans():
     gather_steps(mine, other, range(4, 8), "a new out after the old one died")
     for step in (8, 9):  # a new x each call: the held pair stays, and is not used
         gather_steps(mine.copy(), other, [step], "a new x each call")
-    if n > 1:
+    if n > 1 and no_plans_when_off(g):
         assert plan.held is not None and plan.held.x() is mine and plan.held.out() is other
-    evengather.DIRECT_BYTES = saved
+    C.ONE_SHOT_BYTES = saved
     comm.barrier(g)
     print(f"rank {r}: bound plans passed")
 
@@ -658,7 +670,44 @@ def _uneven_gathers(g):
             empty_rows = comm.all_gather(np.zeros((rows[r], 0), np.float32), g)  # rows of zero bytes
             assert empty_rows.shape == (total, 0), empty_rows.shape
             if n == 2:  # the pair exchange directly: result and byte counts
-                got, sent, received = ring.pair_all_gather(g, x, np.full((total, 2), -1, np.float32))
+                comm.reset_stats()
+                with stats_scope("pair"):
+                    got = pairwise.pair_all_gather(g, x, np.full((total, 2), -1, np.float32))
                 same(got, want, f"pair all_gather {rows}")
-                assert received == (total - rows[r]) * 8 and sent == rows[r] * 8
-                same(ring.pair_all_gather(g, x)[0], want, f"pair all_gather, no out= {rows}")
+                s = comm.stats()["pair"]
+                assert s["bytes_recv"] == (total - rows[r]) * 8 and s["bytes_sent"] == rows[r] * 8, s
+                same(pairwise.pair_all_gather(g, x), want, f"pair all_gather, no out= {rows}")
+
+
+def fast_path_switch():
+    """comm.set_fast_path(False) drops every cached plan and runs the textbook algorithms
+    alone from then on: the same results, the same accounting in comm.stats(), no plan cached."""
+    g = comm.world()
+    n, r = g.size, g.rank
+    rng = np.random.default_rng([r, 11])
+    x = rng.integers(-5, 5, 24 * n).astype(np.float32)
+    rows = rng.integers(-5, 5, (3, 2)).astype(np.float64)
+    full = np.empty((3 * n, 2))
+
+    def calls():
+        comm.reset_stats()
+        got = []
+        for _ in range(3):  # the first call builds each plan, the others run it
+            got += [comm.all_reduce(x, g), comm.all_reduce(x, g, op="max"), comm.reduce_scatter(x, g),
+                    comm.all_gather(rows, g), comm.all_gather(rows, g, out=full).copy()]
+        return got, {k: (v["calls"], v["bytes_sent"], v["bytes_recv"]) for k, v in comm.stats().items()}
+
+    assert comm.fast_path_enabled()
+    fast_results, fast_stats = calls()
+    if n > 1:
+        assert g._plans, "repeated calls cached no plan"
+    comm.set_fast_path(False)
+    assert not g._plans, "set_fast_path(False) kept the cached plans"
+    plain_results, plain_stats = calls()
+    assert not g._plans, "the textbook path cached a plan"
+    for a, b in zip(fast_results, plain_results):
+        same(a, b, "fast path vs textbook path")
+    assert fast_stats == plain_stats, (fast_stats, plain_stats)
+    comm.set_fast_path(True)
+    comm.barrier(g)
+    print(f"rank {r}: fast path switch works")

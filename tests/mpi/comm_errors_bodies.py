@@ -101,7 +101,7 @@ def unchecked_size_mismatch():
 
 
 def unchecked_size_mismatch_after_plan():
-    """The same, once every rank has cached a plan for the (4,) all-reduce (fastpath.py)."""
+    """The same, once every rank has cached a plan for the (4,) all-reduce (fast/allreduce.py)."""
     g = comm.world()
     for _ in range(3):
         comm.all_reduce(np.ones(4, np.float32), g)
@@ -146,7 +146,7 @@ def all_gather_rows_rule():
 
 
 def reduce_scatter_size_mismatch_after_plan():
-    """A one-shot reduce-scatter plan (persistent requests, direct.py) that gets messages of
+    """A one-shot reduce-scatter plan (persistent requests, fast/exchange.py) that gets messages of
     the wrong size, longer (truncated) and shorter, fails loudly on the ranks that see them."""
     g = comm.world()
     for _ in range(3):

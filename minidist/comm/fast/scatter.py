@@ -1,11 +1,11 @@
-"""Cached reduce-scatter plans: the ring, recursive halving and pairwise exchange of
-reducing.py with the per-call Python pared down, and the pairwise all-reduce plan built on
-the last (all-reduce = reduce-scatter + all-gather) (read :mod:`minidist.comm.fastpath` first:
-when plans are made and used, and why they pay).
+"""Cached reduce-scatter plans: the one-shot exchange, the ring, recursive halving and the
+pairwise exchange of the general path with the per-call Python pared down (read
+fast/__init__.py first: when plans are made and used, and why they pay).
 
 Every plan gives exactly the general path's answer (the same additions in the same order)
-and takes ``out=``; a strided 1-D x is refused by MPI (BufferError) before the first
-message, and the plan hands the call back to the general path.
+and sends the same messages, each step's from the algorithm's own schedule; it takes
+``out=``; a strided 1-D x is refused by MPI (BufferError) before the first message, and the
+plan hands the call back to the general path.
 """
 
 from __future__ import annotations
@@ -16,11 +16,15 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from minidist.comm import direct, reduction, stats
-from minidist.comm.fastpath import BYTE, TAG, _all_reduce_result, _clock, _fail
+from minidist.comm import reduction, stats
+from minidist.comm.algorithms.blocks import split_bounds
+from minidist.comm.algorithms.doubling import halving_steps
+from minidist.comm.algorithms.oneshot import add_in_rank_order, operands, peers
+from minidist.comm.algorithms.pairwise import pairwise_steps
+from minidist.comm.algorithms.ring import ring_steps
+from minidist.comm.fast.common import BYTE, TAG, clock, fail
+from minidist.comm.fast.exchange import Exchange
 from minidist.comm.p2p import _size_error
-from minidist.comm.ring import split_bounds
-from minidist.comm.tree import halving_steps
 
 
 class _ScatterPlan:
@@ -57,13 +61,13 @@ class _ScatterPlan:
 class _BoundInput(NamedTuple):
     """Persistent requests bound to a caller's x: x, the round, the blocks to add."""
     x: np.ndarray
-    exchange: direct.Exchange
+    exchange: Exchange
     operands: list
 
 
 class DirectScatterPlan(_ScatterPlan):
-    """direct.reduce_scatter for one small (shape, dtype, op), the round as persistent
-    requests (direct.Exchange: one ``Startall``, one ``Waitall``), then the N copies of
+    """oneshot.one_shot_reduce_scatter for one small (shape, dtype, op), the round as persistent
+    requests (Exchange: one ``Startall``, one ``Waitall``), then the N copies of
     this rank's block added in rank order: the general path's additions in its order.
 
     The sends start on a buffer of the plan's own, into which a call copies x.  When the
@@ -90,19 +94,19 @@ class DirectScatterPlan(_ScatterPlan):
     def _exchange(self, g, flat):
         """The round sending from flat, and the operands to add (this rank's from flat)."""
         bounds, stage, n, r = self.bounds, self.stage, g.size, g.rank
-        to, frm = direct.peers(n, r)
-        exchange = direct.Exchange(g.comm, [(stage[k], s) for k, s in enumerate(frm)],
+        to, frm = peers(n, r)
+        exchange = Exchange(g.comm, [(stage[k], s) for k, s in enumerate(frm)],
                                    [(flat[bounds[d][0]:bounds[d][1]], d) for d in to])
-        return exchange, direct.operands(stage, frm, flat[bounds[r][0]:bounds[r][1]], r)
+        return exchange, operands(stage, frm, flat[bounds[r][0]:bounds[r][1]], r)
 
     def run(self, g, x, out=None):
         """This rank's part, or None when ``out`` doesn't fit (the general path then raises
         its clear error)."""
-        t0 = _clock()
+        t0 = clock()
         bound = self.bound
         # The bound lane (the 4 KB path of a training loop): every check here is paid many
-        # times over on oversubscribed ranks (on 4 ranks sharing 2 cores, the out checks
-        # below cost ~7 us of a ~50 us call), so an out that passed them once is remembered.
+        # times over on oversubscribed ranks (docs/perf-notes.md, "Per-call costs"), so an
+        # out that passed the checks once is remembered.
         if bound is not None and bound.x is x and (out is None or out is self.fit and out.shape == self.shape
                                                    and out.flags.writeable or self._fits_bound(out, x)):
             result = np.empty(self.shape, self.dtype) if out is None else out
@@ -117,7 +121,7 @@ class DirectScatterPlan(_ScatterPlan):
         if wrong is not None:
             stats.note_op("reduce_scatter", g.name, x.shape, x.dtype)
             raise _size_error(g.comm, wrong[0], TAG, self.expect, wrong[1], "reduce_scatter")
-        direct.add_in_rank_order(self.ufunc, operands, result if self.one_d else result.reshape(-1))
+        add_in_rank_order(self.ufunc, operands, result if self.one_d else result.reshape(-1))
         if self.divisor is not None:  # self.finish, inlined (see above)
             reduction.finish(result, "avg", self.divisor, result.dtype)
         stats.record_call(self.call, self.sent, self.recv, t0)
@@ -152,7 +156,7 @@ class DirectScatterPlan(_ScatterPlan):
 
 
 class ReduceScatterPlan(_ScatterPlan):
-    """Ring reduce-scatter (see ring.ring_reduce_scatter) of one small (shape, dtype, op),
+    """Ring reduce-scatter (ring.ring_steps; pipelined.pipelined_ring_reduce_scatter) of one small (shape, dtype, op),
     every step a single Sendrecv (no pipeline chunks: the whole message fits in cache)."""
 
     __slots__ = ("steps", "first", "sent", "recv", "right", "left")
@@ -171,16 +175,16 @@ class ReduceScatterPlan(_ScatterPlan):
         # of the plan's own buffers are made here, once: per step (x's part to add, the
         # receive view and descriptor, its size, where the sum goes [None: the result],
         # and the descriptor of the next step's message: that sum).
-        self.first = bounds[(r - 1) % n]  # the step-0 message: x's own part of that block
+        schedule = ring_steps(n, r, "reduce_scatter")
+        self.first = bounds[schedule[0][0]]  # the step-0 message: x's own part of that block
         self.steps = []
-        for s in range(n - 1):
-            ra, rb = bounds[(r - s - 2) % n]
+        for s, (_, b) in enumerate(schedule):
+            ra, rb = bounds[b]
             got = tmp[:rb - ra]
             dest = None if s == n - 2 else partial[s % 2][:rb - ra]
             self.steps.append((ra, rb, got, [got, BYTE], got.nbytes, dest, None if dest is None else [dest, BYTE]))
         self.steps = tuple(self.steps)
-        blocks = [bounds[(r - s - 1) % n] for s in range(n - 1)]
-        self.sent = sum(b - a for a, b in blocks) * tmp.itemsize
+        self.sent = sum(bounds[b][1] - bounds[b][0] for b, _ in schedule) * tmp.itemsize
         self.recv = sum(rb - ra for ra, rb, *_ in self.steps) * tmp.itemsize
         self.right, self.left = (r + 1) % n, (r - 1) % n
 
@@ -189,7 +193,7 @@ class ReduceScatterPlan(_ScatterPlan):
         raises its clear error) or x is a strided 1-D array (MPI refuses to send it:
         BufferError before the first message; an N-D x is flattened, i.e. copied to C
         order when it is not already)."""
-        t0 = _clock()
+        t0 = clock()
         result = self.result(out)
         if result is None:
             return None
@@ -203,18 +207,18 @@ class ReduceScatterPlan(_ScatterPlan):
             for ra, rb, got, got_msg, nbytes, dest, next_msg in self.steps:
                 comm.Sendrecv(msg, right, TAG, got_msg, left, TAG, status)
                 if status.Get_count(BYTE) != nbytes:
-                    raise _fail("reduce_scatter", g, x, status, left, nbytes)
+                    raise fail("reduce_scatter", g, x, status, left, nbytes)
                 ufunc(flat[ra:rb], got, out=into if dest is None else dest)
                 msg = next_msg
         except BufferError:
             return None
         except MPI.Exception as err:
-            raise _fail("reduce_scatter", g, x, status, left, nbytes, err) from None
+            raise fail("reduce_scatter", g, x, status, left, nbytes, err) from None
         return self.finish(result, self.sent, self.recv, t0)
 
 
 class HalvingPlan(_ScatterPlan):
-    """Recursive-halving reduce-scatter (tree.recursive_halving_reduce_scatter) of one small
+    """Recursive-halving reduce-scatter (doubling.recursive_halving_reduce_scatter) of one small
     (shape, dtype, op) on 4, 8, 16, ... ranks, with the plan's own partial-sum buffer.
 
     Round 0 sends x's half the partner keeps and adds the received half into ``acc``;
@@ -251,7 +255,7 @@ class HalvingPlan(_ScatterPlan):
 
     def run(self, g, x, out=None):
         """As ReduceScatterPlan.run."""
-        t0 = _clock()
+        t0 = clock()
         result = self.result(out)
         if result is None:
             return None
@@ -262,28 +266,27 @@ class HalvingPlan(_ScatterPlan):
         try:
             comm.Sendrecv([flat[s_lo:s_hi], BYTE], peer, TAG, got_msg, peer, TAG, status)
             if status.Get_count(BYTE) != nbytes:
-                raise _fail("reduce_scatter", g, x, status, peer, nbytes)
+                raise fail("reduce_scatter", g, x, status, peer, nbytes)
             ufunc(flat[k_lo:k_hi], got, out=into)
             last = len(self.rounds) - 1
             for i, (peer, msg, got, got_msg, nbytes, mine) in enumerate(self.rounds):
                 comm.Sendrecv(msg, peer, TAG, got_msg, peer, TAG, status)
                 if status.Get_count(BYTE) != nbytes:
-                    raise _fail("reduce_scatter", g, x, status, peer, nbytes)
+                    raise fail("reduce_scatter", g, x, status, peer, nbytes)
                 ufunc(mine, got, out=last_into if i == last else mine)
         except BufferError:  # only the first Sendrecv sends from x
             return None
         except MPI.Exception as err:
-            raise _fail("reduce_scatter", g, x, status, peer, nbytes, err) from None
+            raise fail("reduce_scatter", g, x, status, peer, nbytes, err) from None
         return self.finish(result, self.sent, self.recv, t0)
 
 
 class PairwisePlan(_ScatterPlan):
-    """ring.pairwise_reduce_scatter of one (shape, dtype, op) on more than two ranks, for
+    """pairwise.pairwise_reduce_scatter of one (shape, dtype, op) on more than two ranks, for
     blocks of at most one pipeline chunk (then the general path does one Sendrecv a step
     too): per step one Sendrecv straight from x and one ufunc into the result, the same
-    additions in the same order.  Worth it at 1 MB on 4 oversubscribed ranks, where the
-    general path's bookkeeping around the steps measured 50 us a call (25 before, 25
-    after), about eight times its cost on an idle core."""
+    additions in the same order.  Worth it at 1 MB on oversubscribed ranks
+    (docs/perf-notes.md, "Pairwise plans")."""
 
     __slots__ = ("mine", "steps", "tmp", "tmp_msg", "nbytes", "sent", "recv")
 
@@ -295,14 +298,13 @@ class PairwisePlan(_ScatterPlan):
         self.tmp = np.empty(bounds[r][1] - bounds[r][0], dtype)
         self.tmp_msg, self.nbytes = [self.tmp, BYTE], self.tmp.nbytes
         # Step k: (rank to send to, x's block for it, rank to receive from).
-        self.steps = tuple(((r + k) % n, bounds[(r + k) % n][0], bounds[(r + k) % n][1], (r - k) % n)
-                           for k in range(1, n))
+        self.steps = tuple((dst, *bounds[dst], src) for dst, src in pairwise_steps(n, r))
         self.sent = sum(b - a for _, a, b, _ in self.steps) * self.tmp.itemsize
         self.recv = (n - 1) * self.nbytes
 
     def run(self, g, x, out=None):
         """As ReduceScatterPlan.run."""
-        t0 = _clock()
+        t0 = clock()
         result = self.result(out)
         if result is None:
             return None
@@ -322,72 +324,8 @@ class PairwisePlan(_ScatterPlan):
             for dst, a, b, src in self.steps:
                 comm.Sendrecv([flat[a:b], BYTE], dst, TAG, tmp_msg, src, TAG, status)
                 if status.Get_count(BYTE) != nbytes:
-                    raise _fail(what, g, x, status, src, nbytes)
+                    raise fail(what, g, x, status, src, nbytes)
                 ufunc(acc, tmp, out=into)
                 acc = into
         except MPI.Exception as err:
-            raise _fail(what, g, x, status, src, nbytes, err) from None
-
-
-class PairwiseAllReducePlan:
-    """reducing.pairwise_all_reduce of one (shape, dtype, op) whose blocks fit one pipeline
-    chunk: the steps of a :class:`PairwisePlan` over the flat vector into this rank's block
-    of the result, then the in-place all-gather (recursive doubling on 2, 4, 8, ... ranks,
-    the ring otherwise), every round one Sendrecv on precomputed ranges of the flat result."""
-
-    __slots__ = ("scatter", "rounds", "itemsize", "sent", "recv", "call")
-
-    def __init__(self, g, shape, dtype, op):
-        size = math.prod(shape)
-        self.scatter = PairwisePlan(g, (size,), dtype, op)  # its divisor applies to the whole result
-        self.rounds = _gather_rounds(g.size, g.rank, split_bounds(size, g.size))
-        self.itemsize = np.dtype(dtype).itemsize
-        self.sent = self.scatter.sent + self.itemsize * sum(hi - lo for _, lo, hi, *_ in self.rounds)
-        self.recv = self.scatter.recv + self.itemsize * sum(b - a for *_, a, b in self.rounds)
-        self.call = stats.Call("all_reduce", g.name, shape, np.dtype(dtype))
-
-    def run(self, g, x, out):
-        """As fastpath.AllReducePlan.run (an N-D x in Fortran order is flattened, i.e. copied, first)."""
-        t0 = _clock()
-        acc = _all_reduce_result(x, out)
-        if acc is None:
-            return None
-        flat, res = x.reshape(-1), acc.reshape(-1)
-        lo, hi = self.scatter.mine
-        try:
-            self.scatter.reduce(g, x, flat, res[lo:hi], "all_reduce")
-        except BufferError:  # only the first Sendrecv can meet a strided x
-            return None
-        comm, status, src, nbytes = g.comm, self.scatter.status, None, 0
-        try:
-            for dst, a, b, src, c, d in self.rounds:
-                nbytes = (d - c) * self.itemsize
-                comm.Sendrecv([res[a:b], BYTE], dst, TAG, [res[c:d], BYTE], src, TAG, status)
-                if status.Get_count(BYTE) != nbytes:
-                    raise _fail("all_reduce", g, x, status, src, nbytes)
-        except MPI.Exception as err:
-            raise _fail("all_reduce", g, x, status, src, nbytes, err) from None
-        divisor = self.scatter.divisor
-        if divisor is not None:
-            reduction.finish(acc, "avg", divisor, acc.dtype)
-        stats.record_call(self.call, self.sent, self.recv, t0)
-        return acc
-
-
-def _gather_rounds(n, r, bounds) -> tuple:
-    """The in-place all-gather of reducing.pairwise_all_reduce as (dest, send lo, send hi,
-    source, receive lo, receive hi) element ranges: tree.recursive_doubling_all_gather on
-    2, 4, 8, ... ranks, ring.ring_all_gather otherwise (the same messages in the same order)."""
-    rounds = []
-    if n & (n - 1) == 0:
-        mask = 1
-        while mask < n:
-            mine, theirs = r & ~(mask - 1), (r ^ mask) & ~(mask - 1)
-            rounds.append((r ^ mask, bounds[mine][0], bounds[mine + mask - 1][1],
-                           r ^ mask, bounds[theirs][0], bounds[theirs + mask - 1][1]))
-            mask <<= 1
-    else:
-        for s in range(n - 1):
-            b_send, b_recv = (r - s) % n, (r - s - 1) % n
-            rounds.append(((r + 1) % n, *bounds[b_send], (r - 1) % n, *bounds[b_recv]))
-    return tuple(rounds)
+            raise fail(what, g, x, status, src, nbytes, err) from None

@@ -1,25 +1,22 @@
-"""Cached all-gather plans: the general path's algorithms with the per-call Python pared down.
+"""Cached all-gather plans: the general path's algorithms with the per-call Python pared down
+(read fast/__init__.py first: when plans are made and used, and why they pay).
 
-Same idea as :mod:`minidist.comm.fastpath` (read that first): a plan is built after the first
-fully checked call with a given (dtype, shape) on a group and runs later calls with the same
-algorithm and the same bytes as collectives._all_gather, so results are bit-identical:
+A plan runs later calls with the same algorithm and the same messages as the general path,
+so results are bit-identical:
 
-* an ``out=`` that fixes every block's size, small or on up to 4 ranks:
-  directgather.DirectGatherPlan, the one-shot exchange of direct.py on persistent requests
-  (one ``Startall``, one ``Waitall``);
-* such an ``out=``, larger on more ranks: :class:`EvenGatherPlan`:
-  evengather.even_all_gather, straight from ``out`` to ``out``;
-* otherwise, 2 ranks, :class:`PairGatherPlan`: ring.pair_all_gather, one ``Sendrecv``, the
-  peer's row count read from the message size;
-* otherwise, more ranks, :class:`BruckGatherPlan`: tree.bruck_all_gather_rows, every
-  record = a row count followed by the rows, ceil(log2 N) rounds.
+* :class:`PairGatherPlan` (2 ranks): pairwise.pair_all_gather, one ``Sendrecv``, the peer's
+  row count read from the message size;
+* :class:`BruckGatherPlan` (more ranks): bruck.bruck_all_gather_rows, every record = a row
+  count followed by the rows, ceil(log2 N) rounds;
+* :class:`EvenGatherPlan`: evengather.even_all_gather (doubling or ring), straight from
+  ``out`` to ``out``;
+* directgather.DirectGatherPlan: the one-shot round on persistent requests.
 
 What a plan saves is everything that depends only on the shape: row sizes, partners, the
 packing buffer with this rank's row count already written into it, the MPI status.  Row
 counts still come from the messages every call, so ranks whose blocks differ by a row (each
 with its own plan) still gather right, and a broken row rule raises the general path's
-errors.  On 4 oversubscribed ranks this matters more than the microseconds suggest: while
-one rank runs Python between rounds, its partner spins in MPI on the other core.
+errors.
 """
 
 from __future__ import annotations
@@ -30,33 +27,15 @@ import struct
 import numpy as np
 from mpi4py import MPI
 
-from minidist.comm import evengather, stats
+from minidist.comm import stats
+from minidist.comm.algorithms import evengather
+from minidist.comm.algorithms.bruck import bruck_steps, read_records, records_error, rows_error as bruck_error
+from minidist.comm.algorithms.bruck import unpack_records
+from minidist.comm.algorithms.pairwise import rows_error as pair_error
 from minidist.comm.errors import CommError
-from minidist.comm.p2p import TAG_COLLECTIVE as TAG
-from minidist.comm.ring import _rows_error as _pair_error
-from minidist.comm.tree import _rows_error as _bruck_error, read_records, records_error, unpack_records
+from minidist.comm.fast.common import BYTE, TAG
 
-BYTE = MPI.BYTE
 _COUNT = struct.Struct("=q")  # a record's row count: native int64, as the general path writes it
-
-
-def make_plan(g, shape, dtype, out=None):
-    """The plan for all-gathers of ``shape`` x ``dtype`` on ``g`` into an ``out`` of this
-    shape (or None), or None where the general path is kept (rows of zero bytes: nothing to
-    gain, and no row size to divide by; a block of the wrong size for the even lane)."""
-    if g.size < 2 or 0 in shape[1:]:
-        return None
-    if evengather.applies(g.size, None, out):  # the general path's choice, see collectives._all_gather
-        if out.shape[0] != g.size * shape[0]:
-            return None
-        if evengather.pick(g.size, "auto", out.nbytes) == "direct":
-            from minidist.comm.directgather import DirectGatherPlan  # late: it builds on _GatherPlan
-            return DirectGatherPlan(g, shape, dtype, out)
-        if g.size > 2:  # two ranks otherwise take the pair exchange (collectives._pair_lane)
-            return EvenGatherPlan(g, shape, dtype, out)
-    if g.size == 2:
-        return PairGatherPlan(g, shape, dtype, out)
-    return BruckGatherPlan(g, shape, dtype, out)
 
 
 class _GatherPlan:
@@ -87,7 +66,7 @@ class _GatherPlan:
 
 
 class PairGatherPlan(_GatherPlan):
-    """ring.pair_all_gather with the row size and partner precomputed, and with ``out=``
+    """pairwise.pair_all_gather with the row size and partner precomputed, and with ``out=``
     (whose shape the plan was made for) the slices of out to receive into and copy x to,
     and the size of the expected message: a call is then one Sendrecv, one size check and
     one copy."""
@@ -118,8 +97,8 @@ class PairGatherPlan(_GatherPlan):
         except BufferError:  # x or out is strided: nothing was sent, the general path copies x or rejects out
             return None
         except MPI.Exception as err:
-            raise _pair_error(g, x, f"a block longer than the {out.shape[0] - self.rows} rows of room", out,
-                              err) from None
+            raise _mpi_error(g, err) or pair_error(g, x, f"a block longer than the {out.shape[0] - self.rows} "
+                                                         f"rows of room", out) from None
         nbytes = status.Get_count(BYTE)
         if nbytes != self.expect:
             theirs, odd = divmod(nbytes, self.row_bytes)
@@ -133,7 +112,7 @@ class PairGatherPlan(_GatherPlan):
 
     def _run_fresh(self, g, x):
         """Without out=: the result is a view of a fresh buffer one row longer than needed,
-        as the peer may have a row more (ring.pair_all_gather)."""
+        as the peer may have a row more (pairwise.pair_all_gather)."""
         t0 = stats._clock()
         rows, r = self.rows, self.rank
         buf = np.empty((2 * rows + 1,) + self.tail, self.dtype)
@@ -144,7 +123,8 @@ class PairGatherPlan(_GatherPlan):
         except BufferError:
             return None
         except MPI.Exception as err:
-            raise _pair_error(g, x, f"a block longer than the {room.shape[0]} rows of room", None, err) from None
+            raise _mpi_error(g, err) or pair_error(g, x, f"a block longer than the {room.shape[0]} rows of room") \
+                from None
         nbytes = status.Get_count(BYTE)
         theirs, odd = divmod(nbytes, self.row_bytes)
         if odd or abs(theirs - rows) > 1:
@@ -163,11 +143,11 @@ class PairGatherPlan(_GatherPlan):
             raise CommError(f"all_gather: rank {1 - self.rank} of group {self.name!r} sent {nbytes} bytes, not a "
                             f"whole number of rows of shape {self.tail} {self.dtype} ({self.row_bytes} bytes "
                             f"each): the ranks passed different trailing shapes or dtypes")
-        raise _pair_error(g, x, f"{theirs} rows", out)
+        raise pair_error(g, x, f"{theirs} rows", out)
 
 
 class BruckGatherPlan(_GatherPlan):
-    """tree.bruck_all_gather_rows with a packing buffer of its own, this rank's row count
+    """bruck.bruck_all_gather_rows with a packing buffer of its own, this rank's row count
     already in its first 8 bytes (receives land after this rank's record, never on it).
 
     Two lanes.  While every record holds ``rows`` rows (the usual case: equal shards) the
@@ -189,14 +169,9 @@ class BruckGatherPlan(_GatherPlan):
         rec = self.record = 8 + self.nbytes
         # Per round: records to send, send to, receive from, and for the even lane the send
         # and receive descriptors, the bytes to expect and the offsets of the counts.
-        rounds, have = [], 1
-        while have < n:
-            cnt = min(have, n - have)
-            end = have * rec
-            rounds.append((cnt, (r - have) % n, (r + have) % n, [buf[:cnt * rec], BYTE], [buf[end:], BYTE],
-                           cnt * rec, tuple(end + j * rec for j in range(cnt))))
-            have += cnt
-        self.rounds = tuple(rounds)
+        self.rounds = tuple((cnt, dest, source, [buf[:cnt * rec], BYTE], [buf[have * rec:], BYTE], cnt * rec,
+                             tuple(have * rec + j * rec for j in range(cnt)))
+                            for have, cnt, dest, source in bruck_steps(n, r))
         self.full_shape = (n * rows,) + self.tail
         self.blocks_shape = (n, rows) + self.tail
         # The rows of every record, as an (n, rows, *tail) view of buf: position j is rank (r+j)%n.
@@ -216,8 +191,8 @@ class BruckGatherPlan(_GatherPlan):
             try:
                 comm.Sendrecv(send_msg, dest, TAG, recv_msg, source, TAG, status)
             except MPI.Exception as err:
-                raise self._fail(g, _bruck_error(g, rows, f"more than {buf.nbytes - heads[0]} bytes of records",
-                                                 err)) from None
+                raise self._fail(g, _mpi_error(g, err) or bruck_error(
+                    g, rows, f"more than {buf.nbytes - heads[0]} bytes of records")) from None
             nbytes = status.Get_count(BYTE)
             sent, received = sent + expect, received + nbytes
             even = nbytes == expect
@@ -251,8 +226,8 @@ class BruckGatherPlan(_GatherPlan):
                 try:
                     comm.Sendrecv([outgoing, BYTE], dest, TAG, [buf[end:], BYTE], source, TAG, status)
                 except MPI.Exception as err:
-                    raise self._fail(g, _bruck_error(g, rows, f"more than {buf.nbytes - end} bytes of records",
-                                                     err)) from None
+                    raise self._fail(g, _mpi_error(g, err) or bruck_error(
+                        g, rows, f"more than {buf.nbytes - end} bytes of records")) from None
                 nbytes = status.Get_count(BYTE)
                 sent, received = sent + outgoing.nbytes, received + nbytes
             end, c = read_records(buf, end, end + nbytes, cnt, rows, row_bytes, starts, counts)
@@ -260,7 +235,7 @@ class BruckGatherPlan(_GatherPlan):
                 raise self._fail(g, records_error(self.name, nbytes, source, cnt, self.tail, self.dtype))
             bad = c if c is not None else bad  # keep going, so the other ranks get their records
         if bad is not None:
-            raise self._fail(g, _bruck_error(g, rows, f"a block of {bad} rows"))
+            raise self._fail(g, bruck_error(g, rows, f"a block of {bad} rows"))
         result = self._unpack(starts, counts, out)
         stats.record_call(self.call, sent, received, t0)
         return result
@@ -281,11 +256,10 @@ class EvenGatherPlan(_GatherPlan):
 
     __slots__ = ("own", "rounds", "sent", "received")
 
-    def __init__(self, g, shape, dtype, out):
+    def __init__(self, g, shape, dtype, out, algorithm):
         super().__init__(g, shape, dtype, out)
         self.own = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
-        self.rounds = evengather.byte_rounds(self.n, self.rank, evengather.pick(self.n, "auto", out.nbytes),
-                                             self.nbytes)
+        self.rounds = evengather.byte_rounds(self.n, self.rank, algorithm, self.nbytes)
         self.sent = sum(shi - slo for _, slo, shi, *_ in self.rounds)
         self.received = sum(rhi - rlo for *_, rlo, rhi in self.rounds)
 
@@ -302,13 +276,21 @@ class EvenGatherPlan(_GatherPlan):
                 comm.Sendrecv([flat[slo:shi], BYTE], dest, TAG, [flat[rlo:rhi], BYTE], source, TAG, status)
                 got = status.Get_count(BYTE)
             except MPI.Exception as err:
-                if err.Get_error_class() != MPI.ERR_TRUNCATE:
-                    raise CommError(f"all_gather: MPI error while receiving on group {self.name!r}: {err}") from None
+                error = _mpi_error(g, err)
+                if error is not None:
+                    raise error from None
                 got = f"more than {rhi - rlo}"
             if got != rhi - rlo:  # finish the rounds with empty messages, so that every rank raises
                 bad = f"rank {source} sent {got} bytes where {rhi - rlo} were expected"
-                evengather.exchange(g, flat, self.rounds[k + 1:], status, bad)
+                evengather.exchange(g, flat, self.rounds[k + 1:], bad, status)
                 stats.note_op("all_gather", self.name, x.shape, self.dtype)
                 raise evengather.error(g, out, bad)
         stats.record_call(self.call, self.sent, self.received, t0)
         return out
+
+
+def _mpi_error(g, err):
+    """A CommError for an MPI error other than a truncated receive (which the caller words), or None."""
+    if err.Get_error_class() == MPI.ERR_TRUNCATE:
+        return None
+    return CommError(f"all_gather: MPI error while receiving on group {g.name!r}: {err}")

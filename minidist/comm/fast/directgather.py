@@ -1,6 +1,6 @@
-"""The cached one-shot all-gather plan: direct.py's single round on persistent requests,
-bound to the caller's arrays once they come back (read :mod:`minidist.comm.fastgather`
-first: the other all-gather plans and what every plan knows)."""
+"""The cached one-shot all-gather plan: oneshot.py's single round on persistent requests,
+bound to the caller's arrays once they come back (read fast/gather.py first: the other
+all-gather plans and what every plan knows)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from minidist.comm import direct, evengather, fastpath, ring
-from minidist.comm.fastgather import _GatherPlan
-# Functions, not the module: imported on first use, when minidist.comm's ``stats`` is the function.
-from minidist.comm.stats import _clock, note_op, record_call
+from minidist.comm import stats
+from minidist.comm.algorithms.oneshot import describe, gather_round, peers
+from minidist.comm.algorithms.evengather import error as gather_error
+from minidist.comm.algorithms.pairwise import pair_all_gather
+from minidist.comm.fast.common import PLAN_MAX_BYTES, clock
+from minidist.comm.fast.exchange import Exchange
+from minidist.comm.fast.gather import _GatherPlan
 
 
 class _Bound(NamedTuple):
@@ -21,7 +24,7 @@ class _Bound(NamedTuple):
     x: np.ndarray
     out: np.ndarray
     own: np.ndarray
-    exchange: direct.Exchange
+    exchange: Exchange
 
 
 class _Held(NamedTuple):
@@ -30,14 +33,14 @@ class _Held(NamedTuple):
     weak reference, so a live x or out still has the memory the requests point at.)"""
     x: weakref.ref
     out: weakref.ref
-    exchange: direct.Exchange
+    exchange: Exchange
 
 
 class DirectGatherPlan(_GatherPlan):
-    """direct.all_gather for one (x shape, out shape).
+    """oneshot.one_shot_all_gather for one (x shape, out shape).
 
-    Small results (up to fastpath.PLAN_MAX_BYTES) run the round as persistent requests
-    (direct.Exchange: one ``Startall``, one ``Waitall``).  Requests hold their buffers'
+    Small results (up to PLAN_MAX_BYTES) run the round as persistent requests
+    (Exchange: one ``Startall``, one ``Waitall``).  Requests hold their buffers'
     addresses, so the plan starts on a buffer of its own: a call copies x in and the result
     out.  When the same x and out arrays come twice in a row (a training loop's parameter
     shard and gather buffer), the plan binds a second set of requests to them, and later
@@ -49,18 +52,15 @@ class DirectGatherPlan(_GatherPlan):
     messages save), and once the same x and out come twice in a row, the plan holds
     persistent requests on their memory too, but by weak reference only: a large ``out``
     must not outlive its caller's use of it (ZeRO-3 frees gathered parameters).  Posting
-    afresh costs more than it seems.  Each microsecond of Python before the messages start
-    showed up about ten times over in the call's time (1 MB result, 2 ranks: an empty
-    40-step loop, 0.7 us, added 8 us; measured against MPI's Allgather in one launch, the
-    same round posted by hand on persistent requests ran at 1.07-1.24x, through a plan with
-    its checks in front at 0.95-1.06x, and through the public function at 0.83-0.93x)."""
+    afresh costs more than it seems: each microsecond of Python before the messages start
+    shows up several times over in the call's time (docs/perf-notes.md, "Held requests")."""
 
     __slots__ = ("buf", "own", "exchange", "bound", "seen", "held")
 
     def __init__(self, g, shape, dtype, out):
         super().__init__(g, shape, dtype, out)
         self.buf = self.own = self.exchange = self.bound = self.seen = self.held = None
-        if out.nbytes <= fastpath.PLAN_MAX_BYTES:
+        if out.nbytes <= PLAN_MAX_BYTES:
             self.buf = np.empty(out.shape, self.dtype)
             self.own = self.buf[self.rank * self.rows:(self.rank + 1) * self.rows]
             self.exchange = self._exchange(self.buf, self.own)
@@ -68,13 +68,12 @@ class DirectGatherPlan(_GatherPlan):
 
     def _exchange(self, out, x):
         flat, block, r = out.reshape(-1).view(np.uint8), self.nbytes, self.rank
-        to, frm = direct.peers(self.n, r)
-        return direct.Exchange(self.comm, [(flat[s * block:(s + 1) * block], s) for s in frm],
-                               [(x, d) for d in to])
+        to, frm = peers(self.n, r)
+        return Exchange(self.comm, [(flat[s * block:(s + 1) * block], s) for s in frm], [(x, d) for d in to])
 
     def run(self, g, x, out):
         """The gathered array, or None when the general path must take the call."""
-        t0 = _clock()
+        t0 = clock()
         bound, held = self.bound, self.held
         # The bound and held lanes first, with no checks but identity: every line before the
         # Startall counts (see the class docstring).  The cache key has matched out's
@@ -93,25 +92,29 @@ class DirectGatherPlan(_GatherPlan):
                 out[...] = self.buf
                 if self._again(x, out):
                     self._bind(x, out)
-        else:
-            wrong = self._round(g, x, out)
-            if wrong is None and self._again(x, out):
-                self._hold(x, out)
+        else:  # large, posted afresh by the general path's algorithm, which counts its own bytes
+            with stats.scope("all_gather"):
+                wrong = self._round(g, x, out)
+            if wrong is None:
+                stats.note_op("all_gather", self.name, x.shape, self.dtype)
+                if self._again(x, out):
+                    self._hold(x, out)
+                return out
         if wrong is not None:
-            note_op("all_gather", self.name, x.shape, self.dtype)
-            raise evengather.error(g, out, direct.describe(wrong, self.nbytes))
-        record_call(self.call, self.nbytes * (self.n - 1), self.nbytes * (self.n - 1), t0)
+            stats.note_op("all_gather", self.name, x.shape, self.dtype)
+            raise gather_error(g, out, describe(wrong, self.nbytes))
+        stats.record_call(self.call, self.nbytes * (self.n - 1), self.nbytes * (self.n - 1), t0)
         return out
 
     def _round(self, g, x, out):
         """A large round posted afresh.  Two ranks: the general path's pair exchange
-        (collectives._pair_lane), one Sendrecv from x: the same message each way as the
-        one-shot round, and faster than copying first and posting from out."""
+        (collectives.all_gather_algorithm), one Sendrecv from x: the same message each way
+        as the one-shot round, and faster than copying first and posting from out."""
         if self.n == 2 and x.flags.c_contiguous and not np.may_share_memory(x, out):
-            ring.pair_all_gather(g, x, out, self.status)  # raises the general path's errors
+            pair_all_gather(g, x, out, self.status)  # raises the general path's errors
             return None
         out[self.rank * self.rows:(self.rank + 1) * self.rows] = x
-        return direct.gather_round(self.comm, out.reshape(-1).view(np.uint8), self.n, self.rank)[2]
+        return gather_round(self.comm, out.reshape(-1).view(np.uint8), self.n, self.rank)
 
     def _again(self, x, out) -> bool:
         """Did (x, out) come in the previous call too (then requests may be bound to them)?
@@ -143,8 +146,8 @@ class DirectGatherPlan(_GatherPlan):
         xa, oa = MPI.buffer(x).address, MPI.buffer(out).address
         sent = MPI.buffer.fromaddress(xa, block, readonly=True)
         own = np.frombuffer(MPI.buffer.fromaddress(oa + self.rank * block, block), np.uint8)
-        to, frm = direct.peers(self.n, self.rank)
-        exchange = direct.Exchange(self.comm, [(MPI.buffer.fromaddress(oa + s * block, block), s) for s in frm],
+        to, frm = peers(self.n, self.rank)
+        exchange = Exchange(self.comm, [(MPI.buffer.fromaddress(oa + s * block, block), s) for s in frm],
                                    [(sent, d) for d in to], during=(own, np.frombuffer(sent, np.uint8)))
         self.held = _Held(weakref.ref(x), weakref.ref(out), exchange)
 

@@ -1,0 +1,41 @@
+"""What every cached plan shares: the MPI constants, the clock, the result array of an
+all-reduce, and the general path's error for a message of the wrong size."""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist.comm import stats
+from minidist.comm.errors import CommError
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _size_error, _truncated
+
+BYTE = MPI.BYTE
+clock = stats._clock  # time.perf_counter, one global lookup instead of two
+# A plan that owns buffers of X bytes is made only up to this size (the cache holds up to
+# 256 plans); above it Python's per-call work is noise next to moving the bytes.
+PLAN_MAX_BYTES = 512 * 1024
+
+__all__ = ["BYTE", "TAG", "clock", "PLAN_MAX_BYTES", "fail", "all_reduce_result"]
+
+
+def fail(what, g, x, status, src, expected, err=None) -> CommError:
+    """The general path's error for a message of the wrong size (or a truncated one).  The
+    call is logged now: a plan only logs it at the end, when it succeeded."""
+    stats.note_op(what, g.name, x.shape, x.dtype)
+    comm = g.comm
+    if err is not None:
+        return _truncated(comm, src, TAG, expected, err, what)
+    return _size_error(comm, src, TAG, expected, status.Get_count(BYTE), what)
+
+
+def all_reduce_result(x, out):
+    """An all-reduce plan's result array: a fresh one, or ``out`` when it fits (C-contiguous:
+    later rounds send from it; writeable, or numpy would raise between two messages); None
+    (the general path raises the clear error, before any message) otherwise."""
+    if out is None:
+        return np.empty(x.shape, x.dtype)
+    if (type(out) is np.ndarray and out.shape == x.shape and out.dtype is x.dtype and out.flags.c_contiguous
+            and out.flags.writeable):
+        return out
+    return None

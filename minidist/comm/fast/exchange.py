@@ -1,0 +1,83 @@
+"""A round of messages as MPI persistent requests: one ``Startall``, one ``Waitall`` a call.
+
+The one-shot schedule (algorithms/oneshot.py) has a single round, so when its buffers are
+fixed a whole collective can be two MPI calls on persistent requests (``Send_init`` /
+``Recv_init``, MPI 1.1), with no per-message Python at all.  The one-shot plans
+(scatter.DirectScatterPlan, directgather.DirectGatherPlan) hold their rounds as
+:class:`Exchange` objects.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+
+from mpi4py import MPI
+
+from minidist.comm.algorithms.oneshot import first_wrong
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _persistent_round, _settle
+
+BYTE = MPI.BYTE
+_live = weakref.WeakSet()  # every open Exchange, freed before MPI_Finalize (see close_all)
+_startall, _waitall = MPI.Prequest.Startall, MPI.Request.Waitall
+
+
+class Exchange:
+    """One round on fixed buffers as persistent requests: :meth:`run` is one ``Startall``
+    and one ``Waitall``, with an optional local copy (``during``: a (dst, src) pair of
+    arrays) made while the messages travel.  Requests hold the buffers' addresses: their
+    owner keeps the buffers alive, or (a held all-gather round) runs the round only while
+    they live.  Once closed, it still works: it posts the same round afresh each time (a
+    collective run from a late exit hook, say)."""
+
+    __slots__ = ("comm", "recvs", "sends", "reqs", "during", "statuses", "received", "sources", "__weakref__")
+
+    def __init__(self, comm, recvs, sends, during=None):
+        self.comm, self.recvs, self.sends, self.during = comm, recvs, sends, during
+        self.reqs = _persistent_round(comm, recvs, sends, TAG)
+        self.statuses = [MPI.Status() for _ in self.reqs]
+        self.received = self.statuses[:len(recvs)]
+        self.sources = [src for _, src in recvs]
+        _live.add(self)
+
+    def run(self, expect: int):
+        """Start the round, make the ``during`` copy, wait.  None when every receive
+        brought ``expect`` bytes, else the (source, byte count or "more than K") of the
+        first that did not.  One method, not a start and a finish: on oversubscribed ranks
+        each Python call costs several times its own time (docs/perf-notes.md)."""
+        reqs = self.reqs
+        if reqs is None:  # closed: the same round posted afresh (the plan does the accounting)
+            reqs = [self.comm.Irecv([buf, BYTE], src, TAG) for buf, src in self.recvs]
+            reqs += [self.comm.Isend([buf, BYTE], dest, TAG) for buf, dest in self.sends]
+        else:
+            _startall(reqs)
+        if self.during is not None:
+            dst, src = self.during
+            dst[...] = src
+        try:
+            _waitall(reqs, self.statuses)
+        except MPI.Exception as err:
+            return first_wrong(_settle(err, reqs, self.statuses, len(self.sources)), expect, self.sources)
+        for status in self.received:
+            if status.Get_count(BYTE) != expect:
+                return first_wrong([s.Get_count(BYTE) for s in self.received], expect, self.sources)
+        return None
+
+    def close(self) -> None:
+        """Free the requests: MPI warns at exit about persistent requests left open."""
+        if self.reqs is not None and not MPI.Is_finalized():
+            for req in self.reqs:
+                if req != MPI.REQUEST_NULL:
+                    req.Free()
+        self.reqs = None
+        _live.discard(self)
+
+    # An Exchange dropped with its plan (the cache evicted it, a test cleared it) frees its
+    # requests then, instead of leaving them to the exit hook.
+    __del__ = close
+
+
+@atexit.register  # runs before mpi4py's MPI_Finalize, which Python calls after atexit's hooks
+def close_all() -> None:
+    for exchange in list(_live):
+        exchange.close()
