@@ -519,7 +519,8 @@ def _gather_plans(g, direct):
                                      ((3 * n, 2), "DirectGatherPlan" if direct else
                                       "PairGatherPlan" if n == 2 else "EvenGatherPlan")):
             plan = g._plans.get((("all_gather", out_shape), np.dtype(np.int16), (3, 2)))
-            assert not no_plans_when_off(g) or type(plan).__name__ == want_plan, f"all_gather on {n} ranks, out {out_shape}: cached {plan!r}"
+            assert not no_plans_when_off(g) or type(plan).__name__ == want_plan, \
+                f"all_gather on {n} ranks, out {out_shape}: cached {plan!r}"
 
 
 def bound_plans():

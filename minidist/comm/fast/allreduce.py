@@ -14,7 +14,7 @@ from minidist.comm.algorithms.blocks import split_bounds
 from minidist.comm.algorithms.doubling import (EXCHANGE, GIVE, RESULT_IN, RESULT_OUT, TAKE, doubling_gather_steps,
                                                recursive_doubling_schedule)
 from minidist.comm.algorithms.ring import ring_steps
-from minidist.comm.fast.common import BYTE, TAG, all_reduce_result, clock, fail
+from minidist.comm.fast.common import BYTE, TAG, clock, fail, result_array
 from minidist.comm.fast.scatter import PairwisePlan
 
 
@@ -47,7 +47,7 @@ class AllReducePlan:
         t0 = clock()
         if x.ndim > 1 and not x.flags.c_contiguous:  # e.g. x.T: MPI would send its bytes column-major
             return None
-        acc = all_reduce_result(x, out)
+        acc = result_array(out, x.shape, x.dtype)
         if acc is None:
             return None
         try:
@@ -127,7 +127,7 @@ class PairwiseAllReducePlan:
     def run(self, g, x, out):
         """As AllReducePlan.run (an N-D x in Fortran order is flattened, i.e. copied, first)."""
         t0 = clock()
-        acc = all_reduce_result(x, out)
+        acc = result_array(out, x.shape, x.dtype)
         if acc is None:
             return None
         flat, res = x.reshape(-1), acc.reshape(-1)

@@ -16,7 +16,7 @@ clock = stats._clock  # time.perf_counter, one global lookup instead of two
 # 256 plans); above it Python's per-call work is noise next to moving the bytes.
 PLAN_MAX_BYTES = 512 * 1024
 
-__all__ = ["BYTE", "TAG", "clock", "PLAN_MAX_BYTES", "fail", "all_reduce_result"]
+__all__ = ["BYTE", "TAG", "clock", "PLAN_MAX_BYTES", "fail", "result_array"]
 
 
 def fail(what, g, x, status, src, expected, err=None) -> CommError:
@@ -29,13 +29,14 @@ def fail(what, g, x, status, src, expected, err=None) -> CommError:
     return _size_error(comm, src, TAG, expected, status.Get_count(BYTE), what)
 
 
-def all_reduce_result(x, out):
-    """An all-reduce plan's result array: a fresh one, or ``out`` when it fits (C-contiguous:
-    later rounds send from it; writeable, or numpy would raise between two messages); None
-    (the general path raises the clear error, before any message) otherwise."""
+def result_array(out, shape, dtype):
+    """A plan's result array: a fresh one, or ``out`` when it fits (that shape and the very
+    dtype object; C-contiguous, as the general path demands and later rounds send from it;
+    writeable, or numpy would raise between two messages); None (the general path then
+    raises the clear error, before any message) otherwise."""
     if out is None:
-        return np.empty(x.shape, x.dtype)
-    if (type(out) is np.ndarray and out.shape == x.shape and out.dtype is x.dtype and out.flags.c_contiguous
+        return np.empty(shape, dtype)
+    if (type(out) is np.ndarray and out.shape == shape and out.dtype is dtype and out.flags.c_contiguous
             and out.flags.writeable):
         return out
     return None

@@ -22,7 +22,7 @@ from minidist.comm.algorithms.doubling import halving_steps
 from minidist.comm.algorithms.oneshot import add_in_rank_order, operands, peers
 from minidist.comm.algorithms.pairwise import pairwise_steps
 from minidist.comm.algorithms.ring import ring_steps
-from minidist.comm.fast.common import BYTE, TAG, clock, fail
+from minidist.comm.fast.common import BYTE, TAG, clock, fail, result_array
 from minidist.comm.fast.exchange import Exchange
 from minidist.comm.p2p import _size_error
 
@@ -42,14 +42,8 @@ class _ScatterPlan:
         self.call = stats.Call("reduce_scatter", g.name, shape, self.dtype)
 
     def result(self, out):
-        """A fresh result array, or ``out`` when it fits (C-contiguous, as the general path
-        demands); None (general path, which raises the clear error) otherwise."""
-        if out is None:
-            return np.empty(self.shape, self.dtype)
-        if (type(out) is np.ndarray and out.shape == self.shape and out.dtype is self.dtype and out.flags.c_contiguous
-                and out.flags.writeable):
-            return out
-        return None
+        """common.result_array for this rank's part."""
+        return result_array(out, self.shape, self.dtype)
 
     def finish(self, result, sent, received, t0):
         if self.divisor is not None:
