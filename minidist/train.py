@@ -11,6 +11,11 @@ One optimizer step (see :func:`train_step`):
 
 Every per-device technique of the lecture seeds is a flag: gradient accumulation,
 activation checkpointing, mixed precision (bf16/fp16 compute, fp32 master weights).
+
+Bad input (a number out of range, a missing or unreadable ``--data``, an output that cannot
+be written or would overwrite ``--data``, a model too large for memory) is refused before any
+work with one line and exit code 2 (:mod:`minidist.cli_checks`).  A run ends with a summary
+table: steps, final losses, tokens/s, MFU, peak memory and wall time.
 """
 
 from __future__ import annotations
@@ -21,91 +26,150 @@ import math
 import os
 import time
 
+from .cli_checks import (InputError, available_memory_bytes, check_input_file, check_memory, check_output_files,
+                         float_in, int_in, training_memory_bytes)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Adds "(default: X)" only where the help does not already say it and X means something."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        meaningless = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if meaningless or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line (argparse's usage block would bury the message); exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+POSITIVE, NON_NEGATIVE = int_in(lo=1), int_in(lo=0)
+
+EXAMPLES = """examples:
+  minidist-train --steps 300                                  the demo
+  minidist-train --dtype float64 --steps 20                   exact arithmetic, for checks
+  minidist-train --grad-accum 4 --checkpoint-activations --mixed-precision bf16
+  minidist-train --data my.txt --metrics-jsonl run.jsonl --trace trace.json
+
+Bad input (a value out of range, a missing file, an output that would overwrite --data, a
+model too large for memory) stops the run before any work with one message and exit code 2.
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="minidist-train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(prog="minidist-train", formatter_class=_HelpFormatter, epilog=EXAMPLES,
+                description="Train a small GPT on bytes, printing progress and writing metrics.")
     m = p.add_argument_group("model")
-    m.add_argument("--layers", type=int, default=4, help="number of transformer blocks")
-    m.add_argument("--d-model", type=int, default=128, help="width of the residual stream")
-    m.add_argument("--heads", type=int, default=4, help="attention heads (must divide --d-model)")
-    m.add_argument("--block-size", type=int, default=None,
-                   help="size of the position table (longest sequence the model accepts); default: --seq-len")
+    m.add_argument("--layers", type=POSITIVE, default=4, metavar="N", help="number of transformer blocks")
+    m.add_argument("--d-model", type=POSITIVE, default=128, metavar="N", help="width of the residual stream")
+    m.add_argument("--heads", type=POSITIVE, default=4, metavar="N", help="attention heads, a divisor of --d-model")
+    m.add_argument("--block-size", type=POSITIVE, default=None, metavar="N",
+                   help="size of the position table, the longest sequence the model accepts (default: --seq-len)")
     m.add_argument("--untied", action="store_true", help="separate LM head instead of tying it to the embedding")
     d = p.add_argument_group("data")
-    d.add_argument("--data", default=None, help="text file to train on (default: the Python standard library's source)")
-    d.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per training sequence")
-    d.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step (the global batch)")
-    d.add_argument("--val-fraction", type=float, default=0.05, help="share of the corpus held out for validation")
+    d.add_argument("--data", default=None, metavar="FILE",
+                   help="text file to train on (default: the installed Python's standard library source, "
+                        "read at start-up)")
+    d.add_argument("--seq-len", type=POSITIVE, default=128, metavar="N", help="tokens (bytes) per training sequence")
+    d.add_argument("--batch-size", type=POSITIVE, default=16, metavar="N",
+                   help="sequences per optimizer step: the global batch")
+    d.add_argument("--val-fraction", type=float_in(0, 1, lo_open=True, hi_open=True), default=0.05, metavar="X",
+                   help="share of the corpus held out for validation")
     o = p.add_argument_group("optimization")
-    o.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    o.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    o.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    o.add_argument("--min-lr", type=float, default=None, help="final learning rate of the cosine decay (default lr/10)")
-    o.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
-    o.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (matrices only)")
-    o.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm (0: off)")
-    o.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data order")
+    o.add_argument("--steps", type=POSITIVE, default=300, metavar="N", help="optimizer steps")
+    o.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="update rule")
+    o.add_argument("--lr", type=float_in(0, lo_open=True), default=3e-3, metavar="X", help="peak learning rate")
+    o.add_argument("--min-lr", type=float_in(0), default=None, metavar="X",
+                   help="final learning rate of the cosine decay, at most --lr (default: --lr / 10)")
+    o.add_argument("--warmup", type=NON_NEGATIVE, default=20, metavar="N", help="linear warm-up steps")
+    o.add_argument("--weight-decay", type=float_in(0), default=0.1, metavar="X",
+                   help="decoupled weight decay, of matrices only")
+    o.add_argument("--momentum", type=float_in(0, 1, hi_open=True), default=0.9, metavar="X",
+                   help="SGD momentum, in [0, 1)")
+    o.add_argument("--clip-grad", type=float_in(0), default=1.0, metavar="X",
+                   help="max global gradient norm, 0 for none")
+    o.add_argument("--seed", type=NON_NEGATIVE, default=0, metavar="N",
+                   help="seed of the weights and of the data order")
     t = p.add_argument_group("per-device techniques")
-    t.add_argument("--grad-accum", type=int, default=1,
-                   help="split each global batch into K sequential micro-batches (same update, less memory)")
+    t.add_argument("--grad-accum", type=POSITIVE, default=1, metavar="K",
+                   help="split each global batch into K sequential micro-batches: same update, less memory")
     t.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each block's activations in backward instead of storing them")
     t.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default="none",
-                   help="low-precision activations and matmuls, fp32 master weights (fp16 adds loss scaling)")
+                   help="low-precision activations and matmuls, fp32 master weights; fp16 adds loss scaling")
     t.add_argument("--dtype", choices=["float32", "float64"], default="float32",
-                   help="dtype of the weights (float64 for exactness checks)")
+                   help="dtype of the weights; float64 for exactness checks")
     t.add_argument("--backend", choices=["numpy", "cupy"], default=None,
-                   help="array backend (default: $MINIDIST_BACKEND or numpy)")
+                   help="array backend (default: $MINIDIST_BACKEND, else numpy)")
     r = p.add_argument_group("reporting")
-    r.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps (0: never)")
-    r.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
-    r.add_argument("--log-every", type=int, default=10, help="progress line every N steps")
-    r.add_argument("--metrics-jsonl", default=None, help="write one JSON object per step to this file")
-    r.add_argument("--peak-gflops", type=float, default=None,
+    r.add_argument("--eval-every", type=NON_NEGATIVE, default=50, metavar="N",
+                   help="validation loss every N steps, 0 for never")
+    r.add_argument("--eval-batches", type=POSITIVE, default=4, metavar="N", help="validation batches per evaluation")
+    r.add_argument("--log-every", type=POSITIVE, default=10, metavar="N", help="progress line every N steps")
+    r.add_argument("--metrics-jsonl", default=None, metavar="FILE", help="write one JSON object per step to FILE")
+    r.add_argument("--peak-gflops", type=float_in(0, lo_open=True), default=None, metavar="X",
                    help="peak FLOP rate for MFU (default: measured from a GEMM of the model's size)")
-    r.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the steps to this file")
-    r.add_argument("--quiet", action="store_true", help="no progress lines")
+    r.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace of the steps to FILE")
+    r.add_argument("--quiet", action="store_true",
+                   help="no start-up and progress lines; the summary at the end still prints")
     return p
 
 
 def validate(args, parser):
-    """Reject bad input with one message naming the value (argparse exits with code 2)."""
-    for name in ("layers", "d_model", "heads", "seq_len", "batch_size", "steps", "grad_accum", "eval_batches",
-                 "log_every"):
-        value = getattr(args, name)
-        if value <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    """Reject bad input before any work, with one message naming the value (exit code 2).
+
+    Each number's own range is checked while parsing (``type=``); here come the checks
+    that involve several flags, the files, the backend and the memory a step needs.
+    """
+    try:
+        _validate(args)
+    except InputError as exc:
+        parser.error(str(exc))
+
+
+def _validate(args):
     if args.d_model % args.heads:
-        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+        raise InputError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     if args.block_size is None:
         args.block_size = args.seq_len
     if args.seq_len > args.block_size:
-        parser.error(f"--seq-len {args.seq_len} is larger than the position table (--block-size {args.block_size})")
+        raise InputError(f"--seq-len {args.seq_len} is larger than the position table (--block-size {args.block_size})")
     if args.grad_accum > args.batch_size:
-        parser.error(f"--grad-accum {args.grad_accum} exceeds --batch-size {args.batch_size}: "
-                     "every micro-batch needs at least one sequence")
-    if not 0 < args.val_fraction < 1:
-        parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
-    if args.eval_every < 0 or args.warmup < 0 or args.clip_grad < 0 or args.lr <= 0:
-        parser.error("--eval-every, --warmup and --clip-grad must be >= 0 and --lr > 0")
-    if args.data is not None:
-        if not os.path.isfile(args.data):
-            parser.error(f"--data {args.data}: no such file")
-        if os.path.getsize(args.data) == 0:
-            parser.error(f"--data {args.data}: the file is empty")
-    if args.mixed_precision != "none" and args.dtype == "float64":
-        parser.error("--mixed-precision needs --dtype float32 master weights")
-    if args.backend:
-        os.environ["MINIDIST_BACKEND"] = args.backend  # read when minidist.backend is first imported
-    if os.environ.get("MINIDIST_BACKEND", "numpy") == "cupy":
-        try:
-            import cupy  # noqa: F401
-        except ImportError:
-            parser.error("--backend cupy needs the cupy package (pip install cupy-cuda12x)")
+        raise InputError(f"--grad-accum {args.grad_accum} exceeds --batch-size {args.batch_size}: "
+                         "every micro-batch needs at least one sequence")
     if args.min_lr is None:
         args.min_lr = args.lr / 10
+    if args.min_lr > args.lr:
+        raise InputError(f"--min-lr {args.min_lr:g} exceeds --lr {args.lr:g}")
+    if args.mixed_precision != "none" and args.dtype == "float64":
+        raise InputError("--mixed-precision needs --dtype float32 master weights")
+    if args.data is not None:
+        check_input_file("--data", args.data)
+    check_output_files({"--metrics-jsonl": args.metrics_jsonl, "--trace": args.trace}, {"--data": args.data})
+    if args.backend:
+        os.environ["MINIDIST_BACKEND"] = args.backend  # read when minidist.backend is first imported
+    try:
+        from . import backend  # noqa: F401  (checks MINIDIST_BACKEND, imports cupy if asked)
+    except ImportError:
+        raise InputError("the cupy backend needs the cupy package (pip install cupy-cuda12x)") from None
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    check_memory(memory_estimate(args), available_memory_bytes())
+
+
+def memory_estimate(args) -> dict:
+    from .data import DEFAULT_MAX_BYTES
+
+    data_bytes = os.path.getsize(args.data) if args.data else DEFAULT_MAX_BYTES
+    return training_memory_bytes(args.layers, args.d_model, args.heads, args.seq_len, args.block_size,
+                                 args.batch_size, args.grad_accum, args.dtype, args.mixed_precision,
+                                 args.checkpoint_activations, args.optimizer, not args.untied,
+                                 data_bytes=data_bytes, eval_batches=args.eval_batches if args.eval_every else 0)
 
 
 def make_model(args):
@@ -194,8 +258,10 @@ def train(args, log=print, data=None):
     flops_per_step = model_flops_per_token(args.layers, args.d_model, args.seq_len, 256) * tokens_per_step
     # A shared machine's load lowers the measured peak (and so raises MFU): pass --peak-gflops
     # for numbers comparable across runs.
-    peak = args.peak_gflops or measure_peak_gflops(args.d_model, tokens_per_step // args.grad_accum,
-                                                   "float32" if low is not None else args.dtype, seconds=1.0)
+    peak = args.peak_gflops
+    if peak is None:
+        peak = measure_peak_gflops(args.d_model, tokens_per_step // args.grad_accum,
+                                   "float32" if low is not None else args.dtype, seconds=1.0)
     if not args.quiet:
         log(f"minidist: GPT {args.layers}x{args.d_model} ({model.num_parameters():,} parameters), "
             f"{len(sampler.data):,} training bytes, batch {args.batch_size}x{args.seq_len}, "
@@ -267,7 +333,43 @@ def progress_line(r: dict, steps: int, history: list, mem_bytes: int) -> str:
     return line
 
 
+def summary_table(metrics: list, wall_s: float) -> str:
+    """The end-of-run table (rank 0): steps, final losses, throughput, MFU, peak memory, time.
+
+    Throughput and MFU are over the steps after the first (which pays for warm-up), as
+    total tokens (FLOPs) over total step time.
+    """
+    last = metrics[-1]
+    timed = metrics[1:] or metrics
+    step_s = sum(r["step_time_s"] for r in timed)
+    tokens_per_s = sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / step_s
+    mfu = sum(r["mfu"] * r["step_time_s"] for r in timed) / step_s
+    vals = [r for r in metrics if "val_loss" in r]
+    peaks = [r["peak_mem_mb"] for r in metrics if "peak_mem_mb" in r]
+    rows = [
+        ("steps", f"{len(metrics)}"),
+        ("final train loss", f"{last['loss']:.4f}"),
+        ("final validation loss", f"{vals[-1]['val_loss']:.4f} (after step {vals[-1]['step'] + 1})" if vals
+         else "not evaluated (--eval-every 0)"),
+        ("tokens/s", f"{tokens_per_s:,.0f}"),
+        ("MFU", f"{100 * mfu:.1f}%"),
+        ("peak memory of a step", f"{max(peaks):,.0f} MiB" if peaks else "not measured"),
+        ("wall time", f"{_duration(wall_s)} ({_duration(sum(r['step_time_s'] for r in metrics))} in steps)"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    rule = "-" * (width + 3 + max(len(value) for _, value in rows))
+    return "\n".join(["summary", rule] + [f"{name:<{width}} | {value}" for name, value in rows] + [rule])
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}h{m % 60:02d}m{s:02d}s" if m >= 60 else f"{m}m{s:02d}s"
+
+
 def main(argv=None):
+    t0 = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
     validate(args, parser)
@@ -275,7 +377,16 @@ def main(argv=None):
         data = load_data(args)
     except (ValueError, OSError) as exc:  # bad input found while loading: no traceback
         parser.error(str(exc))
-    train(args, log=lambda s: print(s, flush=True), data=data)
+    try:
+        metrics = train(args, log=lambda s: print(s, flush=True), data=data)
+    except MemoryError:  # the estimate checked up front was too low for this machine
+        need = memory_estimate(args)["total"]
+        parser.error(f"out of memory during training (estimated need {need / 2**30:.1f} GiB, {need:,} bytes; "
+                     f"{(available_memory_bytes() or 0) / 2**30:.1f} GiB available now); "
+                     "use a smaller model or batch, or --grad-accum / --checkpoint-activations")
+    except FloatingPointError as exc:  # diverged: say so in one line, keep what was written
+        parser.exit(1, f"{parser.prog}: error: {exc}; try a lower --lr or --clip-grad 1\n")
+    print(summary_table(metrics, time.perf_counter() - t0), flush=True)
 
 
 if __name__ == "__main__":

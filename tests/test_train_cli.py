@@ -22,8 +22,9 @@ def run(args, timeout=300, threads=1):
     (["--d-model", "30", "--heads", "4"], "--d-model 30 is not divisible by --heads 4"),
     (["--seq-len", "64", "--block-size", "32"], "--seq-len 64 is larger than the position table"),
     (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt: no such file"),
-    (["--steps", "0"], "--steps must be positive, got 0"),
-    (["--steps", "-3"], "--steps must be positive, got -3"),
+    (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+    (["--steps", "-3"], "argument --steps: expected an integer >= 1, got -3"),
+    (["--steps", "2.5"], "argument --steps: expected an integer, got '2.5'"),
     (["--grad-accum", "8", "--batch-size", "4"], "--grad-accum 8 exceeds --batch-size 4"),
 ])
 def test_bad_input_is_one_clear_message(args, needle):
@@ -31,6 +32,128 @@ def test_bad_input_is_one_clear_message(args, needle):
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# Issue #12: each of these used to overwrite the training text, print a traceback (some after
+# training had started), or be silently ignored.  Now: exit code 2, one line on stderr, nothing
+# on stdout, nothing written, the --data file's bytes unchanged.  {data} is a valid corpus,
+# {tmp} the test's directory; every case fails before a model is built (well under a second).
+BAD_INPUTS = [
+    (["--metrics-jsonl", "{data}"], "--metrics-jsonl {data} is the --data file"),
+    (["--trace", "{data}"], "--trace {data} is the --data file"),
+    (["--trace", "{tmp}/link.txt"], "is the --data file"),          # a symlink to the data
+    (["--metrics-jsonl", "{tmp}/hard.txt"], "is the --data file"),  # a hard link to the data
+    (["--trace", "{tmp}/missing/trace.json"], "the directory {tmp}/missing does not exist"),
+    (["--trace", "{tmp}"], "is a directory"),
+    (["--metrics-jsonl", "{tmp}/out", "--trace", "{tmp}/out"], "name the same file"),
+    (["--lr", "nan"], "argument --lr: expected a finite number > 0, got nan"),
+    (["--lr", "inf"], "argument --lr: expected a finite number > 0, got inf"),
+    (["--lr", "-inf"], "argument --lr"),
+    (["--lr", "0"], "argument --lr"),
+    (["--min-lr", "-1"], "argument --min-lr: expected a finite number >= 0, got -1"),
+    (["--min-lr", "nan"], "argument --min-lr"),
+    (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr 0.01 exceeds --lr 0.001"),
+    (["--clip-grad", "nan"], "argument --clip-grad: expected a finite number >= 0, got nan"),
+    (["--clip-grad", "-1"], "argument --clip-grad"),
+    (["--weight-decay", "-5"], "argument --weight-decay: expected a finite number >= 0, got -5"),
+    (["--weight-decay", "inf"], "argument --weight-decay"),
+    (["--momentum", "nan"], "argument --momentum: expected a finite number >= 0 and < 1, got nan"),
+    (["--momentum", "1.5"], "argument --momentum"),
+    (["--val-fraction", "nan"], "argument --val-fraction"),
+    (["--peak-gflops", "-5"], "argument --peak-gflops: expected a finite number > 0, got -5"),
+    (["--peak-gflops", "0"], "argument --peak-gflops: expected a finite number > 0, got 0"),
+    (["--peak-gflops", "inf"], "argument --peak-gflops"),
+    (["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+    (["--warmup", "-1"], "argument --warmup"),
+    (["--eval-every", "-1"], "argument --eval-every"),
+    (["--data", "{tmp}"], "--data {tmp}: is a directory, not a text file"),
+    (["MINIDIST_BACKEND=bogus"], "MINIDIST_BACKEND='bogus': expected 'numpy' or 'cupy'"),
+    (["--layers", "64", "--d-model", "65536"], "needs about"),            # the weights
+    (["--batch-size", "1000000", "--seq-len", "4096"], "needs about"),  # the activations
+    (["--eval-batches", "100000000"], "fewer --eval-batches"),          # the validation batches
+]
+
+
+@pytest.mark.parametrize("args, needle", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_every_bad_input_is_refused_before_any_work(tmp_path, args, needle):
+    data = tmp_path / "corpus.txt"
+    text = ("the quick brown fox jumps over the lazy dog\n" * 200).encode()
+    data.write_bytes(text)
+    os.symlink(data, tmp_path / "link.txt")
+    os.link(data, tmp_path / "hard.txt")
+    before = sorted(os.listdir(tmp_path))
+    subst = {"{data}": str(data), "{tmp}": str(tmp_path)}
+
+    def fill(s):
+        for k, v in subst.items():
+            s = s.replace(k, v)
+        return s
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MINIDIST_BACKEND", None)
+    flags = [fill(a) for a in args if "=" not in a or a.startswith("-")]
+    env.update(a.split("=", 1) for a in args if "=" in a and not a.startswith("-"))
+    r = subprocess.run(TRAIN + TINY + ["--data", str(data)] + flags, capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("minidist-train: error: ") and fill(needle) in lines[0], lines[0]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert data.read_bytes() == text
+    assert sorted(os.listdir(tmp_path)) == before  # no output and no probe file left behind
+
+
+def test_refused_run_keeps_existing_outputs(tmp_path):
+    """The output checks write nothing that exists: an old trace and metrics file survive a
+    run that is refused by a later check (here the memory estimate)."""
+    trace, metrics = tmp_path / "trace.json", tmp_path / "run.jsonl"
+    trace.write_text('{"traceEvents": []}')
+    metrics.write_text('{"step": 0}\n')
+    r = run(["--trace", str(trace), "--metrics-jsonl", str(metrics), "--layers", "64", "--d-model", "65536"])
+    assert r.returncode == 2 and "needs about" in r.stderr, r.stderr
+    assert trace.read_text() == '{"traceEvents": []}' and metrics.read_text() == '{"step": 0}\n'
+    assert sorted(os.listdir(tmp_path)) == ["run.jsonl", "trace.json"]
+
+
+@pytest.mark.parametrize("checkpoint, accum", [(False, 1), (True, 2)])
+def test_memory_estimate_is_near_a_measured_step(checkpoint, accum):
+    """The up-front estimate is within -20 %..+40 % of the tracemalloc peak of two real steps."""
+    import tracemalloc
+
+    import numpy as np
+
+    from minidist.cli_checks import training_memory_bytes
+    from minidist.nn import GPT, GPTConfig
+    from minidist.optim import AdamW
+    from minidist.train import forward_backward
+
+    shape = dict(n_layer=2, d_model=64, n_head=2, seq_len=64)
+    tracemalloc.start()
+    try:
+        model = GPT(GPTConfig(**shape))
+        model.checkpoint_activations = checkpoint
+        opt = AdamW(model.parameters(), lr=1e-3)
+        seq = np.random.default_rng(0).integers(0, 256, size=(16, 65))
+        for _ in range(2):
+            forward_backward(model, seq[:, :-1], seq[:, 1:], accum)
+            opt.step()
+            opt.zero_grad()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    est = training_memory_bytes(2, 64, 2, 64, 64, 16, grad_accum=accum, checkpoint_activations=checkpoint)
+    assert 0.8 < est["total"] / peak < 1.4, (est, peak)
+
+
+def test_help_is_clean():
+    r = run(["--help"])
+    assert r.returncode == 0
+    assert "(default: None)" not in r.stdout and "(default: False)" not in r.stdout
+    assert "`" not in r.stdout
+    # no flag says its default twice (by hand and by the formatter)
+    for chunk in r.stdout.split("\n  --")[1:]:
+        assert chunk.count("default") <= 1, chunk
 
 
 def test_empty_and_too_short_data_files(tmp_path):
@@ -62,6 +185,10 @@ def test_float64_run_writes_metrics(tmp_path):
     assert all(row["peak_mem_mb"] > 0 for row in rows if "peak_mem_mb" in row)
     assert "val_loss" in rows[2] and "val_loss" in rows[5] and "val_loss" not in rows[0]
     assert "step     6/6" in r.stdout and "tok/s" in r.stdout and "MFU" in r.stdout and "ETA" in r.stdout
+    summary = r.stdout[r.stdout.index("summary"):]
+    for row in ("steps                 | 6", "final train loss", f"final validation loss | {rows[5]['val_loss']:.4f}",
+                "tokens/s", "MFU", "peak memory", "wall time"):
+        assert row in summary, summary
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"] for e in events} >= {"forward_backward", "optimizer"}
 
