@@ -27,7 +27,13 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
+# The PyTorch comparison needs torch, pinned as in CI (setup.cfg's `torch` extra); where it
+# cannot be installed, run_all.py skips that part and says why.
 bench: install
+	@$(BIN)/python -c "import torch" 2>/dev/null || { \
+	  echo "make bench: installing PyTorch for the comparison (pip install -e '.[torch]', torch==2.13.0)"; \
+	  $(BIN)/python -m pip install -q -e '.[torch]' || \
+	  echo "make bench: PyTorch could not be installed here; the PyTorch comparison will be skipped"; }
 	$(BIN)/python benchmarks/run_all.py --out bench-results
 
 clean:

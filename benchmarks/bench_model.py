@@ -88,12 +88,19 @@ def main():
     if args.child is not None:
         print(json.dumps(measure(args.child, args.reps)))
         return
+    try:
+        import torch  # noqa: F401  (checked here so that a missing PyTorch is one clear line)
+    except ImportError:
+        sys.exit("bench_model.py compares with PyTorch, which is not installed: pip install -e '.[torch]'")
     results = []
     for n in args.threads:
         env = dict(os.environ, OMP_NUM_THREADS=str(n), OPENBLAS_NUM_THREADS=str(n), MKL_NUM_THREADS=str(n))
-        out = subprocess.run([sys.executable, __file__, "--child", str(n), "--reps", str(args.reps)],
-                             env=env, capture_output=True, text=True, check=True).stdout
-        results.append(json.loads(out.strip().splitlines()[-1]))
+        child = subprocess.run([sys.executable, __file__, "--child", str(n), "--reps", str(args.reps)],
+                               env=env, capture_output=True, text=True)
+        if child.returncode:  # show the child's own error, not just its exit status
+            sys.stderr.write(child.stderr[-4000:])
+            sys.exit(f"bench_model.py: the {n}-thread measurement failed with exit status {child.returncode}")
+        results.append(json.loads(child.stdout.strip().splitlines()[-1]))
     print(f"GPT training step ({SHAPE}), float32, median of {args.reps} interleaved reps")
     print("ratio: minidist / torch tokens per wall second; cpu ratio: the same from CPU time per step")
     print(f"{'threads':>7} {'minidist tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'cpu ratio':>9} "

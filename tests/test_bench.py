@@ -1,6 +1,10 @@
-"""`make bench` keeps working: each benchmark runs in its smallest form and writes the JSON
-its table is made from.  No timing is asserted here (benchmarks check speed, tests never do:
-the machines are shared and noisy), only that every row is there and every number is sane."""
+"""`make bench` keeps working: its driver (benchmarks/run_all.py) runs every benchmark in its
+smallest form, once per session, and each writes the JSON its table is made from.  No timing
+is asserted here (benchmarks check speed, tests never do: the machines are shared and noisy),
+only that every row is there and every number is sane, and that the driver says what it runs,
+skips what cannot run with a reason, and shows a failing part's output."""
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -12,20 +16,63 @@ import pytest
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
 
-def _run(script, *args, timeout=300):
-    subprocess.run([sys.executable, os.path.join(BENCH, script), *args], check=True, timeout=timeout,
-                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def _import(name):
+    sys.path.insert(0, BENCH)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(BENCH)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """`run_all.py --quick`: both benchmarks in their smallest form (seconds), run once."""
+    out = tmp_path_factory.mktemp("bench")
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "run_all.py"), "--quick", "--out", str(out)],
+                       timeout=600, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out, r.stdout
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_bench_collectives_quick(tmp_path):
-    sys.path.insert(0, BENCH)
-    try:
-        import bench_collectives as bc
-    finally:
-        sys.path.remove(BENCH)
-    _run("bench_collectives.py", "--quick", "--ranks", "2", "--launches", "1", "--out", str(tmp_path))
+def test_run_all_quick_says_what_it_runs(quick_run):
+    out, stdout = quick_run
+    assert "benchmarks (quick): 2 part(s)" in stdout and "expected ~" in stdout
+    assert "[1/2] collectives: running, expected ~" in stdout and "[1/2] collectives: done in" in stdout
+    torch_here = importlib.util.find_spec("torch") is not None
+    assert ("[2/2] model: done in" if torch_here else "[2/2] model: skipped: PyTorch is not installed") in stdout
+    with open(out / "run_all.json") as f:
+        durations = json.load(f)["quick"]
+    assert durations["collectives"] > 0 and ("model" in durations) == torch_here
+
+
+def test_run_all_shows_a_failing_part_and_progress(tmp_path, capsys):
+    run_all = _import("run_all")
+    rc, seconds, tail = run_all.run_part(
+        [sys.executable, "-c", "import sys, time; print('first'); print('the error'); time.sleep(1.2); sys.exit(3)"],
+        "[1/1] demo", expected=1.0, progress_every=0.4)
+    assert rc == 3 and seconds >= 1.2 and tail == ["first", "the error"]
+    assert "[1/1] demo: still running" in capsys.readouterr().out
+    # A part that fails (here an import of a broken torch) is named at the end with its error.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise RuntimeError('broken torch build')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "run_all.py"), "--quick", "--only", "model",
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "[1/1] model: FAILED (exit status 1)" in r.stdout
+    assert "broken torch build" in r.stdout[r.stdout.index("failed: model"):]
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "run_all.py"), "--only", "bogus"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown part(s) bogus" in r.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_collectives_quick(quick_run):
+    bc = _import("bench_collectives")
+    tmp_path, _ = quick_run
     with open(tmp_path / "collectives.json") as f:
         report = json.load(f)
     rows = {(r["collective"], r["ranks"], r["bytes"]): r for r in report["results"]}
@@ -40,10 +87,11 @@ def test_bench_collectives_quick(tmp_path):
     assert "ratio = MPI time / minidist time" in bc.table(report)
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
-def test_bench_model_quick(tmp_path):
+def test_bench_model_quick(quick_run):
     pytest.importorskip("torch")
-    _run("bench_model.py", "--reps", "1", "--threads", "1", "--out", str(tmp_path))
+    tmp_path, _ = quick_run
     with open(tmp_path / "model_step.json") as f:
         (row,) = json.load(f)["results"]
     for side in ("minidist", "torch"):
