@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 from .cli_checks import (InputError, available_memory_bytes, check_input_file, check_memory, check_output_files,
@@ -117,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace of the steps to FILE")
     r.add_argument("--quiet", action="store_true",
                    help="no start-up and progress lines; the summary at the end still prints")
+    r.add_argument("--timeout-s", type=float_in(0), default=None, metavar="X",
+                   help="abort the job when a communication wait makes no progress for X seconds, 0 for never "
+                        "(default: $MINIDIST_TIMEOUT_S, else 300)")
     return p
 
 
@@ -151,6 +155,10 @@ def _validate(args):
     if args.data is not None:
         check_input_file("--data", args.data)
     check_output_files({"--metrics-jsonl": args.metrics_jsonl, "--trace": args.trace}, {"--data": args.data})
+    if args.timeout_s is not None:  # the communication watchdog's timeout, read when minidist.comm is imported
+        os.environ["MINIDIST_TIMEOUT_S"] = repr(args.timeout_s)
+        if "minidist.comm.watchdog" in sys.modules:  # already imported (train used as a library)
+            sys.modules["minidist.comm.watchdog"].set_timeout(args.timeout_s)
     if args.backend:
         os.environ["MINIDIST_BACKEND"] = args.backend  # read when minidist.backend is first imported
     try:

@@ -88,13 +88,16 @@ SIZE_MISMATCHES = {
     "cached plan": (2, "unchecked_size_mismatch_after_plan", [
         ("expected a 16-byte message", "expected a 20-byte message"), ("during all_reduce",),
         ("MINIDIST_CHECK_COLLECTIVES=1",), ("all_reduce(group='world', shape=(",)]),
+    # (24 and 36 bytes: sizes of different classes, so the identity tags differ too)
     "one-shot plan": (3, "reduce_scatter_size_mismatch_after_plan", [
-        ("during reduce_scatter",), ("MINIDIST_CHECK_COLLECTIVES=1",),
-        ("expected a 8-byte message", "expected a 12-byte message")]),
+        ("during reduce_scatter", "called reduce_scatter(op=sum, float32, [16 B, 32 B))"),
+        ("MINIDIST_CHECK_COLLECTIVES=1",),
+        ("expected a 8-byte message", "expected a 12-byte message", "sent reduce_scatter(op=sum, float32, [32 B, 64 B))")]),
     # Ranks that disagree on the algorithm itself do not all see a bad message; those that do
     # raise, and the abort hook of comm.world() ends the job instead of a hang.
     "sizes across a threshold": (4, "all_reduce_sizes_across_the_algorithm_threshold", [
-        ("during all_reduce",), ("but 800 bytes arrived",)]),
+        ("during all_reduce", "all_reduce(op=sum, float64, [2 MiB, 4 MiB))"),
+        ("but 800 bytes arrived", "all_reduce(op=sum, float64, [512 B, 1 KiB))")]),
     "out= on one rank only": (4, "all_gather_out_on_one_rank_only", [
         ("out= on some ranks only",)]),
 }

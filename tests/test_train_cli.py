@@ -47,6 +47,8 @@ BAD_INPUTS = [
     (["--trace", "{tmp}"], "is a directory"),
     (["--metrics-jsonl", "{tmp}/out", "--trace", "{tmp}/out"], "name the same file"),
     (["--lr", "nan"], "argument --lr: expected a finite number > 0, got nan"),
+    (["--timeout-s", "-1"], "argument --timeout-s: expected a finite number >= 0, got -1"),
+    (["--timeout-s", "nan"], "argument --timeout-s"),
     (["--lr", "inf"], "argument --lr: expected a finite number > 0, got inf"),
     (["--lr", "-inf"], "argument --lr"),
     (["--lr", "0"], "argument --lr"),
@@ -202,3 +204,21 @@ def test_default_model_learns_the_default_corpus(tmp_path):
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert 5.0 < losses[0] < 6.0
     assert sum(losses[-10:]) / 10 < 2.6, losses[-10:]
+
+
+def test_timeout_flag_reaches_the_communication_watchdog(monkeypatch):
+    """--timeout-s sets the watchdog's timeout for every rank (through MINIDIST_TIMEOUT_S, read
+    when minidist.comm is first imported), and directly when minidist.comm is already loaded."""
+    from minidist import train
+    from minidist.comm import watchdog
+
+    monkeypatch.delenv("MINIDIST_TIMEOUT_S", raising=False)
+    before = watchdog.timeout()
+    parser = train.build_parser()
+    args = parser.parse_args(["--timeout-s", "7", "--steps", "1", "--layers", "1", "--d-model", "16", "--heads", "2"])
+    try:
+        train.validate(args, parser)
+        assert os.environ["MINIDIST_TIMEOUT_S"] == "7.0"
+        assert watchdog.timeout() == 7.0
+    finally:
+        watchdog.set_timeout(before)

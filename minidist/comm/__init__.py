@@ -8,14 +8,18 @@
     y = h.wait()
     comm.stats()                                 # bytes and time per collective on this rank
     comm.set_fast_path(False)                    # only the textbook algorithms from now on
+    comm.set_timeout(60)                         # a wait without progress for 60 s aborts the job
 
 Start reading at ``algorithms/ring.py``.  The modules, from the wire up:
 
-  p2p.py            every message the algorithms send: raw bytes, size checks, byte accounting
+  p2p.py            every message the algorithms send: raw bytes, size and identity-tag checks
+                    (a collective's name, op, dtype and size class ride in its MPI tags), byte
+                    accounting, the watchdog's note of each wait
   links.py          optional simulated latency/bandwidth per message
   stats.py          per-collective counters and the recent-ops log
   errors.py         CommError, CollectiveMismatchError
   abort.py          one rank's uncaught exception aborts the whole job (comm.world() installs it)
+  watchdog.py       a wait without progress for MINIDIST_TIMEOUT_S (set_timeout) aborts the job, with a report
   progress.py       async collectives: one FIFO worker thread per group
   group.py          Group: a communicator, its async twin, scratch buffers, the plan cache
   algorithms/       the textbook algorithms, one short function each, with their step schedules:
@@ -64,6 +68,7 @@ from minidist.comm.mesh import Mesh
 from minidist.comm.p2p import Request, irecv, isend, recv, recv_into, send, sendrecv
 from minidist.comm.progress import Handle
 from minidist.comm.stats import recent_ops, reset_stats, stats
+from minidist.comm.watchdog import set_timeout, timeout
 from minidist.comm import functional  # differentiable collectives: comm.functional.*
 
 __all__ = [
@@ -71,5 +76,6 @@ __all__ = [
     "scatter", "gather", "all_to_all", "ppermute", "barrier", "send", "recv", "recv_into",
     "sendrecv", "isend", "irecv", "Request", "Handle", "stats", "reset_stats", "recent_ops",
     "set_link_model", "link_model", "set_check", "check_enabled", "set_fast_path", "fast_path_enabled",
+    "set_timeout", "timeout",
     "CommError", "CollectiveMismatchError",
 ]

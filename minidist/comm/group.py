@@ -6,9 +6,14 @@ printing meshes and traces), reusable scratch buffers (so large collectives don'
 and page-fault fresh memory on every call) and, for ``async_op=True``, a progress thread with
 its own duplicate communicator (see :mod:`minidist.comm.progress`).
 
+Collective traffic runs on a duplicate of the communicator (``Group.comm``), users'
+point-to-point messages on the communicator itself (``Group.user_comm``): collective
+receives take the next message from their source with any tag and check its identity tag
+(p2p.identity), which must never meet a user's message.
+
 Creating a Group is collective over its communicator (it duplicates it), like the
 ``Split`` that usually produced that communicator: every member must create it, in the same
-order as the other members.
+order as the other members.  Every group is watched by the watchdog (comm/watchdog.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
+from minidist.comm import p2p, watchdog
 from minidist.comm.abort import abort_on_exception
 from minidist.comm.progress import ProgressWorker
 
@@ -29,14 +35,19 @@ class Group:
     """A communicator and the per-group state of minidist's collectives.
 
     Attributes: ``rank`` (this process's rank in the group), ``size``, ``name``,
-    ``comm`` (the mpi4py communicator synchronous collectives use) and ``world_ranks``
-    (the COMM_WORLD rank of each member, in group-rank order).
+    ``comm`` (the mpi4py communicator synchronous collectives use: a duplicate of the one
+    given), ``user_comm`` (the one given: comm.send/recv) and ``world_ranks`` (the
+    COMM_WORLD rank of each member, in group-rank order).  ``busy`` is the cached plan
+    running now, for the watchdog (set by fast.run).
     """
 
     def __init__(self, mpi_comm, name: str | None = None, *, _async_twin: bool = True):
         if not isinstance(mpi_comm, MPI.Comm) or mpi_comm == MPI.COMM_NULL:
             raise ValueError(f"Group needs a valid mpi4py communicator, got {mpi_comm!r}")
-        self.comm = mpi_comm
+        # The twin (below) gets a communicator of its own already: it needs no second one.
+        self.user_comm = mpi_comm
+        self.comm = mpi_comm.Dup() if _async_twin else mpi_comm
+        self.busy = None
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.name = name if name is not None else f"group{self.size}"
@@ -49,6 +60,8 @@ class Group:
         # they can never match messages of synchronous ones.  Dup is collective: done now,
         # while every member is known to be here, rather than lazily.
         self._twin = Group(mpi_comm.Dup(), self.name, _async_twin=False) if _async_twin else None
+        p2p.name_comm(self.comm, self.name)
+        watchdog.watch(self)
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, rank={self.rank}, size={self.size}, world_ranks={self.world_ranks})"
@@ -90,7 +103,9 @@ def _world_ranks(mpi_comm) -> tuple:
 
 def world() -> Group:
     """The group of all processes (cached).  Also makes an exception on any rank abort the
-    whole MPI job instead of leaving the other ranks waiting forever."""
+    whole MPI job instead of leaving the other ranks waiting forever, and (like any first
+    Group) starts the watchdog, which aborts it when a wait makes no progress for
+    MINIDIST_TIMEOUT_S / comm.set_timeout seconds (comm/watchdog.py)."""
     global _world
     with _world_lock:
         if _world is None:

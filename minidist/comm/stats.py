@@ -19,7 +19,13 @@ import time
 
 
 class _State:
-    """One thread's state: the label of the running collective and the thread's counters.
+    """One thread's state: the label of the running collective and the thread's counters,
+    the running collective's identity tag (``ident``, see p2p.identity: what its messages
+    carry, set by :class:`scope`), a CollectiveMismatchError found by a receive whose caller
+    goes on to the end of its rounds (``mismatch``: the scope raises it when it closes),
+    and what the thread is blocked on right now (``wait``:
+    p2p stores a small tuple before each blocking MPI call and None after it, which the
+    watchdog polls; comm/watchdog.py).
 
     Each thread adds only to its own counters (name -> [calls, bytes_sent, bytes_recv,
     time_s]), so the hot path takes no lock: an uncontended lock costs about as much as
@@ -28,13 +34,15 @@ class _State:
     calls run plans, normally all on one thread; two threads running plans at once could
     lose a count, never a message)."""
 
-    __slots__ = ("label", "counters")
+    __slots__ = ("label", "counters", "ident", "wait", "thread", "mismatch")
 
     def __init__(self):
-        self.label = None
+        self.label = self.ident = self.wait = self.mismatch = None
         self.counters: dict[str, list] = {}
+        self.thread = threading.current_thread().name
         with _lock:  # once per thread; the registry outlives the thread, so do its counts
             _per_thread.append(self.counters)
+            states.append(self)
 
 
 class _Local(threading.local):
@@ -47,6 +55,7 @@ class _Local(threading.local):
 
 _lock = threading.Lock()
 _per_thread: list[dict] = []
+states: list[_State] = []  # every thread's state, for the watchdog
 _tls = _Local()
 _recent: collections.deque = collections.deque(maxlen=32)  # append is atomic: no lock
 # How many threads are inside a scope now (under _lock).  Zero, the usual case when a plan
@@ -122,21 +131,25 @@ def record_call(call: Call, sent: int, received: int, t0: float) -> None:
 
 
 class scope:
-    """``with scope("all_reduce"):`` labels the messages inside and times the whole call.
+    """``with scope("all_reduce", ident):`` labels the messages inside and times the whole
+    call; ``ident`` (p2p.identity) is the tag its collective messages carry.
 
     Scopes nest (all_reduce is built from reduce_scatter + all_gather): only the outermost
-    one counts, so the traffic of a ring all-reduce is charged to "all_reduce" once.
+    one counts, so the traffic of a ring all-reduce is charged to "all_reduce" once.  An
+    inner scope's ``ident`` (if given) holds inside it: its messages are its own call's.
     """
 
-    __slots__ = ("name", "t0", "outer")
+    __slots__ = ("name", "t0", "outer", "ident", "outer_ident")
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, ident: int | None = None):
+        self.name, self.ident = name, ident
 
     def __enter__(self):
         global _labelled
         state = _tls.state
-        self.outer = state.label
+        self.outer, self.outer_ident = state.label, state.ident
+        if self.ident is not None:
+            state.ident = self.ident
         if self.outer is None:
             with _lock:
                 _labelled += 1
@@ -149,12 +162,18 @@ class scope:
         if self.outer is None:
             elapsed = time.perf_counter() - self.t0
             state = _tls.state
-            state.label = None
+            state.label, state.ident = None, self.outer_ident
             with _lock:
                 _labelled -= 1
             rec = _record(state.counters, self.name)
             rec[0] += 1
             rec[3] += elapsed
+            mismatch = state.mismatch
+            if mismatch is not None:  # what this call got wrong first (over any error it raised since)
+                state.mismatch = None
+                raise mismatch
+        else:
+            _tls.state.ident = self.outer_ident
         return False
 
 

@@ -39,7 +39,7 @@ import weakref
 
 import numpy as np
 
-from minidist.comm import check, links, reduction
+from minidist.comm import check, links, reduction, watchdog
 from minidist.comm.algorithms import evengather, pipelined
 from minidist.comm.fast.allreduce import AllReducePlan, PairwiseAllReducePlan
 from minidist.comm.fast.common import PLAN_MAX_BYTES
@@ -47,6 +47,7 @@ from minidist.comm.fast.directgather import DirectGatherPlan
 from minidist.comm.fast.gather import BruckGatherPlan, EvenGatherPlan, PairGatherPlan
 from minidist.comm.fast.scatter import DirectScatterPlan, HalvingPlan, PairwisePlan, ReduceScatterPlan
 from minidist.comm.group import Group
+from minidist.comm.p2p import TAG_COLLECTIVE, describe_tag
 
 _enabled = os.environ.get("MINIDIST_FAST_PATH", "1").strip().lower() not in ("0", "false", "no", "off")
 _MAX_PLANS = 256  # per group; a training loop uses a handful of shapes, so this rarely fills
@@ -78,7 +79,59 @@ def run(g, x, out, async_op, call):
         plan = g._plans.get((call, x.dtype, x.shape))
     except TypeError:  # an unhashable argument (the general path will reject it)
         return None
-    return None if plan is None else plan.run(g, x, out)
+    if plan is None:
+        return None
+    # The watchdog's note of this call (a new tuple each call: comm/watchdog.py).
+    g.busy = (plan, x)
+    try:
+        return plan.run(g, x, out)
+    finally:
+        g.busy = None
+
+
+def describe(plan, g) -> str:
+    """What a cached plan waits for, in words (the watchdog's report): the call, its
+    identity tag, the ranks it receives from and the bytes of each message."""
+    name, _, shape, dtype, _ = plan.call.op
+    peers = sorted(set(_sources(plan)))
+    size = next((getattr(plan, a) for a in ("nbytes", "expect") if isinstance(getattr(plan, a, None), int)), None)
+    text = f"{name}(shape={shape}, dtype={dtype}) by {type(plan).__name__}"
+    if peers:
+        text += f", receiving from ranks {peers} (world ranks {[g.world_ranks[p] for p in peers]})"
+    if size is not None:
+        text += f", {size} bytes per message"
+    tag = getattr(plan, "tag", None)
+    if tag is not None and tag != TAG_COLLECTIVE:
+        text += f"; its messages carry {describe_tag(tag)}"
+    return text
+
+
+def _sources(plan):
+    """The ranks a plan receives from (best effort, from its precomputed steps)."""
+    for attr in ("peers", "peer", "left"):
+        value = getattr(plan, attr, None)
+        if isinstance(value, int):
+            return [value]
+        if isinstance(value, tuple):
+            return list(value)
+    if isinstance(plan, AllReducePlan):
+        return [p for _, p in plan.steps]
+    if isinstance(plan, PairwiseAllReducePlan):
+        return _sources(plan.scatter) + [r[3] for r in plan.rounds]
+    if isinstance(plan, PairwisePlan):
+        return [src for *_, src in plan.steps]
+    if isinstance(plan, HalvingPlan):
+        return [plan.first[0]] + [r[0] for r in plan.rounds]
+    if isinstance(plan, DirectScatterPlan):
+        return plan.exchange.sources
+    if isinstance(plan, (BruckGatherPlan, EvenGatherPlan)):
+        return [r[2] if isinstance(plan, BruckGatherPlan) else r[3] for r in plan.rounds]
+    if isinstance(plan, DirectGatherPlan):
+        return [p for p in range(plan.n) if p != plan.rank]
+    return []
+
+
+watchdog.describe_plan = describe
 
 
 def remember(g, x, out, async_op, call, chosen) -> None:

@@ -14,7 +14,7 @@ from minidist.comm.algorithms.blocks import split_bounds
 from minidist.comm.algorithms.doubling import (EXCHANGE, GIVE, RESULT_IN, RESULT_OUT, TAKE, doubling_gather_steps,
                                                recursive_doubling_schedule)
 from minidist.comm.algorithms.ring import ring_steps
-from minidist.comm.fast.common import BYTE, TAG, clock, fail, result_array
+from minidist.comm.fast.common import BYTE, clock, fail, result_array, tags
 from minidist.comm.fast.scatter import PairwisePlan
 
 
@@ -25,7 +25,8 @@ class AllReducePlan:
     reading x directly (two more rounds when N is not a power of two), then the division for "avg".
     """
 
-    __slots__ = ("steps", "peers", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor", "call")
+    __slots__ = ("steps", "peers", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor", "call",
+                 "tag", "rtag")
 
     def __init__(self, g, shape, dtype, op):
         self.steps = recursive_doubling_schedule(g.size, g.rank)
@@ -40,6 +41,7 @@ class AllReducePlan:
         self.status = MPI.Status()
         self.divisor = g.size if op == "avg" and g.size > 1 else None
         self.call = stats.Call("all_reduce", g.name, shape, self.tmp.dtype)  # its recent-ops entry and counters
+        self.tag, self.rtag = tags("all_reduce", op, self.tmp.dtype, self.nbytes)  # the general path's identity
 
     def run(self, g, x, out):
         """The all-reduce of ``x``, or None when ``out`` doesn't fit (the general path then
@@ -67,43 +69,45 @@ class AllReducePlan:
         The first round sends and reduces x itself (no copy into acc first; x is only
         read), later ones acc, exactly as doubling.recursive_doubling_all_reduce(..., x) does."""
         comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
+        tag, rtag = self.tag, self.rtag
         mine, msg = x, [x, BYTE]
         peer = None
         try:
             for peer in self.peers:
-                comm.Sendrecv(msg, peer, TAG, tmp_msg, peer, TAG, status)
-                if status.Get_count(BYTE) != nbytes:
-                    raise fail("all_reduce", g, x, status, peer, nbytes)
+                comm.Sendrecv(msg, peer, tag, tmp_msg, peer, rtag, status)
+                if status.Get_count(BYTE) != nbytes or status.Get_tag() != tag:
+                    raise fail("all_reduce", g, x, status, peer, nbytes, None, tag)
                 ufunc(mine, tmp, out=acc)
                 mine = acc
                 msg[0] = acc
         except MPI.Exception as err:
-            raise fail("all_reduce", g, x, status, peer, nbytes, err) from None
+            raise fail("all_reduce", g, x, status, peer, nbytes, err, tag) from None
 
     def _general(self, g, x, acc):
         """Any N: the paired-up extra ranks give their vector away and get the result back."""
         comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
+        tag, rtag = self.tag, self.rtag
         mine, msg = x, [x, BYTE]
         peer = None
         try:
             for kind, peer in self.steps:
                 if kind is EXCHANGE:
-                    comm.Sendrecv(msg, peer, TAG, tmp_msg, peer, TAG, status)
+                    comm.Sendrecv(msg, peer, tag, tmp_msg, peer, rtag, status)
                 elif kind is TAKE:
-                    comm.Recv(tmp_msg, peer, TAG, status)
+                    comm.Recv(tmp_msg, peer, rtag, status)
                 elif kind is RESULT_IN:
-                    comm.Recv([acc, BYTE], peer, TAG, status)
+                    comm.Recv([acc, BYTE], peer, rtag, status)
                 else:  # GIVE or RESULT_OUT
-                    comm.Send(msg, peer, TAG)
+                    comm.Send(msg, peer, tag)
                     continue
-                if status.Get_count(BYTE) != nbytes:
-                    raise fail("all_reduce", g, x, status, peer, nbytes)
+                if status.Get_count(BYTE) != nbytes or status.Get_tag() != tag:
+                    raise fail("all_reduce", g, x, status, peer, nbytes, None, tag)
                 if kind is not RESULT_IN:
                     ufunc(mine, tmp, out=acc)
                     if mine is x:
                         mine, msg = acc, [acc, BYTE]
         except MPI.Exception as err:
-            raise fail("all_reduce", g, x, status, peer, nbytes, err) from None
+            raise fail("all_reduce", g, x, status, peer, nbytes, err, tag) from None
 
 
 class PairwiseAllReducePlan:
@@ -113,16 +117,17 @@ class PairwiseAllReducePlan:
     (recursive doubling on 2, 4, 8, ... ranks, the ring otherwise), every round one
     Sendrecv on precomputed ranges of the flat result."""
 
-    __slots__ = ("scatter", "rounds", "itemsize", "sent", "recv", "call")
+    __slots__ = ("scatter", "rounds", "itemsize", "sent", "recv", "call", "tag", "rtag")
 
     def __init__(self, g, shape, dtype, op):
         size = math.prod(shape)
-        self.scatter = PairwisePlan(g, (size,), dtype, op)  # its divisor applies to the whole result
+        self.scatter = PairwisePlan(g, (size,), dtype, op, "all_reduce")  # its divisor applies to the whole result
         self.rounds = gather_rounds(g.size, g.rank, split_bounds(size, g.size))
         self.itemsize = np.dtype(dtype).itemsize
         self.sent = self.scatter.sent + self.itemsize * sum(hi - lo for _, lo, hi, *_ in self.rounds)
         self.recv = self.scatter.recv + self.itemsize * sum(b - a for *_, a, b in self.rounds)
         self.call = stats.Call("all_reduce", g.name, shape, np.dtype(dtype))
+        self.tag, self.rtag = self.scatter.tag, self.scatter.rtag
 
     def run(self, g, x, out):
         """As AllReducePlan.run (an N-D x in Fortran order is flattened, i.e. copied, first)."""
@@ -136,15 +141,15 @@ class PairwiseAllReducePlan:
             self.scatter.reduce(g, x, flat, res[lo:hi], "all_reduce")
         except BufferError:  # only the first Sendrecv can meet a strided x
             return None
-        comm, status, src, nbytes = g.comm, self.scatter.status, None, 0
+        comm, status, src, nbytes, tag, rtag = g.comm, self.scatter.status, None, 0, self.tag, self.rtag
         try:
             for dst, a, b, src, c, d in self.rounds:
                 nbytes = (d - c) * self.itemsize
-                comm.Sendrecv([res[a:b], BYTE], dst, TAG, [res[c:d], BYTE], src, TAG, status)
-                if status.Get_count(BYTE) != nbytes:
-                    raise fail("all_reduce", g, x, status, src, nbytes)
+                comm.Sendrecv([res[a:b], BYTE], dst, tag, [res[c:d], BYTE], src, rtag, status)
+                if status.Get_count(BYTE) != nbytes or status.Get_tag() != tag:
+                    raise fail("all_reduce", g, x, status, src, nbytes, None, tag)
         except MPI.Exception as err:
-            raise fail("all_reduce", g, x, status, src, nbytes, err) from None
+            raise fail("all_reduce", g, x, status, src, nbytes, err, tag) from None
         divisor = self.scatter.divisor
         if divisor is not None:
             reduction.finish(acc, "avg", divisor, acc.dtype)

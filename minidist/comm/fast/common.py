@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from minidist.comm import stats
 from minidist.comm.errors import CommError
-from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _size_error, _truncated
+from minidist.comm.p2p import ANY_TAG, TAG_COLLECTIVE as TAG, _size_error, _truncated, identity, mismatch_error
 
 BYTE = MPI.BYTE
 clock = stats._clock  # time.perf_counter, one global lookup instead of two
@@ -16,14 +16,26 @@ clock = stats._clock  # time.perf_counter, one global lookup instead of two
 # 256 plans); above it Python's per-call work is noise next to moving the bytes.
 PLAN_MAX_BYTES = 512 * 1024
 
-__all__ = ["BYTE", "TAG", "clock", "PLAN_MAX_BYTES", "fail", "result_array"]
+__all__ = ["BYTE", "TAG", "ANY_TAG", "clock", "PLAN_MAX_BYTES", "fail", "result_array", "tags", "mismatch_error"]
 
 
-def fail(what, g, x, status, src, expected, err=None) -> CommError:
-    """The general path's error for a message of the wrong size (or a truncated one).  The
-    call is logged now: a plan only logs it at the end, when it succeeded."""
+def tags(name, op, dtype, nbytes=None) -> tuple:
+    """(tag to send with, tag to receive with) of a plan's messages: the call's identity
+    (p2p.identity, the general path's for the same call) and ANY_TAG, the received tag then
+    compared with it; with identity tags off, TAG for both."""
+    ident = identity(name, op, dtype, nbytes)
+    return (TAG, TAG) if ident is None else (ident, ANY_TAG)
+
+
+def fail(what, g, x, status, src, expected, err=None, tag=TAG) -> CommError:
+    """The general path's error for a message of another call (its tag is not ``tag``), of
+    the wrong size, or a truncated one.  The call is logged now: a plan only logs it at the
+    end, when it succeeded."""
     stats.note_op(what, g.name, x.shape, x.dtype)
     comm = g.comm
+    if status.Get_tag() != tag and (err is None or err.Get_error_class() == MPI.ERR_TRUNCATE):
+        got = status.Get_count(BYTE) if err is None else f"more than {expected}"
+        return mismatch_error(comm, src, tag, status.Get_tag(), got, expected)
     if err is not None:
         return _truncated(comm, src, TAG, expected, err, what)
     return _size_error(comm, src, TAG, expected, status.Get_count(BYTE), what)

@@ -14,7 +14,7 @@ from minidist.comm import stats
 from minidist.comm.algorithms.oneshot import describe, gather_round, peers
 from minidist.comm.algorithms.evengather import error as gather_error
 from minidist.comm.algorithms.pairwise import pair_all_gather
-from minidist.comm.fast.common import PLAN_MAX_BYTES, clock
+from minidist.comm.fast.common import ANY_TAG, PLAN_MAX_BYTES, clock
 from minidist.comm.fast.exchange import Exchange
 from minidist.comm.fast.gather import _GatherPlan
 
@@ -69,7 +69,8 @@ class DirectGatherPlan(_GatherPlan):
     def _exchange(self, out, x):
         flat, block, r = out.reshape(-1).view(np.uint8), self.nbytes, self.rank
         to, frm = peers(self.n, r)
-        return Exchange(self.comm, [(flat[s * block:(s + 1) * block], s) for s in frm], [(x, d) for d in to])
+        return Exchange(self.comm, [(flat[s * block:(s + 1) * block], s) for s in frm], [(x, d) for d in to],
+                        tag=self.tag, rtag=self.rtag)
 
     def run(self, g, x, out):
         """The gathered array, or None when the general path must take the call."""
@@ -93,7 +94,7 @@ class DirectGatherPlan(_GatherPlan):
                 if self._again(x, out):
                     self._bind(x, out)
         else:  # large, posted afresh by the general path's algorithm, which counts its own bytes
-            with stats.scope("all_gather"):
+            with stats.scope("all_gather", self.tag if self.rtag == ANY_TAG else None):
                 wrong = self._round(g, x, out)
             if wrong is None:
                 stats.note_op("all_gather", self.name, x.shape, self.dtype)
@@ -148,7 +149,8 @@ class DirectGatherPlan(_GatherPlan):
         own = np.frombuffer(MPI.buffer.fromaddress(oa + self.rank * block, block), np.uint8)
         to, frm = peers(self.n, self.rank)
         exchange = Exchange(self.comm, [(MPI.buffer.fromaddress(oa + s * block, block), s) for s in frm],
-                                   [(sent, d) for d in to], during=(own, np.frombuffer(sent, np.uint8)))
+                            [(sent, d) for d in to], during=(own, np.frombuffer(sent, np.uint8)),
+                            tag=self.tag, rtag=self.rtag)
         self.held = _Held(weakref.ref(x), weakref.ref(out), exchange)
 
     def close_bound(self) -> None:

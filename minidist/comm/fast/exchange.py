@@ -15,7 +15,7 @@ import weakref
 from mpi4py import MPI
 
 from minidist.comm.algorithms.oneshot import first_wrong
-from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _persistent_round, _settle
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _persistent_round, _settle, mismatch_error
 
 BYTE = MPI.BYTE
 _live = weakref.WeakSet()  # every open Exchange, freed before MPI_Finalize (see close_all)
@@ -30,11 +30,14 @@ class Exchange:
     they live.  Once closed, it still works: it posts the same round afresh each time (a
     collective run from a late exit hook, say)."""
 
-    __slots__ = ("comm", "recvs", "sends", "reqs", "during", "statuses", "received", "sources", "__weakref__")
+    __slots__ = ("comm", "recvs", "sends", "reqs", "during", "statuses", "received", "sources", "tag", "rtag",
+                 "__weakref__")
 
-    def __init__(self, comm, recvs, sends, during=None):
+    def __init__(self, comm, recvs, sends, during=None, tag=TAG, rtag=TAG):
+        """``tag``: the call's identity tag, sent; ``rtag``: ANY_TAG, or TAG with identity tags off."""
         self.comm, self.recvs, self.sends, self.during = comm, recvs, sends, during
-        self.reqs = _persistent_round(comm, recvs, sends, TAG)
+        self.tag, self.rtag = tag, rtag
+        self.reqs = _persistent_round(comm, recvs, sends, tag, rtag)
         self.statuses = [MPI.Status() for _ in self.reqs]
         self.received = self.statuses[:len(recvs)]
         self.sources = [src for _, src in recvs]
@@ -43,25 +46,38 @@ class Exchange:
     def run(self, expect: int):
         """Start the round, make the ``during`` copy, wait.  None when every receive
         brought ``expect`` bytes, else the (source, byte count or "more than K") of the
-        first that did not.  One method, not a start and a finish: on oversubscribed ranks
-        each Python call costs several times its own time (docs/perf-notes.md)."""
+        first that did not.  A message of another call (its tag is not this round's) raises
+        CollectiveMismatchError once the round is complete.  One method, not a start and a
+        finish: on oversubscribed ranks each Python call costs several times its own time
+        (docs/perf-notes.md)."""
         reqs = self.reqs
         if reqs is None:  # closed: the same round posted afresh (the plan does the accounting)
-            reqs = [self.comm.Irecv([buf, BYTE], src, TAG) for buf, src in self.recvs]
-            reqs += [self.comm.Isend([buf, BYTE], dest, TAG) for buf, dest in self.sends]
+            reqs = [self.comm.Irecv([buf, BYTE], src, self.rtag) for buf, src in self.recvs]
+            reqs += [self.comm.Isend([buf, BYTE], dest, self.tag) for buf, dest in self.sends]
         else:
             _startall(reqs)
         if self.during is not None:
             dst, src = self.during
             dst[...] = src
+        tag = self.tag
         try:
             _waitall(reqs, self.statuses)
         except MPI.Exception as err:
-            return first_wrong(_settle(err, reqs, self.statuses, len(self.sources)), expect, self.sources)
+            tags = []
+            counts = _settle(err, reqs, self.statuses, len(self.sources), tags)
+            self._check_tags(tags, counts, expect)
+            return first_wrong(counts, expect, self.sources)
         for status in self.received:
-            if status.Get_count(BYTE) != expect:
-                return first_wrong([s.Get_count(BYTE) for s in self.received], expect, self.sources)
+            if status.Get_count(BYTE) != expect or status.Get_tag() != tag:
+                counts = [s.Get_count(BYTE) for s in self.received]
+                self._check_tags([s.Get_tag() for s in self.received], counts, expect)
+                return first_wrong(counts, expect, self.sources)
         return None
+
+    def _check_tags(self, tags, counts, expect) -> None:
+        for got, src, count in zip(tags, self.sources, counts):
+            if got != self.tag:
+                raise mismatch_error(self.comm, src, self.tag, got, count, expect)
 
     def close(self) -> None:
         """Free the requests: MPI warns at exit about persistent requests left open."""

@@ -33,7 +33,7 @@ from minidist.comm.algorithms.bruck import bruck_steps, read_records, records_er
 from minidist.comm.algorithms.bruck import unpack_records
 from minidist.comm.algorithms.pairwise import rows_error as pair_error
 from minidist.comm.errors import CommError
-from minidist.comm.fast.common import BYTE, TAG
+from minidist.comm.fast.common import ANY_TAG, BYTE, mismatch_error, tags
 
 _COUNT = struct.Struct("=q")  # a record's row count: native int64, as the general path writes it
 
@@ -43,7 +43,7 @@ class _GatherPlan:
     it was made for (plans are cached per (x shape, dtype, out shape), None meaning no out)."""
 
     __slots__ = ("rows", "tail", "row_bytes", "nbytes", "dtype", "status", "comm", "rank", "n", "name", "call",
-                 "out_shape")
+                 "out_shape", "tag", "rtag")
 
     def __init__(self, g, shape, dtype, out=None):
         self.out_shape = None if out is None else out.shape
@@ -52,6 +52,18 @@ class _GatherPlan:
         self.nbytes = self.rows * self.row_bytes
         self.status, self.comm, self.rank, self.n, self.name = MPI.Status(), g.comm, g.rank, g.size, g.name
         self.call = stats.Call("all_gather", g.name, shape, self.dtype)  # its recent-ops entry and counters
+        self.tag, self.rtag = tags("all_gather", "", self.dtype)  # no size: row counts may differ by one
+
+    def check_tag(self, peer, err=None) -> None:
+        """Raise CollectiveMismatchError if the message just received (or truncated: ``err``)
+        belongs to another call."""
+        if err is not None and err.Get_error_class() != MPI.ERR_TRUNCATE:
+            return
+        got = self.status.Get_tag()
+        if got != self.tag:
+            stats.note_op("all_gather", self.name, (self.rows,) + self.tail, self.dtype)
+            nbytes = f"more than {self.status.Get_count(BYTE)}" if err is not None else self.status.Get_count(BYTE)
+            raise mismatch_error(self.comm, peer, self.tag, got, nbytes)
 
     def fits(self, out) -> bool:
         """Is ``out`` what the plan was made for: None, or a NumPy array of exactly that shape
@@ -93,14 +105,16 @@ class PairGatherPlan(_GatherPlan):
         t0 = stats._clock()
         status, peer = self.status, self.peer
         try:
-            self.comm.Sendrecv([x, BYTE], peer, TAG, [out[self.room], BYTE], peer, TAG, status)
+            self.comm.Sendrecv([x, BYTE], peer, self.tag, [out[self.room], BYTE], peer, self.rtag, status)
         except BufferError:  # x or out is strided: nothing was sent, the general path copies x or rejects out
             return None
         except MPI.Exception as err:
+            self.check_tag(peer, err)
             raise _mpi_error(g, err) or pair_error(g, x, f"a block longer than the {out.shape[0] - self.rows} "
                                                          f"rows of room", out) from None
         nbytes = status.Get_count(BYTE)
-        if nbytes != self.expect:
+        if nbytes != self.expect or status.Get_tag() != self.tag:
+            self.check_tag(peer)
             theirs, odd = divmod(nbytes, self.row_bytes)
             if odd or abs(theirs - self.rows) > 1:  # the general path words each error
                 return self._fail(g, x, out, nbytes, theirs, odd)
@@ -119,12 +133,14 @@ class PairGatherPlan(_GatherPlan):
         room = buf[rows:] if r == 0 else buf[:rows + 1]
         status, peer = self.status, self.peer
         try:
-            self.comm.Sendrecv([x, BYTE], peer, TAG, [room, BYTE], peer, TAG, status)
+            self.comm.Sendrecv([x, BYTE], peer, self.tag, [room, BYTE], peer, self.rtag, status)
         except BufferError:
             return None
         except MPI.Exception as err:
+            self.check_tag(peer, err)
             raise _mpi_error(g, err) or pair_error(g, x, f"a block longer than the {room.shape[0]} rows of room") \
                 from None
+        self.check_tag(peer)
         nbytes = status.Get_count(BYTE)
         theirs, odd = divmod(nbytes, self.row_bytes)
         if odd or abs(theirs - rows) > 1:
@@ -183,16 +199,19 @@ class BruckGatherPlan(_GatherPlan):
         if not self.fits(out) or (out is not None and not out.flags.c_contiguous):
             return None
         t0 = stats._clock()
-        buf, comm, status, rows = self.buf, self.comm, self.status, self.rows
+        buf, comm, status, rows, tag, rtag = self.buf, self.comm, self.status, self.rows, self.tag, self.rtag
         self.own[...] = x
         unpack = _COUNT.unpack_from
         sent = received = 0
         for k, (cnt, dest, source, send_msg, recv_msg, expect, heads) in enumerate(self.rounds):
             try:
-                comm.Sendrecv(send_msg, dest, TAG, recv_msg, source, TAG, status)
+                comm.Sendrecv(send_msg, dest, tag, recv_msg, source, rtag, status)
             except MPI.Exception as err:
+                self.check_tag(source, err)
                 raise self._fail(g, _mpi_error(g, err) or bruck_error(
                     g, rows, f"more than {buf.nbytes - heads[0]} bytes of records")) from None
+            if status.Get_tag() != tag:
+                self.check_tag(source)
             nbytes = status.Get_count(BYTE)
             sent, received = sent + expect, received + nbytes
             even = nbytes == expect
@@ -224,10 +243,12 @@ class BruckGatherPlan(_GatherPlan):
                 have = len(counts)
                 outgoing = buf[:starts[cnt] if cnt < have else end]
                 try:
-                    comm.Sendrecv([outgoing, BYTE], dest, TAG, [buf[end:], BYTE], source, TAG, status)
+                    comm.Sendrecv([outgoing, BYTE], dest, self.tag, [buf[end:], BYTE], source, self.rtag, status)
                 except MPI.Exception as err:
+                    self.check_tag(source, err)
                     raise self._fail(g, _mpi_error(g, err) or bruck_error(
                         g, rows, f"more than {buf.nbytes - end} bytes of records")) from None
+                self.check_tag(source)
                 nbytes = status.Get_count(BYTE)
                 sent, received = sent + outgoing.nbytes, received + nbytes
             end, c = read_records(buf, end, end + nbytes, cnt, rows, row_bytes, starts, counts)
@@ -270,21 +291,26 @@ class EvenGatherPlan(_GatherPlan):
         t0 = stats._clock()
         out[self.own] = x
         flat = out.reshape(-1).view(np.uint8)
-        comm, status = self.comm, self.status
+        comm, status, tag, rtag = self.comm, self.status, self.tag, self.rtag
+        mismatch = None
         for k, (dest, slo, shi, source, rlo, rhi) in enumerate(self.rounds):
             try:
-                comm.Sendrecv([flat[slo:shi], BYTE], dest, TAG, [flat[rlo:rhi], BYTE], source, TAG, status)
+                comm.Sendrecv([flat[slo:shi], BYTE], dest, tag, [flat[rlo:rhi], BYTE], source, rtag, status)
                 got = status.Get_count(BYTE)
             except MPI.Exception as err:
                 error = _mpi_error(g, err)
                 if error is not None:
                     raise error from None
                 got = f"more than {rhi - rlo}"
+            if status.Get_tag() != tag:  # another call's message: handled as one of the wrong size
+                mismatch = mismatch_error(comm, source, tag, status.Get_tag(), got, rhi - rlo)
+                got = f"{got} bytes of another call"
             if got != rhi - rlo:  # finish the rounds with empty messages, so that every rank raises
                 bad = f"rank {source} sent {got} bytes where {rhi - rlo} were expected"
-                evengather.exchange(g, flat, self.rounds[k + 1:], bad, status)
                 stats.note_op("all_gather", self.name, x.shape, self.dtype)
-                raise evengather.error(g, out, bad)
+                with stats.scope("all_gather", None if rtag != ANY_TAG else tag):  # the rest carry its identity too
+                    evengather.exchange(g, flat, self.rounds[k + 1:], bad, status)
+                raise mismatch or evengather.error(g, out, bad)
         stats.record_call(self.call, self.sent, self.received, t0)
         return out
 

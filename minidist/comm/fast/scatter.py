@@ -22,7 +22,7 @@ from minidist.comm.algorithms.doubling import halving_steps
 from minidist.comm.algorithms.oneshot import add_in_rank_order, operands, peers
 from minidist.comm.algorithms.pairwise import pairwise_steps
 from minidist.comm.algorithms.ring import ring_steps
-from minidist.comm.fast.common import BYTE, TAG, clock, fail, result_array
+from minidist.comm.fast.common import BYTE, TAG, clock, fail, result_array, tags
 from minidist.comm.fast.exchange import Exchange
 from minidist.comm.p2p import _size_error
 
@@ -31,15 +31,17 @@ class _ScatterPlan:
     """What every reduce-scatter plan knows: this rank's part (shape and dtype), how to
     reduce (ufunc, the divisor of "avg"), and its recent-ops entry and counters."""
 
-    __slots__ = ("shape", "one_d", "dtype", "ufunc", "divisor", "status", "call")
+    __slots__ = ("shape", "one_d", "dtype", "ufunc", "divisor", "status", "call", "tag", "rtag")
 
-    def __init__(self, g, shape, dtype, op):
+    def __init__(self, g, shape, dtype, op, name="reduce_scatter"):
         first, last = split_bounds(shape[0], g.size)[g.rank]  # in rows, as the general path
         self.shape = (last - first,) + tuple(shape[1:])
         self.one_d = len(shape) == 1
         self.dtype, self.ufunc, self.status = np.dtype(dtype), reduction.UFUNCS[op], MPI.Status()
         self.divisor = g.size if op == "avg" and g.size > 1 else None
         self.call = stats.Call("reduce_scatter", g.name, shape, self.dtype)
+        # The identity of the call whose messages these are (an all-reduce's, for its reduce-scatter half).
+        self.tag, self.rtag = tags(name, op, self.dtype, math.prod(shape) * self.dtype.itemsize)
 
     def result(self, out):
         """common.result_array for this rank's part."""
@@ -90,7 +92,7 @@ class DirectScatterPlan(_ScatterPlan):
         bounds, stage, n, r = self.bounds, self.stage, g.size, g.rank
         to, frm = peers(n, r)
         exchange = Exchange(g.comm, [(stage[k], s) for k, s in enumerate(frm)],
-                                   [(flat[bounds[d][0]:bounds[d][1]], d) for d in to])
+                            [(flat[bounds[d][0]:bounds[d][1]], d) for d in to], tag=self.tag, rtag=self.rtag)
         return exchange, operands(stage, frm, flat[bounds[r][0]:bounds[r][1]], r)
 
     def run(self, g, x, out=None):
@@ -191,7 +193,7 @@ class ReduceScatterPlan(_ScatterPlan):
         result = self.result(out)
         if result is None:
             return None
-        comm, status, ufunc, right, left = g.comm, self.status, self.ufunc, self.right, self.left
+        comm, status, ufunc, right, left, tag, rtag = g.comm, self.status, self.ufunc, self.right, self.left, self.tag, self.rtag
         flat = x if self.one_d else x.reshape(-1)  # a reshape costs as much as a small add
         into = result if self.one_d else result.reshape(-1)
         sa, sb = self.first
@@ -199,15 +201,15 @@ class ReduceScatterPlan(_ScatterPlan):
         nbytes = 0
         try:
             for ra, rb, got, got_msg, nbytes, dest, next_msg in self.steps:
-                comm.Sendrecv(msg, right, TAG, got_msg, left, TAG, status)
-                if status.Get_count(BYTE) != nbytes:
-                    raise fail("reduce_scatter", g, x, status, left, nbytes)
+                comm.Sendrecv(msg, right, tag, got_msg, left, rtag, status)
+                if status.Get_count(BYTE) != nbytes or status.Get_tag() != tag:
+                    raise fail("reduce_scatter", g, x, status, left, nbytes, None, tag)
                 ufunc(flat[ra:rb], got, out=into if dest is None else dest)
                 msg = next_msg
         except BufferError:
             return None
         except MPI.Exception as err:
-            raise fail("reduce_scatter", g, x, status, left, nbytes, err) from None
+            raise fail("reduce_scatter", g, x, status, left, nbytes, err, tag) from None
         return self.finish(result, self.sent, self.recv, t0)
 
 
@@ -253,25 +255,25 @@ class HalvingPlan(_ScatterPlan):
         result = self.result(out)
         if result is None:
             return None
-        comm, status, ufunc = g.comm, self.status, self.ufunc
+        comm, status, ufunc, tag, rtag = g.comm, self.status, self.ufunc, self.tag, self.rtag
         flat = x if self.one_d else x.reshape(-1)
         last_into = result if self.one_d else result.reshape(-1)
         peer, s_lo, s_hi, k_lo, k_hi, got, got_msg, nbytes, into = self.first
         try:
-            comm.Sendrecv([flat[s_lo:s_hi], BYTE], peer, TAG, got_msg, peer, TAG, status)
-            if status.Get_count(BYTE) != nbytes:
-                raise fail("reduce_scatter", g, x, status, peer, nbytes)
+            comm.Sendrecv([flat[s_lo:s_hi], BYTE], peer, tag, got_msg, peer, rtag, status)
+            if status.Get_count(BYTE) != nbytes or status.Get_tag() != tag:
+                raise fail("reduce_scatter", g, x, status, peer, nbytes, None, tag)
             ufunc(flat[k_lo:k_hi], got, out=into)
             last = len(self.rounds) - 1
             for i, (peer, msg, got, got_msg, nbytes, mine) in enumerate(self.rounds):
-                comm.Sendrecv(msg, peer, TAG, got_msg, peer, TAG, status)
-                if status.Get_count(BYTE) != nbytes:
-                    raise fail("reduce_scatter", g, x, status, peer, nbytes)
+                comm.Sendrecv(msg, peer, tag, got_msg, peer, rtag, status)
+                if status.Get_count(BYTE) != nbytes or status.Get_tag() != tag:
+                    raise fail("reduce_scatter", g, x, status, peer, nbytes, None, tag)
                 ufunc(mine, got, out=last_into if i == last else mine)
         except BufferError:  # only the first Sendrecv sends from x
             return None
         except MPI.Exception as err:
-            raise fail("reduce_scatter", g, x, status, peer, nbytes, err) from None
+            raise fail("reduce_scatter", g, x, status, peer, nbytes, err, tag) from None
         return self.finish(result, self.sent, self.recv, t0)
 
 
@@ -284,8 +286,8 @@ class PairwisePlan(_ScatterPlan):
 
     __slots__ = ("mine", "steps", "tmp", "tmp_msg", "nbytes", "sent", "recv")
 
-    def __init__(self, g, shape, dtype, op):
-        super().__init__(g, shape, dtype, op)
+    def __init__(self, g, shape, dtype, op, name="reduce_scatter"):
+        super().__init__(g, shape, dtype, op, name)
         n, r = g.size, g.rank
         bounds = split_bounds(shape[0], n, math.prod(shape[1:]))
         self.mine = bounds[r]
@@ -312,14 +314,15 @@ class PairwisePlan(_ScatterPlan):
         """The steps: this rank's block of the reduction of every rank's ``flat`` lands in
         ``into``.  A strided x raises BufferError at the first Sendrecv, before any message."""
         comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
+        tag, rtag = self.tag, self.rtag
         lo, hi = self.mine
         acc, src = flat[lo:hi], None
         try:
             for dst, a, b, src in self.steps:
-                comm.Sendrecv([flat[a:b], BYTE], dst, TAG, tmp_msg, src, TAG, status)
-                if status.Get_count(BYTE) != nbytes:
-                    raise fail(what, g, x, status, src, nbytes)
+                comm.Sendrecv([flat[a:b], BYTE], dst, tag, tmp_msg, src, rtag, status)
+                if status.Get_count(BYTE) != nbytes or status.Get_tag() != tag:
+                    raise fail(what, g, x, status, src, nbytes, None, tag)
                 ufunc(acc, tmp, out=into)
                 acc = into
         except MPI.Exception as err:
-            raise fail(what, g, x, status, src, nbytes, err) from None
+            raise fail(what, g, x, status, src, nbytes, err, tag) from None
