@@ -1,5 +1,5 @@
 """The watchdog (a lost rank ends the job with a report, within the timeout) and mismatched
-calls caught by the identity tags, without the check mode (comm/watchdog.py, p2p.identity)."""
+calls caught by the identity tags, without the check mode (comm/watchdog.py, identity.identity)."""
 import os
 import time
 
@@ -69,22 +69,22 @@ def test_the_watchdog_and_the_tags_can_be_turned_off(env):
 
 
 def test_identity_tags_fit_and_read_back():
-    from minidist.comm import p2p
+    from minidist.comm import identity
 
-    if not p2p.tags_enabled:
+    if not identity.tags_enabled:
         pytest.skip("this MPI's TAG_UB is too small for identity tags")
     import numpy as np
 
-    a = p2p.identity("all_reduce", "sum", np.dtype(np.float32), 4096)
-    b = p2p.identity("all_reduce", "max", np.dtype(np.float32), 4096)
-    c = p2p.identity("all_reduce", "sum", np.dtype(np.int32), 4096)
-    d = p2p.identity("all_reduce", "sum", np.dtype(np.float32), 8192)
-    assert len({a, b, c, d}) == 4 and a == p2p.identity("all_reduce", "sum", np.dtype(np.float32), 4096)
-    assert p2p.describe_tag(a) == "all_reduce(op=sum, float32, [4 KiB, 8 KiB))"
-    assert p2p.describe_tag(p2p.identity("all_gather", "", np.dtype(np.int64))) == "all_gather(int64)"
-    assert p2p.describe_tag(p2p.identity("barrier")) == "barrier()"
-    biggest = p2p.identity("barrier", "min", np.dtype([("a", "i1")]), 1 << 61)
-    assert p2p.TAG_RESERVED < a and biggest + 1 <= p2p.MPI.COMM_WORLD.Get_attr(p2p.MPI.TAG_UB)
+    a = identity.identity("all_reduce", "sum", np.dtype(np.float32), 4096)
+    b = identity.identity("all_reduce", "max", np.dtype(np.float32), 4096)
+    c = identity.identity("all_reduce", "sum", np.dtype(np.int32), 4096)
+    d = identity.identity("all_reduce", "sum", np.dtype(np.float32), 8192)
+    assert len({a, b, c, d}) == 4 and a == identity.identity("all_reduce", "sum", np.dtype(np.float32), 4096)
+    assert identity.describe_tag(a) == "all_reduce(op=sum, float32, [4 KiB, 8 KiB))"
+    assert identity.describe_tag(identity.identity("all_gather", "", np.dtype(np.int64))) == "all_gather(int64)"
+    assert identity.describe_tag(identity.identity("barrier")) == "barrier()"
+    biggest = identity.identity("barrier", "min", np.dtype([("a", "i1")]), 1 << 61)
+    assert identity.TAG_RESERVED < a and biggest + 1 <= identity.MPI.COMM_WORLD.Get_attr(identity.MPI.TAG_UB)
 
 
 def test_set_timeout_checks_its_argument():

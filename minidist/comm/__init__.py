@@ -19,6 +19,7 @@ Start reading at ``algorithms/ring.py``.  The modules, from the wire up:
   stats.py          per-collective counters and the recent-ops log
   errors.py         CommError, CollectiveMismatchError
   abort.py          one rank's uncaught exception aborts the whole job (comm.world() installs it)
+  identity.py       each collective message's tag names its call: mismatched calls raise, naming both
   watchdog.py       a wait without progress for MINIDIST_TIMEOUT_S (set_timeout) aborts the job, with a report
   progress.py       async collectives: one FIFO worker thread per group
   group.py          Group: a communicator, its async twin, scratch buffers, the plan cache

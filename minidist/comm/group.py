@@ -9,7 +9,7 @@ its own duplicate communicator (see :mod:`minidist.comm.progress`).
 Collective traffic runs on a duplicate of the communicator (``Group.comm``), users'
 point-to-point messages on the communicator itself (``Group.user_comm``): collective
 receives take the next message from their source with any tag and check its identity tag
-(p2p.identity), which must never meet a user's message.
+(identity.identity), which must never meet a user's message.
 
 Creating a Group is collective over its communicator (it duplicates it), like the
 ``Split`` that usually produced that communicator: every member must create it, in the same
@@ -23,7 +23,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from minidist.comm import p2p, watchdog
+from minidist.comm import identity, watchdog
 from minidist.comm.abort import abort_on_exception
 from minidist.comm.progress import ProgressWorker
 
@@ -60,7 +60,7 @@ class Group:
         # they can never match messages of synchronous ones.  Dup is collective: done now,
         # while every member is known to be here, rather than lazily.
         self._twin = Group(mpi_comm.Dup(), self.name, _async_twin=False) if _async_twin else None
-        p2p.name_comm(self.comm, self.name)
+        identity.name_comm(self.comm, self.name)
         watchdog.watch(self)
 
     def __repr__(self) -> str:

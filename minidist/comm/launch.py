@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.backend import from_host, to_host
-from minidist.comm import check, p2p, stats
+from minidist.comm import check, identity, stats
 from minidist.comm.group import Group
 
 
@@ -37,21 +37,21 @@ def launch(name: str, body, g, x, sig, async_op: bool, *args):
     """
     stats.note_op(name, g.name, None if x is None else x.shape, None if x is None else x.dtype,
                   "async" if async_op else "")
-    ident = identity(*sig)
+    ident = call_identity(*sig)
     sig = check.signature(sig[0], sig[1], **sig[2]) if check.check_enabled() else None
     if async_op:
         return g.submit(name, _run, name, body, x, sig, ident, args)
     return _run(g, name, body, x, sig, ident, args)
 
 
-def identity(name, x, kw) -> int | None:
-    """The identity tag (p2p.identity) of a call with check.signature's arguments: its
+def call_identity(name, x, kw) -> int | None:
+    """The identity tag (identity.identity) of a call with check.signature's arguments: its
     name and op, the dtype unless the shape ``rule`` is "none" (scatter: only the root has
     an array), and the size only where it must agree ("full": not all_gather's or gather's
     rows, which may differ)."""
     rule = kw.get("rule", "full")
     dtype = x.dtype if x is not None and rule != "none" else None
-    return p2p.identity(name, kw.get("op", ""), dtype, x.nbytes if x is not None and rule == "full" else None)
+    return identity.identity(name, kw.get("op", ""), dtype, x.nbytes if x is not None and rule == "full" else None)
 
 
 def _run(g, name, body, x, sig, ident, args):

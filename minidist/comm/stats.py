@@ -20,7 +20,7 @@ import time
 
 class _State:
     """One thread's state: the label of the running collective and the thread's counters,
-    the running collective's identity tag (``ident``, see p2p.identity: what its messages
+    the running collective's identity tag (``ident``, see identity.identity: what its messages
     carry, set by :class:`scope`), a CollectiveMismatchError found by a receive whose caller
     goes on to the end of its rounds (``mismatch``: the scope raises it when it closes),
     and what the thread is blocked on right now (``wait``:
@@ -132,7 +132,7 @@ def record_call(call: Call, sent: int, received: int, t0: float) -> None:
 
 class scope:
     """``with scope("all_reduce", ident):`` labels the messages inside and times the whole
-    call; ``ident`` (p2p.identity) is the tag its collective messages carry.
+    call; ``ident`` (identity.identity) is the tag its collective messages carry.
 
     Scopes nest (all_reduce is built from reduce_scatter + all_gather): only the outermost
     one counts, so the traffic of a ring all-reduce is charged to "all_reduce" once.  An

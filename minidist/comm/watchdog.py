@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 
-from minidist.comm import p2p, stats
+from minidist.comm import identity, stats
 
 DEFAULT_TIMEOUT_S = 300.0
 POLL_S = 0.5  # how often the thread looks (at most; a quarter of a shorter timeout)
@@ -144,7 +144,7 @@ def describe(holder, note) -> str:
         if nbytes is not None:
             text += f", {'sending' if what == 'send' else 'expecting'} {nbytes} bytes"
         if holder.ident is not None:
-            text += f"; this rank's messages carry {p2p.describe_tag(holder.ident)}"
+            text += f"; this rank's messages carry {identity.describe_tag(holder.ident)}"
         return text
     plan = note[0]
     detail = describe_plan(plan, holder) if describe_plan is not None else type(plan).__name__

@@ -87,10 +87,10 @@ def mismatches():
 def switches():
     """MINIDIST_TIMEOUT_S=0 and MINIDIST_COLLECTIVE_TAGS=0: no watchdog, plain tags (a dtype
     mismatch of equal sizes then goes unseen, as before), and everything still works."""
-    from minidist.comm import p2p, watchdog
+    from minidist.comm import identity, watchdog
 
     g = comm.world()
-    assert comm.timeout() == 0 and watchdog._thread is None and not p2p.tags_enabled
+    assert comm.timeout() == 0 and watchdog._thread is None and not identity.tags_enabled
     x = np.arange(8, dtype=np.float32)
     for _ in range(3):
         assert np.array_equal(comm.all_reduce(x, g), x * g.size)

@@ -47,7 +47,7 @@ from minidist.comm.fast.directgather import DirectGatherPlan
 from minidist.comm.fast.gather import BruckGatherPlan, EvenGatherPlan, PairGatherPlan
 from minidist.comm.fast.scatter import DirectScatterPlan, HalvingPlan, PairwisePlan, ReduceScatterPlan
 from minidist.comm.group import Group
-from minidist.comm.p2p import TAG_COLLECTIVE, describe_tag
+from minidist.comm.identity import TAG_COLLECTIVE, describe_tag
 
 _enabled = os.environ.get("MINIDIST_FAST_PATH", "1").strip().lower() not in ("0", "false", "no", "off")
 _MAX_PLANS = 256  # per group; a training loop uses a handful of shapes, so this rarely fills

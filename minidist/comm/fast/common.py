@@ -8,7 +8,8 @@ from mpi4py import MPI
 
 from minidist.comm import stats
 from minidist.comm.errors import CommError
-from minidist.comm.p2p import ANY_TAG, TAG_COLLECTIVE as TAG, _size_error, _truncated, identity, mismatch_error
+from minidist.comm.identity import identity, mismatch_error
+from minidist.comm.p2p import ANY_TAG, TAG_COLLECTIVE as TAG, _size_error, _truncated
 
 BYTE = MPI.BYTE
 clock = stats._clock  # time.perf_counter, one global lookup instead of two

@@ -15,7 +15,8 @@ import weakref
 from mpi4py import MPI
 
 from minidist.comm.algorithms.oneshot import first_wrong
-from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _persistent_round, _settle, mismatch_error
+from minidist.comm.identity import mismatch_error
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _persistent_round, _settle
 
 BYTE = MPI.BYTE
 _live = weakref.WeakSet()  # every open Exchange, freed before MPI_Finalize (see close_all)
