@@ -337,7 +337,7 @@ def large_paths():
 
 
 def fast_paths():
-    """Repeated calls run cached plans (fastpath.py): same answers as the oracles, same
+    """Repeated calls run cached plans (comm/fast/): same answers as the oracles, same
     traffic formulas, the same clear errors, and uneven all_gather still right."""
     g = comm.world()
     r = g.rank
@@ -605,7 +605,7 @@ def bound_plans():
     exchange.close_all()
     same(comm.all_gather(gx[0], g, out=outs[0]), xs[0].reshape(4 * n, 3), "all_gather after close_all")
     same(comm.reduce_scatter(rx[0], g), np.array_split(sx[0].sum(axis=0), n)[r], "reduce_scatter after close_all")
-    # Results larger than fastpath.PLAN_MAX_BYTES: no staging; persistent requests on the
+    # Results larger than fast.common.PLAN_MAX_BYTES: no staging; persistent requests on the
     # caller's arrays once they come twice in a row, held by weak reference only, so that
     # the plan never keeps a large out alive.
     mine, big_out = np.empty((40000, 2), np.float32), np.empty((40000 * n, 2), np.float32)
