@@ -113,3 +113,29 @@ def test_comm_docs_name_every_module():
         rel = path.relative_to(COMM).as_posix()
         assert path.name in docs, f"comm/__init__.py's docstring does not name {rel}"
         assert path.name in arch, f"docs/architecture.md does not name {rel}"
+
+
+def test_comm_modules_import_only_those_listed_above_them_in_the_architecture_doc():
+    """docs/architecture.md lists comm/'s modules "from the wire up"; the list stays true."""
+    arch = (ROOT.parent / "docs" / "architecture.md").read_text()
+    block = arch.split("`comm/` in detail", 1)[1].split("```")[1]
+    order, package = [], ""
+    for line in block.splitlines():
+        if not line.strip() or line.startswith("    "):  # blank or a continuation line
+            continue
+        name = line.split()[0]
+        if name.endswith("/"):
+            package = name[:-1] + "."
+            order.append(f"minidist.comm.{name[:-1]}")
+            continue
+        if not line.startswith("  "):
+            package = ""
+        if name != "__init__.py":  # a folder's own line stands for its __init__.py
+            order.append(f"minidist.comm.{package}{name[:-3]}")
+    known = _modules(COMM)
+    assert set(order) == set(known) - {"minidist.comm"}, set(known) ^ set(order)
+    rank = {name: i for i, name in enumerate(order)}
+    for name in order:
+        late = [d for d in _imports(known[name], known)  # a package's __init__ may import its own parts
+                if d != "minidist.comm" and rank[d] > rank[name] and not d.startswith(name + ".")]
+        assert not late, f"{name} imports {late}, listed below it in docs/architecture.md"
