@@ -1,0 +1,445 @@
+"""Pipeline schedules as pure data: who computes what, in which order, and who talks to whom.
+
+Pipeline parallelism cuts the model's layers into consecutive *stages*, one group of layers
+per rank, and splits each batch into ``M`` *microbatches* so that several stages can work at
+once on different microbatches.  What distinguishes the classic schemes is only the ORDER in
+which each rank runs the forward (F) and backward (B) passes of its microbatches.  So here a
+schedule is nothing but that order, written down as data::
+
+    make_schedule("1f1b", num_stages=4, num_microbatches=8)  ->  Schedule
+    schedule.actions[rank]  ->  [Action("recv_act", 0, 0, peer=0), Action("F", 0, 0), ...]
+
+No MPI and no model here: the runtime (``runtime.py``) executes any schedule, the
+:func:`simulate` function below runs one on a clock to check it (no deadlock, every send
+received once, forward before backward, the bubble equals its formula), and ``python -m
+minidist.parallel.pipeline.schedules --schedule 1f1b --pp 4 -m 8`` draws it.
+
+The schedules (``P`` ranks, ``M`` microbatches, ``V`` model chunks per rank):
+
+* ``naive``: one microbatch at a time through all stages and back (plain model parallelism).
+  Only one rank works at a time: bubble ``(P-1)/P``.
+* ``gpipe``: all forwards, then all backwards (Huang et al. 2019, *GPipe*).  Bubble
+  ``(P-1)/(M+P-1)``; holds the activations of all ``M`` microbatches.
+* ``1f1b``: PipeDream-flush (Narayanan et al. 2021, *Memory-Efficient Pipeline-Parallel DNN
+  Training*): after a warm-up of ``P-r-1`` forwards, rank ``r`` alternates one forward and one
+  backward.  Same bubble as GPipe, but at most ``P`` microbatches' activations in flight.
+* ``interleaved``: interleaved 1F1B (Narayanan et al. 2021, *Efficient Large-Scale Language
+  Model Training on GPU Clusters Using Megatron-LM*): each rank holds ``V`` chunks of layers
+  (model stage ``s`` lives on rank ``s % P``), so a microbatch loops ``V`` times around the
+  ranks.  Bubble ``(P-1)/(V*M+P-1)``; needs ``M`` a multiple of ``P``.
+* ``looping``: breadth-first pipeline (Lamy-Poirier 2023, *Breadth-First Pipeline
+  Parallelism*): the same looping placement, but every microbatch goes through chunk 0 before
+  any goes through chunk 1 (GPipe order on the looped pipeline).  Same bubble as interleaved
+  when ``M >= P``, GPipe's memory (all ``V*M`` chunk activations).
+
+Communication is derived from the compute order, identically for every schedule
+(:func:`with_communication`): a forward of stage ``s > 0`` first receives its input
+activation from stage ``s-1``, and sends its output to stage ``s+1``; a backward receives
+the gradient of its output from stage ``s+1`` and sends its input's gradient to stage
+``s-1``.  Sends never block (the runtime uses nonblocking sends), receives do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORWARD, BACKWARD = "F", "B"
+SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
+COMPUTE = (FORWARD, BACKWARD)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's program: compute ``op`` in (F, B) on ``microbatch`` with model
+    ``chunk`` (0..V-1 on this rank), or send/receive the activation or gradient that
+    belongs to it (``peer``: the other rank)."""
+
+    op: str
+    microbatch: int
+    chunk: int = 0
+    peer: int | None = None
+
+    def __str__(self):
+        text = f"{self.op}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+        return text if self.peer is None else f"{text}@{self.peer}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule's parameters and every rank's list of actions (``actions[rank]``)."""
+
+    name: str
+    num_stages: int          # P: pipeline ranks
+    num_microbatches: int    # M
+    virtual_stages: int      # V: model chunks per rank
+    actions: tuple
+
+    @property
+    def num_model_stages(self) -> int:
+        return self.num_stages * self.virtual_stages
+
+
+# ------------------------------------------------------------------------- placement
+def model_stage(rank: int, chunk: int, num_stages: int) -> int:
+    """The model stage (0..P*V-1, in layer order) that ``chunk`` of ``rank`` holds: chunk c
+    of rank r is stage ``c*P + r`` (the looping placement; with V=1 simply ``r``)."""
+    return chunk * num_stages + rank
+
+
+def stage_location(stage: int, num_stages: int) -> tuple[int, int]:
+    """(rank, chunk) holding model ``stage``: the inverse of :func:`model_stage`."""
+    chunk, rank = divmod(stage, num_stages)
+    return rank, chunk
+
+
+def layer_range(stage: int, num_layers: int, num_model_stages: int) -> range:
+    """The blocks of model ``stage`` when ``num_layers`` are cut into equal consecutive parts."""
+    per = num_layers // num_model_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+# -------------------------------------------------- compute orders, one function each
+def naive_order(P: int, M: int, rank: int, V: int = 1) -> list[Action]:
+    """Naive model parallelism: F then B of one microbatch at a time.  Rank r's program is
+    F0 B0 F1 B1 ...; B0 needs the gradient back from the last stage, so microbatch 1 enters
+    only when microbatch 0 has finished: one rank busy at a time."""
+    return [Action(op, m) for m in range(M) for op in COMPUTE]
+
+
+def gpipe_order(P: int, M: int, rank: int, V: int = 1) -> list[Action]:
+    """GPipe (Huang et al. 2019): every forward, then every backward (same microbatch order;
+    the gradients are accumulated, so the order of the backwards does not matter)."""
+    return [Action(FORWARD, m) for m in range(M)] + [Action(BACKWARD, m) for m in range(M)]
+
+
+def one_f_one_b_order(P: int, M: int, rank: int, V: int = 1) -> list[Action]:
+    """1F1B / PipeDream-flush (Narayanan et al. 2021): warm up with P-rank-1 forwards, then
+    alternate one forward and one backward, then drain the remaining backwards.  Rank r never
+    holds more than P-r microbatches' activations."""
+    warmup = min(P - rank - 1, M)
+    order = [Action(FORWARD, m) for m in range(warmup)]
+    for i in range(M - warmup):
+        order += [Action(FORWARD, warmup + i), Action(BACKWARD, i)]
+    order += [Action(BACKWARD, m) for m in range(M - warmup, M)]
+    return order
+
+
+def _interleaved_unit(k: int, P: int, V: int, forward: bool) -> tuple[int, int]:
+    """(microbatch, chunk) of the k-th forward (or backward) unit of the interleaved schedule:
+    units go in groups of P microbatches, each group through chunk 0, 1, ..., V-1 (backwards:
+    V-1, ..., 0) before the next group of P microbatches starts."""
+    group, within = divmod(k, P * V)
+    chunk = within // P
+    return group * P + within % P, (chunk if forward else V - 1 - chunk)
+
+
+def interleaved_order(P: int, M: int, rank: int, V: int = 2) -> list[Action]:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): 1F1B over the M*V chunk units
+    of this rank, with a longer warm-up, 2(P-rank-1) + (V-1)P units, so that the first
+    backward's gradient can come all the way round the V loops."""
+    total = M * V
+    warmup = min((P - rank - 1) * 2 + (V - 1) * P, total)
+    units = [Action(FORWARD, *_interleaved_unit(k, P, V, True)) for k in range(warmup)]
+    for i in range(total - warmup):
+        units.append(Action(FORWARD, *_interleaved_unit(warmup + i, P, V, True)))
+        units.append(Action(BACKWARD, *_interleaved_unit(i, P, V, False)))
+    units += [Action(BACKWARD, *_interleaved_unit(k, P, V, False)) for k in range(total - warmup, total)]
+    return units
+
+
+def looping_order(P: int, M: int, rank: int, V: int = 2) -> list[Action]:
+    """Breadth-first looping pipeline (Lamy-Poirier 2023): all M forwards through chunk 0,
+    then all through chunk 1, ...; backwards chunk by chunk in reverse.  GPipe on the
+    looped pipeline: every rank stays busy between loops when M >= P."""
+    forwards = [Action(FORWARD, m, c) for c in range(V) for m in range(M)]
+    backwards = [Action(BACKWARD, m, c) for c in reversed(range(V)) for m in range(M)]
+    return forwards + backwards
+
+
+ORDERS = {"naive": naive_order, "gpipe": gpipe_order, "1f1b": one_f_one_b_order,
+          "interleaved": interleaved_order, "looping": looping_order}
+"""Schedule name -> compute-order function ``(P, M, rank, V) -> [Action]``."""
+
+VIRTUAL = ("interleaved", "looping")
+"""The schedules with several model chunks per rank (``--virtual-stages``)."""
+
+
+# -------------------------------------------------------------------------- checks
+def schedule_problem(name: str, P: int, M: int, V: int = 1, num_layers: int | None = None) -> str | None:
+    """Why (name, P, M, V, layers) is not a valid pipeline, as one line; None if it is.
+
+    Pure arithmetic on the arguments: every rank reaches the same verdict before any message.
+    """
+    if name not in ORDERS:
+        return f"unknown pipeline schedule {name!r}; choose from {', '.join(ORDERS)}"
+    for label, value in (("pipeline stages", P), ("microbatches", M), ("virtual stages", V)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{label} must be a positive integer, got {value!r}"
+    if V > 1 and name not in VIRTUAL:
+        return f"schedule {name!r} has no virtual stages (got {V}); use interleaved or looping"
+    if name == "interleaved" and M % P:
+        return f"the interleaved schedule needs the microbatches ({M}) to be a multiple of the pipeline stages ({P})"
+    if name == "looping" and M < P:
+        return f"the looping schedule needs at least as many microbatches ({M}) as pipeline stages ({P})"
+    if num_layers is not None and num_layers % (P * V):
+        return (f"{num_layers} layers cannot be cut into {P} pipeline stages x {V} virtual stages "
+                f"(needs a multiple of {P * V})")
+    if 2 * P * V * M > TAG_LIMIT:
+        return f"too many microbatches x stages ({M} x {P * V}) for the message tags (at most {TAG_LIMIT // 2})"
+    return None
+
+
+TAG_LIMIT = 30000  # point-to-point tags below minidist's reserved range (comm.identity.TAG_RESERVED)
+
+
+def message_tag(kind: str, microbatch: int, dst_stage: int, num_model_stages: int, num_microbatches: int) -> int:
+    """A distinct MPI tag for each message of a step: (activation | gradient, destination stage,
+    microbatch).  Receives match exactly one send, whatever order the messages arrive in."""
+    k = 0 if kind == "act" else 1
+    return (k * num_model_stages + dst_stage) * num_microbatches + microbatch
+
+
+# ------------------------------------------------------------- communication insertion
+def with_communication(order: list[Action], rank: int, P: int, V: int) -> list[Action]:
+    """Insert the sends and receives that a compute order implies on ``rank``.
+
+    Stage s = chunk*P + rank.  F(m) of stage s > 0 is preceded by a receive of its input from
+    stage s-1's rank, and F(m) of stage s < S-1 followed by a send of its output to stage s+1's
+    rank; B(m) mirrors it with gradients.  A neighbour on the same rank (P = 1) is no message:
+    the runtime hands the tensor over locally.
+    """
+    S = P * V
+    out = []
+    for a in order:
+        s = model_stage(rank, a.chunk, P)
+        if a.op == FORWARD:
+            if s > 0 and stage_location(s - 1, P)[0] != rank:
+                out.append(Action(RECV_ACT, a.microbatch, a.chunk, stage_location(s - 1, P)[0]))
+            out.append(a)
+            if s < S - 1 and stage_location(s + 1, P)[0] != rank:
+                out.append(Action(SEND_ACT, a.microbatch, a.chunk, stage_location(s + 1, P)[0]))
+        else:
+            if s < S - 1 and stage_location(s + 1, P)[0] != rank:
+                out.append(Action(RECV_GRAD, a.microbatch, a.chunk, stage_location(s + 1, P)[0]))
+            out.append(a)
+            if s > 0 and stage_location(s - 1, P)[0] != rank:
+                out.append(Action(SEND_GRAD, a.microbatch, a.chunk, stage_location(s - 1, P)[0]))
+    return out
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The named schedule for P ranks, M microbatches and V chunks per rank (raises ValueError
+    with :func:`schedule_problem`'s message on bad input)."""
+    problem = schedule_problem(name, num_stages, num_microbatches, virtual_stages)
+    if problem:
+        raise ValueError(problem)
+    P, M, V = num_stages, num_microbatches, virtual_stages
+    actions = tuple(tuple(with_communication(ORDERS[name](P, M, r, V), r, P, V)) for r in range(P))
+    return Schedule(name, P, M, V, actions)
+
+
+def theoretical_bubble(name: str, P: int, M: int, V: int = 1) -> float:
+    """The idle share of a step with equal stages and free communication:
+    (P-1)/P for naive, (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for the looped
+    pipelines (interleaved, and looping with M >= P)."""
+    if name == "naive":
+        return (P - 1) / P
+    return (P - 1) / (V * M + P - 1)
+
+
+# ------------------------------------------------------------------------- simulation
+@dataclass
+class Simulation:
+    """What :func:`simulate` found: each rank's compute intervals, the step's length and
+    each rank's idle share, and how many microbatches' activations each rank held at most."""
+
+    timeline: list           # timeline[rank] = [(start, end, Action)] of F and B actions
+    makespan: float
+    bubble: list             # per rank: idle time / makespan
+    peak_in_flight: list     # per rank: most (microbatch, chunk) forwards awaiting their backward
+
+    @property
+    def mean_bubble(self) -> float:
+        return sum(self.bubble) / len(self.bubble)
+
+
+class Deadlock(RuntimeError):
+    pass
+
+
+def _message_key(a: Action, rank: int, P: int) -> tuple:
+    """(kind, microbatch, destination stage) of the message a send/recv action carries."""
+    s = model_stage(rank, a.chunk, P)
+    if a.op == SEND_ACT:
+        return ("act", a.microbatch, s + 1)
+    if a.op == RECV_ACT:
+        return ("act", a.microbatch, s)
+    if a.op == SEND_GRAD:
+        return ("grad", a.microbatch, s - 1)
+    return ("grad", a.microbatch, s)
+
+
+def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0) -> Simulation:
+    """Run every rank's program on a clock: F of one chunk takes ``t_forward / V``, B
+    ``t_backward / V``, messages are free and sends never block; a receive waits for its send.
+
+    Raises :class:`Deadlock` when no rank can move, and ValueError for a send without its
+    one receive (or the reverse), a backward before its forward, or a repeated action.
+    """
+    P, V = schedule.num_stages, schedule.virtual_stages
+    duration = {FORWARD: t_forward / V, BACKWARD: t_backward / V}
+    pc, clock = [0] * P, [0.0] * P
+    sent = {}            # message key -> time it was sent
+    received = set()
+    timeline = [[] for _ in range(P)]
+    live, peak = [set() for _ in range(P)], [0] * P
+    done_fwd = [set() for _ in range(P)]
+    done = [set() for _ in range(P)]
+    while any(pc[r] < len(schedule.actions[r]) for r in range(P)):
+        moved = False
+        for r in range(P):
+            while pc[r] < len(schedule.actions[r]):
+                a = schedule.actions[r][pc[r]]
+                if a.op in (RECV_ACT, RECV_GRAD):
+                    key = _message_key(a, r, P)
+                    if key not in sent:
+                        break  # blocked: try the other ranks
+                    if key in received:
+                        raise ValueError(f"rank {r} receives {key} twice")
+                    if stage_location(key[2] + (-1 if key[0] == "act" else 1), P)[0] != a.peer:
+                        raise ValueError(f"rank {r}'s {a} names the wrong peer")
+                    received.add(key)
+                    clock[r] = max(clock[r], sent[key])
+                elif a.op in (SEND_ACT, SEND_GRAD):
+                    key = _message_key(a, r, P)
+                    if key in sent:
+                        raise ValueError(f"rank {r} sends {key} twice")
+                    sent[key] = clock[r]
+                else:
+                    unit = (a.op, a.microbatch, a.chunk)
+                    if unit in done[r]:
+                        raise ValueError(f"rank {r} runs {a} twice")
+                    if a.op == BACKWARD and (a.microbatch, a.chunk) not in done_fwd[r]:
+                        raise ValueError(f"rank {r} runs {a} before its forward")
+                    done[r].add(unit)
+                    start, clock[r] = clock[r], clock[r] + duration[a.op]
+                    timeline[r].append((start, clock[r], a))
+                    if a.op == FORWARD:
+                        done_fwd[r].add((a.microbatch, a.chunk))
+                        live[r].add((a.microbatch, a.chunk))
+                        peak[r] = max(peak[r], len(live[r]))
+                    else:
+                        live[r].discard((a.microbatch, a.chunk))
+                pc[r] += 1
+                moved = True
+        if not moved:
+            stuck = {r: str(schedule.actions[r][pc[r]]) for r in range(P) if pc[r] < len(schedule.actions[r])}
+            raise Deadlock(f"schedule {schedule.name!r} deadlocks: ranks wait at {stuck}")
+    unmatched = set(sent) ^ received
+    if unmatched:
+        raise ValueError(f"messages without exactly one send and one receive: {sorted(unmatched)}")
+    expected = {(op, m, c) for op in COMPUTE for m in range(schedule.num_microbatches) for c in range(V)}
+    for r in range(P):
+        if done[r] != expected:
+            raise ValueError(f"rank {r} misses {sorted(expected - done[r])}")
+    makespan = max(clock)
+    busy = [sum(end - start for start, end, _ in timeline[r]) for r in range(P)]
+    return Simulation(timeline, makespan, [1 - b / makespan for b in busy], peak)
+
+
+# -------------------------------------------------------------------------------- charts
+def chart(schedule: Schedule, sim: Simulation | None = None) -> str:
+    """A time x rank chart in text: one row per rank, one column per forward-chunk time unit.
+
+    A forward occupies one column, a backward two (the usual 1:2 cost), labelled ``F3`` /
+    ``B3`` (microbatch 3), with the chunk as a letter when V > 1 (``F3a``, ``F3b``); ``.`` is
+    idle time (the bubble)."""
+    V = schedule.virtual_stages
+    sim = sim or simulate(schedule, t_forward=V, t_backward=2 * V)  # one column per chunk forward
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    labels = [[(int(round(s)), int(round(e)), f"{a.op}{a.microbatch}" + (letters[a.chunk % 26] if V > 1 else ""))
+               for s, e, a in row] for row in sim.timeline]
+    width = max(len(text) for row in labels for _, _, text in row) + 1
+    columns = int(round(sim.makespan))
+    lines = [f"{schedule.name}: P={schedule.num_stages} ranks, M={schedule.num_microbatches} microbatches"
+             + (f", V={V} chunks per rank" if V > 1 else "") + "  (F forward, B backward, . idle)"]
+    for r, row in enumerate(labels):
+        cells = [".".ljust(width)] * columns
+        for start, end, text in row:
+            for t in range(start, end):
+                cells[t] = text.ljust(width)
+        lines.append(f"rank {r} | " + "".join(cells).rstrip())
+    lines.append(bubble_line(schedule, sim))
+    return "\n".join(lines)
+
+
+def bubble_line(schedule: Schedule, sim: Simulation) -> str:
+    P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
+    formula = {"naive": "(P-1)/P"}.get(schedule.name, "(P-1)/(V*M+P-1)" if V > 1 else "(P-1)/(M+P-1)")
+    return (f"bubble: simulated {100 * sim.mean_bubble:.1f}%, formula {formula} = "
+            f"{100 * theoretical_bubble(schedule.name, P, M, V):.1f}%; "
+            f"peak activations in flight per rank: {sim.peak_in_flight}")
+
+
+def save_png(schedule: Schedule, path: str, sim: Simulation | None = None) -> None:
+    """Draw the chart with matplotlib (``pip install minidist[plot]``): one colour per
+    chunk, forwards light and backwards dark, microbatch numbers in the boxes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    V = schedule.virtual_stages
+    sim = sim or simulate(schedule, t_forward=V, t_backward=2 * V)
+    colours = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * sim.makespan), 0.6 * schedule.num_stages + 1.2))
+    for r, row in enumerate(sim.timeline):
+        for start, end, a in row:
+            colour = colours[a.chunk % len(colours)]
+            ax.broken_barh([(start, end - start)], (r - 0.4, 0.8), facecolor=colour,
+                           alpha=0.45 if a.op == FORWARD else 0.95, edgecolor="black", linewidth=0.5)
+            ax.text((start + end) / 2, r, str(a.microbatch), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(schedule.num_stages))
+    ax.set_yticklabels([f"rank {r}" for r in range(schedule.num_stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (one unit = one chunk's forward; backward = 2 units)")
+    ax.set_title(f"{schedule.name}  P={schedule.num_stages} M={schedule.num_microbatches}"
+                 + (f" V={V}" if V > 1 else "") + f"   bubble {100 * sim.mean_bubble:.1f}%")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m minidist.parallel.pipeline.schedules",
+                                description="Print (or draw) a pipeline schedule as a time x rank chart.")
+    p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(ORDERS)} (default: 1f1b)")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks P (default: 4)")
+    p.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches M (default: 8)")
+    p.add_argument("-v", "--virtual-stages", type=int, default=None,
+                   help="model chunks per rank V (interleaved/looping only; default: 2 for them, else 1)")
+    p.add_argument("--png", default=None, metavar="FILE", help="also draw the chart into FILE with matplotlib")
+    args = p.parse_args(argv)
+    V = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule in VIRTUAL else 1)
+    problem = schedule_problem(args.schedule, args.pp, args.microbatches, V)
+    if problem:
+        p.exit(2, f"{p.prog}: error: {problem}\n")
+    schedule = make_schedule(args.schedule, args.pp, args.microbatches, V)
+    print(chart(schedule))
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--png needs matplotlib, which is not installed: pip install 'minidist[plot]' "
+                  "(or pip install matplotlib); the text chart above is complete", file=sys.stderr)
+            return 1
+        save_png(schedule, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

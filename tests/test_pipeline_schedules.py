@@ -1,0 +1,154 @@
+"""Pipeline schedules as data, checked by simulation (no MPI)."""
+import pytest
+
+from minidist.parallel.pipeline import schedules as S
+from minidist.parallel.pipeline.schedules import Action, Deadlock, make_schedule, simulate
+
+
+def _valid_configs():
+    for name in S.ORDERS:
+        for P in (1, 2, 3, 4, 5):
+            for M in (1, 2, 3, 4, 6, 8, 9):
+                for V in ((1,) if name not in S.VIRTUAL else (1, 2, 3)):
+                    if S.schedule_problem(name, P, M, V) is None:
+                        yield name, P, M, V
+
+
+CONFIGS = list(_valid_configs())
+
+
+def test_every_schedule_has_configs():
+    assert {c[0] for c in CONFIGS} == set(S.ORDERS)
+    assert len(CONFIGS) > 150
+
+
+@pytest.mark.parametrize("t_backward", [1.0, 2.0])
+def test_simulation_terminates_matches_messages_and_bubble_equals_formula(t_backward):
+    for name, P, M, V in CONFIGS:
+        sched = make_schedule(name, P, M, V)
+        sim = simulate(sched, t_forward=1.0, t_backward=t_backward)  # raises on deadlock or a lone message
+        formula = S.theoretical_bubble(name, P, M, V)
+        for r in range(P):
+            assert sim.bubble[r] == pytest.approx(formula, abs=1e-12), (name, P, M, V, r, sim.bubble)
+
+
+def test_each_forward_precedes_its_backward_and_each_unit_runs_once():
+    for name, P, M, V in CONFIGS:
+        for rank, actions in enumerate(make_schedule(name, P, M, V).actions):
+            seen = []
+            for a in actions:
+                if a.op == S.BACKWARD:
+                    assert (S.FORWARD, a.microbatch, a.chunk) in seen, (name, P, M, V, rank, a)
+                if a.op in S.COMPUTE:
+                    seen.append((a.op, a.microbatch, a.chunk))
+            assert sorted(seen) == sorted((op, m, c) for op in S.COMPUTE for m in range(M) for c in range(V))
+
+
+def test_every_send_has_exactly_one_matching_receive():
+    for name, P, M, V in CONFIGS:
+        sched = make_schedule(name, P, M, V)
+        sends, recvs = [], []
+        for rank, actions in enumerate(sched.actions):
+            for a in actions:
+                if a.op in (S.SEND_ACT, S.SEND_GRAD):
+                    sends.append((rank, a.peer, S._message_key(a, rank, P)))
+                elif a.op in (S.RECV_ACT, S.RECV_GRAD):
+                    recvs.append((a.peer, rank, S._message_key(a, rank, P)))
+        assert sorted(sends) == sorted(recvs), (name, P, M, V)
+        assert len(set(sends)) == len(sends)
+        # every stage boundary crossed by every microbatch, both ways, when ranks differ
+        boundaries = (P * V - 1) if P > 1 else 0
+        assert len(sends) == 2 * M * boundaries
+
+
+def test_1f1b_holds_at_most_P_microbatches_and_gpipe_holds_M():
+    for P in (1, 2, 3, 4, 5):
+        for M in (1, 2, 4, 8, 9):
+            one = simulate(make_schedule("1f1b", P, M))
+            assert max(one.peak_in_flight) <= P
+            assert one.peak_in_flight == [min(P - r, M) for r in range(P)]
+            assert simulate(make_schedule("gpipe", P, M)).peak_in_flight == [M] * P
+            assert simulate(make_schedule("naive", P, M)).peak_in_flight == [1] * P
+
+
+def test_looping_holds_every_chunk_and_interleaved_less():
+    loop = simulate(make_schedule("looping", 4, 8, 2))
+    inter = simulate(make_schedule("interleaved", 4, 8, 2))
+    assert loop.peak_in_flight == [16] * 4
+    assert max(inter.peak_in_flight) < 16
+
+
+def test_placement_is_looping():
+    assert [S.model_stage(r, c, 2) for c in range(2) for r in range(2)] == [0, 1, 2, 3]
+    assert S.stage_location(3, 2) == (1, 1)
+    assert list(S.layer_range(1, 8, 4)) == [2, 3]
+
+
+def test_simulator_catches_broken_schedules():
+    good = make_schedule("1f1b", 2, 2)
+    # Rank 1 waits for the gradient of microbatch 1 before doing anything: nobody can move.
+    rank0, rank1 = good.actions
+    bad = S.Schedule("bad", 2, 2, 1, (rank0, (Action(S.RECV_GRAD, 0, 0, 0),) + rank1))
+    with pytest.raises((Deadlock, ValueError)):
+        simulate(bad)
+    stuck = S.Schedule("stuck", 2, 1, 1, ((Action(S.RECV_GRAD, 0, 0, 1), Action(S.FORWARD, 0)),
+                                          (Action(S.RECV_ACT, 0, 0, 0), Action(S.FORWARD, 0))))
+    with pytest.raises(Deadlock, match="deadlocks"):
+        simulate(stuck)
+    lone = S.Schedule("lone", 2, 1, 1, (tuple(a for a in rank0 if a.op != S.RECV_GRAD), rank1))
+    with pytest.raises(ValueError):
+        simulate(S.Schedule("lone", 2, 2, 1, lone.actions))
+    early = S.Schedule("early", 1, 1, 1, ((Action(S.BACKWARD, 0), Action(S.FORWARD, 0)),))
+    with pytest.raises(ValueError, match="before its forward"):
+        simulate(early)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("zigzag", 2, 4, 1), "unknown pipeline schedule 'zigzag'"),
+    (("1f1b", 2, 4, 2), "has no virtual stages"),
+    (("gpipe", 2, 0, 1), "microbatches must be a positive integer"),
+    (("interleaved", 4, 6, 2), "multiple of the pipeline stages"),
+    (("looping", 4, 2, 2), "at least as many microbatches"),
+])
+def test_bad_input_is_named(args, fragment):
+    assert fragment in S.schedule_problem(*args)
+    with pytest.raises(ValueError, match=fragment.split("'")[0]):
+        make_schedule(*args)
+
+
+def test_layers_must_divide():
+    assert "cannot be cut into 2 pipeline stages x 2 virtual stages" in S.schedule_problem("looping", 2, 2, 2, 6)
+    assert S.schedule_problem("looping", 2, 2, 2, 8) is None
+
+
+def test_message_tags_are_distinct():
+    P, V, M = 3, 2, 6
+    tags = {S.message_tag(k, m, s, P * V, M) for k in ("act", "grad") for m in range(M) for s in range(P * V)}
+    assert len(tags) == 2 * M * P * V and max(tags) < S.TAG_LIMIT
+
+
+def test_command_line_chart(capsys):
+    assert S.main(["--schedule", "1f1b", "--pp", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert len(rows) == 4
+    assert rows[3].split("|")[1].split()[:7] == [".", ".", ".", "F0", "B0", "B0", "F1"]
+    assert "formula (P-1)/(M+P-1) = 27.3%" in out
+    assert S.main(["--schedule", "interleaved", "--pp", "2", "-m", "4"]) == 0
+    assert "F0a" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        S.main(["--schedule", "gpipe", "--pp", "2", "-m", "4", "-v", "2"])
+    assert exc.value.code == 2
+    assert "has no virtual stages" in capsys.readouterr().err
+
+
+def test_png(tmp_path, capsys):
+    path = tmp_path / "chart.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert S.main(["--schedule", "gpipe", "--pp", "2", "-m", "2", "--png", str(path)]) == 1
+        assert "needs matplotlib" in capsys.readouterr().err
+        return
+    assert S.main(["--schedule", "gpipe", "--pp", "2", "-m", "2", "--png", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
