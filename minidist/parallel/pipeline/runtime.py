@@ -1,0 +1,289 @@
+"""One pipeline runtime: execute any schedule (``schedules.py``) for this rank's stage(s).
+
+Each rank of the pipeline group holds ``V`` chunks of consecutive blocks (model stage
+``c*P + rank`` for chunk ``c``; ``V = 1`` except for the looped schedules); the first model
+stage also runs the embedding, the last one the final LayerNorm, the head and the loss.  The
+runtime walks this rank's list of actions:
+
+* ``F m c``: run chunk ``c`` on microbatch ``m`` (from the token ids on the first stage,
+  else from the activation received) and keep its graph for the backward;
+* ``B m c``: backpropagate from the loss (last stage) or from the received gradient of the
+  chunk's output (``Tensor.backward(grad)``), leaving the gradient of the chunk's input;
+* ``send_*``: a nonblocking send (``comm.isend``) of that output / input gradient, posted as
+  soon as the tensor exists; completed at the end of the step;
+* ``recv_*``: receives are posted (``comm.irecv``) one compute action ahead, so the message
+  can arrive while this rank still computes, and waited for only when the data is needed.
+
+The loss of microbatch ``m`` is weighted by its share of the batch's rows before backward,
+so the accumulated gradient is the gradient of the batch's mean loss, exactly as in the
+single-process run (gradient accumulation: GPipe, Huang et al. 2019).  With tied embeddings
+the token embedding ``wte`` is used by the first stage (embedding) and the last (head): both
+ranks hold a copy, and :meth:`PipelineRuntime.reduce_tied_gradients` sums the two partial
+gradients between them (Megatron-LM's embedding group), so both copies take the same update.
+
+Every rank builds the whole GPT from the seed (weights are drawn per name in their global
+shape, so they equal the serial model's) and then drops what it does not run: its memory
+holds only its own stage's parameters.
+
+Accounting per step: ``busy_s`` (time in F and B), ``span_s`` (the step's schedule, between
+two barriers of the pipeline group so that every rank measures the same interval), the
+measured bubble ``1 - busy_s / span_s`` beside :func:`schedules.theoretical_bubble`, and the
+peak of activation bytes held for pending backwards (the arrays of the tensors each pending
+microbatch's graph keeps).
+"""
+
+from __future__ import annotations
+
+import time
+
+from minidist import comm, ops
+from minidist.autograd import Parameter, Tensor, no_grad
+from minidist.backend import from_host, xp
+from minidist.data import shard
+from minidist.parallel.pipeline.schedules import (BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
+                                                  layer_range, make_schedule, message_tag, model_stage,
+                                                  schedule_problem, stage_location, theoretical_bubble)
+
+
+def graph_activation_bytes(out: Tensor) -> int:
+    """Bytes of the arrays that ``out``'s autograd graph keeps alive: every tensor reachable
+    through the recorded ops, parameters excluded (what a pending backward holds)."""
+    seen, stack, total = set(), [out], 0
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if not isinstance(t, Parameter):
+            total += int(t.data.nbytes)
+        if t._ctx is not None:
+            stack.extend(p for p in t._ctx[0] if isinstance(p, Tensor))
+    return total
+
+
+class PipelineRuntime:
+    """This rank's part of a pipeline-parallel GPT over ``group`` (the mesh's pp group).
+
+    ``model`` is a full :class:`~minidist.nn.GPT` built from the seed; the runtime keeps
+    only this rank's pieces (``model.parameters()`` is then this rank's parameter list).
+    """
+
+    def __init__(self, model, group, schedule: str = "1f1b", num_microbatches: int = 1,
+                 virtual_stages: int = 1, measure: bool = True):
+        P, L = group.size, model.config.n_layer
+        problem = schedule_problem(schedule, P, num_microbatches, virtual_stages, L)
+        if problem:
+            raise ValueError(problem)
+        self.model, self.group, self.measure = model, group, measure
+        self.rank, self.P, self.V, self.M = group.rank, P, virtual_stages, num_microbatches
+        self.S = P * virtual_stages
+        self.schedule = make_schedule(schedule, P, num_microbatches, virtual_stages)
+        self.actions = self.schedule.actions[self.rank]
+        self.stages = [model_stage(self.rank, c, P) for c in range(self.V)]
+        self.blocks = [[model.h[i] for i in layer_range(s, L, self.S)] for s in self.stages]
+        self.is_first, self.is_last = 0 in self.stages, self.S - 1 in self.stages
+        self.tied = model.lm_head is None
+        self._keep_only_this_stage()
+        self.stats = {}
+
+    def _keep_only_this_stage(self):
+        m = self.model
+        mine = {i for s in self.stages for i in layer_range(s, m.config.n_layer, self.S)}
+        m.h = [b if i in mine else None for i, b in enumerate(m.h)]
+        if not self.is_first:
+            m.wpe = None
+            if not (self.is_last and self.tied):
+                m.wte = None
+        if not self.is_last:
+            m.ln_f = m.lm_head = None
+
+    # ------------------------------------------------------------------------ one step
+    def forward_backward(self, x, y, weight: float = 1.0, low_dtype=None, loss_scale: float = 1.0) -> float:
+        """Run the schedule on the batch ``(x, y)`` (host int arrays (B, T), the same on every
+        rank), accumulating into ``.grad`` the gradient of ``weight`` x the batch's mean loss
+        (times ``loss_scale``).  Returns the batch's mean loss (on every rank of the group)."""
+        rows = len(x)
+        if rows < self.M:
+            raise ValueError(f"a batch of {rows} sequences cannot be split into {self.M} microbatches")
+        self._x = [shard(x, m, self.M) for m in range(self.M)]
+        self._y = [shard(y, m, self.M) for m in range(self.M)]
+        self._share = [len(xm) / rows * weight for xm in self._x]
+        self._low, self._scale = low_dtype, loss_scale
+        self._inbox, self._outbox, self._saved, self._posted = {}, {}, {}, {}
+        self._losses, self._sends = {}, []
+        self._live = self._peak = 0
+        self._in_flight = self._peak_in_flight = 0
+        busy = wait = 0.0
+        if self.measure and self.P > 1:
+            comm.barrier(self.group)
+        t0 = time.perf_counter()
+        for i, a in enumerate(self.actions):
+            if a.op in (FORWARD, BACKWARD):
+                self._post_receives(i)
+                t = time.perf_counter()
+                (self._forward if a.op == FORWARD else self._backward)(a.microbatch, a.chunk)
+                busy += time.perf_counter() - t
+            elif a.op in (SEND_ACT, SEND_GRAD):
+                self._send(a)
+            else:
+                t = time.perf_counter()
+                self._receive(i, a)
+                wait += time.perf_counter() - t
+        for request in self._sends:
+            request.wait()
+        if self.measure and self.P > 1:
+            comm.barrier(self.group)
+        span = time.perf_counter() - t0
+        loss = self._mean_loss()
+        kind = self.schedule.name
+        self.stats = {"busy_s": busy, "recv_wait_s": wait, "span_s": span,
+                      "bubble": 1.0 - busy / span if span > 0 else 0.0,
+                      "bubble_theory": theoretical_bubble(kind, self.P, self.M, self.V),
+                      "peak_activation_bytes": self._peak, "peak_in_flight": self._peak_in_flight}
+        return loss
+
+    def _mean_loss(self) -> float:
+        """The batch's mean loss (sum of the weighted microbatch losses), from the last stage."""
+        total = xp.asarray([sum(self._losses.values())], dtype=xp.float64)
+        if self.P > 1:
+            total = comm.broadcast(total, self.group, root=self.P - 1)
+        return float(total[0])
+
+    # ---------------------------------------------------------------- the compute actions
+    def _forward(self, m: int, c: int):
+        s = self.stages[c]
+        with ops.autocast(self._low):
+            if s == 0:
+                x_in, h = None, self.model.embed(from_host(self._x[m]))
+            else:
+                x_in = h = Tensor(self._inbox.pop(("act", m, s)), requires_grad=True)
+            out = self.model.run_blocks(h, self.blocks[c])
+            if s == self.S - 1:
+                loss = self.model.loss(self.model.head(out), from_host(self._y[m]))
+                self._losses[m] = self._share[m] * loss.item()
+                out = loss * (self._share[m] * self._scale)
+        held = graph_activation_bytes(out)
+        self._saved[(m, c)] = (x_in, out, held)
+        self._live += held
+        self._in_flight += 1
+        self._peak, self._peak_in_flight = max(self._peak, self._live), max(self._peak_in_flight, self._in_flight)
+        if s < self.S - 1:
+            self._hand_over(("act", m, s + 1), out.data)
+
+    def _backward(self, m: int, c: int):
+        s = self.stages[c]
+        x_in, out, held = self._saved.pop((m, c))
+        if s == self.S - 1:
+            out.backward()
+        else:
+            out.backward(self._inbox.pop(("grad", m, s)))
+        self._live -= held
+        self._in_flight -= 1
+        if s > 0:
+            self._hand_over(("grad", m, s - 1), x_in.grad)
+
+    def _hand_over(self, key, array):
+        """Give a tensor to stage ``key[2]``: directly if it lives on this rank, else leave it
+        for the send action that follows in the schedule."""
+        if stage_location(key[2], self.P)[0] == self.rank:
+            self._inbox[key] = array
+        else:
+            self._outbox[key] = array
+
+    # ------------------------------------------------------------------- the messages
+    def _key(self, a):
+        s = self.stages[a.chunk]
+        return {SEND_ACT: ("act", a.microbatch, s + 1), RECV_ACT: ("act", a.microbatch, s),
+                SEND_GRAD: ("grad", a.microbatch, s - 1), RECV_GRAD: ("grad", a.microbatch, s)}[a.op]
+
+    def _tag(self, key) -> int:
+        return message_tag(key[0], key[1], key[2], self.S, self.M)
+
+    def _send(self, a):
+        key = self._key(a)
+        self._sends.append(comm.isend(self._outbox.pop(key), a.peer, self.group, tag=self._tag(key)))
+
+    def _post(self, a):
+        key = self._key(a)
+        if key not in self._posted:
+            shape = (len(self._x[a.microbatch]), self._x[a.microbatch].shape[1], self.model.config.d_model)
+            dtype = self._low if self._low is not None else self._param_dtype()
+            self._posted[key] = comm.irecv(xp.empty(shape, dtype), a.peer, self.group, tag=self._tag(key))
+
+    def _post_receives(self, i: int):
+        """Post the receives the NEXT compute action after action ``i`` needs."""
+        for a in self.actions[i + 1:]:
+            if a.op in (RECV_ACT, RECV_GRAD):
+                self._post(a)
+            elif a.op in (FORWARD, BACKWARD):
+                return
+
+    def _receive(self, i: int, a):
+        self._post(a)
+        key = self._key(a)
+        self._inbox[key] = self._posted.pop(key).wait()
+
+    def _param_dtype(self):
+        return next(iter(self.model.parameters())).dtype
+
+    # ----------------------------------------------------------------- after the step
+    def reduce_tied_gradients(self):
+        """Sum the tied embedding's two partial gradients between the first and last stage.
+
+        The first stage's ``wte.grad`` comes from the embedding lookup, the last stage's from
+        the head; their sum is the serial model's gradient, and both ranks end with it (a + b
+        equals b + a exactly, so the two copies stay bit-identical)."""
+        if not self.tied or self.P == 1 or not (self.is_first or self.is_last):
+            return
+        w = self.model.wte.weight
+        grad = w.grad if w.grad is not None else xp.zeros_like(w.data)
+        peer = self.P - 1 if self.is_first else 0
+        other = comm.sendrecv(grad, peer, peer, self.group, tag=TIED_TAG)
+        w.grad = grad + other
+
+    def grad_norm_sq(self) -> float:
+        """This pipeline's squared gradient norm: each rank's own parameters, the tied
+        embedding counted once (on the first stage), summed over the pipeline group."""
+        from minidist.optim import grad_norm_sq
+
+        params = [p for p in self.model.parameters()
+                  if not (self.tied and self.is_last and not self.is_first and p is self.model.wte.weight)]
+        total = xp.asarray([grad_norm_sq(params)], dtype=xp.float64)
+        if self.P > 1:
+            total = comm.all_reduce(total, self.group)
+        return float(total[0])
+
+    def any_true(self, flag: bool) -> bool:
+        """``flag`` or-ed over the pipeline group (e.g. the loss scaler's overflow check)."""
+        if self.P == 1:
+            return bool(flag)
+        return bool(comm.all_reduce(xp.asarray([1.0 if flag else 0.0]), self.group, op="max")[0])
+
+    # ------------------------------------------------------------------- evaluation
+    def evaluate(self, x, y, low_dtype=None) -> float:
+        """The mean loss of ``(x, y)`` without gradients: the whole batch goes through the
+        stages in order (no microbatches), with blocking messages."""
+        h, loss = None, 0.0
+        with no_grad(), ops.autocast(low_dtype):
+            for c, s in enumerate(self.stages):
+                if s == 0:
+                    h = self.model.embed(from_host(x))
+                else:
+                    prev = stage_location(s - 1, self.P)[0]
+                    if prev != self.rank:
+                        dtype = low_dtype if low_dtype is not None else self._param_dtype()
+                        h = Tensor(comm.recv((len(x), x.shape[1], self.model.config.d_model), dtype, prev,
+                                             self.group, tag=EVAL_TAG))
+                h = self.model.run_blocks(h, self.blocks[c])
+                if s == self.S - 1:
+                    loss = float(self.model.loss(self.model.head(h), from_host(y)).item())
+                elif stage_location(s + 1, self.P)[0] != self.rank:
+                    comm.send(h.data, stage_location(s + 1, self.P)[0], self.group, tag=EVAL_TAG)
+        total = xp.asarray([loss if self.is_last else 0.0], dtype=xp.float64)
+        if self.P > 1:
+            total = comm.broadcast(total, self.group, root=self.P - 1)
+        return float(total[0])
+
+
+TIED_TAG = 29998  # above every schedule's message tags (schedules.TAG_LIMIT), below comm's reserved range
+EVAL_TAG = 29999

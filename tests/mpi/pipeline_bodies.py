@@ -1,0 +1,167 @@
+"""Bodies run on every rank by tests/test_pipeline.py.
+
+Each configuration trains a tiny GPT for 5 optimizer steps with a pipeline over all ranks
+and compares every step's loss and, at the end, every parameter this rank holds with the
+single-process run of the same seed and data (computed on each rank: the model is tiny).
+Many configurations share one launch (mpiexec start-up costs more than they do).
+"""
+import numpy as np
+
+from minidist import comm, ops
+from minidist.nn import GPT, GPTConfig
+from minidist.optim import AdamW, clip_coefficient, clip_grad_norm, grad_norm_sq, no_decay_below_2d, scale_grads
+from minidist.parallel.pipeline.runtime import PipelineRuntime
+from minidist.parallel.pipeline.schedules import ORDERS, schedule_problem
+
+STEPS, BATCH, SEQ = 5, 8, 8
+
+
+def _batches(seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, 256, (BATCH, SEQ)), rng.integers(0, 256, (BATCH, SEQ))) for _ in range(STEPS)]
+
+
+def _config(layers, untied, dtype="float64"):
+    return GPTConfig(vocab_size=256, seq_len=SEQ, n_layer=layers, n_head=2, d_model=16,
+                     tie_embeddings=not untied, dtype=dtype, seed=3)
+
+
+def _optimizer(params):
+    return AdamW(params, lr=3e-3, weight_decay=0.1, no_decay=no_decay_below_2d)
+
+
+def serial_run(layers, ckpt=False, untied=False, accum=1, clip=0.0, low=None, dtype="float64"):
+    model = GPT(_config(layers, untied, dtype))
+    model.checkpoint_activations = ckpt
+    opt = _optimizer(model.parameters())
+    losses = []
+    for x, y in _batches():
+        total = 0.0
+        for k in range(accum):
+            xs, ys = np.array_split(x, accum)[k], np.array_split(y, accum)[k]
+            with ops.autocast(low):
+                loss = model(xs, ys)
+            (loss * (len(xs) / len(x))).backward()
+            total += len(xs) / len(x) * loss.item()
+        if clip:
+            clip_grad_norm(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, model.state_dict()
+
+
+def pipeline_run(group, schedule, M, V=1, layers=4, ckpt=False, untied=False, accum=1, clip=0.0, low=None,
+                 dtype="float64"):
+    model = GPT(_config(layers, untied, dtype))
+    model.checkpoint_activations = ckpt
+    pipe = PipelineRuntime(model, group, schedule, M, V)
+    params = model.parameters()
+    opt = _optimizer(params)
+    losses = []
+    for x, y in _batches():
+        total = 0.0
+        for k in range(accum):
+            xs, ys = np.array_split(x, accum)[k], np.array_split(y, accum)[k]
+            total += pipe.forward_backward(xs, ys, weight=len(xs) / len(x), low_dtype=low)
+        pipe.reduce_tied_gradients()
+        if clip:
+            norm = pipe.grad_norm_sq() ** 0.5
+            scale_grads(params, clip_coefficient(norm, clip))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, model.state_dict(), pipe
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+def _check(label, group, run_kwargs, tol=1e-9):
+    ref_losses, ref_state = serial_run(**{k: v for k, v in run_kwargs.items() if k not in ("schedule", "M", "V")})
+    losses, state, pipe = pipeline_run(group, **run_kwargs)
+    worst = _rel(losses, ref_losses)
+    assert worst <= tol, f"{label}: losses {losses} vs serial {ref_losses} (rel {worst:.2e})"
+    assert state, f"{label}: rank {group.rank} holds no parameters"
+    for name, value in state.items():
+        err = _rel(value, ref_state[name])
+        assert err <= tol, f"{label}: parameter {name} differs from serial by {err:.2e} (rel)"
+        worst = max(worst, err)
+    return worst, pipe
+
+
+def equal_to_serial():
+    """Every schedule and microbatch count on all ranks (P = world size), plus, on 2 ranks,
+    virtual stages, checkpointing, untied head, grad accumulation, clipping."""
+    g = comm.world()
+    P = g.size
+    configs = []
+    for schedule in ORDERS:
+        for M in (1, 2, 4, 8):
+            if schedule_problem(schedule, P, M, 1) is None:
+                configs.append(dict(schedule=schedule, M=M, layers=P))
+    for schedule in ("interleaved", "looping"):
+        M = max(P, 2)
+        configs.append(dict(schedule=schedule, M=M, V=2, layers=2 * P))
+    if P == 2:
+        configs += [
+            dict(schedule="1f1b", M=4, layers=4, ckpt=True),
+            dict(schedule="gpipe", M=2, layers=2, ckpt=True, untied=True),
+            dict(schedule="interleaved", M=4, V=2, layers=4, ckpt=True),
+            dict(schedule="1f1b", M=2, layers=2, accum=2, clip=0.05),
+            dict(schedule="looping", M=2, V=2, layers=4, untied=True, clip=0.05),
+            dict(schedule="looping", M=4, V=2, layers=8),
+        ]
+    worst = 0.0
+    for cfg in configs:
+        label = " ".join(f"{k}={v}" for k, v in cfg.items())
+        err, pipe = _check(label, g, cfg)
+        worst = max(worst, err)
+        if g.rank == 0:
+            print(f"pipeline ok: {label} (rel {err:.1e}, bubble {pipe.stats['bubble']:.2f})", flush=True)
+    if g.rank == 0:
+        print(f"pipeline configs: {len(configs)} worst rel {worst:.2e}", flush=True)
+
+
+def mixed_precision_close():
+    """bf16 activations through the pipeline: losses close to the serial bf16 run (the
+    low-precision roundings are the same ops, but sums run in another order)."""
+    g = comm.world()
+    ref, _ = serial_run(4, low="bfloat16", dtype="float32")
+    losses, _, _ = pipeline_run(g, "1f1b", 4, 1, layers=4, low="bfloat16", dtype="float32")
+    assert _rel(losses, ref) < 1e-2, (losses, ref)
+    if g.rank == 0:
+        print("pipeline bf16 ok", flush=True)
+
+
+def accounting():
+    """GPipe holds all M microbatches' activations, 1F1B at most P: measured peaks agree."""
+    g = comm.world()
+    P, M = g.size, 8
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        _, _, pipe = pipeline_run(g, schedule, M, layers=P)
+        peaks[schedule] = pipe.stats
+        assert 0.0 <= pipe.stats["bubble"] < 1.0 and pipe.stats["span_s"] > 0
+    assert peaks["gpipe"]["peak_in_flight"] == M
+    assert peaks["1f1b"]["peak_in_flight"] == min(P - g.rank, M)
+    assert peaks["1f1b"]["peak_activation_bytes"] < peaks["gpipe"]["peak_activation_bytes"]
+    # checkpointing keeps only each block's input (the last stage still keeps its logits)
+    _, _, ck = pipeline_run(g, "gpipe", M, layers=P, ckpt=True)
+    assert ck.stats["peak_activation_bytes"] < peaks["gpipe"]["peak_activation_bytes"] / (1.2 if g.rank == P - 1 else 2)
+    print(f"pipeline accounting ok rank {g.rank}: gpipe {peaks['gpipe']['peak_activation_bytes']} B, "
+          f"1f1b {peaks['1f1b']['peak_activation_bytes']} B, checkpointed {ck.stats['peak_activation_bytes']} B",
+          flush=True)
+
+
+def two_ranks():
+    equal_to_serial()
+    mixed_precision_close()
+    accounting()
+
+
+def four_ranks():
+    equal_to_serial()
+    accounting()

@@ -1,0 +1,85 @@
+"""Pipeline parallelism equals the single-process run (float64), on 1, 2 and 4 ranks."""
+import os
+import sys
+import types
+
+import pytest
+
+from minidist.testing import run_mpi
+
+BODIES = os.path.join(os.path.dirname(__file__), "mpi", "pipeline_bodies.py")
+sys.path.insert(0, os.path.dirname(BODIES))
+import pipeline_bodies as B  # noqa: E402
+
+from minidist.nn import GPT  # noqa: E402
+from minidist.parallel.pipeline.runtime import PipelineRuntime, graph_activation_bytes  # noqa: E402
+
+
+def _group(size, rank=0):
+    return types.SimpleNamespace(size=size, rank=rank, name="pp")
+
+
+@pytest.mark.parametrize("schedule, M, V", [("gpipe", 4, 1), ("1f1b", 2, 1), ("looping", 2, 2),
+                                             ("interleaved", 4, 2), ("naive", 2, 1)])
+def test_one_rank_pipeline_equals_serial(schedule, M, V):
+    """P = 1: every stage on this rank, activations handed over locally (no MPI)."""
+    ref_losses, ref_state = B.serial_run(4)
+    losses, state, pipe = B.pipeline_run(_group(1), schedule, M, V, layers=4)
+    assert B._rel(losses, ref_losses) <= 1e-9
+    assert state.keys() == ref_state.keys()
+    for name in state:
+        assert B._rel(state[name], ref_state[name]) <= 1e-9, name
+    assert pipe.stats["peak_in_flight"] == (M * V if schedule in ("gpipe", "looping") else pipe.stats["peak_in_flight"])
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(schedule="1f1b", num_microbatches=2, virtual_stages=2), "has no virtual stages"),
+    (dict(schedule="zigzag", num_microbatches=2), "unknown pipeline schedule"),
+    (dict(schedule="interleaved", num_microbatches=3, virtual_stages=2), "multiple of the pipeline stages"),
+    (dict(schedule="looping", num_microbatches=2, virtual_stages=3), "4 layers cannot be cut into 2 pipeline"),
+])
+def test_bad_pipelines_are_refused_before_any_message(kwargs, fragment):
+    """The group here cannot send anything: the checks come first."""
+    with pytest.raises(ValueError, match=fragment):
+        PipelineRuntime(GPT(B._config(4, False)), _group(2), **kwargs)
+
+
+def test_each_rank_keeps_only_its_stage():
+    first = PipelineRuntime(GPT(B._config(4, False)), _group(2, 0), "1f1b", 2)
+    last = PipelineRuntime(GPT(B._config(4, False)), _group(2, 1), "1f1b", 2)
+    names0 = set(first.model.state_dict())
+    names1 = set(last.model.state_dict())
+    assert "wpe.weight" in names0 and "wpe.weight" not in names1
+    assert "wte.weight" in names0 and "wte.weight" in names1  # tied: used by embed and head
+    assert "ln_f.weight" in names1 and "ln_f.weight" not in names0
+    assert {n.split(".")[1] for n in names0 if n.startswith("h.")} == {"0", "1"}
+    assert {n.split(".")[1] for n in names1 if n.startswith("h.")} == {"2", "3"}
+    looped = PipelineRuntime(GPT(B._config(4, True)), _group(2, 0), "looping", 2, 2)
+    assert {n.split(".")[1] for n in looped.model.state_dict() if n.startswith("h.")} == {"0", "2"}
+    assert "wte.weight" in looped.model.state_dict() and "lm_head.weight" not in looped.model.state_dict()
+
+
+def test_graph_activation_bytes_counts_the_kept_arrays():
+    import numpy as np
+
+    from minidist.autograd import Parameter, Tensor
+
+    w = Parameter(np.ones((4, 4)))
+    x = Tensor(np.ones((2, 4)), requires_grad=True)
+    y = x @ w
+    assert graph_activation_bytes(y) == x.data.nbytes + y.data.nbytes
+
+
+@pytest.mark.mpi
+def test_two_ranks_every_schedule_equals_serial():
+    out = run_mpi(2, f"{BODIES}::two_ranks", timeout=180).stdout
+    assert "pipeline configs: 26 worst rel" in out, out
+    assert "pipeline bf16 ok" in out, out
+    assert out.count("pipeline accounting ok") == 2, out
+
+
+@pytest.mark.mpi
+def test_four_ranks_every_schedule_equals_serial():
+    out = run_mpi(4, f"{BODIES}::four_ranks", timeout=240).stdout
+    assert "pipeline configs: 18 worst rel" in out, out
+    assert out.count("pipeline accounting ok") == 4, out
