@@ -54,3 +54,17 @@ def test_02_ring_traffic_matches_formulas():
     # Every row of the ring algorithms ends with "exact"; measured == formula
     for row in rows:
         assert row.rstrip().endswith("exact"), row
+
+
+@pytest.mark.mpi
+def test_04_pipeline_every_schedule_same_loss():
+    out = run_mpi(4, os.path.join(EXAMPLES, "04_pipeline.py"), "--quick", timeout=120).stdout
+    table = out[out.index("schedule         bubble meas."):].splitlines()[1:6]
+    names = [row.split()[0] for row in table]
+    assert names == ["naive", "gpipe", "1f1b", "interleaved", "looping"], out
+    theory = {row.split()[0]: [t for t in row.split() if t.endswith("%")][1] for row in table}
+    assert theory == {"naive": "75.0%", "gpipe": "27.3%", "1f1b": "27.3%", "interleaved": "15.8%",
+                      "looping": "15.8%"}, out
+    losses = {row.split()[-1] for row in table}
+    assert len(losses) == 1, out  # every schedule computes the same gradient
+    assert out.count("measured (F/B") == 5 and out.count("rank 3 |") == 10, out

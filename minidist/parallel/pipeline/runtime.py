@@ -27,9 +27,9 @@ holds only its own stage's parameters.
 
 Accounting per step: ``busy_s`` (time in F and B), ``span_s`` (the step's schedule, between
 two barriers of the pipeline group so that every rank measures the same interval), the
-measured bubble ``1 - busy_s / span_s`` beside :func:`schedules.theoretical_bubble`, and the
+measured bubble ``1 - busy_s / span_s`` beside :func:`schedules.theoretical_bubble`, the
 peak of activation bytes held for pending backwards (the arrays of the tensors each pending
-microbatch's graph keeps).
+microbatch's graph keeps) and the measured ``timeline`` of F and B (``schedules.measured_chart``).
 """
 
 from __future__ import annotations
@@ -117,12 +117,15 @@ class PipelineRuntime:
         if self.measure and self.P > 1:
             comm.barrier(self.group)
         t0 = time.perf_counter()
+        timeline = []
         for i, a in enumerate(self.actions):
             if a.op in (FORWARD, BACKWARD):
                 self._post_receives(i)
                 t = time.perf_counter()
                 (self._forward if a.op == FORWARD else self._backward)(a.microbatch, a.chunk)
-                busy += time.perf_counter() - t
+                end = time.perf_counter()
+                busy += end - t
+                timeline.append((t - t0, end - t0, a))
             elif a.op in (SEND_ACT, SEND_GRAD):
                 self._send(a)
             else:
@@ -140,7 +143,19 @@ class PipelineRuntime:
                       "bubble": 1.0 - busy / span if span > 0 else 0.0,
                       "bubble_theory": theoretical_bubble(kind, self.P, self.M, self.V),
                       "peak_activation_bytes": self._peak, "peak_in_flight": self._peak_in_flight}
+        self.timeline = timeline  # [(start_s, end_s, Action)] of this rank's F and B, from the step's start
         return loss
+
+    STAT_KEYS = ("busy_s", "recv_wait_s", "span_s", "bubble", "peak_activation_bytes", "peak_in_flight")
+
+    def gather_stats(self, root: int = 0):
+        """Every pipeline rank's :attr:`stats` of the last step, as a list on ``root`` (None
+        elsewhere): one small gather over the pipeline group."""
+        row = xp.asarray([[float(self.stats[k]) for k in self.STAT_KEYS]], dtype=xp.float64)
+        rows = comm.gather(row, self.group, root=root) if self.P > 1 else row
+        if rows is None:
+            return None
+        return [dict(zip(self.STAT_KEYS, (float(v) for v in r))) for r in rows]
 
     def _mean_loss(self) -> float:
         """The batch's mean loss (sum of the weighted microbatch losses), from the last stage."""
@@ -201,6 +216,7 @@ class PipelineRuntime:
 
     def _send(self, a):
         key = self._key(a)
+        self._sends = [r for r in self._sends if not r.is_completed()]  # release sent buffers
         self._sends.append(comm.isend(self._outbox.pop(key), a.peer, self.group, tag=self._tag(key)))
 
     def _post(self, a):

@@ -381,6 +381,21 @@ def bubble_line(schedule: Schedule, sim: Simulation) -> str:
             f"peak activations in flight per rank: {sim.peak_in_flight}")
 
 
+def measured_chart(timelines, span: float, width: int = 72) -> str:
+    """Measured F/B intervals of every rank (``timelines[rank] = [(start, end, Action)]``,
+    seconds from the step's start) as one text row per rank of ``width`` columns: each column
+    shows what ran at its middle instant: ``F``/``B`` (lower case for odd chunks), ``.`` idle."""
+    lines = []
+    for r, row in enumerate(timelines):
+        cells = []
+        for k in range(width):
+            t = (k + 0.5) * span / width
+            a = next((a for start, end, a in row if start <= t < end), None)
+            cells.append("." if a is None else (a.op if a.chunk % 2 == 0 else a.op.lower()))
+        lines.append(f"rank {r} | " + "".join(cells))
+    return "\n".join(lines)
+
+
 def save_png(schedule: Schedule, path: str, sim: Simulation | None = None) -> None:
     """Draw the chart with matplotlib (``pip install minidist[plot]``): one colour per
     chunk, forwards light and backwards dark, microbatch numbers in the boxes."""

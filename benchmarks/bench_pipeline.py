@@ -1,0 +1,161 @@
+"""Pipeline schedules on real ranks: measured bubble beside the formula, and throughput.
+
+    python benchmarks/bench_pipeline.py [--out DIR] [--quick] [--pp 2 4] [--reps 10]
+
+For each pipeline size P (one mpiexec launch each) an 8-layer GPT (d_model 128, seq 64,
+batch 16, float32) trains with M = 8 microbatches under GPipe, 1F1B, interleaved 1F1B (V=2)
+and the looping pipeline (V=2), and, as the reference, the same step on one rank (rank 0
+runs the single-process step while the others wait).  The sides alternate rep by rep (a
+shared machine's speed drifts over minutes), the first two reps are warm-up, and medians
+are reported:
+
+* the measured bubble (idle share of the step's schedule, mean over ranks; see
+  parallel/pipeline/runtime.py) beside (P-1)/(M+P-1), resp. (P-1)/(V*M+P-1);
+* tokens/s of each schedule relative to the one-rank run of the same model.
+
+With P ranks on fewer cores (P=4 on a 2-core machine) the ranks take turns and a waiting
+rank spins: the bubble reads high and the speed-up is below 1; those rows are reported for
+completeness, marked "oversubscribed".  BLAS runs with one thread per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+SHAPE = dict(n_layer=8, n_head=4, d_model=128, seq_len=64, batch=16, microbatches=8)
+QUICK_SHAPE = dict(n_layer=8, n_head=2, d_model=32, seq_len=16, batch=8, microbatches=8)
+SIDES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looping", 2)]
+
+
+# ----------------------------------------------------------------- inside mpiexec
+def worker(out_path: str, reps: int, shape: dict) -> None:
+    import time
+
+    import numpy as np
+
+    from minidist import comm
+    from minidist.nn import GPT, GPTConfig
+    from minidist.optim import AdamW
+    from minidist.parallel.pipeline.runtime import PipelineRuntime
+    from minidist.parallel.pipeline.schedules import theoretical_bubble
+    from minidist.train import forward_backward
+
+    g = comm.world()
+    P, M = g.size, shape["microbatches"]
+
+    def model():
+        return GPT(GPTConfig(seq_len=shape["seq_len"], n_layer=shape["n_layer"], n_head=shape["n_head"],
+                             d_model=shape["d_model"], seed=0))
+
+    serial = model()
+    serial_opt = AdamW(serial.parameters(), lr=1e-4)
+    pipes = {}
+    for name, V in SIDES:
+        m = model()
+        pipes[name] = (PipelineRuntime(m, g, name, M, V), AdamW(m.parameters(), lr=1e-4))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (shape["batch"], shape["seq_len"]))
+    y = rng.integers(0, 256, (shape["batch"], shape["seq_len"]))
+    times = {k: [] for k in ["serial"] + [n for n, _ in SIDES]}
+    bubbles = {n: [] for n, _ in SIDES}
+    for rep in range(reps + 2):
+        comm.barrier(g)
+        if g.rank == 0:
+            t0 = time.perf_counter()
+            forward_backward(serial, x, y)
+            serial_opt.step()
+            serial_opt.zero_grad()
+            t = time.perf_counter() - t0
+        comm.barrier(g)
+        if rep >= 2 and g.rank == 0:
+            times["serial"].append(t)
+        for name, _ in SIDES:
+            pipe, opt = pipes[name]
+            comm.barrier(g)
+            t0 = time.perf_counter()
+            pipe.forward_backward(x, y)
+            pipe.reduce_tied_gradients()
+            opt.step()
+            opt.zero_grad()
+            t = time.perf_counter() - t0
+            stats = pipe.gather_stats()
+            if rep >= 2 and g.rank == 0:
+                times[name].append(t)
+                bubbles[name].append(float(np.mean([s["bubble"] for s in stats])))
+    if g.rank == 0:
+        tokens = shape["batch"] * shape["seq_len"]
+        serial_s = float(np.median(times["serial"]))
+        rows = []
+        for name, V in SIDES:
+            step_s = float(np.median(times[name]))
+            rows.append({"schedule": name, "V": V, "P": P, "M": M, "step_s": step_s,
+                         "tokens_per_s": tokens / step_s, "speedup_vs_1_rank": serial_s / step_s,
+                         "bubble_measured": float(np.median(bubbles[name])),
+                         "bubble_theory": theoretical_bubble(name, P, M, V)})
+        result = {"P": P, "serial_step_s": serial_s, "serial_tokens_per_s": tokens / serial_s,
+                  "load_avg": os.getloadavg()[0], "rows": rows}
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+# ----------------------------------------------------------------- the driver
+def launch(P: int, reps: int, quick: bool) -> dict:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from minidist.testing import mpiexec_command
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = mpiexec_command(P) + [sys.executable, os.path.abspath(__file__), "--worker", path, "--reps", str(reps)]
+    if quick:
+        cmd.append("--quick")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode:
+        sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
+        sys.exit(f"bench_pipeline.py: the {P}-rank launch failed with exit status {r.returncode}")
+    with open(path) as f:
+        result = json.load(f)
+    os.unlink(path)
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="a tiny model, 2 reps, P=2 only")
+    ap.add_argument("--out", default=None, help="directory for pipeline.json")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    shape = QUICK_SHAPE if args.quick else SHAPE
+    if args.worker:
+        worker(args.worker, args.reps, shape)
+        return
+    if args.quick:
+        args.pp, args.reps = [2], 2
+    cores = os.cpu_count() or 1
+    results = [launch(P, args.reps, args.quick) for P in args.pp]
+    print(f"pipeline step, {shape}, float32, median of {args.reps} interleaved reps; "
+          f"speed-up: tokens/s over the 1-rank run of the same model")
+    print(f"{'P':>2} {'schedule':<14} {'bubble meas.':>12} {'formula':>8} {'diff':>6} {'tokens/s':>10} "
+          f"{'speed-up':>8} {'load':>5}")
+    for res in results:
+        note = "  oversubscribed" if res["P"] > cores else ""
+        for row in res["rows"]:
+            name = row["schedule"] + (f" V={row['V']}" if row["V"] > 1 else "")
+            diff = 100 * (row["bubble_measured"] - row["bubble_theory"])
+            print(f"{res['P']:>2} {name:<14} {100 * row['bubble_measured']:>11.1f}% {100 * row['bubble_theory']:>7.1f}% "
+                  f"{diff:>+5.1f} {row['tokens_per_s']:>10,.0f} {row['speedup_vs_1_rank']:>8.2f} "
+                  f"{res['load_avg']:>5.1f}{note}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "pipeline.json"), "w") as f:
+            json.dump({"shape": shape, "cores": cores, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
