@@ -151,11 +151,15 @@ class PipelineRuntime:
     def gather_stats(self, root: int = 0):
         """Every pipeline rank's :attr:`stats` of the last step, as a list on ``root`` (None
         elsewhere): one small gather over the pipeline group."""
-        row = xp.asarray([[float(self.stats[k]) for k in self.STAT_KEYS]], dtype=xp.float64)
+        rows = self.gather_rows([float(self.stats[k]) for k in self.STAT_KEYS], root)
+        return None if rows is None else [dict(zip(self.STAT_KEYS, r)) for r in rows]
+
+    def gather_rows(self, values, root: int = 0):
+        """Every pipeline rank's list of floats ``values`` (same length), as a list of lists on
+        ``root``, None elsewhere."""
+        row = xp.asarray([values], dtype=xp.float64)
         rows = comm.gather(row, self.group, root=root) if self.P > 1 else row
-        if rows is None:
-            return None
-        return [dict(zip(self.STAT_KEYS, (float(v) for v in r))) for r in rows]
+        return None if rows is None else [[float(v) for v in r] for r in rows]
 
     def _mean_loss(self) -> float:
         """The batch's mean loss (sum of the weighted microbatch losses), from the last stage."""
@@ -264,10 +268,13 @@ class PipelineRuntime:
 
         params = [p for p in self.model.parameters()
                   if not (self.tied and self.is_last and not self.is_first and p is self.model.wte.weight)]
-        total = xp.asarray([grad_norm_sq(params)], dtype=xp.float64)
-        if self.P > 1:
-            total = comm.all_reduce(total, self.group)
-        return float(total[0])
+        return self.sum_over_stages(grad_norm_sq(params))
+
+    def sum_over_stages(self, value: float) -> float:
+        """The sum of a float over the pipeline group."""
+        if self.P == 1:
+            return float(value)
+        return float(comm.all_reduce(xp.asarray([value], dtype=xp.float64), self.group)[0])
 
     def any_true(self, flag: bool) -> bool:
         """``flag`` or-ed over the pipeline group (e.g. the loss scaler's overflow check)."""
