@@ -83,3 +83,34 @@ def test_four_ranks_every_schedule_equals_serial():
     out = run_mpi(4, f"{BODIES}::four_ranks", timeout=240).stdout
     assert "pipeline configs: 18 worst rel" in out, out
     assert out.count("pipeline accounting ok") == 4, out
+
+
+@pytest.mark.parametrize("schedule, M, V", [("1f1b", 3, 1), ("looping", 2, 2), ("interleaved", 2, 2)])
+def test_each_parameter_is_final_once_inside_the_last_backward_window(schedule, M, V):
+    """Data parallelism opens its hooks around each chunk's last backward: there every
+    parameter's gradient becomes final exactly once (its other backward passes are outside)."""
+    import contextlib
+
+    import numpy as np
+
+    model = GPT(B._config(4, True))
+    pipe = PipelineRuntime(model, _group(1), schedule, M, V)
+    state = {"open": False}
+    inside, total = {}, {}
+
+    def hook(p):
+        total[p.name] = total.get(p.name, 0) + 1
+        inside[p.name] = inside.get(p.name, 0) + state["open"]
+
+    for p in model.parameters():
+        p.register_grad_hook(hook)
+
+    @contextlib.contextmanager
+    def window():
+        state["open"] = True
+        yield
+        state["open"] = False
+
+    x, y = B._batches()[0]
+    pipe.forward_backward(np.asarray(x[:6]), np.asarray(y[:6]), around_last_backward=window)
+    assert set(inside.values()) == {1} and set(total.values()) == {M}

@@ -83,6 +83,7 @@ class PipelineRuntime:
         self.blocks = [[model.h[i] for i in layer_range(s, L, self.S)] for s in self.stages]
         self.is_first, self.is_last = 0 in self.stages, self.S - 1 in self.stages
         self.tied = model.lm_head is None
+        self._last_backward = {a.chunk: a.microbatch for a in self.actions if a.op == BACKWARD}  # last one wins
         self._keep_only_this_stage()
         self.stats = {}
 
@@ -98,10 +99,16 @@ class PipelineRuntime:
             m.ln_f = m.lm_head = None
 
     # ------------------------------------------------------------------------ one step
-    def forward_backward(self, x, y, weight: float = 1.0, low_dtype=None, loss_scale: float = 1.0) -> float:
+    def forward_backward(self, x, y, weight: float = 1.0, low_dtype=None, loss_scale: float = 1.0,
+                         around_last_backward=None) -> float:
         """Run the schedule on the batch ``(x, y)`` (host int arrays (B, T), the same on every
         rank), accumulating into ``.grad`` the gradient of ``weight`` x the batch's mean loss
-        (times ``loss_scale``).  Returns the batch's mean loss (on every rank of the group)."""
+        (times ``loss_scale``).  Returns the batch's mean loss (on every rank of the group).
+
+        ``around_last_backward``: a context-manager factory; each chunk's LAST backward (after
+        which its parameters' gradients are complete) runs inside it.  Data parallelism opens
+        its gradient hooks there, so the reduction of a chunk's gradients overlaps the rest of
+        the schedule instead of waiting for its end."""
         rows = len(x)
         if rows < self.M:
             raise ValueError(f"a batch of {rows} sequences cannot be split into {self.M} microbatches")
@@ -109,6 +116,7 @@ class PipelineRuntime:
         self._y = [shard(y, m, self.M) for m in range(self.M)]
         self._share = [len(xm) / rows * weight for xm in self._x]
         self._low, self._scale = low_dtype, loss_scale
+        self._around_last = around_last_backward
         self._inbox, self._outbox, self._saved, self._posted = {}, {}, {}, {}
         self._losses, self._sends = {}, []
         self._live = self._peak = 0
@@ -192,10 +200,12 @@ class PipelineRuntime:
     def _backward(self, m: int, c: int):
         s = self.stages[c]
         x_in, out, held = self._saved.pop((m, c))
-        if s == self.S - 1:
-            out.backward()
+        grad = None if s == self.S - 1 else self._inbox.pop(("grad", m, s))
+        if self._around_last is not None and self._last_backward[c] == m:
+            with self._around_last():
+                out.backward(grad)
         else:
-            out.backward(self._inbox.pop(("grad", m, s)))
+            out.backward(grad)
         self._live -= held
         self._in_flight -= 1
         if s > 0:
