@@ -114,3 +114,42 @@ def test_each_parameter_is_final_once_inside_the_last_backward_window(schedule, 
     x, y = B._batches()[0]
     pipe.forward_backward(np.asarray(x[:6]), np.asarray(y[:6]), around_last_backward=window)
     assert set(inside.values()) == {1} and set(total.values()) == {M}
+
+
+def _args(**kw):
+    base = dict(pp=2, microbatches=None, schedule=None, virtual_stages=None, layers=4, batch_size=16, dp=1,
+                grad_accum=1)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(layers=3), "--layers 3 cannot be cut into --pp 2 x --virtual-stages 1 = 2 equal stages"),
+    (dict(schedule="interleaved", layers=8, microbatches=3), "multiple of the pipeline stages (2)"),
+    (dict(pp=4, schedule="looping", layers=8, microbatches=2), "at least as many microbatches (2) as pipeline stages (4)"),
+    (dict(schedule="gpipe", virtual_stages=2), "--virtual-stages 2: the gpipe schedule has no virtual stages"),
+    (dict(schedule="1f1b", virtual_stages=1), "the 1f1b schedule has no virtual stages"),
+    (dict(microbatches=9, batch_size=16, dp=2), "--microbatches 9 exceeds the 8 sequence(s) of a pipeline pass"),
+    (dict(pp=1, microbatches=4), "--microbatches need pipeline parallelism: add --pp 2 or more"),
+])
+def test_cli_refuses_bad_pipelines_with_one_line(kw, fragment):
+    from minidist.cli_checks import InputError
+    from minidist.parallel.pipeline import cli
+
+    with pytest.raises(InputError) as exc:
+        cli.validate(_args(**kw))
+    assert fragment in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_cli_defaults():
+    from minidist.parallel.pipeline import cli
+
+    a = _args(pp=2)
+    cli.validate(a)
+    assert (a.schedule, a.microbatches, a.virtual_stages) == ("1f1b", 4, 1)
+    a = _args(pp=2, schedule="interleaved")
+    cli.validate(a)
+    assert (a.microbatches, a.virtual_stages) == (4, 2)
+    a = _args(pp=1)
+    cli.validate(a)
+    assert a.schedule is None
