@@ -59,6 +59,7 @@ EXAMPLES = """examples:
   minidist-train --data my.txt --metrics-jsonl run.jsonl --trace trace.json
   mpiexec -n 4 minidist-train --zero 2                        data parallel, ZeRO-2, on 4 ranks
   mpiexec -n 4 minidist-train --hsdp-shard 2                  HSDP: ZeRO-3 in pairs, 2 replicas
+  mpiexec -n 4 minidist-train --pp 2 --dp 2 --schedule 1f1b   pipeline of 2 stages x 2 replicas
 
 Bad input (a value out of range, a missing file, an output that would overwrite --data, a
 model too large for memory) stops the run before any work with one message and exit code 2.
@@ -122,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gradient bucket size in MB, 0 for one bucket per parameter")
     dp.add_argument("--no-overlap", action="store_true",
                     help="reduce gradients after the backward pass instead of during it (for comparison)")
+    from .parallel.pipeline import cli as pipeline_cli
+
+    pipeline_cli.add_arguments(p)
     r = p.add_argument_group("reporting")
     r.add_argument("--eval-every", type=NON_NEGATIVE, default=50, metavar="N",
                    help="validation loss every N steps, 0 for never")
@@ -162,6 +166,7 @@ def _validate(args):
         raise InputError(f"--grad-accum {args.grad_accum} exceeds --batch-size {args.batch_size}: "
                          "every micro-batch needs at least one sequence")
     _validate_mesh(args)
+    _validate_pipeline(args)
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.min_lr > args.lr:
@@ -228,6 +233,12 @@ def _validate_mesh(args):
         args.zero = 0
 
 
+def _validate_pipeline(args):
+    from .parallel.pipeline import cli as pipeline_cli
+
+    pipeline_cli.validate(args)
+
+
 def memory_estimate(args) -> dict:
     from .data import DEFAULT_MAX_BYTES
 
@@ -279,6 +290,8 @@ def forward_backward(model, x, y, grad_accum=1, low_dtype=None, loss_scale=1.0, 
     from .parallel.strategy import Strategy
 
     strategy = strategy or Strategy(model, None)
+    if hasattr(strategy, "forward_backward"):  # a pipeline runs its own schedule of microbatches
+        return strategy.forward_backward(x, y, grad_accum, low_dtype, loss_scale)
     total = 0.0
     for xs, ys, share, last in strategy.micro_batches(x, y, grad_accum):
         with strategy.micro_step(last):
@@ -297,6 +310,8 @@ def evaluate(model, batches, low_dtype=None, strategy=None) -> float:
     from .parallel.strategy import Strategy
 
     strategy = strategy or Strategy(model, None)
+    if hasattr(strategy, "evaluate"):  # a pipeline passes each batch through its stages
+        return strategy.evaluate(batches, low_dtype)
     total = 0.0
     with no_grad(), ops.autocast(low_dtype), strategy.evaluating():
         for x, y in batches:
@@ -319,12 +334,13 @@ def load_data(args):
     return sampler, val.val_batches(args.eval_batches)
 
 
-def build_strategy(args, model, opt):
+def build_strategy(args, model, opt, mesh=None):
     """The parallel strategy these flags ask for (one process when the world has one rank)."""
     from .parallel.strategy import make_strategy
 
     return make_strategy(model, opt, dp=args.dp, zero=args.zero, bucket_mb=args.bucket_mb,
-                         overlap=not args.no_overlap, hsdp_shard=args.hsdp_shard)
+                         overlap=not args.no_overlap, hsdp_shard=args.hsdp_shard,
+                         mesh=mesh if args.dp > 1 else None)
 
 
 def train(args, log=print, data=None):
@@ -339,8 +355,13 @@ def train(args, log=print, data=None):
 
     model = make_model(args)
     num_params = model.num_parameters()
+    from .parallel.pipeline import cli as pipeline_cli
+
+    if getattr(args, "pp", 1) > 1 and args.schedule is None:
+        _validate_pipeline(args)  # train() called as a library function without validate()
+    pipeline, mesh = pipeline_cli.build(args, model)  # --pp > 1: the model keeps this rank's stage only
     opt = make_optimizer(args, model.parameters())
-    strategy = build_strategy(args, model, opt)
+    strategy = pipeline_cli.wrap(pipeline, build_strategy(args, model, opt, mesh))
     world = world_size()
     rank0 = world_rank() == 0
     log = log if rank0 else (lambda *_: None)
@@ -365,7 +386,7 @@ def train(args, log=print, data=None):
     def logged(step):
         return step < args.steps and (step % args.log_every == 0 or step + 1 == args.steps)
 
-    mesh = f"dp={args.dp}" + (f" (shard {args.hsdp_shard} x replicate {args.dp // args.hsdp_shard})"
+    mesh = f"dp={args.dp}" + (f" pp={args.pp}" if getattr(args, "pp", 1) > 1 else "") + (f" (shard {args.hsdp_shard} x replicate {args.dp // args.hsdp_shard})"
                               if args.hsdp_shard else "") + (f" zero={args.zero}" if args.zero else "")
     metrics, metrics_file = [], open(args.metrics_jsonl, "w") if args.metrics_jsonl and rank0 else None
     try:
@@ -384,6 +405,8 @@ def train(args, log=print, data=None):
             step_time = time.perf_counter() - t0
             record.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
                           mfu=flops_per_step / step_time / (peak * 1e9 * world))
+            if hasattr(strategy, "metrics"):
+                record.update(strategy.metrics())  # the pipeline's bubble and activation memory
             if world > 1:
                 record.update(mesh=mesh, comm_s=_comm_seconds(world) - comm0, comm_exposed_s=strategy.comm_wait_s)
             if traced:
@@ -459,7 +482,9 @@ def progress_line(r: dict, steps: int, history: list, mem_bytes: int) -> str:
         line += f" | val {r['val_loss']:.4f}"
     if r.get("skipped"):
         line += " | skipped (overflow)"
-    return line
+    from .parallel.pipeline.cli import progress_text
+
+    return line + progress_text(r)
 
 
 def summary_table(metrics: list, wall_s: float) -> str:
@@ -485,6 +510,9 @@ def summary_table(metrics: list, wall_s: float) -> str:
         ("peak memory of a step", f"{max(peaks):,.0f} MiB" if peaks else "not measured"),
         ("wall time", f"{_duration(wall_s)} ({_duration(sum(r['step_time_s'] for r in metrics))} in steps)"),
     ]
+    from .parallel.pipeline.cli import summary_rows
+
+    rows[-1:-1] = summary_rows(metrics)
     width = max(len(name) for name, _ in rows)
     rule = "-" * (width + 3 + max(len(value) for _, value in rows))
     return "\n".join(["summary", rule] + [f"{name:<{width}} | {value}" for name, value in rows] + [rule])

@@ -1,11 +1,13 @@
 """Pipeline parallelism equals the single-process run (float64), on 1, 2 and 4 ranks."""
+import json
 import os
+import subprocess
 import sys
 import types
 
 import pytest
 
-from minidist.testing import run_mpi
+from minidist.testing import mpiexec_command, run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "pipeline_bodies.py")
 sys.path.insert(0, os.path.dirname(BODIES))
@@ -76,6 +78,7 @@ def test_two_ranks_every_schedule_equals_serial():
     assert "pipeline configs: 26 worst rel" in out, out
     assert "pipeline bf16 ok" in out, out
     assert out.count("pipeline accounting ok") == 2, out
+    assert out.count("train path ok: dp=1 x pp=2") == 5 and "train path done" in out, out
 
 
 @pytest.mark.mpi
@@ -83,6 +86,7 @@ def test_four_ranks_every_schedule_equals_serial():
     out = run_mpi(4, f"{BODIES}::four_ranks", timeout=240).stdout
     assert "pipeline configs: 18 worst rel" in out, out
     assert out.count("pipeline accounting ok") == 4, out
+    assert out.count("train path ok: dp=2 x pp=2") == 5 and "train path done" in out, out
 
 
 @pytest.mark.parametrize("schedule, M, V", [("1f1b", 3, 1), ("looping", 2, 2), ("interleaved", 2, 2)])
@@ -153,3 +157,52 @@ def test_cli_defaults():
     a = _args(pp=1)
     cli.validate(a)
     assert a.schedule is None
+
+
+# -- the training CLI under mpiexec -----------------------------------------------------------------
+TINY = ["--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
+        "--peak-gflops", "10", "--eval-batches", "1", "--dtype", "float64"]
+
+
+def _train(n, args, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    launcher = mpiexec_command(n) if n > 1 else []
+    cmd = launcher + [sys.executable, "-m", "minidist.train"] + TINY + args
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.mpi
+def test_cli_pipeline_trains_like_one_process_and_reports_the_bubble(tmp_path):
+    common = ["--steps", "5", "--eval-every", "5", "--grad-accum", "2"]
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    r1 = _train(1, common + ["--metrics-jsonl", str(one)])
+    r2 = _train(2, common + ["--pp", "2", "--schedule", "interleaved", "--microbatches", "2",
+                             "--checkpoint-activations", "--metrics-jsonl", str(two)])
+    assert r1.returncode == 0, r1.stderr
+    assert r2.returncode == 0, r2.stderr
+    assert r2.stdout.count("summary") == 1 and "pipeline interleaved over 2 stages (M=2, V=2)" in r2.stdout
+    assert "pipeline bubble" in r2.stdout and "| bubble " in r2.stdout, r2.stdout
+    ref = [json.loads(line) for line in one.read_text().splitlines()]
+    got = [json.loads(line) for line in two.read_text().splitlines()]
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b["loss"]) <= 1e-9 * abs(a["loss"]), (a["loss"], b["loss"])
+    assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) <= 1e-9 * ref[-1]["val_loss"]
+    last = got[-1]
+    assert last["mesh"] == "dp=1 pp=2" and 0 <= last["bubble"] < 1 and last["bubble_theory"] == pytest.approx(1 / 5)
+    assert len(last["stage_bubble"]) == 2 and len(last["peak_activation_mb"]) == 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, args, needle", [
+    (2, ["--pp", "2", "--layers", "3"], "--layers 3 cannot be cut into --pp 2 x --virtual-stages 1"),
+    (2, ["--pp", "2", "--schedule", "interleaved", "--microbatches", "3"], "multiple of the pipeline stages (2)"),
+    (2, ["--pp", "2", "--schedule", "gpipe", "--virtual-stages", "2"], "the gpipe schedule has no virtual stages"),
+    (2, ["--pp", "2", "--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
+    (2, ["--pp", "3"], "the world size 2 is not divisible by the other mesh axes (3)"),
+    (2, ["--pp", "2", "--microbatches", "9"], "--microbatches 9 exceeds the 8 sequence(s)"),
+])
+def test_bad_pipeline_input_is_one_message_exit_2(n, args, needle):
+    r = _train(n, args, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.count(needle) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == ""

@@ -156,12 +156,90 @@ def accounting():
           flush=True)
 
 
+
+
+# -- through the training loop's functions, composed with data parallelism --------------------------
+def _train_args(**over):
+    from minidist.train import build_parser
+
+    argv = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "11",
+            "--dtype", "float64", "--lr", "1e-2", "--warmup", "1", "--clip-grad", "0.05", "--steps", str(STEPS)]
+    args = build_parser().parse_args(argv)
+    args.block_size, args.min_lr = args.seq_len, args.lr / 10
+    args.dp, args.zero, args.pp = 1, 0, 1
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
+
+
+_CORPUS = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
+
+
+def train_loop(args):
+    """5 steps as minidist.train.train runs them; (losses, {name: parameter of this rank})."""
+    from minidist.data import Sampler
+    from minidist.optim import lr_at
+    from minidist.parallel.pipeline import cli
+    from minidist.train import build_strategy, forward_backward, make_model, make_optimizer, update
+
+    if args.pp > 1:
+        cli.validate(args)
+    model = make_model(args)
+    pipeline, mesh = cli.build(args, model)
+    opt = make_optimizer(args, model.parameters())
+    strategy = cli.wrap(pipeline, build_strategy(args, model, opt, mesh))
+    sampler = Sampler(_CORPUS, args.seq_len, args.batch_size, args.seed)
+    losses = []
+    for step in range(STEPS):
+        opt.lr = lr_at(step, args.lr, args.warmup, args.steps, args.min_lr)
+        x, y = sampler.batch(step)
+        losses.append(forward_backward(model, x, y, args.grad_accum, None, 1.0, strategy))
+        reducer = strategy._reducer() if hasattr(strategy, "_reducer") else None
+        if reducer is not None and args.bucket_mb == 0 and not args.no_overlap:
+            # one bucket per parameter: the first chunk-final backward launches reductions
+            # before the schedule ends
+            assert reducer.launch_times and min(reducer.launch_times) < reducer.backward_end, "no overlap"
+        update(strategy, None, args.clip_grad, {})
+        if hasattr(strategy, "metrics"):
+            strategy.metrics()
+    return losses, {p.name: p.data.copy() for p in model.parameters()}
+
+
+def train_path_matrix():
+    """pp = 2 alone (2 ranks) or dp = 2 x pp = 2 (4 ranks) through the training loop's functions,
+    with DDP and ZeRO-1, overlap on and off, grad accumulation, checkpointing, clipping."""
+    n = comm.world().size
+    dp = n // 2
+    configs = [
+        dict(schedule="1f1b", microbatches=2, bucket_mb=0),
+        dict(schedule="interleaved", microbatches=2, virtual_stages=2, layers=4, zero=1),
+        dict(schedule="gpipe", microbatches=2, grad_accum=2, checkpoint_activations=True),
+        dict(schedule="looping", microbatches=2, virtual_stages=2, layers=4, untied=True, no_overlap=True),
+        dict(schedule="naive", microbatches=2, zero=1, grad_accum=2),
+    ]
+    worst = 0.0
+    for cfg in configs:
+        common = {k: v for k, v in cfg.items() if k in ("layers", "grad_accum", "checkpoint_activations", "untied")}
+        ref_losses, ref_params = train_loop(_train_args(**common))
+        losses, params = train_loop(_train_args(pp=2, dp=dp, **cfg))
+        err = max([_rel(losses, ref_losses)] + [_rel(v, ref_params[k]) for k, v in params.items()])
+        label = f"dp={dp} x pp=2 " + " ".join(f"{k}={v}" for k, v in cfg.items())
+        assert err <= 1e-9, f"{label}: relative difference {err:.2e} from one process"
+        worst = max(worst, err)
+        if comm.world().rank == 0:
+            print(f"train path ok: {label} (rel {err:.1e})", flush=True)
+    if comm.world().rank == 0:
+        print(f"train path done: worst rel {worst:.2e}", flush=True)
+
+
 def two_ranks():
     equal_to_serial()
     mixed_precision_close()
     accounting()
+    train_path_matrix()
 
 
 def four_ranks():
     equal_to_serial()
     accounting()
+    train_path_matrix()

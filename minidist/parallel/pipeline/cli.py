@@ -58,9 +58,56 @@ def validate(args) -> None:
     problem = schedule_problem(args.schedule, P, M, V, args.layers)
     if problem:
         raise InputError(f"--schedule {args.schedule} --pp {P} --microbatches {M}: {problem}")
+    if getattr(args, "zero", 0) not in (0, 1, None) or getattr(args, "hsdp_shard", None) is not None:
+        raise InputError(f"--pp {P} composes with DDP (--zero 0) and ZeRO-1 (--zero 1); "
+                         f"ZeRO-{args.zero} shards gradients or parameters across a stage's replicas, "
+                         "which the pipeline does not support")
     dp = getattr(args, "dp", None) or 1
     rows = args.batch_size // dp // args.grad_accum  # the fewest rows a rank gets per accumulation step
     if rows < M:
         raise InputError(f"--microbatches {M} exceeds the {rows} sequence(s) of a pipeline pass "
                          f"(--batch-size {args.batch_size} / --dp {dp} / --grad-accum {args.grad_accum}): "
                          f"every microbatch needs at least one")
+
+
+def build(args, model):
+    """For ``--pp`` > 1: the ``dp x pp`` mesh and this rank's :class:`PipelineRuntime`, which
+    keeps only this rank's stage of ``model`` (so build the optimizer after it).  Otherwise
+    ``(None, None)``."""
+    if getattr(args, "pp", 1) == 1:
+        return None, None
+    from minidist.comm import Mesh
+    from minidist.parallel.pipeline.runtime import PipelineRuntime
+
+    mesh = Mesh(dp=args.dp, pp=args.pp)
+    return PipelineRuntime(model, mesh.group("pp"), args.schedule, args.microbatches, args.virtual_stages), mesh
+
+
+def wrap(runtime, strategy):
+    """The training loop's strategy: ``strategy`` (data parallelism of this stage) inside the
+    pipeline, or ``strategy`` itself without one."""
+    if runtime is None:
+        return strategy
+    from minidist.parallel.pipeline.strategy import PipelineParallel
+
+    return PipelineParallel(runtime, strategy)
+
+
+def progress_text(record: dict) -> str:
+    """The pipeline's part of a progress line ("" without a pipeline)."""
+    if "bubble" not in record:
+        return ""
+    return (f" | bubble {100 * record['bubble']:.0f}% (theory {100 * record['bubble_theory']:.0f}%)"
+            f" | act {max(record['peak_activation_mb']):.1f} MiB")
+
+
+def summary_rows(metrics: list) -> list:
+    """The pipeline's rows of the end-of-run table: bubble (steps after the first, mean) and
+    the largest stage's peak activation memory."""
+    timed = [r for r in metrics[1:] or metrics if "bubble" in r]
+    if not timed:
+        return []
+    bubble = sum(r["bubble"] for r in timed) / len(timed)
+    peaks = [max(r["peak_activation_mb"]) for r in timed]
+    return [("pipeline bubble", f"{100 * bubble:.1f}% measured, {100 * timed[-1]['bubble_theory']:.1f}% theory"),
+            ("peak activations of a stage", f"{max(peaks):,.2f} MiB")]

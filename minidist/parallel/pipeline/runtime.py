@@ -266,10 +266,11 @@ class PipelineRuntime:
         if not self.tied or self.P == 1 or not (self.is_first or self.is_last):
             return
         w = self.model.wte.weight
-        grad = w.grad if w.grad is not None else xp.zeros_like(w.data)
+        if w.grad is None:
+            w.grad = xp.zeros_like(w.data)
         peer = self.P - 1 if self.is_first else 0
-        other = comm.sendrecv(grad, peer, peer, self.group, tag=TIED_TAG)
-        w.grad = grad + other
+        w.grad += comm.sendrecv(w.grad, peer, peer, self.group, tag=TIED_TAG)  # in place: w.grad may be a
+        # view into a data-parallel strategy's flat gradient buffer (ZeRO-1), which must see the sum
 
     def grad_norm_sq(self) -> float:
         """This pipeline's squared gradient norm: each rank's own parameters, the tied

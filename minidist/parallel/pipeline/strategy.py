@@ -10,10 +10,13 @@ One step, in order:
 1. each data-parallel rank takes its rows of the global batch, in ``--grad-accum`` parts;
    each part runs through the pipeline schedule, every microbatch's loss weighted by its
    share of the GLOBAL batch's rows;
-2. the tied embedding's two partial gradients are summed between the first and last stage;
-3. the data-parallel gradient reduction runs once, after the last pipeline pass (its hooks are
-   held off during the passes: a pipeline pass is several backward passes, one per
-   microbatch, and a hook fires at the end of each);
+2. the data-parallel gradient reduction runs once per step: a pipeline pass is several
+   backward passes (one per microbatch) and a gradient hook fires at the end of each, so the
+   hooks are shut except around each chunk's LAST backward of the step's last pass, where
+   every gradient of the chunk becomes final exactly once; those buckets' reductions then
+   overlap the rest of the schedule, the others start at its end;
+3. the tied embedding's two partial gradients (each already summed over the replicas) are
+   summed between the first and last stage, in place;
 4. overflow checks and the gradient norm are combined over both axes (the tied embedding
    counted once), then every rank updates its own stage.
 """
@@ -52,13 +55,15 @@ class PipelineParallel:
         """Accumulate the global batch's gradient on this stage; return the global mean loss."""
         reducer = self._reducer()
         if reducer is not None:
-            reducer.active = False  # no hook-launched reductions during the pipeline passes
+            reducer.active = False  # the hooks stay shut but inside the last backward windows
+            reducer.reset_timeline()
         totals = {"busy_s": 0.0, "span_s": 0.0, "peak_activation_bytes": 0.0}
         local = 0.0
         try:
-            for xs, ys, share, _ in self.inner.micro_batches(x, y, grad_accum):
+            for xs, ys, share, last in self.inner.micro_batches(x, y, grad_accum):
+                window = self._hooks_open(reducer) if last and reducer is not None else None
                 local += self.runtime.forward_backward(xs, ys, weight=share, low_dtype=low_dtype,
-                                                       loss_scale=loss_scale)
+                                                       loss_scale=loss_scale, around_last_backward=window)
                 st = self.runtime.stats
                 totals["busy_s"] += st["busy_s"]
                 totals["span_s"] += st["span_s"]
@@ -66,12 +71,25 @@ class PipelineParallel:
         finally:
             if reducer is not None:
                 reducer.active = True
-        self.runtime.reduce_tied_gradients()
         if reducer is not None:
-            reducer.reset_timeline()
-            reducer.finish()
+            reducer.finish()  # launches what the windows did not, waits for every bucket
+        self.runtime.reduce_tied_gradients()
         self._totals = totals
         return self.inner.reduce_loss(local)
+
+    @staticmethod
+    def _hooks_open(reducer):
+        """A context-manager factory opening ``reducer``'s hooks: around each chunk's last
+        backward, where every gradient of the chunk becomes final exactly once, so its buckets'
+        reductions start while the rest of the schedule runs (DDP's overlap, per chunk)."""
+        @contextlib.contextmanager
+        def window():
+            reducer.active = True
+            try:
+                yield
+            finally:
+                reducer.active = False
+        return window
 
     def evaluate(self, batches, low_dtype=None) -> float:
         """Mean loss over ``batches``: each replica its rows, through the stages without grads."""
