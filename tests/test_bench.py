@@ -38,13 +38,16 @@ def quick_run(tmp_path_factory):
 @pytest.mark.slow
 def test_run_all_quick_says_what_it_runs(quick_run):
     out, stdout = quick_run
-    assert "benchmarks (quick): 2 part(s)" in stdout and "expected ~" in stdout
-    assert "[1/2] collectives: running, expected ~" in stdout and "[1/2] collectives: done in" in stdout
+    names = [p.name for p in _import("run_all").PARTS]
+    n, k = len(names), names.index("model") + 1
+    assert f"benchmarks (quick): {n} part(s)" in stdout and "expected ~" in stdout
+    assert f"[1/{n}] collectives: running, expected ~" in stdout and f"[1/{n}] collectives: done in" in stdout
     torch_here = importlib.util.find_spec("torch") is not None
-    assert ("[2/2] model: done in" if torch_here else "[2/2] model: skipped: PyTorch is not installed") in stdout
+    assert (f"[{k}/{n}] model: done in" if torch_here else f"[{k}/{n}] model: skipped: PyTorch is not installed") in stdout
     with open(out / "run_all.json") as f:
         durations = json.load(f)["quick"]
     assert durations["collectives"] > 0 and ("model" in durations) == torch_here
+    assert durations["pipeline"] > 0
 
 
 def test_run_all_shows_a_failing_part_and_progress(tmp_path, capsys):
@@ -97,3 +100,18 @@ def test_bench_model_quick(quick_run):
     for side in ("minidist", "torch"):
         assert row[side]["tokens_per_s"] > 0 and 0 < row[side]["mfu"] < 1, row
     assert row["ratio"] == pytest.approx(row["minidist"]["tokens_per_s"] / row["torch"]["tokens_per_s"])
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_pipeline_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "pipeline.json") as f:
+        report = json.load(f)
+    (result,) = report["results"]
+    assert result["P"] == 2 and result["serial_tokens_per_s"] > 0
+    assert [r["schedule"] for r in result["rows"]] == ["gpipe", "1f1b", "interleaved", "looping"]
+    for row in result["rows"]:
+        assert 0 <= row["bubble_measured"] < 1 and row["tokens_per_s"] > 0 and row["speedup_vs_1_rank"] > 0, row
+    theory = {r["schedule"]: r["bubble_theory"] for r in result["rows"]}
+    assert theory["gpipe"] == pytest.approx(1 / 9) and theory["interleaved"] == pytest.approx(1 / 17)
