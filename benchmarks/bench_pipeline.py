@@ -5,7 +5,8 @@
 For each pipeline size P (one mpiexec launch each) an 8-layer GPT (d_model 128, seq 64,
 batch 16, float32) trains with M = 8 microbatches under GPipe, 1F1B, interleaved 1F1B (V=2)
 and the looping pipeline (V=2), and, as the reference, the same step on one rank (rank 0
-runs the single-process step while the others wait).  The sides alternate rep by rep (a
+runs the single-process step while the others sleep: an MPI rank waiting in a barrier spins
+and would take a core from it).  The sides alternate rep by rep (a
 shared machine's speed drifts over minutes), the first two reps are warm-up, and medians
 are reported:
 
@@ -62,7 +63,11 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
     y = rng.integers(0, 256, (shape["batch"], shape["seq_len"]))
     times = {k: [] for k in ["serial"] + [n for n, _ in SIDES]}
     bubbles = {n: [] for n, _ in SIDES}
+    last_serial = np.array([0.5])
     for rep in range(reps + 2):
+        # The one-rank reference runs on rank 0 while the other ranks SLEEP (a rank waiting in
+        # MPI spins and would take a core from it): as long as rank 0's last step, plus a margin.
+        last_serial = comm.broadcast(last_serial, g, root=0)
         comm.barrier(g)
         if g.rank == 0:
             t0 = time.perf_counter()
@@ -70,6 +75,9 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
             serial_opt.step()
             serial_opt.zero_grad()
             t = time.perf_counter() - t0
+            last_serial = np.array([t])
+        else:
+            time.sleep(1.5 * float(last_serial[0]) + 0.005)
         comm.barrier(g)
         if rep >= 2 and g.rank == 0:
             times["serial"].append(t)
