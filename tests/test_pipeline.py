@@ -206,3 +206,16 @@ def test_bad_pipeline_input_is_one_message_exit_2(n, args, needle):
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.count(needle) == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout == ""
+
+
+@pytest.mark.mpi
+def test_cli_dp2_x_pp2_with_fp16_loss_scaling(tmp_path):
+    """fp16 under dp x pp: the overflow check is agreed over both axes (one skips, all skip)."""
+    out = tmp_path / "m.jsonl"
+    r = _train(4, ["--steps", "3", "--eval-every", "0", "--pp", "2", "--dp", "2", "--dtype", "float32",
+                   "--mixed-precision", "fp16", "--metrics-jsonl", str(out)])
+    assert r.returncode == 0, r.stderr
+    assert "pipeline 1f1b over 2 stages (M=4) x DDP over 2 ranks" in r.stdout, r.stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 3 and all("loss_scale" in rec for rec in records)
+    assert records[0]["mesh"] == "dp=2 pp=2" and all(0 < rec["loss"] < 10 for rec in records)
