@@ -9,7 +9,7 @@ import numpy as np
 
 from minidist import comm, ops
 from minidist.nn import GPT, GPTConfig
-from minidist.optim import AdamW, clip_coefficient, clip_grad_norm, grad_norm_sq, no_decay_below_2d, scale_grads
+from minidist.optim import AdamW, clip_coefficient, clip_grad_norm, no_decay_below_2d, scale_grads
 from minidist.parallel.pipeline.runtime import PipelineRuntime
 from minidist.parallel.pipeline.schedules import ORDERS, schedule_problem
 

@@ -272,13 +272,15 @@ class PipelineRuntime:
         w.grad += comm.sendrecv(w.grad, peer, peer, self.group, tag=TIED_TAG)  # in place: w.grad may be a
         # view into a data-parallel strategy's flat gradient buffer (ZeRO-1), which must see the sum
 
-    def grad_norm_sq(self) -> float:
-        """This pipeline's squared gradient norm: each rank's own parameters, the tied
-        embedding counted once (on the first stage), summed over the pipeline group."""
+    def grad_norm_sq(self, params=None) -> float:
+        """The whole model's squared gradient norm: every rank's ``params`` (default: its
+        stage's parameters) summed over the pipeline group, the tied embedding, whose full
+        gradient both ends hold, counted once (on the first stage)."""
         from minidist.optim import grad_norm_sq
 
-        params = [p for p in self.model.parameters()
-                  if not (self.tied and self.is_last and not self.is_first and p is self.model.wte.weight)]
+        params = self.model.parameters() if params is None else params
+        if self.tied and self.is_last and not self.is_first:
+            params = [p for p in params if p is not self.model.wte.weight]
         return self.sum_over_stages(grad_norm_sq(params))
 
     def sum_over_stages(self, value: float) -> float:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 
-from minidist.optim.clip import clip_coefficient, grad_norm_sq, scale_grads
+from minidist.optim.clip import clip_coefficient, scale_grads
 
 
 class PipelineParallel:
@@ -107,18 +107,10 @@ class PipelineParallel:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip by the norm of the whole model's gradient: every stage's, the tied embedding
-        (whose full gradient both ends hold) counted once."""
-        rt = self.runtime
+        counted once.  (The data-parallel strategies composed here, DDP and ZeRO-1, hold
+        full, already reduced gradients: no sum over the replicas is needed.)"""
         holders = self.inner.grad_holders
-        counted = holders
-        if rt.tied and rt.is_last and not rt.is_first:
-            counted = [p for p in holders if p is not rt.model.wte.weight]
-        sq = grad_norm_sq(counted)
-        if getattr(self.inner, "norm_group", None) is not None:
-            from minidist.parallel.data import reduce_sum
-
-            sq = reduce_sum(sq, self.inner.norm_group)
-        total = math.sqrt(rt.sum_over_stages(sq))
+        total = math.sqrt(self.runtime.grad_norm_sq(holders))
         if math.isfinite(total):
             scale_grads(holders, clip_coefficient(total, max_norm))
         return total
