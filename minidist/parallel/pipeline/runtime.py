@@ -109,50 +109,55 @@ class PipelineRuntime:
         which its parameters' gradients are complete) runs inside it.  Data parallelism opens
         its gradient hooks there, so the reduction of a chunk's gradients overlaps the rest of
         the schedule instead of waiting for its end."""
+        self._begin_step(x, y, weight, low_dtype, loss_scale, around_last_backward)
+        if self.measure and self.P > 1:
+            comm.barrier(self.group)  # every rank starts the clock together
+        t0 = time.perf_counter()
+        busy, wait = self._run_actions(t0)
+        for request in self._sends:
+            request.wait()
+        if self.measure and self.P > 1:
+            comm.barrier(self.group)  # ... and stops it when the last rank is done
+        span = time.perf_counter() - t0
+        self.stats = {"busy_s": busy, "recv_wait_s": wait, "span_s": span,
+                      "bubble": 1.0 - busy / span if span > 0 else 0.0,
+                      "bubble_theory": theoretical_bubble(self.schedule.name, self.P, self.M, self.V),
+                      "peak_activation_bytes": self._peak, "peak_in_flight": self._peak_in_flight}
+        return self._mean_loss()
+
+    def _begin_step(self, x, y, weight, low_dtype, loss_scale, around_last_backward):
+        """Cut the batch into microbatches and reset the step's mailboxes and counters."""
         rows = len(x)
         if rows < self.M:
             raise ValueError(f"a batch of {rows} sequences cannot be split into {self.M} microbatches")
         self._x = [shard(x, m, self.M) for m in range(self.M)]
         self._y = [shard(y, m, self.M) for m in range(self.M)]
         self._share = [len(xm) / rows * weight for xm in self._x]
-        self._low, self._scale = low_dtype, loss_scale
-        self._around_last = around_last_backward
+        self._low, self._scale, self._around_last = low_dtype, loss_scale, around_last_backward
         self._inbox, self._outbox, self._saved, self._posted = {}, {}, {}, {}
         self._losses, self._sends = {}, []
-        self._live = self._peak = 0
-        self._in_flight = self._peak_in_flight = 0
+        self._live = self._peak = self._in_flight = self._peak_in_flight = 0
+
+    def _run_actions(self, t0: float):
+        """Execute this rank's actions in order; return (seconds computing, seconds waiting
+        in receives) and keep the measured ``timeline`` [(start_s, end_s, Action)] of F and B."""
         busy = wait = 0.0
-        if self.measure and self.P > 1:
-            comm.barrier(self.group)
-        t0 = time.perf_counter()
-        timeline = []
+        self.timeline = []
         for i, a in enumerate(self.actions):
             if a.op in (FORWARD, BACKWARD):
                 self._post_receives(i)
-                t = time.perf_counter()
+                start = time.perf_counter()
                 (self._forward if a.op == FORWARD else self._backward)(a.microbatch, a.chunk)
                 end = time.perf_counter()
-                busy += end - t
-                timeline.append((t - t0, end - t0, a))
+                busy += end - start
+                self.timeline.append((start - t0, end - t0, a))
             elif a.op in (SEND_ACT, SEND_GRAD):
                 self._send(a)
             else:
-                t = time.perf_counter()
-                self._receive(i, a)
-                wait += time.perf_counter() - t
-        for request in self._sends:
-            request.wait()
-        if self.measure and self.P > 1:
-            comm.barrier(self.group)
-        span = time.perf_counter() - t0
-        loss = self._mean_loss()
-        kind = self.schedule.name
-        self.stats = {"busy_s": busy, "recv_wait_s": wait, "span_s": span,
-                      "bubble": 1.0 - busy / span if span > 0 else 0.0,
-                      "bubble_theory": theoretical_bubble(kind, self.P, self.M, self.V),
-                      "peak_activation_bytes": self._peak, "peak_in_flight": self._peak_in_flight}
-        self.timeline = timeline  # [(start_s, end_s, Action)] of this rank's F and B, from the step's start
-        return loss
+                start = time.perf_counter()
+                self._receive(a)
+                wait += time.perf_counter() - start
+        return busy, wait
 
     STAT_KEYS = ("busy_s", "recv_wait_s", "span_s", "bubble", "peak_activation_bytes", "peak_in_flight")
 
@@ -248,7 +253,7 @@ class PipelineRuntime:
             elif a.op in (FORWARD, BACKWARD):
                 return
 
-    def _receive(self, i: int, a):
+    def _receive(self, a):
         self._post(a)
         key = self._key(a)
         self._inbox[key] = self._posted.pop(key).wait()
