@@ -106,9 +106,11 @@ class Strategy:
 class DataParallel(Strategy):
     """DDP over ``group``: bucketed all-reduces launched from the gradient hooks."""
 
-    def __init__(self, model, optimizer, group, bucket_mb: float = 25.0, overlap: bool = True):
+    def __init__(self, model, optimizer, group, bucket_mb: float = 25.0, overlap: bool = True,
+                 algorithm: str = "auto"):
         super().__init__(model, optimizer, group)
-        self.ddp = DistributedDataParallel(self.params, group, bucket_mb=bucket_mb, overlap=overlap)
+        self.ddp = DistributedDataParallel(self.params, group, bucket_mb=bucket_mb, overlap=overlap,
+                                           algorithm=algorithm)
         self.name = f"DDP over {group.size} ranks"
 
     @contextlib.contextmanager
