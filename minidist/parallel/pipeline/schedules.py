@@ -279,6 +279,58 @@ def _message_key(a: Action, rank: int, P: int) -> tuple:
     return ("grad", a.microbatch, s)
 
 
+class _RankState:
+    """One rank during :func:`simulate`: its program counter, clock, compute intervals and
+    the (microbatch, chunk) activations it holds."""
+
+    def __init__(self, rank: int, actions):
+        self.rank, self.actions = rank, actions
+        self.pc, self.clock = 0, 0.0
+        self.timeline, self.done, self.live, self.peak = [], set(), set(), 0
+
+    def finished(self) -> bool:
+        return self.pc == len(self.actions)
+
+    def advance(self, P: int, duration: dict, sent: dict, received: set) -> bool:
+        """Run the next action if it can run now; False when it is a receive whose send has
+        not happened yet."""
+        a, r = self.actions[self.pc], self.rank
+        if a.op in (RECV_ACT, RECV_GRAD):
+            key = _message_key(a, r, P)
+            if key not in sent:
+                return False
+            if key in received:
+                raise ValueError(f"rank {r} receives {key} twice")
+            if stage_location(key[2] + (-1 if key[0] == "act" else 1), P)[0] != a.peer:
+                raise ValueError(f"rank {r}'s {a} names the wrong peer")
+            received.add(key)
+            self.clock = max(self.clock, sent[key])
+        elif a.op in (SEND_ACT, SEND_GRAD):
+            key = _message_key(a, r, P)
+            if key in sent:
+                raise ValueError(f"rank {r} sends {key} twice")
+            sent[key] = self.clock
+        else:
+            self._compute(a, duration[a.op])
+        self.pc += 1
+        return True
+
+    def _compute(self, a: Action, seconds: float):
+        unit, r = (a.op, a.microbatch, a.chunk), self.rank
+        if unit in self.done:
+            raise ValueError(f"rank {r} runs {a} twice")
+        if a.op == BACKWARD and (FORWARD, a.microbatch, a.chunk) not in self.done:
+            raise ValueError(f"rank {r} runs {a} before its forward")
+        self.done.add(unit)
+        self.timeline.append((self.clock, self.clock + seconds, a))
+        self.clock += seconds
+        if a.op == FORWARD:
+            self.live.add((a.microbatch, a.chunk))
+            self.peak = max(self.peak, len(self.live))
+        else:
+            self.live.discard((a.microbatch, a.chunk))
+
+
 def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0) -> Simulation:
     """Run every rank's program on a clock: F of one chunk takes ``t_forward / V``, B
     ``t_backward / V``, messages are free and sends never block; a receive waits for its send.
@@ -288,63 +340,26 @@ def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0
     """
     P, V = schedule.num_stages, schedule.virtual_stages
     duration = {FORWARD: t_forward / V, BACKWARD: t_backward / V}
-    pc, clock = [0] * P, [0.0] * P
-    sent = {}            # message key -> time it was sent
-    received = set()
-    timeline = [[] for _ in range(P)]
-    live, peak = [set() for _ in range(P)], [0] * P
-    done_fwd = [set() for _ in range(P)]
-    done = [set() for _ in range(P)]
-    while any(pc[r] < len(schedule.actions[r]) for r in range(P)):
+    ranks = [_RankState(r, schedule.actions[r]) for r in range(P)]
+    sent, received = {}, set()  # message key -> time sent; keys received
+    while not all(st.finished() for st in ranks):
         moved = False
-        for r in range(P):
-            while pc[r] < len(schedule.actions[r]):
-                a = schedule.actions[r][pc[r]]
-                if a.op in (RECV_ACT, RECV_GRAD):
-                    key = _message_key(a, r, P)
-                    if key not in sent:
-                        break  # blocked: try the other ranks
-                    if key in received:
-                        raise ValueError(f"rank {r} receives {key} twice")
-                    if stage_location(key[2] + (-1 if key[0] == "act" else 1), P)[0] != a.peer:
-                        raise ValueError(f"rank {r}'s {a} names the wrong peer")
-                    received.add(key)
-                    clock[r] = max(clock[r], sent[key])
-                elif a.op in (SEND_ACT, SEND_GRAD):
-                    key = _message_key(a, r, P)
-                    if key in sent:
-                        raise ValueError(f"rank {r} sends {key} twice")
-                    sent[key] = clock[r]
-                else:
-                    unit = (a.op, a.microbatch, a.chunk)
-                    if unit in done[r]:
-                        raise ValueError(f"rank {r} runs {a} twice")
-                    if a.op == BACKWARD and (a.microbatch, a.chunk) not in done_fwd[r]:
-                        raise ValueError(f"rank {r} runs {a} before its forward")
-                    done[r].add(unit)
-                    start, clock[r] = clock[r], clock[r] + duration[a.op]
-                    timeline[r].append((start, clock[r], a))
-                    if a.op == FORWARD:
-                        done_fwd[r].add((a.microbatch, a.chunk))
-                        live[r].add((a.microbatch, a.chunk))
-                        peak[r] = max(peak[r], len(live[r]))
-                    else:
-                        live[r].discard((a.microbatch, a.chunk))
-                pc[r] += 1
+        for st in ranks:  # each rank runs until it finishes or waits for a message
+            while not st.finished() and st.advance(P, duration, sent, received):
                 moved = True
         if not moved:
-            stuck = {r: str(schedule.actions[r][pc[r]]) for r in range(P) if pc[r] < len(schedule.actions[r])}
+            stuck = {st.rank: str(st.actions[st.pc]) for st in ranks if not st.finished()}
             raise Deadlock(f"schedule {schedule.name!r} deadlocks: ranks wait at {stuck}")
     unmatched = set(sent) ^ received
     if unmatched:
         raise ValueError(f"messages without exactly one send and one receive: {sorted(unmatched)}")
     expected = {(op, m, c) for op in COMPUTE for m in range(schedule.num_microbatches) for c in range(V)}
-    for r in range(P):
-        if done[r] != expected:
-            raise ValueError(f"rank {r} misses {sorted(expected - done[r])}")
-    makespan = max(clock)
-    busy = [sum(end - start for start, end, _ in timeline[r]) for r in range(P)]
-    return Simulation(timeline, makespan, [1 - b / makespan for b in busy], peak)
+    for st in ranks:
+        if st.done != expected:
+            raise ValueError(f"rank {st.rank} misses {sorted(expected - st.done)}")
+    makespan = max(st.clock for st in ranks)
+    bubble = [1 - sum(end - start for start, end, _ in st.timeline) / makespan for st in ranks]
+    return Simulation([st.timeline for st in ranks], makespan, bubble, [st.peak for st in ranks])
 
 
 # -------------------------------------------------------------------------------- charts
