@@ -72,7 +72,7 @@ def main():
             opt.zero_grad()
             step_s = time.perf_counter() - t0
         stats = pipe.gather_stats()  # of the last step
-        timelines = _gather_timelines(pipe, g)
+        timelines = pipe.gather_timelines()
         if g.rank != 0:
             continue
         sched = S.make_schedule(name, P, M, V)
@@ -100,21 +100,6 @@ def main():
                   f"{1000 * step_s:>8.1f} {loss:>10.6f}")
         same = max(r[-1] for r in rows) - min(r[-1] for r in rows)
         print(f"every schedule ends at the same loss (spread {same:.1e}): they compute the same gradient")
-
-
-def _gather_timelines(pipe, g):
-    """Every rank's measured (start, end, action) list on rank 0 (as rows of numbers; every
-    rank runs the same number of actions, 2*M*V)."""
-    rows = np.asarray([[s, e, a.op == S.BACKWARD, a.microbatch, a.chunk] for s, e, a in pipe.timeline], np.float64)
-    gathered = comm.gather(rows, g, root=0)
-    if gathered is None:
-        return None
-    per = len(rows)
-    out = []
-    for r in range(g.size):
-        part = gathered[r * per:(r + 1) * per]
-        out.append([(s, e, S.Action(S.BACKWARD if b else S.FORWARD, int(m), int(c))) for s, e, b, m, c in part])
-    return out
 
 
 if __name__ == "__main__":

@@ -152,3 +152,13 @@ def test_png(tmp_path, capsys):
         return
     assert S.main(["--schedule", "gpipe", "--pp", "2", "-m", "2", "--png", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulation_with_measured_costs():
+    """Replaying a schedule with given per-action times: a slow last stage stretches GPipe."""
+    sched = make_schedule("gpipe", 2, 4)
+    even = simulate(sched, cost=lambda r, a: 1.0 if a.op == S.FORWARD else 2.0)
+    assert even.makespan == simulate(sched).makespan
+    slow_last = simulate(sched, cost=lambda r, a: (1.0 if a.op == S.FORWARD else 2.0) * (2 if r == 1 else 1))
+    assert slow_last.makespan == 1 + 4 * 2 + 4 * 4 + 2  # F0 on rank 0, rank 1's work, B3 on rank 0
+    assert slow_last.bubble[0] > slow_last.bubble[1]

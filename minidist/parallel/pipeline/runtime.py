@@ -40,7 +40,7 @@ from minidist import comm, ops
 from minidist.autograd import Parameter, Tensor, no_grad
 from minidist.backend import from_host, xp
 from minidist.data import shard
-from minidist.parallel.pipeline.schedules import (BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
+from minidist.parallel.pipeline.schedules import (BACKWARD, FORWARD, Action, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
                                                   layer_range, make_schedule, message_tag, model_stage,
                                                   schedule_problem, stage_location, theoretical_bubble)
 
@@ -166,6 +166,18 @@ class PipelineRuntime:
         elsewhere): one small gather over the pipeline group."""
         rows = self.gather_rows([float(self.stats[k]) for k in self.STAT_KEYS], root)
         return None if rows is None else [dict(zip(self.STAT_KEYS, r)) for r in rows]
+
+    def gather_timelines(self, root: int = 0):
+        """Every pipeline rank's measured :attr:`timeline` of the last step on ``root`` (None
+        elsewhere); every rank runs the same number of compute actions (2*M*V)."""
+        rows = [[start, end, a.op == BACKWARD, a.microbatch, a.chunk] for start, end, a in self.timeline]
+        gathered = comm.gather(xp.asarray(rows, dtype=xp.float64), self.group, root=root) if self.P > 1 \
+            else xp.asarray(rows, dtype=xp.float64)
+        if gathered is None:
+            return None
+        n = len(rows)
+        return [[(float(s), float(e), Action(BACKWARD if b else FORWARD, int(m), int(c)))
+                 for s, e, b, m, c in gathered[r * n:(r + 1) * n]] for r in range(self.P)]
 
     def gather_rows(self, values, root: int = 0):
         """Every pipeline rank's list of floats ``values`` (same length), as a list of lists on

@@ -291,7 +291,7 @@ class _RankState:
     def finished(self) -> bool:
         return self.pc == len(self.actions)
 
-    def advance(self, P: int, duration: dict, sent: dict, received: set) -> bool:
+    def advance(self, P: int, cost, sent: dict, received: set) -> bool:
         """Run the next action if it can run now; False when it is a receive whose send has
         not happened yet."""
         a, r = self.actions[self.pc], self.rank
@@ -311,7 +311,7 @@ class _RankState:
                 raise ValueError(f"rank {r} sends {key} twice")
             sent[key] = self.clock
         else:
-            self._compute(a, duration[a.op])
+            self._compute(a, cost(r, a))
         self.pc += 1
         return True
 
@@ -331,21 +331,26 @@ class _RankState:
             self.live.discard((a.microbatch, a.chunk))
 
 
-def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0) -> Simulation:
+def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0, cost=None) -> Simulation:
     """Run every rank's program on a clock: F of one chunk takes ``t_forward / V``, B
-    ``t_backward / V``, messages are free and sends never block; a receive waits for its send.
+    ``t_backward / V`` (or ``cost(rank, action)`` seconds when given, e.g. measured ones),
+    messages are free and sends never block; a receive waits for its send.
 
     Raises :class:`Deadlock` when no rank can move, and ValueError for a send without its
     one receive (or the reverse), a backward before its forward, or a repeated action.
     """
     P, V = schedule.num_stages, schedule.virtual_stages
-    duration = {FORWARD: t_forward / V, BACKWARD: t_backward / V}
+    if cost is None:
+        duration = {FORWARD: t_forward / V, BACKWARD: t_backward / V}
+
+        def cost(rank, a):
+            return duration[a.op]
     ranks = [_RankState(r, schedule.actions[r]) for r in range(P)]
     sent, received = {}, set()  # message key -> time sent; keys received
     while not all(st.finished() for st in ranks):
         moved = False
         for st in ranks:  # each rank runs until it finishes or waits for a message
-            while not st.finished() and st.advance(P, duration, sent, received):
+            while not st.finished() and st.advance(P, cost, sent, received):
                 moved = True
         if not moved:
             stuck = {st.rank: str(st.actions[st.pc]) for st in ranks if not st.finished()}
