@@ -126,5 +126,6 @@ def test_bench_pipeline_quick(quick_run):
     assert [r["schedule"] for r in result["rows"]] == ["gpipe", "1f1b", "interleaved", "looping"]
     for row in result["rows"]:
         assert 0 <= row["bubble_measured"] < 1 and row["tokens_per_s"] > 0 and row["speedup_vs_1_rank"] > 0, row
+        assert 0 <= row["bubble_best"] <= row["bubble_measured"] and 0 <= row["bubble_replayed"] < 1, row
     theory = {r["schedule"]: r["bubble_theory"] for r in result["rows"]}
     assert theory["gpipe"] == pytest.approx(1 / 9) and theory["interleaved"] == pytest.approx(1 / 17)
