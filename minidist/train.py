@@ -347,6 +347,7 @@ def train(args, log=print, data=None):
     """Run the whole training; return the list of per-step metrics dicts (rank 0 logs and writes)."""
     from .backend import dtype
     from .optim import DynamicLossScaler, lr_at
+    from .parallel.pipeline import cli as pipeline_cli
     from .profile import PeakMemory, Tracer, measure_peak_gflops, model_flops_per_token
 
     sampler, val_batches = data if data is not None else load_data(args)
@@ -355,8 +356,6 @@ def train(args, log=print, data=None):
 
     model = make_model(args)
     num_params = model.num_parameters()
-    from .parallel.pipeline import cli as pipeline_cli
-
     if getattr(args, "pp", 1) > 1 and args.schedule is None:
         _validate_pipeline(args)  # train() called as a library function without validate()
     pipeline, mesh = pipeline_cli.build(args, model)  # --pp > 1: the model keeps this rank's stage only
@@ -386,8 +385,9 @@ def train(args, log=print, data=None):
     def logged(step):
         return step < args.steps and (step % args.log_every == 0 or step + 1 == args.steps)
 
-    mesh = f"dp={args.dp}" + (f" pp={args.pp}" if getattr(args, "pp", 1) > 1 else "") + (f" (shard {args.hsdp_shard} x replicate {args.dp // args.hsdp_shard})"
+    mesh = f"dp={args.dp}" + (f" (shard {args.hsdp_shard} x replicate {args.dp // args.hsdp_shard})"
                               if args.hsdp_shard else "") + (f" zero={args.zero}" if args.zero else "")
+    mesh += f" pp={args.pp}" if getattr(args, "pp", 1) > 1 else ""
     metrics, metrics_file = [], open(args.metrics_jsonl, "w") if args.metrics_jsonl and rank0 else None
     try:
         for step in range(args.steps):
