@@ -3,7 +3,7 @@
     python benchmarks/bench_pipeline.py [--out DIR] [--quick] [--pp 2 4] [--reps 10]
 
 For each pipeline size P (one mpiexec launch each) an 8-layer GPT (d_model 128, seq 64,
-batch 16, float32) trains with M = 8 microbatches under GPipe, 1F1B, interleaved 1F1B (V=2)
+batch 64, float32) trains with M = 8 microbatches of 8 sequences under GPipe, 1F1B, interleaved 1F1B (V=2)
 and the looping pipeline (V=2), and, as the reference, the same step on one rank (rank 0
 runs the single-process step while the others sleep: an MPI rank waiting in a barrier spins
 and would take a core from it).  The sides alternate rep by rep (a
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 
-SHAPE = dict(n_layer=8, n_head=4, d_model=128, seq_len=64, batch=16, microbatches=8)
+SHAPE = dict(n_layer=8, n_head=4, d_model=128, seq_len=64, batch=64, microbatches=8)
 QUICK_SHAPE = dict(n_layer=8, n_head=2, d_model=32, seq_len=16, batch=8, microbatches=8)
 SIDES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looping", 2)]
 

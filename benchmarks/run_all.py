@@ -53,7 +53,7 @@ PARTS = [
     Part("ddp", "bench_ddp.py", "weak scaling 1 -> 2 ranks: minidist DDP and ZeRO vs PyTorch DDP (gloo)",
          [], ["--quick"], full_s=300, quick_s=20),
     Part("pipeline", "bench_pipeline.py", "pipeline schedules: measured bubble vs formula, tokens/s vs one rank",
-         [], ["--quick"], full_s=60, quick_s=4),
+         [], ["--quick"], full_s=150, quick_s=4),
 ]
 
 
