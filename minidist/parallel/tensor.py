@@ -1,0 +1,528 @@
+"""Tensor parallelism: Megatron-LM's layers, sequence parallelism and collective matmuls.
+
+Tensor parallelism splits every weight matrix over the ``tp`` ranks of a group (Shoeybi et
+al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism").  Linear weights are stored ``(in, out)`` (``y = x @ W``):
+
+* **ColumnParallelLinear** keeps ``out / tp`` columns of W: every rank needs the whole
+  input and produces its slice of the output features;
+* **RowParallelLinear** keeps ``in / tp`` rows of W: every rank takes its slice of the input
+  features and produces a *partial sum* of the whole output.
+
+Column then row needs no communication in between, so the MLP (``c_fc`` column, ``c_proj``
+row) and attention (q, k, v column-split by heads, output projection row) each communicate
+once forward and once backward: Megatron's **f** (identity, all-reduce of the gradient)
+where the block starts and **g** (all-reduce, identity backward) where it ends
+(comm/functional.py).  Cost per block and direction: one all-reduce of the activation,
+2 (tp-1)/tp * B*T*C elements sent per rank.
+
+The vocabulary is split too: each rank holds ``V / tp`` rows of the token embedding (a
+lookup outside them gives zeros; the ranks' partial embeddings are summed), the tied LM
+head produces ``V / tp`` logits per token, and the cross-entropy combines the shards with
+two small all-reduces (a max and a sum per token) without ever forming the full logits.
+
+**Sequence parallelism** (``sequence_parallel=True``; Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models"): outside the tensor-parallel matmuls
+(LayerNorm, residual additions) the activations are split along the sequence instead of
+being replicated, so those regions store 1/tp of their activations.  Each all-reduce
+becomes an all-gather of the sequence before a column-parallel layer and a reduce-scatter
+after a row-parallel one: the same bytes (an all-reduce *is* a reduce-scatter plus an
+all-gather).  A replicated parameter used on a sequence shard (LayerNorm, the row-parallel
+bias, the position table) enters through **f**, so its gradient is summed over the shards.
+
+**Collective matmul** (``overlap="ring"`` / ``"bidirectional"``; Wang et al. 2022,
+"Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
+Models", used by ViT-22B, Dehghani et al. 2023): the all-gather before a column-parallel
+matmul is cut into tp-1 ring steps (``ppermute``), and while a chunk travels the matmul of
+the chunk already here runs; the reduce-scatter after a row-parallel matmul likewise
+computes, at each step, the partial product that travels next.  Backward uses the same two
+loops (the gradient of an all-gather-matmul is a matmul-reduce-scatter and vice versa).
+The bidirectional variant sends half of every chunk each way round the ring, on two
+progress threads, so each step moves half the bytes per direction.  The collective matmul
+works on the sequence-parallel layout, so it turns sequence parallelism on.
+
+With a group of one rank (or none) every layer here is the plain layer: one GPT class
+(``nn.GPT(cfg, layers=TensorParallelLayers(group))``) serves every mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+from minidist import comm, nn, ops
+from minidist.autograd import Tensor, make_tensor
+from minidist.backend import xp
+from minidist.comm import functional as F
+from minidist.comm.group import Group
+from minidist.ops.basic import check_index
+from minidist.ops.precision import compute_dtype, gemm_operands, get_autocast_dtype, to_dtype
+from minidist.optim.clip import grad_norm_sq
+
+OVERLAPS = ("none", "ring", "bidirectional")
+
+
+# --------------------------------------------------------------------------------------------
+# Which slice of a global parameter a rank keeps
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shard:
+    """Part ``index`` of ``parts`` equal parts of dimension ``dim``, taken from each of
+    ``blocks`` equal blocks of that dimension.  The fused QKV weight (d, 3d) has blocks=3:
+    rank r keeps its heads' columns of q, of k and of v, in that order."""
+
+    dim: int
+    index: int
+    parts: int
+    blocks: int = 1
+    axis: str = "tp"
+
+    def local_shape(self, shape):
+        shape = list(shape)
+        shape[self.dim] //= self.parts
+        return tuple(shape)
+
+    def indices(self, length: int):
+        """The global indices along ``dim`` this rank keeps, in its local order."""
+        block = length // self.blocks
+        part = block // self.parts
+        return xp.concatenate([xp.arange(b * block + self.index * part, b * block + (self.index + 1) * part)
+                               for b in range(self.blocks)])
+
+    def take(self, full):
+        """This rank's slice of the global array ``full``."""
+        return xp.take(full, self.indices(full.shape[self.dim]), axis=self.dim)
+
+
+def check_divisible(n_head: int, d_model: int, vocab_size: int, tp: int, seq_len: int | None = None) -> None:
+    """Raise ValueError naming the first size that ``tp`` ranks cannot split evenly.
+
+    ``seq_len`` is checked only when given (sequence parallelism splits the sequence)."""
+    sizes = [("n_head", n_head), ("d_model", d_model), ("MLP width 4*d_model", 4 * d_model),
+             ("vocab_size", vocab_size)] + ([("seq_len", seq_len)] if seq_len is not None else [])
+    for name, n in sizes:
+        if n % tp:
+            raise ValueError(f"{name}={n} is not divisible by tp={tp}")
+
+
+# --------------------------------------------------------------------------------------------
+# The layer set GPT builds from
+# --------------------------------------------------------------------------------------------
+class TensorParallelLayers(nn.Layers):
+    """nn.Layers split over ``group``: ``nn.GPT(cfg, layers=TensorParallelLayers(tp_group))``.
+
+    ``sequence_parallel``: activations outside the matmuls are split along the sequence.
+    ``overlap``: "none" (all-gather / reduce-scatter as one collective), "ring" or
+    "bidirectional" (collective matmuls; they imply sequence parallelism).
+    Creating it is collective over ``group`` when overlap is "bidirectional" (the second
+    direction gets its own communicator and progress thread).
+    """
+
+    def __init__(self, group: Group | None = None, sequence_parallel: bool = False, overlap: str = "none"):
+        if overlap not in OVERLAPS:
+            raise ValueError(f"overlap={overlap!r}; choose one of {OVERLAPS}")
+        self.group = group
+        self.parts = 1 if group is None else group.size
+        self.rank = 0 if group is None else group.rank
+        split = self.parts > 1
+        self.overlap = overlap if split else "none"
+        self.sequence_parallel = split and (sequence_parallel or overlap != "none")
+        # The counter-clockwise stream of the bidirectional ring runs on its own group, so
+        # its messages travel at the same time as the clockwise ones (full-duplex links).
+        self.reverse = (Group(group.user_comm.Dup(), name=f"{group.name}-ccw")
+                        if self.overlap == "bidirectional" else None)
+
+    def __repr__(self):
+        return (f"TensorParallelLayers(parts={self.parts}, sequence_parallel={self.sequence_parallel}, "
+                f"overlap={self.overlap!r})")
+
+    def shard(self, dim: int, blocks: int = 1):
+        return Shard(dim, self.rank, self.parts, blocks) if self.parts > 1 else None
+
+    def shared(self, p):
+        """A replicated parameter as used on this rank's sequence shard: under sequence
+        parallelism its gradient is a partial sum, which f (copy_to_tp) completes."""
+        return F.copy_to_tp(p, self.group) if self.sequence_parallel else p
+
+    def enter(self, x):
+        """A tensor-parallel region's input: replicated x through f, or the sequence-split x
+        all-gathered (sequence parallelism)."""
+        if self.sequence_parallel:
+            return F.gather_from_sp(x, self.group, axis=1)
+        return F.copy_to_tp(x, self.group)
+
+    def leave(self, y):
+        """A region's output of partial sums: all-reduced (g), or reduce-scattered along the
+        sequence (sequence parallelism)."""
+        if self.sequence_parallel:
+            return F.reduce_scatter_to_sp(y, self.group, axis=1)
+        return F.reduce_from_tp(y, self.group)
+
+    # -- nn.Layers -----------------------------------------------------------------------------
+    def column(self, d_in, d_out, dtype, bias=True, std=0.02, fused=1):
+        return ColumnParallelLinear(d_in, d_out, dtype, self, bias, std, fused)
+
+    def row(self, d_in, d_out, dtype, bias=True, std=0.02):
+        return RowParallelLinear(d_in, d_out, dtype, self, bias, std)
+
+    def layer_norm(self, dim, dtype):
+        return LayerNorm(dim, dtype, self)
+
+    def token_embedding(self, num, dim, dtype):
+        return VocabParallelEmbedding(num, dim, dtype, self)
+
+    def position_embedding(self, num, dim, dtype):
+        return PositionEmbedding(num, dim, dtype, self)
+
+    def cross_entropy(self, logits, targets):
+        if self.parts == 1:
+            return ops.cross_entropy(logits, targets)
+        return vocab_parallel_cross_entropy(logits, targets, self.group)
+
+
+def _check_split(name, n, parts):
+    if n % parts:
+        raise ValueError(f"{name}={n} is not divisible by the {parts} tensor-parallel ranks")
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W + b`` with W's columns (and b) split: this rank's output features only."""
+
+    def __init__(self, d_in, d_out, dtype, tp: TensorParallelLayers, bias=True, std=0.02, fused=1):
+        _check_split(f"output features ({fused} fused part(s) of {d_out // fused})", d_out // fused, tp.parts)
+        self.tp = tp
+        self.weight = nn._param((d_in, d_out), dtype, ("normal", std), tp.shard(1, fused))
+        self.bias = nn._param((d_out,), dtype, ("zeros",), tp.shard(0, fused)) if bias else None
+
+    def forward(self, x):
+        tp = self.tp
+        if tp.parts == 1:
+            return ops.linear(x, self.weight, self.bias)
+        if tp.overlap != "none":
+            return all_gather_linear(x, self.weight, self.bias, tp)
+        return ops.linear(tp.enter(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ W + b`` with W's rows split: x holds this rank's input features, the
+    partial products are summed over the group (or reduce-scattered), then b is added."""
+
+    def __init__(self, d_in, d_out, dtype, tp: TensorParallelLayers, bias=True, std=0.02):
+        _check_split("input features", d_in, tp.parts)
+        self.tp = tp
+        self.weight = nn._param((d_in, d_out), dtype, ("normal", std), tp.shard(0))
+        self.bias = nn._param((d_out,), dtype, ("zeros",)) if bias else None
+
+    def forward(self, x):
+        tp = self.tp
+        if tp.parts == 1:
+            return ops.linear(x, self.weight, self.bias)
+        if tp.overlap != "none":
+            y = linear_reduce_scatter(x, self.weight, tp)
+        else:
+            y = tp.leave(ops.linear(x, self.weight))
+        return y if self.bias is None else y + tp.shared(self.bias)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm whose gain and bias are replicated; under sequence parallelism each rank
+    normalises its own tokens, and f sums the parameters' gradients over the shards."""
+
+    def __init__(self, dim, dtype, tp: TensorParallelLayers, eps=1e-5):
+        super().__init__(dim, dtype, eps)
+        self.tp = tp
+
+    def forward(self, x):
+        return ops.layer_norm(x, self.tp.shared(self.weight), self.tp.shared(self.bias), self.eps)
+
+
+class PositionEmbedding(nn.Embedding):
+    """The learned position table (replicated); under sequence parallelism a rank looks up
+    only the positions of its part of the sequence."""
+
+    def __init__(self, num, dim, dtype, tp: TensorParallelLayers):
+        super().__init__(num, dim, dtype)
+        self.tp = tp
+
+    def forward(self, positions):
+        if not self.tp.sequence_parallel:
+            return ops.embedding(self.weight, positions)
+        n = positions.shape[0] // self.tp.parts
+        mine = positions[self.tp.rank * n:(self.tp.rank + 1) * n]
+        return ops.embedding(self.tp.shared(self.weight), mine)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Token embedding with the vocabulary split: rank r holds rows [r V/tp, (r+1) V/tp).
+
+    Forward looks up the ids in this rank's range (zeros elsewhere) and sums the ranks'
+    partial embeddings (all-reduce, or reduce-scatter along the sequence under sequence
+    parallelism).  ``logits`` is the tied LM head: this rank's V/tp logits of every token.
+    """
+
+    def __init__(self, num, dim, dtype, tp: TensorParallelLayers, std=0.02):
+        _check_split("vocab_size", num, tp.parts)
+        self.tp = tp
+        self.vocab_size = num
+        self.weight = nn._param((num, dim), dtype, ("normal", std), tp.shard(0))
+
+    def forward(self, ids):
+        tp = self.tp
+        if tp.parts == 1:
+            return ops.embedding(self.weight, ids)
+        ids = check_index(xp.asarray(ids), self.vocab_size, "embedding id")
+        rows = self.weight.shape[0]
+        local = ids - tp.rank * rows
+        mine = (local >= 0) & (local < rows)
+        partial = ops.embedding(self.weight, xp.where(mine, local, 0)) * mine[..., None].astype(self.weight.dtype)
+        return tp.leave(partial)
+
+    def logits(self, x):
+        tp = self.tp
+        w_t = ops.transpose(self.weight, (1, 0))
+        if tp.parts == 1:
+            return ops.linear(x, w_t)
+        if tp.overlap != "none":
+            return all_gather_linear(x, w_t, None, tp)
+        return ops.linear(tp.enter(x), w_t)
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabulary-parallel cross-entropy
+# --------------------------------------------------------------------------------------------
+def vocab_parallel_cross_entropy(logits, targets, group):
+    """Mean cross-entropy of vocabulary-sharded logits (Megatron-LM's vocab-parallel loss).
+
+    ``logits`` (..., V/tp) are this rank's columns [r V/tp, (r+1) V/tp) of the full logits;
+    ``targets`` (...) are global token ids, the same on every rank.  Per token::
+
+        m = max over ranks of the local maxima                      (all-reduce max)
+        S = sum over ranks of sum_j exp(z_j - m)                      (all-reduce sum)
+        z_t - m from the one rank that holds column t, 0 elsewhere   (same all-reduce)
+        loss = log S - (z_t - m)
+
+    Communication: 3 numbers per token, never the V/tp logits.  The loss is replicated;
+    its gradient with respect to this rank's logits is (softmax - onehot) / n on this
+    rank's columns, which needs no communication.
+    """
+    Vl = logits.shape[-1]
+    lo = group.rank * Vl
+    targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"cross_entropy: targets shape {tuple(targets.shape)} != logits shape "
+                         f"{tuple(logits.shape[:-1])} (logits without the class axis)")
+    t = check_index(targets.reshape(-1), Vl * group.size, "cross_entropy target")
+    cdt = compute_dtype(logits.dtype)
+    z = logits.data.reshape(-1, Vl).astype(cdt, copy=True)
+    n, rows = z.shape[0], xp.arange(z.shape[0])
+    z -= comm.all_reduce(z.max(axis=1), group, op="max")[:, None]
+    local = t - lo
+    mine = (local >= 0) & (local < Vl)
+    local = xp.where(mine, local, 0)
+    picked = xp.where(mine, z[rows, local], 0.0)
+    xp.exp(z, out=z)
+    total, picked = comm.all_reduce(xp.stack([z.sum(axis=1), picked]), group, op="sum")
+    nll = xp.log(total) - picked
+    z /= total[:, None]  # this rank's columns of softmax(z), saved for backward
+    loss = xp.asarray(nll.sum() / n, dtype=cdt)
+
+    def backward(g):
+        scale = float(g) / n
+        dz = z * scale
+        dz[rows[mine], local[mine]] -= scale
+        return (to_dtype(dz.reshape(logits.shape), logits.dtype),)
+
+    return make_tensor(loss, (logits,), backward)
+
+
+# --------------------------------------------------------------------------------------------
+# Collective matmuls (Wang et al. 2022): ring steps hidden behind the matmul of each chunk
+# --------------------------------------------------------------------------------------------
+_timeline = None  # a list while record_timeline() is active: (kind, start, end) per event
+
+
+@contextlib.contextmanager
+def record_timeline():
+    """Record ``("matmul" | "ppermute", start, end)`` (time.perf_counter) for every chunk
+    matmul and every ring step of the collective matmuls run inside the block; the ring
+    steps' times are taken on the progress thread that moves the data."""
+    global _timeline
+    previous, _timeline = _timeline, []
+    try:
+        yield _timeline
+    finally:
+        _timeline = previous
+
+
+def _timed_ppermute(twin, x, perm, log):
+    t0 = time.perf_counter()
+    out = comm.ppermute(x, twin, perm)
+    log.append(("ppermute", t0, time.perf_counter()))
+    return out
+
+
+def _start_shift(x, g, step):
+    """Start sending ``x`` to rank (r + step) % N and receiving from (r - step) % N."""
+    perm = [(i, (i + step) % g.size) for i in range(g.size)]
+    x = xp.ascontiguousarray(x)
+    if _timeline is None:
+        handle = comm.ppermute(x, g, perm, async_op=True)
+    else:
+        handle = g.submit("ppermute", _timed_ppermute, x, perm, _timeline)  # the same call, timed
+    # Let go of the GIL for a moment so that the progress thread starts the transfer now,
+    # not only once the matmul that follows releases it (measured: up to ~8 ms later on a
+    # busy machine, a whole chunk's matmul).
+    time.sleep(0)
+    return handle
+
+
+def _mm(a, w):
+    """``a @ w`` of a (B, n, K) chunk and a (K, M) matrix, in the compute dtype."""
+    t0 = time.perf_counter() if _timeline is not None else 0.0
+    (a,), _ = gemm_operands(a)
+    y = (a.reshape(-1, a.shape[-1]) @ w).reshape(a.shape[:-1] + (w.shape[-1],))
+    if _timeline is not None:
+        _timeline.append(("matmul", t0, time.perf_counter()))
+    return y
+
+
+def _halves(a):
+    h = (a.shape[1] + 1) // 2
+    return a[:, :h], a[:, h:]
+
+
+def all_gather_matmul(x, w, tp: TensorParallelLayers):
+    """``all_gather(x, axis=1) @ w`` and the gathered x, for x (B, n, K) and w (K, M).
+
+    Ring (tp-1 steps): at step s rank r holds chunk (r - s) mod N; it passes that chunk to
+    its right neighbour while multiplying it.  Bidirectional: the first half of each chunk's
+    rows travels right, the second half left (tp-1 steps of half the bytes each way).
+    Returns (y (B, N n, M), gathered x (B, N n, K)).
+    """
+    g, N, r = tp.group, tp.parts, tp.rank
+    if tp.overlap == "bidirectional" and x.shape[1] >= 2:
+        streams = [(tp.group, 1, _halves(x)[0]), (tp.reverse, -1, _halves(x)[1])]
+    else:
+        streams = [(g, 1, x)]
+    xs, ys = [[None] * N for _ in streams], [[None] * N for _ in streams]
+    current = [a for _, _, a in streams]
+    for s in range(N):
+        moving = [_start_shift(current[i], grp, d) if s < N - 1 else None for i, (grp, d, _) in enumerate(streams)]
+        for i, (_, d, _) in enumerate(streams):
+            owner = (r - d * s) % N
+            xs[i][owner], ys[i][owner] = current[i], _mm(current[i], w)
+        current = [h.wait() if h is not None else None for h in moving]
+    y = xp.concatenate([part for j in range(N) for part in (ys[i][j] for i in range(len(streams)))], axis=1)
+    gathered = xp.concatenate([part for j in range(N) for part in (xs[i][j] for i in range(len(streams)))], axis=1)
+    return y, gathered
+
+
+def matmul_reduce_scatter(h, w, tp: TensorParallelLayers):
+    """``reduce_scatter(h @ w, axis=1)`` for h (B, N n, K) and w (K, M): this rank's (B, n, M).
+
+    Ring (tp-1 steps): the partial sum of chunk c travels right and ends at rank c; at step
+    s rank r adds its own product of chunk (r - s - 1) mod N, computed while the previous
+    partial sum was on its way.  Bidirectional: the first half of each chunk's rows travels
+    right, the second half left.
+    """
+    N, r = tp.parts, tp.rank
+    n = h.shape[1] // N
+
+    def rows(c, half):
+        chunk = h[:, c * n:(c + 1) * n]
+        return chunk if half is None else _halves(chunk)[half]
+
+    if tp.overlap == "bidirectional" and n >= 2:
+        streams = [(tp.group, 1, 0), (tp.reverse, -1, 1)]
+    else:
+        streams = [(tp.group, 1, None)]
+    acc = [_mm(rows((r - d) % N, half), w) for _, d, half in streams]
+    for s in range(1, N):
+        moving = [_start_shift(acc[i], grp, d) for i, (grp, d, _) in enumerate(streams)]
+        mine = [_mm(rows((r - d * (s + 1)) % N, half), w) for _, d, half in streams]
+        acc = [m.wait() + p for m, p in zip(moving, mine)]
+    return acc[0] if len(acc) == 1 else xp.concatenate(acc, axis=1)
+
+
+def _out_dtype(*arrays):
+    """The dtype ops.linear would give these inputs (the autocast dtype inside autocast)."""
+    low = get_autocast_dtype()
+    return low if low is not None else xp.result_type(*[a.dtype for a in arrays])
+
+
+def _check_layout(x, N, what):
+    if x.ndim != 3:
+        raise ValueError(f"{what}: the collective matmul needs (batch, sequence, features) input, "
+                         f"got shape {tuple(x.shape)}")
+    if what == "linear_reduce_scatter" and x.shape[1] % N:
+        raise ValueError(f"{what}: sequence length {x.shape[1]} is not divisible by tp={N}")
+
+
+def all_gather_linear(x, w, b, tp: TensorParallelLayers):
+    """Column-parallel ``all_gather(x, axis=1) @ w + b`` as a collective matmul.
+
+    Backward: dx = reduce_scatter(dy @ w^T) by :func:`matmul_reduce_scatter` (overlapped
+    the same way), dw = gathered_x^T @ dy, db = the column sums of dy.
+    """
+    _check_layout(x, tp.parts, "all_gather_linear")
+    (W, Bias), _ = gemm_operands(w.data, None if b is None else b.data)
+    y, X = all_gather_matmul(x.data, W, tp)
+    if Bias is not None:
+        y += Bias
+    (X,), _ = gemm_operands(X)  # the gathered input as the matmuls saw it, kept for dw
+
+    def backward(g):
+        G = g if g.dtype == X.dtype else g.astype(X.dtype)
+        gx = to_dtype(matmul_reduce_scatter(G, W.T, tp), x.dtype) if x.requires_grad else None
+        g2d = G.reshape(-1, G.shape[-1])
+        gw = X.reshape(-1, X.shape[-1]).T @ g2d if w.requires_grad else None
+        gb = xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if b is not None and b.requires_grad else None
+        return gx, to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
+
+    return make_tensor(to_dtype(y, _out_dtype(x.data, w.data)), (x, w, b), backward)
+
+
+def linear_reduce_scatter(h, w, tp: TensorParallelLayers):
+    """Row-parallel ``reduce_scatter(h @ w, axis=1)`` as a collective matmul (no bias).
+
+    Backward: (dh, gathered dy) = all_gather_matmul(dy, w^T) (overlapped the same way),
+    dw = h^T @ gathered dy.
+    """
+    _check_layout(h, tp.parts, "linear_reduce_scatter")
+    (H, W), out_dtype = gemm_operands(h.data, w.data)
+    y = matmul_reduce_scatter(H, W, tp)
+
+    def backward(g):
+        gh, G = all_gather_matmul(g, W.T, tp)
+        (G,), _ = gemm_operands(G)
+        gw = H.reshape(-1, H.shape[-1]).T @ G.reshape(-1, G.shape[-1]) if w.requires_grad else None
+        return to_dtype(gh, h.dtype) if h.requires_grad else None, to_dtype(gw, w.dtype)
+
+    return make_tensor(to_dtype(y, out_dtype), (h, w), backward)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient norm over a tensor-parallel group
+# --------------------------------------------------------------------------------------------
+def tp_grad_norm_sq(params, group) -> float:
+    """Squared global gradient norm when ``params`` are this rank's part of a tensor-parallel
+    model: sharded parameters' squares summed over the group, replicated ones counted once."""
+    sharded = [p for p in params if getattr(p, "sharding", None) is not None]
+    replicated = [p for p in params if getattr(p, "sharding", None) is None]
+    sq = grad_norm_sq(sharded)
+    if group is not None and group.size > 1:
+        sq = float(comm.all_reduce(xp.asarray([sq], dtype=xp.float64), group, op="sum")[0])
+    return sq + grad_norm_sq(replicated)
+
+
+def clip_grad_norm(params, max_norm: float, group) -> float:
+    """optim.clip_grad_norm for a tensor-parallel model (the norm of the whole model)."""
+    from minidist.optim.clip import clip_coefficient, scale_grads
+
+    params = list(params)
+    total = math.sqrt(tp_grad_norm_sq(params, group))
+    if math.isfinite(total):
+        scale_grads(params, clip_coefficient(total, float(max_norm)))
+    return total
