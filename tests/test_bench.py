@@ -38,13 +38,14 @@ def quick_run(tmp_path_factory):
 @pytest.mark.slow
 def test_run_all_quick_says_what_it_runs(quick_run):
     out, stdout = quick_run
-    assert "benchmarks (quick): 2 part(s)" in stdout and "expected ~" in stdout
-    assert "[1/2] collectives: running, expected ~" in stdout and "[1/2] collectives: done in" in stdout
+    assert "benchmarks (quick): 3 part(s)" in stdout and "expected ~" in stdout
+    assert "[1/3] collectives: running, expected ~" in stdout and "[1/3] collectives: done in" in stdout
     torch_here = importlib.util.find_spec("torch") is not None
-    assert ("[2/2] model: done in" if torch_here else "[2/2] model: skipped: PyTorch is not installed") in stdout
+    assert ("[2/3] model: done in" if torch_here else "[2/3] model: skipped: PyTorch is not installed") in stdout
+    assert "[3/3] tensor: done in" in stdout
     with open(out / "run_all.json") as f:
         durations = json.load(f)["quick"]
-    assert durations["collectives"] > 0 and ("model" in durations) == torch_here
+    assert durations["collectives"] > 0 and ("model" in durations) == torch_here and durations["tensor"] > 0
 
 
 def test_run_all_shows_a_failing_part_and_progress(tmp_path, capsys):
@@ -97,3 +98,21 @@ def test_bench_model_quick(quick_run):
     for side in ("minidist", "torch"):
         assert row[side]["tokens_per_s"] > 0 and 0 < row[side]["mfu"] < 1, row
     assert row["ratio"] == pytest.approx(row["minidist"]["tokens_per_s"] / row["torch"]["tokens_per_s"])
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_tensor_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "tensor_parallel.json") as f:
+        report = json.load(f)
+    modes = report["mlp"]["modes"]
+    assert set(modes) == {"sync", "ring", "bidirectional"}
+    for mode, row in modes.items():
+        assert row["step_s"] > 0 and row["exposed_comm_s"] >= 0, (mode, row)
+        if mode != "sync":
+            assert row["hidden_s"] == pytest.approx(modes["sync"]["step_s"] - row["step_s"])
+            assert row["ideal_hidden_s"] >= 0 and math.isfinite(row["share_of_ideal"]), (mode, row)
+    ratios = report["gpt"]["ratio_vs_1_rank"]
+    assert set(ratios) == {"1 rank", "tp=2", "tp=2 sequence parallel"} and ratios["1 rank"] == 1.0
+    assert all(v > 0 for v in report["gpt"]["tokens_per_s"].values())

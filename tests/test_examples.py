@@ -54,3 +54,11 @@ def test_02_ring_traffic_matches_formulas():
     # Every row of the ring algorithms ends with "exact"; measured == formula
     for row in rows:
         assert row.rstrip().endswith("exact"), row
+
+
+@pytest.mark.mpi
+def test_04_tensor_parallel_modes_agree():
+    out = run_mpi(4, os.path.join(EXAMPLES, "04_tensor_parallel.py"), "--quick", "--reps", "1", timeout=120).stdout
+    for mode in ("tensor", "sequence parallel", "ring", "bidirectional"):
+        assert sum(line.strip().startswith(mode) for line in out.splitlines()) >= 2, (mode, out)
+    assert "in every mode" in out and "sequence parallelism saves" in out, out

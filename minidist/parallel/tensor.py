@@ -345,9 +345,10 @@ _timeline = None  # a list while record_timeline() is active: (kind, start, end)
 
 @contextlib.contextmanager
 def record_timeline():
-    """Record ``("matmul" | "ppermute", start, end)`` (time.perf_counter) for every chunk
-    matmul and every ring step of the collective matmuls run inside the block; the ring
-    steps' times are taken on the progress thread that moves the data."""
+    """Record ``(kind, start, end)`` (time.perf_counter) of the collective matmuls run inside
+    the block: "matmul" for every chunk matmul, "ppermute" for every ring step (timed on the
+    progress thread that moves the data) and "wait" for the time the caller then blocks on
+    a step's result (the exposed part of the communication)."""
     global _timeline
     previous, _timeline = _timeline, []
     try:
@@ -376,6 +377,16 @@ def _start_shift(x, g, step):
     # busy machine, a whole chunk's matmul).
     time.sleep(0)
     return handle
+
+
+def _wait(handle):
+    """The result of a ring step; the time the caller spends blocked here is exposed communication."""
+    if _timeline is None:
+        return handle.wait()
+    t0 = time.perf_counter()
+    out = handle.wait()
+    _timeline.append(("wait", t0, time.perf_counter()))
+    return out
 
 
 def _mm(a, w):
@@ -413,7 +424,7 @@ def all_gather_matmul(x, w, tp: TensorParallelLayers):
         for i, (_, d, _) in enumerate(streams):
             owner = (r - d * s) % N
             xs[i][owner], ys[i][owner] = current[i], _mm(current[i], w)
-        current = [h.wait() if h is not None else None for h in moving]
+        current = [_wait(h) if h is not None else None for h in moving]
     y = xp.concatenate([part for j in range(N) for part in (ys[i][j] for i in range(len(streams)))], axis=1)
     gathered = xp.concatenate([part for j in range(N) for part in (xs[i][j] for i in range(len(streams)))], axis=1)
     return y, gathered
@@ -442,7 +453,7 @@ def matmul_reduce_scatter(h, w, tp: TensorParallelLayers):
     for s in range(1, N):
         moving = [_start_shift(acc[i], grp, d) for i, (grp, d, _) in enumerate(streams)]
         mine = [_mm(rows((r - d * (s + 1)) % N, half), w) for _, d, half in streams]
-        acc = [m.wait() + p for m, p in zip(moving, mine)]
+        acc = [_wait(m) + p for m, p in zip(moving, mine)]
     return acc[0] if len(acc) == 1 else xp.concatenate(acc, axis=1)
 
 
