@@ -30,16 +30,12 @@ after a row-parallel one: the same bytes (an all-reduce *is* a reduce-scatter pl
 all-gather).  A replicated parameter used on a sequence shard (LayerNorm, the row-parallel
 bias, the position table) enters through **f**, so its gradient is summed over the shards.
 
-**Collective matmul** (``overlap="ring"`` / ``"bidirectional"``; Wang et al. 2022,
-"Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
-Models", used by ViT-22B, Dehghani et al. 2023): the all-gather before a column-parallel
-matmul is cut into tp-1 ring steps (``ppermute``), and while a chunk travels the matmul of
-the chunk already here runs; the reduce-scatter after a row-parallel matmul likewise
-computes, at each step, the partial product that travels next.  Backward uses the same two
-loops (the gradient of an all-gather-matmul is a matmul-reduce-scatter and vice versa).
-The bidirectional variant sends half of every chunk each way round the ring, on two
-progress threads, so each step moves half the bytes per direction.  The collective matmul
-works on the sequence-parallel layout, so it turns sequence parallelism on.
+**Collective matmul** (``overlap="ring"`` or ``"bidirectional"``; Wang et al. 2022, used by
+ViT-22B): the all-gather before a column-parallel matmul and the reduce-scatter after a
+row-parallel one cut into tp-1 ring steps, each hidden behind the matmul of a chunk already
+present (parallel/collective_matmul.py).  Backward uses the same two loops: the gradient of
+an all-gather-then-matmul is a matmul-then-reduce-scatter and vice versa.  The collective
+matmul works on the sequence-parallel layout, so it turns sequence parallelism on.
 
 With a group of one rank (or none) every layer here is the plain layer: one GPT class
 (``nn.GPT(cfg, layers=TensorParallelLayers(group))``) serves every mode.
@@ -47,9 +43,7 @@ With a group of one rank (or none) every layer here is the plain layer: one GPT 
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
 from dataclasses import dataclass
 
 from minidist import comm, nn, ops
@@ -60,6 +54,8 @@ from minidist.comm.group import Group
 from minidist.ops.basic import check_index
 from minidist.ops.precision import compute_dtype, gemm_operands, get_autocast_dtype, to_dtype
 from minidist.optim.clip import grad_norm_sq
+from minidist.parallel import collective_matmul as cm
+from minidist.parallel.collective_matmul import record_timeline  # noqa: F401  (tensor.record_timeline)
 
 OVERLAPS = ("none", "ring", "bidirectional")
 
@@ -338,123 +334,18 @@ def vocab_parallel_cross_entropy(logits, targets, group):
 
 
 # --------------------------------------------------------------------------------------------
-# Collective matmuls (Wang et al. 2022): ring steps hidden behind the matmul of each chunk
+# The collective matmuls as differentiable ops (parallel/collective_matmul.py has the loops)
 # --------------------------------------------------------------------------------------------
-_timeline = None  # a list while record_timeline() is active: (kind, start, end) per event
+def _gather_matmul(x, w, tp: TensorParallelLayers):
+    if tp.overlap == "bidirectional":
+        return cm.bidirectional_all_gather_matmul(x, w, tp.group, tp.reverse)
+    return cm.all_gather_matmul(x, w, tp.group)
 
 
-@contextlib.contextmanager
-def record_timeline():
-    """Record ``(kind, start, end)`` (time.perf_counter) of the collective matmuls run inside
-    the block: "matmul" for every chunk matmul, "ppermute" for every ring step (timed on the
-    progress thread that moves the data) and "wait" for the time the caller then blocks on
-    a step's result (the exposed part of the communication)."""
-    global _timeline
-    previous, _timeline = _timeline, []
-    try:
-        yield _timeline
-    finally:
-        _timeline = previous
-
-
-def _timed_ppermute(twin, x, perm, log):
-    t0 = time.perf_counter()
-    out = comm.ppermute(x, twin, perm)
-    log.append(("ppermute", t0, time.perf_counter()))
-    return out
-
-
-def _start_shift(x, g, step):
-    """Start sending ``x`` to rank (r + step) % N and receiving from (r - step) % N."""
-    perm = [(i, (i + step) % g.size) for i in range(g.size)]
-    x = xp.ascontiguousarray(x)
-    if _timeline is None:
-        handle = comm.ppermute(x, g, perm, async_op=True)
-    else:
-        handle = g.submit("ppermute", _timed_ppermute, x, perm, _timeline)  # the same call, timed
-    # Let go of the GIL for a moment so that the progress thread starts the transfer now,
-    # not only once the matmul that follows releases it (measured: up to ~8 ms later on a
-    # busy machine, a whole chunk's matmul).
-    time.sleep(0)
-    return handle
-
-
-def _wait(handle):
-    """The result of a ring step; the time the caller spends blocked here is exposed communication."""
-    if _timeline is None:
-        return handle.wait()
-    t0 = time.perf_counter()
-    out = handle.wait()
-    _timeline.append(("wait", t0, time.perf_counter()))
-    return out
-
-
-def _mm(a, w):
-    """``a @ w`` of a (B, n, K) chunk and a (K, M) matrix, in the compute dtype."""
-    t0 = time.perf_counter() if _timeline is not None else 0.0
-    (a,), _ = gemm_operands(a)
-    y = (a.reshape(-1, a.shape[-1]) @ w).reshape(a.shape[:-1] + (w.shape[-1],))
-    if _timeline is not None:
-        _timeline.append(("matmul", t0, time.perf_counter()))
-    return y
-
-
-def _halves(a):
-    h = (a.shape[1] + 1) // 2
-    return a[:, :h], a[:, h:]
-
-
-def all_gather_matmul(x, w, tp: TensorParallelLayers):
-    """``all_gather(x, axis=1) @ w`` and the gathered x, for x (B, n, K) and w (K, M).
-
-    Ring (tp-1 steps): at step s rank r holds chunk (r - s) mod N; it passes that chunk to
-    its right neighbour while multiplying it.  Bidirectional: the first half of each chunk's
-    rows travels right, the second half left (tp-1 steps of half the bytes each way).
-    Returns (y (B, N n, M), gathered x (B, N n, K)).
-    """
-    g, N, r = tp.group, tp.parts, tp.rank
-    if tp.overlap == "bidirectional" and x.shape[1] >= 2:
-        streams = [(tp.group, 1, _halves(x)[0]), (tp.reverse, -1, _halves(x)[1])]
-    else:
-        streams = [(g, 1, x)]
-    xs, ys = [[None] * N for _ in streams], [[None] * N for _ in streams]
-    current = [a for _, _, a in streams]
-    for s in range(N):
-        moving = [_start_shift(current[i], grp, d) if s < N - 1 else None for i, (grp, d, _) in enumerate(streams)]
-        for i, (_, d, _) in enumerate(streams):
-            owner = (r - d * s) % N
-            xs[i][owner], ys[i][owner] = current[i], _mm(current[i], w)
-        current = [_wait(h) if h is not None else None for h in moving]
-    y = xp.concatenate([part for j in range(N) for part in (ys[i][j] for i in range(len(streams)))], axis=1)
-    gathered = xp.concatenate([part for j in range(N) for part in (xs[i][j] for i in range(len(streams)))], axis=1)
-    return y, gathered
-
-
-def matmul_reduce_scatter(h, w, tp: TensorParallelLayers):
-    """``reduce_scatter(h @ w, axis=1)`` for h (B, N n, K) and w (K, M): this rank's (B, n, M).
-
-    Ring (tp-1 steps): the partial sum of chunk c travels right and ends at rank c; at step
-    s rank r adds its own product of chunk (r - s - 1) mod N, computed while the previous
-    partial sum was on its way.  Bidirectional: the first half of each chunk's rows travels
-    right, the second half left.
-    """
-    N, r = tp.parts, tp.rank
-    n = h.shape[1] // N
-
-    def rows(c, half):
-        chunk = h[:, c * n:(c + 1) * n]
-        return chunk if half is None else _halves(chunk)[half]
-
-    if tp.overlap == "bidirectional" and n >= 2:
-        streams = [(tp.group, 1, 0), (tp.reverse, -1, 1)]
-    else:
-        streams = [(tp.group, 1, None)]
-    acc = [_mm(rows((r - d) % N, half), w) for _, d, half in streams]
-    for s in range(1, N):
-        moving = [_start_shift(acc[i], grp, d) for i, (grp, d, _) in enumerate(streams)]
-        mine = [_mm(rows((r - d * (s + 1)) % N, half), w) for _, d, half in streams]
-        acc = [_wait(m) + p for m, p in zip(moving, mine)]
-    return acc[0] if len(acc) == 1 else xp.concatenate(acc, axis=1)
+def _matmul_scatter(h, w, tp: TensorParallelLayers):
+    if tp.overlap == "bidirectional":
+        return cm.bidirectional_matmul_reduce_scatter(h, w, tp.group, tp.reverse)
+    return cm.matmul_reduce_scatter(h, w, tp.group)
 
 
 def _out_dtype(*arrays):
@@ -474,19 +365,19 @@ def _check_layout(x, N, what):
 def all_gather_linear(x, w, b, tp: TensorParallelLayers):
     """Column-parallel ``all_gather(x, axis=1) @ w + b`` as a collective matmul.
 
-    Backward: dx = reduce_scatter(dy @ w^T) by :func:`matmul_reduce_scatter` (overlapped
+    Backward: dx = reduce_scatter(dy @ w^T) by the matmul-reduce-scatter loop (overlapped
     the same way), dw = gathered_x^T @ dy, db = the column sums of dy.
     """
     _check_layout(x, tp.parts, "all_gather_linear")
     (W, Bias), _ = gemm_operands(w.data, None if b is None else b.data)
-    y, X = all_gather_matmul(x.data, W, tp)
+    y, X = _gather_matmul(x.data, W, tp)
     if Bias is not None:
         y += Bias
     (X,), _ = gemm_operands(X)  # the gathered input as the matmuls saw it, kept for dw
 
     def backward(g):
         G = g if g.dtype == X.dtype else g.astype(X.dtype)
-        gx = to_dtype(matmul_reduce_scatter(G, W.T, tp), x.dtype) if x.requires_grad else None
+        gx = to_dtype(_matmul_scatter(G, W.T, tp), x.dtype) if x.requires_grad else None
         g2d = G.reshape(-1, G.shape[-1])
         gw = X.reshape(-1, X.shape[-1]).T @ g2d if w.requires_grad else None
         gb = xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if b is not None and b.requires_grad else None
@@ -498,15 +389,15 @@ def all_gather_linear(x, w, b, tp: TensorParallelLayers):
 def linear_reduce_scatter(h, w, tp: TensorParallelLayers):
     """Row-parallel ``reduce_scatter(h @ w, axis=1)`` as a collective matmul (no bias).
 
-    Backward: (dh, gathered dy) = all_gather_matmul(dy, w^T) (overlapped the same way),
+    Backward: (dh, gathered dy) by the all-gather-matmul loop on (dy, w^T) (overlapped the same way),
     dw = h^T @ gathered dy.
     """
     _check_layout(h, tp.parts, "linear_reduce_scatter")
     (H, W), out_dtype = gemm_operands(h.data, w.data)
-    y = matmul_reduce_scatter(H, W, tp)
+    y = _matmul_scatter(H, W, tp)
 
     def backward(g):
-        gh, G = all_gather_matmul(g, W.T, tp)
+        gh, G = _gather_matmul(g, W.T, tp)
         (G,), _ = gemm_operands(G)
         gw = H.reshape(-1, H.shape[-1]).T @ G.reshape(-1, G.shape[-1]) if w.requires_grad else None
         return to_dtype(gh, h.dtype) if h.requires_grad else None, to_dtype(gw, w.dtype)
