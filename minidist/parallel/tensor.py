@@ -143,18 +143,32 @@ class TensorParallelLayers(nn.Layers):
         return F.copy_to_tp(p, self.group) if self.sequence_parallel else p
 
     def enter(self, x):
-        """A tensor-parallel region's input: replicated x through f, or the sequence-split x
-        all-gathered (sequence parallelism)."""
-        if self.sequence_parallel:
-            return F.gather_from_sp(x, self.group, axis=1)
+        """Megatron's f where a replicated x enters a tensor-parallel region."""
         return F.copy_to_tp(x, self.group)
 
     def leave(self, y):
-        """A region's output of partial sums: all-reduced (g), or reduce-scattered along the
-        sequence (sequence parallelism)."""
+        """A region's output of partial sums: all-reduced (Megatron's g), or reduce-scattered
+        along the sequence (sequence parallelism)."""
         if self.sequence_parallel:
             return F.reduce_scatter_to_sp(y, self.group, axis=1)
         return F.reduce_from_tp(y, self.group)
+
+    def gather_sequence(self, x, visit):
+        """All-gather the sequence (axis 1) of x, calling ``visit(rows, chunk)`` on the parts:
+        one collective, or the ring steps of a collective matmul (collective_matmul.py)."""
+        if self.overlap == "ring":
+            return cm.ring_all_gather(x, self.group, visit)
+        if self.overlap == "bidirectional":
+            return cm.bidirectional_all_gather(x, self.group, self.reverse, visit)
+        return cm.gather_once(x, self.group, visit)
+
+    def matmul_scatter_sequence(self, h, w):
+        """``reduce_scatter(h @ w, axis=1)``: one collective, or a collective matmul."""
+        if self.overlap == "ring":
+            return cm.matmul_reduce_scatter(h, w, self.group)
+        if self.overlap == "bidirectional":
+            return cm.bidirectional_matmul_reduce_scatter(h, w, self.group, self.reverse)
+        return cm.matmul_then_reduce_scatter(h, w, self.group)
 
     # -- nn.Layers -----------------------------------------------------------------------------
     def column(self, d_in, d_out, dtype, bias=True, std=0.02, fused=1):
@@ -196,7 +210,7 @@ class ColumnParallelLinear(nn.Module):
         tp = self.tp
         if tp.parts == 1:
             return ops.linear(x, self.weight, self.bias)
-        if tp.overlap != "none":
+        if tp.sequence_parallel:
             return all_gather_linear(x, self.weight, self.bias, tp)
         return ops.linear(tp.enter(x), self.weight, self.bias)
 
@@ -215,7 +229,7 @@ class RowParallelLinear(nn.Module):
         tp = self.tp
         if tp.parts == 1:
             return ops.linear(x, self.weight, self.bias)
-        if tp.overlap != "none":
+        if tp.sequence_parallel:
             y = linear_reduce_scatter(x, self.weight, tp)
         else:
             y = tp.leave(ops.linear(x, self.weight))
@@ -280,7 +294,7 @@ class VocabParallelEmbedding(nn.Embedding):
         w_t = ops.transpose(self.weight, (1, 0))
         if tp.parts == 1:
             return ops.linear(x, w_t)
-        if tp.overlap != "none":
+        if tp.sequence_parallel:
             return all_gather_linear(x, w_t, None, tp)
         return ops.linear(tp.enter(x), w_t)
 
@@ -334,18 +348,14 @@ def vocab_parallel_cross_entropy(logits, targets, group):
 
 
 # --------------------------------------------------------------------------------------------
-# The collective matmuls as differentiable ops (parallel/collective_matmul.py has the loops)
+# The sequence-parallel linear layers as ops (one collective, or a collective matmul)
 # --------------------------------------------------------------------------------------------
-def _gather_matmul(x, w, tp: TensorParallelLayers):
-    if tp.overlap == "bidirectional":
-        return cm.bidirectional_all_gather_matmul(x, w, tp.group, tp.reverse)
-    return cm.all_gather_matmul(x, w, tp.group)
-
-
-def _matmul_scatter(h, w, tp: TensorParallelLayers):
-    if tp.overlap == "bidirectional":
-        return cm.bidirectional_matmul_reduce_scatter(h, w, tp.group, tp.reverse)
-    return cm.matmul_reduce_scatter(h, w, tp.group)
+def _check_layout(x, N, what):
+    if x.ndim != 3:
+        raise ValueError(f"{what}: sequence parallelism needs (batch, sequence, features) input, "
+                         f"got shape {tuple(x.shape)}")
+    if what == "linear_reduce_scatter" and x.shape[1] % N:
+        raise ValueError(f"{what}: sequence length {x.shape[1]} is not divisible by tp={N}")
 
 
 def _out_dtype(*arrays):
@@ -354,32 +364,37 @@ def _out_dtype(*arrays):
     return low if low is not None else xp.result_type(*[a.dtype for a in arrays])
 
 
-def _check_layout(x, N, what):
-    if x.ndim != 3:
-        raise ValueError(f"{what}: the collective matmul needs (batch, sequence, features) input, "
-                         f"got shape {tuple(x.shape)}")
-    if what == "linear_reduce_scatter" and x.shape[1] % N:
-        raise ValueError(f"{what}: sequence length {x.shape[1]} is not divisible by tp={N}")
-
-
 def all_gather_linear(x, w, b, tp: TensorParallelLayers):
-    """Column-parallel ``all_gather(x, axis=1) @ w + b`` as a collective matmul.
+    """Column-parallel ``all_gather(x, axis=1) @ w + b`` for this rank's sequence part x.
 
-    Backward: dx = reduce_scatter(dy @ w^T) by the matmul-reduce-scatter loop (overlapped
-    the same way), dw = gathered_x^T @ dy, db = the column sums of dy.
+    Only x is kept for backward, which gathers it again (Korthikanti et al. 2022, sec. 4.2.2:
+    no rank stores the whole sequence's input).  Backward: dx = reduce_scatter(dy @ w^T),
+    dw = the sum over the gathered chunks c of x_c^T dy_c, db = the column sums of dy.
     """
     _check_layout(x, tp.parts, "all_gather_linear")
     (W, Bias), _ = gemm_operands(w.data, None if b is None else b.data)
-    y, X = _gather_matmul(x.data, W, tp)
+    B, n, _ = x.shape
+    y = xp.empty((B, n * tp.parts, W.shape[1]), dtype=xp.result_type(compute_dtype(x.dtype), W.dtype))
+
+    def product(rows, chunk):
+        y[:, rows] = cm.mm(chunk, W)
+
+    tp.gather_sequence(x.data, product)
     if Bias is not None:
         y += Bias
-    (X,), _ = gemm_operands(X)  # the gathered input as the matmuls saw it, kept for dw
 
     def backward(g):
-        G = g if g.dtype == X.dtype else g.astype(X.dtype)
-        gx = to_dtype(_matmul_scatter(G, W.T, tp), x.dtype) if x.requires_grad else None
+        G = g if g.dtype == y.dtype else g.astype(y.dtype)
+        gx = to_dtype(tp.matmul_scatter_sequence(G, W.T), x.dtype) if x.requires_grad else None
+        gw = None
+        if w.requires_grad:
+            gw = xp.zeros(W.shape, dtype=y.dtype)
+
+            def weight_grad(rows, chunk):
+                gw[...] += cm.mm_t(chunk, G[:, rows])
+
+            tp.gather_sequence(x.data, weight_grad)
         g2d = G.reshape(-1, G.shape[-1])
-        gw = X.reshape(-1, X.shape[-1]).T @ g2d if w.requires_grad else None
         gb = xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if b is not None and b.requires_grad else None
         return gx, to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
 
@@ -387,20 +402,26 @@ def all_gather_linear(x, w, b, tp: TensorParallelLayers):
 
 
 def linear_reduce_scatter(h, w, tp: TensorParallelLayers):
-    """Row-parallel ``reduce_scatter(h @ w, axis=1)`` as a collective matmul (no bias).
+    """Row-parallel ``reduce_scatter(h @ w, axis=1)`` (no bias): this rank's sequence part.
 
-    Backward: (dh, gathered dy) by the all-gather-matmul loop on (dy, w^T) (overlapped the same way),
-    dw = h^T @ gathered dy.
+    Backward gathers dy chunk by chunk: dh[:, rows] = dy_c @ w^T and dw += h[:, rows]^T dy_c.
     """
     _check_layout(h, tp.parts, "linear_reduce_scatter")
     (H, W), out_dtype = gemm_operands(h.data, w.data)
-    y = _matmul_scatter(H, W, tp)
+    y = tp.matmul_scatter_sequence(H, W)
 
     def backward(g):
-        gh, G = _gather_matmul(g, W.T, tp)
-        (G,), _ = gemm_operands(G)
-        gw = H.reshape(-1, H.shape[-1]).T @ G.reshape(-1, G.shape[-1]) if w.requires_grad else None
-        return to_dtype(gh, h.dtype) if h.requires_grad else None, to_dtype(gw, w.dtype)
+        gh = xp.empty(H.shape, dtype=H.dtype) if h.requires_grad else None
+        gw = xp.zeros(W.shape, dtype=H.dtype) if w.requires_grad else None
+
+        def grads(rows, chunk):
+            if gh is not None:
+                gh[:, rows] = cm.mm(chunk, W.T)
+            if gw is not None:
+                gw[...] += cm.mm_t(H[:, rows], chunk)
+
+        tp.gather_sequence(g, grads)
+        return to_dtype(gh, h.dtype), to_dtype(gw, w.dtype)
 
     return make_tensor(to_dtype(y, out_dtype), (h, w), backward)
 

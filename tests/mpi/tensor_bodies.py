@@ -293,7 +293,9 @@ def overlap_timeline():
         steps = [(a, b) for kind, a, b in events if kind == "ppermute"]
         mms = [(a, b) for kind, a, b in events if kind == "matmul"]
         streams = 2 if overlap == "bidirectional" else 1
-        assert len(steps) == 4 * (world.size - 1) * streams, (overlap, len(steps))  # 2 layers x fwd, bwd
+        # forward: gather (c_fc), reduce-scatter (c_proj); backward: gather dy (c_proj), reduce-scatter dx
+        # and gather x again for dw (c_fc): 5 rings of N-1 steps per direction
+        assert len(steps) == 5 * (world.size - 1) * streams, (overlap, len(steps))
         hidden = [any(max(a, m0) < min(b, m1) for m0, m1 in mms) for a, b in steps]
         # A step whose progress thread got no core until the matmuls were done does not
         # overlap (2 ranks x 2-3 threads on a busy 2-core machine); most steps must.
