@@ -26,6 +26,20 @@ def test_sizes_not_divisible_by_tp_are_named(sizes, bad):
         tpm.check_divisible(*sizes)
 
 
+@pytest.mark.parametrize("flags, message", [
+    ((1, 4, 32, 16, False, "ring"), "--tp-async ring needs --tp greater than 1"),
+    ((4, 6, 48, 16, False, None), "--heads 6 is not divisible by --tp 4"),
+    ((4, 4, 30, 16, False, None), "--d-model 30 is not divisible by --tp 4"),
+    ((3, 3, 33, 15, False, None), r"vocabulary \(256 byte values\) is not divisible by --tp 3"),
+    ((4, 4, 32, 10, True, None), "--seq-len 10 is not divisible by --tp 4: --sequence-parallel"),
+    ((4, 4, 32, 10, False, "bidirectional"), "--seq-len 10 is not divisible by --tp 4: --tp-async bidirectional"),
+])
+def test_cli_flags_tp_cannot_split_are_named(flags, message):
+    with pytest.raises(ValueError, match=message):
+        tpm.check_cli(*flags)
+    tpm.check_cli(2, 4, 32, 16, True, "ring")  # and a good combination passes
+
+
 def test_one_rank_is_the_plain_model():
     from minidist import nn
 

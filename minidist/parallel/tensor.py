@@ -103,6 +103,25 @@ def check_divisible(n_head: int, d_model: int, vocab_size: int, tp: int, seq_len
             raise ValueError(f"{name}={n} is not divisible by tp={tp}")
 
 
+def check_cli(tp: int, heads: int, d_model: int, seq_len: int, sequence_parallel: bool, tp_async) -> None:
+    """The training command's tensor-parallel flags: raise ValueError naming the flag and its
+    value when tp ranks cannot split the model (run before any message is sent)."""
+    if tp_async and tp == 1:
+        raise ValueError(f"--tp-async {tp_async} needs --tp greater than 1 (got --tp {tp})")
+    if tp == 1:
+        return
+    for flag, value in (("--heads", heads), ("--d-model", d_model)):
+        if value % tp:
+            raise ValueError(f"{flag} {value} is not divisible by --tp {tp}")
+    if (4 * d_model) % tp:
+        raise ValueError(f"the MLP width 4 x --d-model = {4 * d_model} is not divisible by --tp {tp}")
+    if 256 % tp:
+        raise ValueError(f"the vocabulary (256 byte values) is not divisible by --tp {tp}")
+    if (sequence_parallel or tp_async) and seq_len % tp:
+        what = "--sequence-parallel" if sequence_parallel else f"--tp-async {tp_async} (sequence parallel)"
+        raise ValueError(f"--seq-len {seq_len} is not divisible by --tp {tp}: {what} splits the sequence")
+
+
 # --------------------------------------------------------------------------------------------
 # The layer set GPT builds from
 # --------------------------------------------------------------------------------------------
