@@ -1,6 +1,6 @@
 """Tensor parallelism on 2 ranks: collective matmuls vs one-shot collectives, and tp=2 vs 1 rank.
 
-    python benchmarks/bench_tensor.py [--out DIR] [--quick] [--reps 7] [--gbps 1]
+    python benchmarks/bench_tensor.py [--out DIR] [--quick] [--reps 11] [--gbps 1]
 
 Launches itself under ``mpiexec -n 2``.  Two measurements, each side alternating with the
 others rep by rep (the machine is shared: ratios, medians, never absolute targets):
@@ -170,7 +170,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="directory for tensor_parallel.json")
     ap.add_argument("--quick", action="store_true", help="small sizes, two reps (smoke run)")
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--gbps", type=float, default=1.0, help="simulated link for the MLP part, Gbit/s")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

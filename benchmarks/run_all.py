@@ -51,7 +51,7 @@ PARTS = [
     Part("model", "bench_model.py", "a GPT training step, minidist vs PyTorch on the CPU",
          [], ["--reps", "1", "--threads", "1"], full_s=35, quick_s=10),
     Part("tensor", "bench_tensor.py", "tensor parallelism on 2 ranks: collective matmuls vs sync "
-         "(simulated 1 Gbit/s link), tp=2 vs 1 rank", [], ["--quick"], full_s=25, quick_s=3),
+         "(simulated 1 Gbit/s link), tp=2 vs 1 rank", [], ["--quick"], full_s=30, quick_s=3),
 ]
 
 
