@@ -281,8 +281,13 @@ class GPT(Module):
 
     def run_blocks(self, x: Tensor, blocks=None) -> Tensor:
         for block in self.h if blocks is None else blocks:
-            x = checkpoint(block, x) if self.checkpoint_activations else block(x)
+            x = self.block_runner(block, x)
         return x
+
+    def block_runner(self, block, x: Tensor) -> Tensor:
+        """Run one block.  A strategy may replace it on the instance (ZeRO-3 gathers the
+        block's sharded parameters around it: ``model.block_runner = ...``)."""
+        return checkpoint(block, x) if self.checkpoint_activations else block(x)
 
     def head(self, x: Tensor) -> Tensor:
         """Final LayerNorm and the LM head: logits (B, T, vocab), or this rank's slice of the

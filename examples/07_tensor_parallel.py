@@ -1,7 +1,7 @@
 """Tensor parallelism: a Megatron MLP and a GPT step, all-reduce vs sequence parallel vs
 collective matmuls, and the activation memory sequence parallelism saves.
 
-    mpiexec -n 4 python examples/04_tensor_parallel.py [--gbps 1] [--quick]
+    mpiexec -n 4 python examples/07_tensor_parallel.py [--gbps 1] [--quick]
 
 Every rank of the world is one tensor-parallel rank (tp = number of ranks).  For each way
 of communicating (minidist/parallel/tensor.py):
