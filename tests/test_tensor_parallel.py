@@ -1,11 +1,14 @@
 """Tensor parallelism (parallel/tensor.py): layers, vocabulary-parallel loss, training, overlap."""
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from minidist.parallel import tensor as tpm
-from minidist.testing import run_mpi
+from minidist.testing import mpiexec_command, run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "tensor_bodies.py")
 
@@ -77,3 +80,50 @@ def test_training_equals_single_process_tp4_and_tp2():
 def test_ring_steps_overlap_the_matmuls_on_a_slow_link():
     out = run_mpi(2, f"{BODIES}::overlap_timeline", timeout=90, env={"MINIDIST_LINK_GBPS": "1"}).stdout
     assert out.count("overlap ok: ring") == 2 and out.count("overlap ok: bidirectional") == 2, out
+
+
+@pytest.mark.mpi
+def test_dp2_x_tp2_equals_single_process():
+    out = run_mpi(4, f"{BODIES}::dp_tp_matches_serial", timeout=120).stdout
+    for mode in ("tensor", "sequence", "ring", "bidirectional"):
+        assert f"dp x tp ok: {mode}" in out, out
+
+
+# -- the training command ------------------------------------------------------------------------
+TINY = ["--layers", "2", "--d-model", "16", "--heads", "4", "--seq-len", "8", "--batch-size", "8",
+        "--peak-gflops", "10", "--eval-batches", "1", "--eval-every", "3", "--quiet"]
+
+
+def _train(n, args, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    launcher = mpiexec_command(n) if n > 1 else []
+    return subprocess.run(launcher + [sys.executable, "-m", "minidist.train"] + TINY + args,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.mpi
+def test_cli_dp2_x_tp2_async_equals_one_process(tmp_path):
+    common = ["--steps", "3", "--dtype", "float64", "--data", __file__]
+    one, four = tmp_path / "1.jsonl", tmp_path / "4.jsonl"
+    assert _train(1, common + ["--metrics-jsonl", str(one)]).returncode == 0
+    r = _train(4, common + ["--tp", "2", "--tp-async", "bidirectional", "--metrics-jsonl", str(four)])
+    assert r.returncode == 0, r.stderr
+    a, b = ([json.loads(line) for line in f.read_text().splitlines()] for f in (one, four))
+    assert b[0]["mesh"] == "dp=2 tp=2" and len(a) == len(b) == 3
+    for key in ("loss", "grad_norm", "val_loss"):
+        np.testing.assert_allclose([r.get(key, 0) for r in b], [r.get(key, 0) for r in a], rtol=1e-9, err_msg=key)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, args, needle", [
+    (2, ["--tp", "2", "--heads", "3", "--d-model", "24"], "--heads 3 is not divisible by --tp 2"),
+    (3, ["--tp", "3", "--heads", "3", "--d-model", "24"], "vocabulary (256 byte values) is not divisible by --tp 3"),
+    (2, ["--tp", "2", "--sequence-parallel", "--seq-len", "7"], "--seq-len 7 is not divisible by --tp 2"),
+    (2, ["--tp-async"], "--tp-async ring needs --tp greater than 1 (got --tp 1)"),
+    (2, ["--tp", "2", "--zero", "1"], "ZeRO does not shard tensor-parallel models"),
+])
+def test_bad_tensor_parallel_input_is_one_message_exit_2(n, args, needle):
+    r = _train(n, args, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.count(needle) == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""

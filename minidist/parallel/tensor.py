@@ -103,13 +103,17 @@ def check_divisible(n_head: int, d_model: int, vocab_size: int, tp: int, seq_len
             raise ValueError(f"{name}={n} is not divisible by tp={tp}")
 
 
-def check_cli(tp: int, heads: int, d_model: int, seq_len: int, sequence_parallel: bool, tp_async) -> None:
+def check_cli(tp: int, heads: int, d_model: int, seq_len: int, sequence_parallel: bool, tp_async,
+              zero: bool = False) -> None:
     """The training command's tensor-parallel flags: raise ValueError naming the flag and its
     value when tp ranks cannot split the model (run before any message is sent)."""
     if tp_async and tp == 1:
         raise ValueError(f"--tp-async {tp_async} needs --tp greater than 1 (got --tp {tp})")
     if tp == 1:
         return
+    if zero:
+        raise ValueError(f"--zero / --hsdp-shard with --tp {tp}: ZeRO does not shard tensor-parallel "
+                         "models (use DDP, --zero 0, across the data-parallel ranks)")
     for flag, value in (("--heads", heads), ("--d-model", d_model)):
         if value % tp:
             raise ValueError(f"{flag} {value} is not divisible by --tp {tp}")
@@ -457,6 +461,30 @@ def tp_grad_norm_sq(params, group) -> float:
     if group is not None and group.size > 1:
         sq = float(comm.all_reduce(xp.asarray([sq], dtype=xp.float64), group, op="sum")[0])
     return sq + grad_norm_sq(replicated)
+
+
+class TensorParallelStrategy:
+    """The training loop's strategy (parallel/strategy.py) of the data axis, made aware of the
+    tp group: the gradient norm sums the sharded parameters' squares over the tp ranks (the
+    replicated ones once), and an fp16 overflow on any tp rank skips the step on all.
+    Everything else (rows of the batch, gradient reduction over dp, the update) is the
+    wrapped strategy's: tp-sharded and replicated gradients are reduced over the dp group
+    only, each tp rank reducing its own slices."""
+
+    def __init__(self, inner, group):
+        self.inner, self.group = inner, group
+        self.name = f"{inner.name}, tensor parallel over {group.size} ranks"
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def found_inf(self, scaler) -> bool:
+        from minidist.parallel.data import any_rank
+
+        return any_rank(self.inner.found_inf(scaler), self.group)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(self.inner.grad_holders, max_norm, self.group)
 
 
 def clip_grad_norm(params, max_norm: float, group) -> float:
