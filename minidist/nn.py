@@ -187,6 +187,8 @@ class CausalSelfAttention(Module):
     """Multi-head attention with a causal mask (Vaswani et al. 2017), fused QKV projection."""
 
     def __init__(self, cfg: "GPTConfig", dtype, layers: Layers):
+        if cfg.n_head % layers.parts:
+            raise ValueError(f"n_head={cfg.n_head} is not divisible by the {layers.parts} ranks that split the heads")
         self.n_head = cfg.n_head // layers.parts  # this rank's heads (all of them unless split)
         self.c_attn = layers.column(cfg.d_model, 3 * cfg.d_model, dtype, cfg.bias, fused=3)
         self.c_proj = layers.row(cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)

@@ -21,12 +21,21 @@ def test_shard_takes_each_fused_block():
     np.testing.assert_array_equal(shard.take(full), full[:, [2, 3, 6, 7, 10, 11]])
 
 
-@pytest.mark.parametrize("sizes, bad", [((6, 24, 256, 4), "n_head=6"), ((4, 18, 256, 4), "d_model=18"),
-                                        ((4, 24, 250, 4), "vocab_size=250"), ((4, 24, 256, 3), "n_head=4"),
-                                        ((4, 24, 256, 2, 7), "seq_len=7")])
-def test_sizes_not_divisible_by_tp_are_named(sizes, bad):
-    with pytest.raises(ValueError, match=bad):
-        tpm.check_divisible(*sizes)
+def test_layers_refuse_sizes_their_ranks_cannot_split():
+    from minidist import nn
+
+    class SplitInTwo(nn.Layers):
+        parts = 2
+
+    cfg = nn.GPTConfig(vocab_size=256, seq_len=8, n_layer=1, n_head=3, d_model=12)
+    with pytest.raises(ValueError, match="n_head=3 is not divisible by the 2 ranks"):
+        nn.CausalSelfAttention(cfg, np.float64, SplitInTwo())
+    fake = tpm.TensorParallelLayers(None)
+    fake.parts = 4
+    with pytest.raises(ValueError, match="vocab_size=250 is not divisible by the 4 tensor-parallel ranks"):
+        fake.token_embedding(250, 8, np.float64)
+    with pytest.raises(ValueError, match="input features=6 is not divisible"):
+        fake.row(6, 8, np.float64)
 
 
 @pytest.mark.parametrize("flags, message", [

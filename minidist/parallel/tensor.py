@@ -92,17 +92,6 @@ class Shard:
         return xp.take(full, self.indices(full.shape[self.dim]), axis=self.dim)
 
 
-def check_divisible(n_head: int, d_model: int, vocab_size: int, tp: int, seq_len: int | None = None) -> None:
-    """Raise ValueError naming the first size that ``tp`` ranks cannot split evenly.
-
-    ``seq_len`` is checked only when given (sequence parallelism splits the sequence)."""
-    sizes = [("n_head", n_head), ("d_model", d_model), ("MLP width 4*d_model", 4 * d_model),
-             ("vocab_size", vocab_size)] + ([("seq_len", seq_len)] if seq_len is not None else [])
-    for name, n in sizes:
-        if n % tp:
-            raise ValueError(f"{name}={n} is not divisible by tp={tp}")
-
-
 def check_cli(tp: int, heads: int, d_model: int, seq_len: int, sequence_parallel: bool, tp_async,
               zero: bool = False) -> None:
     """The training command's tensor-parallel flags: raise ValueError naming the flag and its
