@@ -5,7 +5,7 @@ of pre-LayerNorm blocks (causal multi-head self-attention, then a 4x GELU MLP, e
 a residual connection), a final LayerNorm and a language-model head tied to the token
 embedding.
 
-Two choices here serve the parallel strategies built on top:
+Three choices here serve the parallel strategies built on top:
 
 * **The model runs in pieces.**  ``embed``, each block, and ``head``/``loss`` are separate
   calls, so a pipeline stage can run "these blocks on a received activation" and backward
@@ -13,6 +13,10 @@ Two choices here serve the parallel strategies built on top:
 * **Initialisation is keyed by name and global shape.**  Every parameter is drawn from
   ``(seed, parameter name)`` in its unsharded shape (``backend.seeded_normal``); nothing
   depends on creation order, so sharded and serial models start bit-identical.
+* **The layers come from a layer set.**  ``GPT(cfg, layers)`` builds every linear layer,
+  LayerNorm, embedding and the loss through ``layers`` (:class:`Layers`: the plain ones);
+  ``parallel.tensor.TensorParallelLayers`` splits them over a tensor-parallel group, so one
+  GPT class serves every mode.
 
 Linear weights are stored ``(in_features, out_features)`` so the forward pass is ``x @ W``.
 """
