@@ -90,7 +90,8 @@ def gather_once(x, g, visit):
 def matmul_then_reduce_scatter(h, w, g):
     """``reduce_scatter(h @ w, axis=1)``: one matmul, then one collective."""
     partial = mm(h, w)
-    return xp.moveaxis(comm.reduce_scatter(xp.ascontiguousarray(xp.moveaxis(partial, 1, 0)), g), 0, 1)
+    mine = comm.reduce_scatter(xp.ascontiguousarray(xp.moveaxis(partial, 1, 0)), g)
+    return xp.ascontiguousarray(xp.moveaxis(mine, 0, 1))
 
 
 # ------------------------------------------------------------------ the ring

@@ -213,7 +213,8 @@ class ColumnParallelLinear(nn.Module):
     """``y = x @ W + b`` with W's columns (and b) split: this rank's output features only."""
 
     def __init__(self, d_in, d_out, dtype, tp: TensorParallelLayers, bias=True, std=0.02, fused=1):
-        _check_split(f"output features ({fused} fused part(s) of {d_out // fused})", d_out // fused, tp.parts)
+        _check_split("output features" if fused == 1 else f"output features of each of its {fused} fused parts",
+                     d_out // fused, tp.parts)
         self.tp = tp
         self.weight = nn._param((d_in, d_out), dtype, ("normal", std), tp.shard(1, fused))
         self.bias = nn._param((d_out,), dtype, ("zeros",), tp.shard(0, fused)) if bias else None
