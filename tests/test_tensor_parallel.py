@@ -96,6 +96,7 @@ def test_dp2_x_tp2_equals_single_process():
     out = run_mpi(4, f"{BODIES}::dp_tp_matches_serial", timeout=120).stdout
     for mode in ("tensor", "sequence", "ring", "bidirectional"):
         assert f"dp x tp ok: {mode}" in out, out
+    assert out.count("overflow agreed") == 4, out
 
 
 # -- the training command ------------------------------------------------------------------------

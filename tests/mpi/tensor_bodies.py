@@ -347,3 +347,15 @@ def dp_tp_matches_serial():
             np.testing.assert_allclose(p.data, want, rtol=1e-9, atol=1e-12, err_msg=f"{mode}: {name}")
         if world.rank == 0:
             print(f"dp x tp ok: {mode}", flush=True)
+    # fp16: an overflow in one rank's slice (tp rank 1 of dp replica 0) skips the step everywhere
+    from minidist.optim import DynamicLossScaler
+
+    model = nn.GPT(cfg, tpm.TensorParallelLayers(mesh.group("tp")))
+    opt = AdamW(model.parameters(), lr=1e-2)
+    strategy = tpm.TensorParallelStrategy(DataParallel(model, opt, mesh.group("dp")), mesh.group("tp"))
+    for p in model.parameters():
+        p.grad = np.zeros_like(p.data)
+    if mesh.coords == {"dp": 0, "pp": 0, "cp": 0, "tp": 1}:
+        model.h[0].mlp.c_fc.weight.grad[0, 0] = np.inf
+    assert strategy.found_inf(DynamicLossScaler()), "an overflow on one rank must skip the step on all"
+    print(f"overflow agreed on rank {world.rank}", flush=True)
