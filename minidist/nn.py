@@ -190,7 +190,8 @@ class Layers:
 class CausalSelfAttention(Module):
     """Multi-head attention with a causal mask (Vaswani et al. 2017), fused QKV projection."""
 
-    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers):
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+        layers = layers or Layers()
         if cfg.n_head % layers.parts:
             raise ValueError(f"n_head={cfg.n_head} is not divisible by the {layers.parts} ranks that split the heads")
         self.n_head = cfg.n_head // layers.parts  # this rank's heads (all of them unless split)
@@ -206,7 +207,8 @@ class CausalSelfAttention(Module):
 
 
 class MLP(Module):
-    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers):
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+        layers = layers or Layers()
         self.c_fc = layers.column(cfg.d_model, 4 * cfg.d_model, dtype, cfg.bias)
         self.c_proj = layers.row(4 * cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
 
@@ -217,7 +219,8 @@ class MLP(Module):
 class Block(Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers):
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+        layers = layers or Layers()
         self.ln_1 = layers.layer_norm(cfg.d_model, dtype)
         self.attn = CausalSelfAttention(cfg, dtype, layers)
         self.ln_2 = layers.layer_norm(cfg.d_model, dtype)
