@@ -53,11 +53,11 @@ def _compare(make, tp, x, c, x_axis, y_axis, x_shard=None, y_shard=None, what=""
     xs = Tensor(x, requires_grad=True)
     y = plain(xs)
     y.backward(c)
-    xp_ = Tensor(np.ascontiguousarray(_take(x, x_axis, tp, x_shard)), requires_grad=True)
-    yp = par(xp_)
+    x_part = Tensor(np.ascontiguousarray(_take(x, x_axis, tp, x_shard)), requires_grad=True)
+    yp = par(x_part)
     _close(yp.data, _take(y.data, y_axis, tp, y_shard), f"{what}: forward")
     yp.backward(np.ascontiguousarray(_take(c, y_axis, tp, y_shard)))
-    _close(xp_.grad, _take(xs.grad, x_axis, tp, x_shard), f"{what}: input gradient")
+    _close(x_part.grad, _take(xs.grad, x_axis, tp, x_shard), f"{what}: input gradient")
     plain_params = dict(plain.named_parameters())
     for name, p in par.named_parameters():
         want = plain_params[name].grad
