@@ -149,10 +149,16 @@ class TensorParallelLayers(nn.Layers):
     def shard(self, dim: int, blocks: int = 1):
         return Shard(dim, self.rank, self.parts, blocks) if self.parts > 1 else None
 
-    def shared(self, p):
-        """A replicated parameter as used on this rank's sequence shard: under sequence
-        parallelism its gradient is a partial sum, which f (copy_to_tp) completes."""
-        return F.copy_to_tp(p, self.group) if self.sequence_parallel else p
+    def shared(self, *params):
+        """Replicated parameters as used on this rank's sequence shard: under sequence
+        parallelism their gradients are partial sums, which f (copy_to_tp) completes.
+        Several 1-d parameters go through one f (one all-reduce), joined end to end."""
+        if not self.sequence_parallel:
+            return params[0] if len(params) == 1 else params
+        if len(params) == 1:
+            return F.copy_to_tp(params[0], self.group)
+        joined = F.copy_to_tp(ops.concat(params, axis=0), self.group)
+        return tuple(ops.split(joined, [p.shape[0] for p in params], axis=0))
 
     def enter(self, x):
         """Megatron's f where a replicated x enters a tensor-parallel region."""
@@ -258,7 +264,7 @@ class LayerNorm(nn.LayerNorm):
         self.tp = tp
 
     def forward(self, x):
-        return ops.layer_norm(x, self.tp.shared(self.weight), self.tp.shared(self.bias), self.eps)
+        return ops.layer_norm(x, *self.tp.shared(self.weight, self.bias), self.eps)
 
 
 class PositionEmbedding(nn.Embedding):
