@@ -200,6 +200,8 @@ def main(argv=None):
                  if "hidden_s" in row else "")
         print(f"  {mode:<14} {row['step_s'] * 1e3:>8.1f} {row['exposed_comm_s'] * 1e3:>10.1f} "
               f"{row['speedup_vs_sync']:>7.2f}x {extra}")
+    print("  (on 2 ranks both directions of the bidirectional ring go to the one neighbour, and the simulated\n"
+          "   link gives each direction's thread its own bandwidth: docs/perf-notes.md)")
     gpt = r["gpt"]
     print(f"GPT training step {gpt['shape']}, float32, shared memory: tokens/s relative to 1 rank")
     for name, tps in gpt["tokens_per_s"].items():
