@@ -60,6 +60,7 @@ EXAMPLES = """examples:
   mpiexec -n 4 minidist-train --zero 2                        data parallel, ZeRO-2, on 4 ranks
   mpiexec -n 4 minidist-train --hsdp-shard 2                  HSDP: ZeRO-3 in pairs, 2 replicas
   mpiexec -n 4 minidist-train --pp 2 --dp 2 --schedule 1f1b   pipeline of 2 stages x 2 replicas
+  mpiexec -n 4 minidist-train --tp 2 --tp-async                dp=2 x tp=2, collective matmuls
 
 Bad input (a value out of range, a missing file, an output that would overwrite --data, a
 model too large for memory) stops the run before any work with one message and exit code 2.
@@ -123,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gradient bucket size in MB, 0 for one bucket per parameter")
     dp.add_argument("--no-overlap", action="store_true",
                     help="reduce gradients after the backward pass instead of during it (for comparison)")
+    tp = p.add_argument_group("tensor parallelism (run under mpiexec; tp is the innermost mesh axis)")
+    tp.add_argument("--tp", type=POSITIVE, default=1, metavar="T",
+                    help="split every weight matrix over T ranks (Megatron-LM); the other ranks are data parallel")
+    tp.add_argument("--sequence-parallel", action="store_true",
+                    help="also split the LayerNorm and residual activations over the sequence (Korthikanti et al.)")
+    tp.add_argument("--tp-async", nargs="?", const="ring", choices=["ring", "bidirectional"], default=None,
+                    metavar="ring|bidirectional",
+                    help="hide the all-gathers and reduce-scatters behind the matmuls as ring steps (collective "
+                         "matmul, Wang et al.; implies --sequence-parallel); 'bidirectional' sends half each way "
+                         "(default when given: ring)")
     from .parallel.pipeline import cli as pipeline_cli
 
     pipeline_cli.add_arguments(p)
@@ -188,6 +199,7 @@ def _validate(args):
         raise InputError("the cupy backend needs the cupy package (pip install cupy-cuda12x)") from None
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    _validate_tensor(args)  # after the backend check: parallel/tensor.py imports the backend
     check_memory(memory_estimate(args), available_memory_bytes())
 
 
@@ -206,6 +218,17 @@ def world_rank() -> int:
         if var in os.environ:
             return int(os.environ[var])
     return 0
+
+
+def _validate_tensor(args):
+    """Sizes that --tp ranks cannot split (parallel/tensor.py names the flag and value)."""
+    from .parallel.tensor import check_cli
+
+    try:
+        check_cli(args.tp, args.heads, args.d_model, args.seq_len, args.sequence_parallel, args.tp_async,
+                  zero=bool(args.zero or args.hsdp_shard))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 def _validate_mesh(args):
@@ -249,12 +272,13 @@ def memory_estimate(args) -> dict:
                                  data_bytes=data_bytes, eval_batches=args.eval_batches if args.eval_every else 0)
 
 
-def make_model(args):
+def make_model(args, layers=None):
+    """The GPT these flags describe; ``layers`` (nn.Layers) builds its layers, e.g. tensor-parallel."""
     from .nn import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=256, seq_len=args.block_size, n_layer=args.layers, n_head=args.heads,
                     d_model=args.d_model, tie_embeddings=not args.untied, dtype=args.dtype, seed=args.seed)
-    model = GPT(cfg)
+    model = GPT(cfg, layers)
     model.checkpoint_activations = args.checkpoint_activations
     return model
 
@@ -334,13 +358,29 @@ def load_data(args):
     return sampler, val.val_batches(args.eval_batches)
 
 
+def build_tensor_parallel(args):
+    """(mesh, tensor-parallel layer set) for --tp > 1, else (None, None): the mesh is dp x tp."""
+    if getattr(args, "tp", 1) == 1:
+        return None, None
+    from .comm import Mesh
+    from .parallel.tensor import TensorParallelLayers
+
+    mesh = Mesh(dp=args.dp, tp=args.tp)
+    return mesh, TensorParallelLayers(mesh.group("tp"), args.sequence_parallel, args.tp_async or "none")
+
+
 def build_strategy(args, model, opt, mesh=None):
     """The parallel strategy these flags ask for (one process when the world has one rank)."""
     from .parallel.strategy import make_strategy
 
-    return make_strategy(model, opt, dp=args.dp, zero=args.zero, bucket_mb=args.bucket_mb,
-                         overlap=not args.no_overlap, hsdp_shard=args.hsdp_shard,
-                         mesh=mesh if args.dp > 1 else None)
+    strategy = make_strategy(model, opt, dp=args.dp, zero=args.zero, bucket_mb=args.bucket_mb,
+                             overlap=not args.no_overlap, hsdp_shard=args.hsdp_shard,
+                             mesh=mesh if args.dp > 1 else None)
+    if getattr(args, "tp", 1) > 1:  # mesh is the dp x tp mesh
+        from .parallel.tensor import TensorParallelStrategy
+
+        strategy = TensorParallelStrategy(strategy, mesh.group("tp"))
+    return strategy
 
 
 def train(args, log=print, data=None):
@@ -354,13 +394,14 @@ def train(args, log=print, data=None):
     if getattr(args, "dp", None) is None or getattr(args, "zero", None) is None:
         _validate_mesh(args)  # train() called as a library function without validate()
 
-    model = make_model(args)
-    num_params = model.num_parameters()
+    mesh, layers = build_tensor_parallel(args)
+    model = make_model(args, layers)
+    num_params = sum(math.prod(p.global_shape) for p in model.parameters())  # whole model, not this rank's slices
     if getattr(args, "pp", 1) > 1 and args.schedule is None:
         _validate_pipeline(args)  # train() called as a library function without validate()
-    pipeline, mesh = pipeline_cli.build(args, model)  # --pp > 1: the model keeps this rank's stage only
+    pipeline, pp_mesh = pipeline_cli.build(args, model)  # --pp > 1: the model keeps this rank's stage only
     opt = make_optimizer(args, model.parameters())
-    strategy = pipeline_cli.wrap(pipeline, build_strategy(args, model, opt, mesh))
+    strategy = pipeline_cli.wrap(pipeline, build_strategy(args, model, opt, mesh or pp_mesh))
     world = world_size()
     rank0 = world_rank() == 0
     log = log if rank0 else (lambda *_: None)
@@ -386,7 +427,8 @@ def train(args, log=print, data=None):
         return step < args.steps and (step % args.log_every == 0 or step + 1 == args.steps)
 
     mesh = f"dp={args.dp}" + (f" (shard {args.hsdp_shard} x replicate {args.dp // args.hsdp_shard})"
-                              if args.hsdp_shard else "") + (f" zero={args.zero}" if args.zero else "")
+                              if args.hsdp_shard else "") + (f" zero={args.zero}" if args.zero else "") \
+        + (f" tp={args.tp}" if getattr(args, "tp", 1) > 1 else "")
     mesh += f" pp={args.pp}" if getattr(args, "pp", 1) > 1 else ""
     metrics, metrics_file = [], open(args.metrics_jsonl, "w") if args.metrics_jsonl and rank0 else None
     try:

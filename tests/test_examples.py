@@ -82,8 +82,16 @@ def test_06_async_sgd_prints_three_curves():
 
 
 @pytest.mark.mpi
-def test_07_pipeline_every_schedule_same_loss():
-    out = run_mpi(4, os.path.join(EXAMPLES, "07_pipeline.py"), "--quick", timeout=120).stdout
+def test_07_tensor_parallel_modes_agree():
+    out = run_mpi(4, os.path.join(EXAMPLES, "07_tensor_parallel.py"), "--quick", "--reps", "1", timeout=120).stdout
+    for mode in ("tensor", "sequence parallel", "ring", "bidirectional"):
+        assert sum(line.strip().startswith(mode) for line in out.splitlines()) >= 2, (mode, out)
+    assert "in every mode" in out and "sequence parallelism saves" in out, out
+
+
+@pytest.mark.mpi
+def test_08_pipeline_every_schedule_same_loss():
+    out = run_mpi(4, os.path.join(EXAMPLES, "08_pipeline.py"), "--quick", timeout=120).stdout
     table = out[out.index("schedule         bubble meas."):].splitlines()[1:6]
     names = [row.split()[0] for row in table]
     assert names == ["naive", "gpipe", "1f1b", "interleaved", "looping"], out

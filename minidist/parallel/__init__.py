@@ -9,6 +9,9 @@ it works over; it never reaches for a global.  Start reading at ``data.py``:
   flat.py     flat views of a list of parameters: the units ZeRO shards
   zero.py     ZeRO stages 1-3 (Rajbhandari et al. 2020; stage 3 = FSDP) and HSDP
   strategy.py the small interface the training loop talks to, and the factory from CLI flags
+  collective_matmul.py  all-gather / reduce-scatter hidden behind chunk matmuls (Wang et al. 2022)
+  tensor.py   tensor parallelism (Megatron-LM): split layers, sequence parallelism, the
+              vocabulary-parallel loss; nn.GPT builds its layers through TensorParallelLayers
   pipeline/   pipeline parallelism: schedules as data (schedules.py), one runtime for every
               schedule (runtime.py), the CLI flags (cli.py), the loop's strategy (strategy.py)
 """
