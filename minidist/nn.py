@@ -19,6 +19,7 @@ Linear weights are stored ``(in_features, out_features)`` so the forward pass is
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -147,13 +148,30 @@ class CausalSelfAttention(Module):
         self.n_head = cfg.n_head
         self.c_attn = Linear(cfg.d_model, 3 * cfg.d_model, dtype, cfg.bias)
         self.c_proj = Linear(cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
+        # The attention function (qkv, n_head) -> y; context parallelism swaps in ring or
+        # Ulysses attention here (minidist.parallel.context).
+        self.attention = attention_function(cfg.attention, cfg.attention_block)
 
     def forward(self, x):
         qkv = self.c_attn(x)                                       # (B, T, 3C)
-        # The fused op reads each head's q, k, v as strided views of qkv and writes its
+        # The plain op reads each head's q, k, v as strided views of qkv and writes its
         # output into the head's columns of y: no (B, H, T, D) transpose copies.
-        y = ops.self_attention(qkv, self.n_head, causal=True)     # (B, T, C)
+        y = self.attention(qkv, self.n_head)                      # (B, T, C), causal
         return self.c_proj(y)
+
+
+ATTENTIONS = ("plain", "blockwise")
+"""Attention on one rank: ``plain`` keeps the T x T probabilities, ``blockwise`` (FlashAttention's
+online softmax) never holds more than a block x block tile of them."""
+
+
+def attention_function(name: str = "plain", block: int = 64):
+    """The causal self-attention ``(qkv, n_head) -> y`` called ``name``."""
+    if name == "plain":
+        return ops.self_attention
+    if name == "blockwise":
+        return functools.partial(ops.blockwise_self_attention, block=block)
+    raise ValueError(f"unknown attention {name!r}; choose from {ATTENTIONS}")
 
 
 class MLP(Module):
@@ -193,6 +211,8 @@ class GPTConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"   # parameter (master weight) dtype
     seed: int = 0
+    attention: str = "plain"  # "plain" or "blockwise" (see ATTENTIONS)
+    attention_block: int = 64  # query/key block of the blockwise attention
 
     def __post_init__(self):
         for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -202,6 +222,8 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         _dtype(self.dtype)
+        attention_function(self.attention)
+        ops.check_block(self.attention_block)
 
     @property
     def residual_std(self) -> float:
@@ -223,12 +245,17 @@ class GPT(Module):
         init_parameters(self, cfg.seed)
 
     # -- the pieces a pipeline stage runs ----------------------------------------------------
-    def embed(self, ids) -> Tensor:
-        """Token + position embeddings of an int array ``ids`` (B, T)."""
-        T = ids.shape[-1]
-        if T > self.config.seq_len:
-            raise ValueError(f"sequence length {T} exceeds the position table ({self.config.seq_len})")
-        x = self.wte(ids) + self.wpe(xp.arange(T))
+    def embed(self, ids, positions=None) -> Tensor:
+        """Token + position embeddings of an int array ``ids`` (B, T).
+
+        ``positions`` (T,) are the tokens' places in their sequences, ``0..T-1`` by default;
+        context parallelism passes those of this rank's slice of the sequence.
+        """
+        positions = xp.arange(ids.shape[-1]) if positions is None else positions
+        if positions.shape[-1] and int(positions.max()) >= self.config.seq_len:
+            raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds the position table "
+                             f"({self.config.seq_len})")
+        x = self.wte(ids) + self.wpe(positions)
         low = ops.get_autocast_dtype()
         return ops.cast(x, low) if low is not None else x  # mixed precision: low-precision activations
 
@@ -248,7 +275,7 @@ class GPT(Module):
     def loss(logits: Tensor, targets) -> Tensor:
         return ops.cross_entropy(logits, targets)
 
-    def forward(self, ids, targets=None):
+    def forward(self, ids, targets=None, positions=None):
         """Logits for ``ids``, or the mean cross-entropy if ``targets`` are given."""
-        logits = self.head(self.run_blocks(self.embed(ids)))
+        logits = self.head(self.run_blocks(self.embed(ids, positions)))
         return logits if targets is None else self.loss(logits, targets)
