@@ -1,0 +1,1 @@
+"""minidist.parallel: the parallel training strategies (context parallelism: context.py)."""
