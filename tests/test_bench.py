@@ -26,7 +26,7 @@ def _import(name):
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """`run_all.py --quick`: both benchmarks in their smallest form (seconds), run once."""
+    """`run_all.py --quick`: every benchmark in its smallest form (seconds), run once."""
     out = tmp_path_factory.mktemp("bench")
     r = subprocess.run([sys.executable, os.path.join(BENCH, "run_all.py"), "--quick", "--out", str(out)],
                        timeout=600, capture_output=True, text=True)
@@ -38,10 +38,11 @@ def quick_run(tmp_path_factory):
 @pytest.mark.slow
 def test_run_all_quick_says_what_it_runs(quick_run):
     out, stdout = quick_run
-    assert "benchmarks (quick): 2 part(s)" in stdout and "expected ~" in stdout
-    assert "[1/2] collectives: running, expected ~" in stdout and "[1/2] collectives: done in" in stdout
+    assert "benchmarks (quick): 3 part(s)" in stdout and "expected ~" in stdout
+    assert "[1/3] collectives: running, expected ~" in stdout and "[1/3] collectives: done in" in stdout
     torch_here = importlib.util.find_spec("torch") is not None
-    assert ("[2/2] model: done in" if torch_here else "[2/2] model: skipped: PyTorch is not installed") in stdout
+    assert ("[2/3] model: done in" if torch_here else "[2/3] model: skipped: PyTorch is not installed") in stdout
+    assert "[3/3] context: done in" in stdout
     with open(out / "run_all.json") as f:
         durations = json.load(f)["quick"]
     assert durations["collectives"] > 0 and ("model" in durations) == torch_here
@@ -97,3 +98,20 @@ def test_bench_model_quick(quick_run):
     for side in ("minidist", "torch"):
         assert row[side]["tokens_per_s"] > 0 and 0 < row[side]["mfu"] < 1, row
     assert row["ratio"] == pytest.approx(row["minidist"]["tokens_per_s"] / row["torch"]["tokens_per_s"])
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_context_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "context.json") as f:
+        report = json.load(f)
+    one = report["one_rank"]
+    for side in ("plain", "blockwise"):
+        assert one[side]["step_s"] > 0 and one[side]["peak_attention_bytes"] > 0, one
+    assert one["attention_memory_ratio"] == pytest.approx(
+        one["blockwise"]["peak_attention_bytes"] / one["plain"]["peak_attention_bytes"])
+    for side in ("ring cp=2", "ulysses cp=2", "one rank (plain)", "one rank (blockwise)"):
+        row = report["cp2"][side]
+        assert row["tokens_per_s"] > 0 and len(row["peak_bytes_per_rank"]) == 2, (side, row)
+        assert (row["attention_bytes_sent"] > 0) == ("cp=2" in side), (side, row)

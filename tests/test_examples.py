@@ -54,3 +54,14 @@ def test_02_ring_traffic_matches_formulas():
     # Every row of the ring algorithms ends with "exact"; measured == formula
     for row in rows:
         assert row.rstrip().endswith("exact"), row
+
+
+@pytest.mark.mpi
+def test_04_context_parallel_balances_and_agrees():
+    out = run_mpi(4, os.path.join(EXAMPLES, "04_context_parallel.py"), "--quick", timeout=120).stdout
+    assert "same loss everywhere: True" in out, out
+    zigzag = next(line for line in out.splitlines() if line.strip().startswith("zig-zag:"))
+    contiguous = next(line for line in out.splitlines() if line.strip().startswith("contiguous:"))
+    assert zigzag.endswith(" 1.00x") and not contiguous.endswith(" 1.00x"), out
+    for name in ("ring, zig-zag", "ring, contiguous", "ulysses", "one rank (plain attention)"):
+        assert f"\n{name}: loss " in out, out
