@@ -44,6 +44,7 @@ def test_context_parallel_trains_like_one_process():
     out = run_mpi(4, f"{BODIES}::train_all", timeout=240).stdout
     assert out.count("context done") == 4, out
     assert out.count("cp ok:") == 4 * 8, out
+    assert out.count("cp bf16 ok:") == 4 * 2, out
 
 
 @pytest.mark.mpi
@@ -52,3 +53,19 @@ def test_context_parallel_memory_and_work(nprocs):
     out = run_mpi(nprocs, f"{BODIES}::memory_and_work", timeout=120).stdout
     assert out.count("cp memory ok") == 2, out
     assert out.count("cp work ok") == 2, out
+
+
+def test_training_flags_are_checked_with_their_names():
+    from argparse import Namespace
+
+    def args(**kw):
+        return Namespace(**{"cp": 2, "cp_impl": "ring", "seq_len": 64, "heads": 4, **kw})
+
+    with pytest.raises(ValueError, match=r"--seq-len 30 is not divisible by 2 x --cp = 4"):
+        ctx.check_arguments(args(seq_len=30))
+    with pytest.raises(ValueError, match=r"--heads 6 is not divisible by --cp 4"):
+        ctx.check_arguments(args(cp=4, cp_impl="ulysses", heads=6))
+    with pytest.raises(ValueError, match=r"--seq-len 30 is not divisible by --cp 4"):
+        ctx.check_arguments(args(cp=4, cp_impl="ulysses", seq_len=30))
+    ctx.check_arguments(args(seq_len=30, cp=1))  # no context parallelism: any length
+    ctx.check_arguments(args(seq_len=30, cp=3, cp_impl="ulysses", heads=3))
