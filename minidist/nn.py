@@ -165,7 +165,7 @@ ATTENTIONS = ("plain", "blockwise")
 online softmax) never holds more than a block x block tile of them."""
 
 
-def attention_function(name: str = "plain", block: int = 64):
+def attention_function(name: str = "plain", block: int = 128):
     """The causal self-attention ``(qkv, n_head) -> y`` called ``name``."""
     if name == "plain":
         return ops.self_attention
@@ -212,7 +212,7 @@ class GPTConfig:
     dtype: str = "float32"   # parameter (master weight) dtype
     seed: int = 0
     attention: str = "plain"  # "plain" or "blockwise" (see ATTENTIONS)
-    attention_block: int = 64  # query/key block of the blockwise attention
+    attention_block: int = 128  # query/key block of the blockwise attention
 
     def __post_init__(self):
         for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):

@@ -154,7 +154,7 @@ def rowsum_dot(do, o):
 # ------------------------------------------------------------------ autograd ops
 
 
-def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, block: int = 64, causal: bool = True,
+def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, block: int = 128, causal: bool = True,
                         scale=None) -> Tensor:
     """Attention of q (..., Tq, D) over k, v (..., Tk, D) in ``block`` x ``block`` tiles.
 
@@ -199,7 +199,7 @@ def merge_heads(y: Tensor) -> Tensor:
     return reshape(transpose(y, (0, 2, 1, 3)), (B, T, H * D))
 
 
-def blockwise_self_attention(qkv: Tensor, n_head: int, causal: bool = True, block: int = 64) -> Tensor:
+def blockwise_self_attention(qkv: Tensor, n_head: int, causal: bool = True, block: int = 128) -> Tensor:
     """Drop-in for :func:`minidist.ops.self_attention`: (B, T, 3C) -> (B, T, C), blockwise."""
     q, k, v = split_heads(qkv, n_head)
     return merge_heads(blockwise_attention(q, k, v, block=block, causal=causal))

@@ -234,7 +234,7 @@ class ContextParallel:
         g = self.group
         if self.impl == "ring":
             return lambda qkv, n_head: ring_self_attention(qkv, n_head, g, self.zigzag, self.block, self.work)
-        inner = attention_function(self.inner, self.block or 64)
+        inner = attention_function(self.inner, self.block or 128)
         return lambda qkv, n_head: ulysses_self_attention(qkv, n_head, g, inner)
 
     def install(self, model) -> None:
@@ -273,7 +273,7 @@ def add_arguments(parser, positive) -> None:
     a.add_argument("--attention", choices=ATTENTIONS, default="plain",
                    help="plain keeps the T x T probabilities; blockwise (FlashAttention's online softmax) "
                         "holds one block x block tile at a time")
-    a.add_argument("--attention-block", type=positive, default=64, metavar="B",
+    a.add_argument("--attention-block", type=positive, default=128, metavar="B",
                    help="query/key block of blockwise attention, of ring attention's tiles and of Ulysses' "
                         "blockwise attention")
     a.add_argument("--cp", type=positive, default=1, metavar="C",
