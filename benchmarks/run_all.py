@@ -50,6 +50,8 @@ PARTS = [
          [], ["--quick", "--ranks", "2", "--launches", "1"], full_s=100, quick_s=3),
     Part("model", "bench_model.py", "a GPT training step, minidist vs PyTorch on the CPU",
          [], ["--reps", "1", "--threads", "1"], full_s=35, quick_s=10),
+    Part("ddp", "bench_ddp.py", "weak scaling 1 -> 2 ranks: minidist DDP and ZeRO vs PyTorch DDP (gloo)",
+         [], ["--quick"], full_s=300, quick_s=20),
     Part("context", "bench_context.py", "long sequences: blockwise vs plain attention, ring vs Ulysses vs one rank",
          [], ["--quick"], full_s=120, quick_s=8),
 ]
@@ -59,7 +61,7 @@ def missing_requirement(part: Part) -> str | None:
     """Why ``part`` cannot run here (one line), or None."""
     if part.name == "model" and importlib.util.find_spec("torch") is None:
         return "PyTorch is not installed (pip install -e '.[torch]'; `make bench` tries that first)"
-    if part.name in ("collectives", "context"):
+    if part.name in ("collectives", "ddp", "context"):
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py is not installed (make install)"
         local = os.path.join(os.path.dirname(sys.executable), "mpiexec")

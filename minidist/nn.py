@@ -245,13 +245,9 @@ class GPT(Module):
         init_parameters(self, cfg.seed)
 
     # -- the pieces a pipeline stage runs ----------------------------------------------------
-    def embed(self, ids, positions=None) -> Tensor:
-        """Token + position embeddings of an int array ``ids`` (B, T).
-
-        ``positions`` (T,) are the tokens' places in their sequences, ``0..T-1`` by default;
-        context parallelism passes those of this rank's slice of the sequence.
-        """
-        positions = xp.arange(ids.shape[-1]) if positions is None else positions
+    def embed(self, ids) -> Tensor:
+        """Token + position embeddings of an int array ``ids`` (B, T), at ``token_positions``."""
+        positions = self.token_positions(ids.shape[-1])
         if positions.shape[-1] and int(positions.max()) >= self.config.seq_len:
             raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds the position table "
                              f"({self.config.seq_len})")
@@ -261,8 +257,13 @@ class GPT(Module):
 
     def run_blocks(self, x: Tensor, blocks=None) -> Tensor:
         for block in self.h if blocks is None else blocks:
-            x = checkpoint(block, x) if self.checkpoint_activations else block(x)
+            x = self.block_runner(block, x)
         return x
+
+    def block_runner(self, block, x: Tensor) -> Tensor:
+        """Run one block.  A strategy may replace it on the instance (ZeRO-3 gathers the
+        block's sharded parameters around it: ``model.block_runner = ...``)."""
+        return checkpoint(block, x) if self.checkpoint_activations else block(x)
 
     def head(self, x: Tensor) -> Tensor:
         """Final LayerNorm and the LM head: logits (B, T, vocab)."""
@@ -275,7 +276,13 @@ class GPT(Module):
     def loss(logits: Tensor, targets) -> Tensor:
         return ops.cross_entropy(logits, targets)
 
-    def forward(self, ids, targets=None, positions=None):
+    def token_positions(self, T: int):
+        """The places in their sequences of the T tokens of each row this rank embeds: 0..T-1
+        (context parallelism replaces this hook by its slice of the sequence:
+        ``model.token_positions = ...``)."""
+        return xp.arange(T)
+
+    def forward(self, ids, targets=None):
         """Logits for ``ids``, or the mean cross-entropy if ``targets`` are given."""
-        logits = self.head(self.run_blocks(self.embed(ids, positions)))
+        logits = self.head(self.run_blocks(self.embed(ids)))
         return logits if targets is None else self.loss(logits, targets)

@@ -46,7 +46,8 @@ class _Parser(argparse.ArgumentParser):
     """Errors as one line (argparse's usage block would bury the message); exit code 2."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        # Under mpiexec every rank finds the same error and exits 2; rank 0 says it once.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n" if world_rank() == 0 else None)
 
 
 POSITIVE, NON_NEGATIVE = int_in(lo=1), int_in(lo=0)
@@ -56,6 +57,8 @@ EXAMPLES = """examples:
   minidist-train --dtype float64 --steps 20                   exact arithmetic, for checks
   minidist-train --grad-accum 4 --checkpoint-activations --mixed-precision bf16
   minidist-train --data my.txt --metrics-jsonl run.jsonl --trace trace.json
+  mpiexec -n 4 minidist-train --zero 2                        data parallel, ZeRO-2, on 4 ranks
+  mpiexec -n 4 minidist-train --hsdp-shard 2                  HSDP: ZeRO-3 in pairs, 2 replicas
 
 Bad input (a value out of range, a missing file, an output that would overwrite --data, a
 model too large for memory) stops the run before any work with one message and exit code 2.
@@ -107,6 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the weights; float64 for exactness checks")
     t.add_argument("--backend", choices=["numpy", "cupy"], default=None,
                    help="array backend (default: $MINIDIST_BACKEND, else numpy)")
+    dp = p.add_argument_group("data parallelism (run under mpiexec -n N)")
+    dp.add_argument("--dp", type=POSITIVE, default=None, metavar="N",
+                    help="data-parallel ranks (default: the world size over the other mesh axes)")
+    dp.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
+                    help="ZeRO stage: 0 DDP, 1 shard the optimizer state, 2 also the gradients, 3 also the "
+                         "parameters (FSDP) (default: 0, or 3 with --hsdp-shard)")
+    dp.add_argument("--hsdp-shard", type=POSITIVE, default=None, metavar="K",
+                    help="HSDP: ZeRO-3 inside groups of K ranks, gradients all-reduced across the groups")
+    dp.add_argument("--bucket-mb", type=float_in(0), default=25.0, metavar="X",
+                    help="gradient bucket size in MB, 0 for one bucket per parameter")
+    dp.add_argument("--no-overlap", action="store_true",
+                    help="reduce gradients after the backward pass instead of during it (for comparison)")
+    from .parallel.context_cli import add_arguments as add_context_arguments
+
+    add_context_arguments(p, POSITIVE)  # --attention, --attention-block, --cp, --cp-impl
     r = p.add_argument_group("reporting")
     r.add_argument("--eval-every", type=NON_NEGATIVE, default=50, metavar="N",
                    help="validation loss every N steps, 0 for never")
@@ -146,6 +164,8 @@ def _validate(args):
     if args.grad_accum > args.batch_size:
         raise InputError(f"--grad-accum {args.grad_accum} exceeds --batch-size {args.batch_size}: "
                          "every micro-batch needs at least one sequence")
+    _validate_mesh(args)
+    _validate_context(args)
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.min_lr > args.lr:
@@ -170,6 +190,57 @@ def _validate(args):
     check_memory(memory_estimate(args), available_memory_bytes())
 
 
+def world_size() -> int:
+    """Ranks in this job, read from the launcher's environment (MPICH, Open MPI) so that a run
+    without mpiexec never initialises MPI; under a launcher, MPI's own count."""
+    if not any(v in os.environ for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")):
+        return 1
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
+
+
+def world_rank() -> int:
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def _validate_mesh(args):
+    """The data-parallel settings against the world size and the batch (every rank runs this
+    on the same flags, so every rank refuses bad input before any message is sent)."""
+    world = world_size()
+    others = getattr(args, "pp", 1) * getattr(args, "tp", 1) * getattr(args, "cp", 1)
+    if args.dp is None:
+        if world % others:
+            raise InputError(f"the world size {world} is not divisible by the other mesh axes ({others})")
+        args.dp = world // others
+    elif args.dp * others != world:
+        raise InputError(f"--dp {args.dp} does not match the world size {world} "
+                         f"(mpiexec -n {world}{f' over {others} ranks of the other axes' if others > 1 else ''})")
+    if args.batch_size < args.dp * args.grad_accum:
+        raise InputError(f"--batch-size {args.batch_size} has fewer rows than --dp {args.dp} x --grad-accum "
+                         f"{args.grad_accum} = {args.dp * args.grad_accum}: a rank would get an empty micro-batch")
+    if args.hsdp_shard is not None:
+        if args.zero not in (None, 3):
+            raise InputError(f"--hsdp-shard shards with ZeRO-3, but --zero {args.zero} was given")
+        if args.dp % args.hsdp_shard:
+            raise InputError(f"--hsdp-shard {args.hsdp_shard} does not divide --dp {args.dp}")
+        args.zero = 3
+    if args.zero is None:
+        args.zero = 0
+
+
+def _validate_context(args):
+    from .parallel.context_cli import check_arguments
+
+    try:
+        check_arguments(args)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
 def memory_estimate(args) -> dict:
     from .data import DEFAULT_MAX_BYTES
 
@@ -184,7 +255,8 @@ def make_model(args):
     from .nn import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=256, seq_len=args.block_size, n_layer=args.layers, n_head=args.heads,
-                    d_model=args.d_model, tie_embeddings=not args.untied, dtype=args.dtype, seed=args.seed)
+                    d_model=args.d_model, tie_embeddings=not args.untied, dtype=args.dtype, seed=args.seed,
+                    attention=getattr(args, "attention", "plain"), attention_block=getattr(args, "attention_block", 128))
     model = GPT(cfg)
     model.checkpoint_activations = args.checkpoint_activations
     return model
@@ -210,28 +282,41 @@ def micro_batches(x, y, k):
         yield xs, ys, xs.shape[0] / total
 
 
-def forward_backward(model, x, y, grad_accum=1, low_dtype=None, loss_scale=1.0) -> float:
-    """Accumulate into ``.grad`` the gradient of the mean loss over the batch; return that loss."""
+def forward_backward(model, x, y, grad_accum=1, low_dtype=None, loss_scale=1.0, strategy=None) -> float:
+    """Accumulate into the gradients the gradient of the global batch's mean loss; return that loss.
+
+    Each rank runs its rows of the batch (``strategy.micro_batches``), each micro-batch's mean
+    loss weighted by its share of the global rows; the strategy reduces the gradients.
+    """
     from . import ops
     from .backend import from_host
+    from .parallel.strategy import Strategy
 
+    strategy = strategy or Strategy(model, None)
     total = 0.0
-    for xs, ys, share in micro_batches(x, y, grad_accum):
-        with ops.autocast(low_dtype):
-            loss = model(from_host(xs), from_host(ys))
-        (loss * (share * loss_scale)).backward()
+    for xs, ys, share, last in strategy.micro_batches(x, y, grad_accum):
+        with strategy.micro_step(last):
+            with ops.autocast(low_dtype):
+                loss = model(from_host(xs), from_host(ys))
+            (loss * (share * loss_scale)).backward()
         total += share * loss.item()
-    return total
+    return strategy.reduce_loss(total)
 
 
-def evaluate(model, batches, low_dtype=None) -> float:
+def evaluate(model, batches, low_dtype=None, strategy=None) -> float:
+    """Mean validation loss; under data parallelism each rank evaluates its rows of each batch."""
     from . import ops
     from .autograd import no_grad
     from .backend import from_host
+    from .parallel.strategy import Strategy
 
-    with no_grad(), ops.autocast(low_dtype):
-        losses = [model(from_host(x), from_host(y)).item() for x, y in batches]
-    return sum(losses) / len(losses)
+    strategy = strategy or Strategy(model, None)
+    total = 0.0
+    with no_grad(), ops.autocast(low_dtype), strategy.evaluating():
+        for x, y in batches:
+            for xs, ys, share, _ in strategy.micro_batches(x, y, 1):
+                total += share * model(from_host(xs), from_host(ys)).item()
+    return strategy.reduce_loss(total) / len(batches)
 
 
 def load_data(args):
@@ -248,69 +333,87 @@ def load_data(args):
     return sampler, val.val_batches(args.eval_batches)
 
 
+def build_strategy(args, model, opt):
+    """The parallel strategy these flags ask for (one process when the world has one rank)."""
+    from .parallel.strategy import make_strategy
+
+    if getattr(args, "cp", 1) > 1:  # the sequence split over cp ranks (and the batch over dp)
+        from .comm import Mesh
+        from .parallel.context import ContextParallelStrategy
+
+        return ContextParallelStrategy(model, opt, Mesh(dp=args.dp, cp=args.cp), args.cp_impl, args.attention,
+                                       args.attention_block, bucket_mb=args.bucket_mb, overlap=not args.no_overlap)
+    return make_strategy(model, opt, dp=args.dp, zero=args.zero, bucket_mb=args.bucket_mb,
+                         overlap=not args.no_overlap, hsdp_shard=args.hsdp_shard)
+
+
 def train(args, log=print, data=None):
-    """Run the whole training; return the list of per-step metrics dicts."""
+    """Run the whole training; return the list of per-step metrics dicts (rank 0 logs and writes)."""
     from .backend import dtype
-    from .optim import DynamicLossScaler, clip_grad_norm, lr_at
+    from .optim import DynamicLossScaler, lr_at
     from .profile import PeakMemory, Tracer, measure_peak_gflops, model_flops_per_token
 
     sampler, val_batches = data if data is not None else load_data(args)
+    if getattr(args, "dp", None) is None or getattr(args, "zero", None) is None:
+        _validate_mesh(args)  # train() called as a library function without validate()
 
     model = make_model(args)
-    params = model.parameters()
-    opt = make_optimizer(args, params)
+    num_params = model.num_parameters()
+    opt = make_optimizer(args, model.parameters())
+    strategy = build_strategy(args, model, opt)
+    world = world_size()
+    rank0 = world_rank() == 0
+    log = log if rank0 else (lambda *_: None)
     low = {"none": None, "bf16": dtype("bfloat16"), "fp16": dtype("float16")}[args.mixed_precision]
     scaler = DynamicLossScaler() if args.mixed_precision == "fp16" else None
 
     tokens_per_step = args.batch_size * args.seq_len
     flops_per_step = model_flops_per_token(args.layers, args.d_model, args.seq_len, 256) * tokens_per_step
     # A shared machine's load lowers the measured peak (and so raises MFU): pass --peak-gflops
-    # for numbers comparable across runs.
+    # for numbers comparable across runs.  MFU is against the peak of all ranks together.
     peak = args.peak_gflops
     if peak is None:
-        peak = measure_peak_gflops(args.d_model, tokens_per_step // args.grad_accum,
+        peak = measure_peak_gflops(args.d_model, tokens_per_step // args.grad_accum // args.dp,
                                    "float32" if low is not None else args.dtype, seconds=1.0)
     if not args.quiet:
-        log(f"minidist: GPT {args.layers}x{args.d_model} ({model.num_parameters():,} parameters), "
+        log(f"minidist: GPT {args.layers}x{args.d_model} ({num_params:,} parameters), "
             f"{len(sampler.data):,} training bytes, batch {args.batch_size}x{args.seq_len}, "
-            f"peak {peak:.1f} GFLOP/s for MFU")
+            f"peak {peak:.1f} GFLOP/s per rank for MFU, {strategy.name}")
 
-    memory, tracer = PeakMemory(), Tracer(enabled=bool(args.trace))
+    memory, tracer = PeakMemory(), Tracer(rank=world_rank(), enabled=bool(args.trace))
 
     def logged(step):
         return step < args.steps and (step % args.log_every == 0 or step + 1 == args.steps)
 
-    metrics, metrics_file = [], open(args.metrics_jsonl, "w") if args.metrics_jsonl else None
+    mesh = f"dp={args.dp}" + (f" (shard {args.hsdp_shard} x replicate {args.dp // args.hsdp_shard})"
+                              if args.hsdp_shard else "") + (f" zero={args.zero}" if args.zero else "") + (
+        f" cp={args.cp} ({args.cp_impl})" if getattr(args, "cp", 1) > 1 else "")
+    metrics, metrics_file = [], open(args.metrics_jsonl, "w") if args.metrics_jsonl and rank0 else None
     try:
         for step in range(args.steps):
             # Memory is traced on the first step and on each step before a printed one, so the
             # printed step's own tokens/s and MFU do not pay for the tracing.
             traced = step == 0 or logged(step + 1)
-            t0 = time.perf_counter()
+            t0, comm0 = time.perf_counter(), _comm_seconds(world)
             opt.lr = lr_at(step, args.lr, args.warmup, args.steps, args.min_lr)
             x, y = sampler.batch(step)
             with tracer.span("forward_backward", step=step), memory.measure(traced):
-                loss = forward_backward(model, x, y, args.grad_accum, low, scaler.scale if scaler else 1.0)
+                loss = forward_backward(model, x, y, args.grad_accum, low, scaler.scale if scaler else 1.0, strategy)
             record = {"step": step, "loss": loss, "lr": opt.lr}
             with tracer.span("optimizer", step=step):
-                skipped = False
-                if scaler is not None:
-                    skipped = scaler.unscale_(params)
-                    scaler.update(skipped)
-                    record["loss_scale"] = scaler.scale
-                if not skipped:
-                    if args.clip_grad:
-                        record["grad_norm"] = clip_grad_norm(params, args.clip_grad)
-                    opt.step()
-                record["skipped"] = skipped
-                opt.zero_grad()
+                held = update(strategy, scaler, args.clip_grad, record)
             step_time = time.perf_counter() - t0
             record.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
-                          mfu=flops_per_step / step_time / (peak * 1e9))
+                          mfu=flops_per_step / step_time / (peak * 1e9 * world))
+            if world > 1:
+                record.update(mesh=mesh, comm_s=_comm_seconds(world) - comm0, comm_exposed_s=strategy.comm_wait_s)
             if traced:
                 record["peak_mem_mb"] = memory.last_bytes / 2**20
+                record["state_mb"] = {k: v / 2**20 for k, v in held.items()}  # params, grads, optimizer
+                if world > 1:
+                    record["rank_peak_mem_mb"] = _per_rank(memory.last_bytes / 2**20)
             if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-                record["val_loss"] = evaluate(model, val_batches, low)
+                record["val_loss"] = evaluate(model, val_batches, low, strategy)
             metrics.append(record)
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
@@ -322,9 +425,48 @@ def train(args, log=print, data=None):
     finally:
         if metrics_file:
             metrics_file.close()
-        if args.trace:
+        if args.trace and rank0:
             tracer.save(args.trace)
     return metrics
+
+
+def update(strategy, scaler, clip_grad, record: dict) -> dict:
+    """The optimizer half of a step: fp16 overflow check, clipping, update, zero_grad.
+
+    Fills ``record`` (loss_scale, grad_norm, skipped) and returns the bytes of parameters,
+    gradients and optimizer state held just before the gradients are dropped.
+    """
+    skipped = False
+    if scaler is not None:
+        skipped = strategy.found_inf(scaler)  # agreed by every rank: one skips, all skip
+        scaler.update(skipped)
+        record["loss_scale"] = scaler.scale
+    if not skipped:
+        if clip_grad:
+            record["grad_norm"] = strategy.clip_grad_norm(clip_grad)
+        strategy.step()
+    record["skipped"] = skipped
+    held = strategy.memory_bytes()
+    strategy.zero_grad()
+    return held
+
+
+def _comm_seconds(world: int) -> float:
+    """This rank's total time in collectives so far (0 without a communicator)."""
+    if world == 1:
+        return 0.0
+    from .comm.stats import stats
+
+    return sum(v["time_s"] for v in stats().values())
+
+
+def _per_rank(value: float) -> list:
+    """``value`` of every rank, in rank order (a tiny all-gather over the world)."""
+    import numpy as np  # a host array for the wire
+
+    from . import comm
+
+    return [float(v) for v in comm.all_gather(np.array([value], dtype=np.float64), comm.world())]
 
 
 def progress_line(r: dict, steps: int, history: list, mem_bytes: int) -> str:
@@ -394,7 +536,8 @@ def main(argv=None):
                      "use a smaller model or batch, or --grad-accum / --checkpoint-activations")
     except FloatingPointError as exc:  # diverged: say so in one line, keep what was written
         parser.exit(1, f"{parser.prog}: error: {exc}; try a lower --lr or --clip-grad 1\n")
-    print(summary_table(metrics, time.perf_counter() - t0), flush=True)
+    if world_rank() == 0:
+        print(summary_table(metrics, time.perf_counter() - t0), flush=True)
 
 
 if __name__ == "__main__":

@@ -38,14 +38,18 @@ def quick_run(tmp_path_factory):
 @pytest.mark.slow
 def test_run_all_quick_says_what_it_runs(quick_run):
     out, stdout = quick_run
-    assert "benchmarks (quick): 3 part(s)" in stdout and "expected ~" in stdout
-    assert "[1/3] collectives: running, expected ~" in stdout and "[1/3] collectives: done in" in stdout
+    parts = [p.name for p in _import("run_all").PARTS]
+    n = len(parts)
+    assert f"benchmarks (quick): {n} part(s)" in stdout and "expected ~" in stdout
+    assert f"[1/{n}] collectives: running, expected ~" in stdout and f"[1/{n}] collectives: done in" in stdout
     torch_here = importlib.util.find_spec("torch") is not None
-    assert ("[2/3] model: done in" if torch_here else "[2/3] model: skipped: PyTorch is not installed") in stdout
-    assert "[3/3] context: done in" in stdout
+    k = parts.index("model") + 1
+    assert (f"[{k}/{n}] model: done in" if torch_here else f"[{k}/{n}] model: skipped: PyTorch is not installed") in stdout
+    assert f"[{parts.index('context') + 1}/{n}] context: done in" in stdout
     with open(out / "run_all.json") as f:
         durations = json.load(f)["quick"]
     assert durations["collectives"] > 0 and ("model" in durations) == torch_here
+    assert all(durations[name] > 0 for name in parts if name != "model")
 
 
 def test_run_all_shows_a_failing_part_and_progress(tmp_path, capsys):
@@ -98,6 +102,18 @@ def test_bench_model_quick(quick_run):
     for side in ("minidist", "torch"):
         assert row[side]["tokens_per_s"] > 0 and 0 < row[side]["mfu"] < 1, row
     assert row["ratio"] == pytest.approx(row["minidist"]["tokens_per_s"] / row["torch"]["tokens_per_s"])
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_ddp_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "ddp.json") as f:
+        r = json.load(f)
+    assert all(v > 0 for v in r["tokens_per_s"].values()), r
+    assert r["minidist_scaling_2_over_1"] > 0 and all(r[f"zero{z}_step_time_over_ddp"] > 0 for z in (1, 2, 3))
+    if importlib.util.find_spec("torch") is not None:
+        assert r["minidist_2_over_torch_2"] > 0 and r["torch_scaling_2_over_1"] > 0
 
 
 @pytest.mark.mpi

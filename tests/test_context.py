@@ -48,6 +48,15 @@ def test_context_parallel_trains_like_one_process():
 
 
 @pytest.mark.mpi
+def test_training_strategy_dp_x_cp_trains_like_one_process():
+    """The training command's strategy: DDP buckets over ("dp", "cp"), its loop, --grad-accum,
+    --checkpoint-activations, --attention blockwise, against one process (float64)."""
+    out = run_mpi(4, f"{BODIES}::strategy_matrix", timeout=240).stdout
+    assert out.count("strategy done") == 4, out
+    assert out.count("cp ok:") == 4 * 4, out
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_context_parallel_memory_and_work(nprocs):
     out = run_mpi(nprocs, f"{BODIES}::memory_and_work", timeout=120).stdout
@@ -58,14 +67,62 @@ def test_context_parallel_memory_and_work(nprocs):
 def test_training_flags_are_checked_with_their_names():
     from argparse import Namespace
 
+    from minidist.parallel.context_cli import check_arguments
+
     def args(**kw):
         return Namespace(**{"cp": 2, "cp_impl": "ring", "seq_len": 64, "heads": 4, **kw})
 
     with pytest.raises(ValueError, match=r"--seq-len 30 is not divisible by 2 x --cp = 4"):
-        ctx.check_arguments(args(seq_len=30))
+        check_arguments(args(seq_len=30))
     with pytest.raises(ValueError, match=r"--heads 6 is not divisible by --cp 4"):
-        ctx.check_arguments(args(cp=4, cp_impl="ulysses", heads=6))
+        check_arguments(args(cp=4, cp_impl="ulysses", heads=6))
     with pytest.raises(ValueError, match=r"--seq-len 30 is not divisible by --cp 4"):
-        ctx.check_arguments(args(cp=4, cp_impl="ulysses", seq_len=30))
-    ctx.check_arguments(args(seq_len=30, cp=1))  # no context parallelism: any length
-    ctx.check_arguments(args(seq_len=30, cp=3, cp_impl="ulysses", heads=3))
+        check_arguments(args(cp=4, cp_impl="ulysses", seq_len=30))
+    with pytest.raises(ValueError, match=r"--cp 2 composes with DDP only: --zero and --hsdp-shard"):
+        check_arguments(args(zero=2))
+    check_arguments(args(seq_len=30, cp=1))  # no context parallelism: any length
+    check_arguments(args(seq_len=30, cp=3, cp_impl="ulysses", heads=3))
+
+
+# -- the training command ------------------------------------------------------------------------
+TINY = ["--layers", "2", "--d-model", "16", "--heads", "4", "--seq-len", "16", "--batch-size", "4",
+        "--peak-gflops", "10", "--eval-batches", "1"]
+
+
+def _train(n, args, timeout=120):
+    import subprocess
+    import sys
+
+    from minidist.testing import mpiexec_command
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    launcher = mpiexec_command(n) if n > 1 else []
+    return subprocess.run(launcher + [sys.executable, "-m", "minidist.train"] + TINY + args,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.mpi
+def test_cli_trains_dp2_x_cp2_with_ring_attention(tmp_path):
+    out = tmp_path / "m.jsonl"
+    r = _train(4, ["--steps", "3", "--eval-every", "3", "--dp", "2", "--cp", "2", "--cp-impl", "ring",
+                   "--attention-block", "4", "--metrics-jsonl", str(out)])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("summary") == 1 and "ring context parallelism over 2 ranks x DDP over 2" in r.stdout
+    records = [__import__("json").loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 3 and records[0]["mesh"] == "dp=2 cp=2 (ring)" and "val_loss" in records[-1]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, args, needle", [
+    (2, ["--cp", "2", "--seq-len", "18", "--block-size", "18"],
+     "--seq-len 18 is not divisible by 2 x --cp = 4: zig-zag ring attention"),
+    (2, ["--cp", "2", "--cp-impl", "ulysses", "--heads", "1", "--d-model", "16"],
+     "--heads 1 is not divisible by --cp 2: Ulysses"),
+    (1, ["--attention-block", "0"], "argument --attention-block: "),
+    (1, ["--cp-impl", "tree"], "argument --cp-impl: invalid choice: 'tree'"),
+])
+def test_bad_context_input_is_one_message_exit_2(n, args, needle):
+    r = _train(n, args, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.count(needle) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == ""

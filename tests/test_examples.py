@@ -1,5 +1,6 @@
 """The teaching examples run under mpiexec -n 4 and print the right numbers."""
 import os
+import re
 
 import pytest
 
@@ -57,8 +58,32 @@ def test_02_ring_traffic_matches_formulas():
 
 
 @pytest.mark.mpi
-def test_04_context_parallel_balances_and_agrees():
-    out = run_mpi(4, os.path.join(EXAMPLES, "04_context_parallel.py"), "--quick", timeout=120).stdout
+def test_04_data_parallel_bytes_match_the_ring_formula():
+    out = run_mpi(4, os.path.join(EXAMPLES, "04_data_parallel.py"), "--quick", "--steps", "2", timeout=120).stdout
+    m = re.search(r"measured ([\d,]+), 2\(N-1\)/N·Ψ·4 = ([\d,]+)", out)
+    measured, formula = (int(v.replace(",", "")) for v in m.groups())
+    assert abs(measured - formula) <= 64, m.group(0)  # rank 0's share: N need not divide a bucket
+    for mode in ("no overlap", "overlap", "one bucket"):
+        assert any(l.startswith(mode) for l in out.splitlines()), out
+
+
+@pytest.mark.mpi
+def test_05_zero_memory_table():
+    out = run_mpi(4, os.path.join(EXAMPLES, "05_zero.py"), "--quick", "--steps", "2", timeout=120).stdout
+    for symbolic in ("16Ψ", "8Ψ+8Ψ/N", "4Ψ+12Ψ/N", "16Ψ/N"):
+        assert symbolic in out, out
+    assert "stage 3 held at most 2 blocks" in out, out
+
+
+@pytest.mark.mpi
+def test_06_async_sgd_prints_three_curves():
+    out = run_mpi(4, os.path.join(EXAMPLES, "06_async_sgd.py"), "--quick", timeout=120).stdout
+    assert "ASP: 3 workers, staleness 2" in out and out.count("final: sequential") == 1, out
+
+
+@pytest.mark.mpi
+def test_07_context_parallel_balances_and_agrees():
+    out = run_mpi(4, os.path.join(EXAMPLES, "07_context_parallel.py"), "--quick", timeout=120).stdout
     assert "same loss everywhere: True" in out, out
     zigzag = next(line for line in out.splitlines() if line.strip().startswith("zig-zag:"))
     contiguous = next(line for line in out.splitlines() if line.strip().startswith("contiguous:"))

@@ -1,1 +1,12 @@
-"""minidist.parallel: the parallel training strategies (context parallelism: context.py)."""
+"""minidist.parallel: the parallel training strategies, each on minidist's own collectives.
+
+Each strategy is an object built from the parameters and the ``comm.Group`` (or ``Mesh``)
+it works over; it never reaches for a global.  Start reading at ``data.py``:
+
+  data.py     data parallelism: DDP (Li et al. 2020) with gradient buckets launched from the
+              gradient hooks and overlapped with the backward pass; the textbook version
+              (one all-reduce per gradient after backward) beside it
+  flat.py     flat views of a list of parameters: the units ZeRO shards
+  zero.py     ZeRO stages 1-3 (Rajbhandari et al. 2020; stage 3 = FSDP) and HSDP
+  strategy.py the small interface the training loop talks to, and the factory from CLI flags
+"""

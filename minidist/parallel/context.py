@@ -37,9 +37,10 @@ from ..autograd import Tensor, make_tensor
 from ..backend import from_host, to_host, xp
 from ..comm import functional as F
 from ..ops import blockwise as bw
+from ..data import shard
 from ..ops.precision import gemm_operands, to_dtype
-
-IMPLEMENTATIONS = ("ring", "ulysses")
+from .context_cli import IMPLEMENTATIONS
+from .strategy import DataParallel
 
 
 # ------------------------------------------------------------------ who holds which tokens
@@ -204,7 +205,7 @@ class ContextParallel:
     """The model's sequences split over ``group`` (the mesh's cp group).
 
         cp = ContextParallel(mesh.group("cp"), impl="ring")
-        cp.install(model)                       # every block's attention -> ring attention
+        cp.install(model)                       # attention -> ring attention; positions -> this rank's
         loss = cp.loss(model, x, y)             # this rank's tokens, weighted by their share
         loss.backward()
         allreduce_gradients(params, cp.group)  # (or DDP over the ("dp", "cp") group)
@@ -238,19 +239,48 @@ class ContextParallel:
         return lambda qkv, n_head: ulysses_self_attention(qkv, n_head, g, inner)
 
     def install(self, model) -> None:
+        """Every block's attention -> this implementation; the embedding's positions -> this
+        rank's slice of the sequence (the model then takes this rank's tokens, see :meth:`shard`)."""
         for block in model.h:
             block.attn.attention = self.attention_function()
+        model.token_positions = lambda t: self.positions(t * self.group.size)
 
     def shard(self, x, y):
-        """This rank's tokens of a (B, T) batch: (ids, targets, positions)."""
+        """This rank's tokens of a (B, T) batch of inputs and targets."""
         pos = self.positions(x.shape[-1])
-        return x[..., pos], y[..., pos], pos
+        return x[..., pos], y[..., pos]
 
     def loss(self, model, x, y):
         """This rank's mean token loss times its share of the tokens (1 / C): summed over the
-        cp group, the loss of the whole sequences."""
-        xs, ys, pos = self.shard(x, y)
-        return model(xs, ys, positions=pos) * (xs.shape[-1] / x.shape[-1])
+        cp group, the loss of the whole sequences.  ``model`` must be installed."""
+        xs, ys = self.shard(x, y)
+        return model(xs, ys) * (xs.shape[-1] / x.shape[-1])
+
+
+class ContextParallelStrategy(DataParallel):
+    """The training loop's strategy for ``--cp C`` (with ``--dp N``): rows of the global batch
+    over dp, every sequence over cp, DDP's gradient sum over the ("dp", "cp") group.
+
+    Each micro-batch's share of the global batch is its share of the rows times its share of
+    the tokens of each row (1 / C), so the sum over all ranks of the weighted losses (and of
+    their gradients) is the single-process mean loss (gradient).
+    """
+
+    def __init__(self, model, optimizer, mesh, impl: str = "ring", attention: str = "plain", block=None,
+                 bucket_mb: float = 25.0, overlap: bool = True):
+        super().__init__(model, optimizer, mesh.group(("dp", "cp")), bucket_mb, overlap)
+        self.context = ContextParallel(mesh.group("cp"), impl, attention, block)
+        self.context.install(model)
+        self.dp_rank, self.dp_size = mesh.coord("dp"), mesh.size("dp")
+        self.name = f"{impl} context parallelism over {mesh.size('cp')} ranks" + (
+            f" x DDP over {self.dp_size}" if self.dp_size > 1 else "")
+
+    def micro_batches(self, x, y, grad_accum: int):
+        rows, seq = x.shape
+        xr, yr = shard(x, self.dp_rank, self.dp_size), shard(y, self.dp_rank, self.dp_size)
+        for i in range(grad_accum):
+            xs, ys = self.context.shard(shard(xr, i, grad_accum), shard(yr, i, grad_accum))
+            yield xs, ys, xs.shape[0] / rows * xs.shape[1] / seq, i == grad_accum - 1
 
 
 def allreduce_gradients(params, group) -> None:
@@ -260,40 +290,3 @@ def allreduce_gradients(params, group) -> None:
     for p in params:
         if p.grad is not None:
             p.grad = from_host(comm.all_reduce(to_host(p.grad), group))
-
-
-# ------------------------------------------------------------------ the training command's flags
-
-
-def add_arguments(parser, positive) -> None:
-    """The ``long sequences`` flags of the training command (``positive``: its int type >= 1)."""
-    from ..nn import ATTENTIONS
-
-    a = parser.add_argument_group("long sequences")
-    a.add_argument("--attention", choices=ATTENTIONS, default="plain",
-                   help="plain keeps the T x T probabilities; blockwise (FlashAttention's online softmax) "
-                        "holds one block x block tile at a time")
-    a.add_argument("--attention-block", type=positive, default=128, metavar="B",
-                   help="query/key block of blockwise attention, of ring attention's tiles and of Ulysses' "
-                        "blockwise attention")
-    a.add_argument("--cp", type=positive, default=1, metavar="C",
-                   help="context parallelism: split every sequence over C ranks")
-    a.add_argument("--cp-impl", choices=IMPLEMENTATIONS, default="ring",
-                   help="ring: K/V blocks circulate (zig-zag layout, --seq-len divisible by 2C); "
-                        "ulysses: all-to-all to head-sharded attention (--heads divisible by C)")
-
-
-def check_arguments(args) -> None:
-    """ValueError naming the flags when --cp cannot split this model (checked on every rank
-    before any message)."""
-    cp = getattr(args, "cp", 1)
-    if cp == 1:
-        return
-    if args.cp_impl == "ring" and args.seq_len % (2 * cp):
-        raise ValueError(f"--seq-len {args.seq_len} is not divisible by 2 x --cp = {2 * cp}: zig-zag ring attention "
-                         "gives each rank two equal chunks of every sequence")
-    if args.cp_impl == "ulysses" and args.heads % cp:
-        raise ValueError(f"--heads {args.heads} is not divisible by --cp {cp}: Ulysses gives each rank "
-                         "heads / cp of the attention heads")
-    if args.cp_impl == "ulysses" and args.seq_len % cp:
-        raise ValueError(f"--seq-len {args.seq_len} is not divisible by --cp {cp}")

@@ -1,0 +1,208 @@
+"""Bodies run on every rank by tests/test_data_parallel.py.
+
+Every rank first trains the single-process reference itself (the Strategy of one process on
+the whole global batch: no communication), then the parallel configuration, and compares
+losses and parameters after 5 steps in float64.
+"""
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist import comm
+from minidist.data import Sampler
+from minidist.optim import lr_at
+from minidist.parallel.data import DistributedDataParallel, allreduce_gradients
+from minidist.parallel.strategy import Strategy, make_strategy
+from minidist.parallel.zero import memory_formula
+from minidist.train import build_parser, forward_backward, make_model, make_optimizer, update
+
+TOL = 1e-9
+STEPS = 5
+
+
+def _args(**over):
+    argv = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "11",
+            "--dtype", "float64", "--lr", "1e-2", "--warmup", "1", "--clip-grad", "0.05", "--steps", str(STEPS)]
+    args = build_parser().parse_args(argv)
+    args.block_size, args.min_lr = args.seq_len, args.lr / 10
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
+
+
+_CORPUS = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
+
+
+def train_steps(args, make):
+    """5 steps of the strategy make(model, opt); (losses, {name: full parameter})."""
+    model = make_model(args)
+    model.checkpoint_activations = args.checkpoint_activations
+    opt = make_optimizer(args, model.parameters())
+    strategy = make(model, opt)
+    sampler = Sampler(_CORPUS, args.seq_len, args.batch_size, args.seed)
+    losses = []
+    for step in range(STEPS):
+        opt.lr = lr_at(step, args.lr, args.warmup, args.steps, args.min_lr)
+        x, y = sampler.batch(step)
+        losses.append(forward_backward(model, x, y, args.grad_accum, None, 1.0, strategy))
+        held = update(strategy, None, args.clip_grad, {})
+    if hasattr(strategy, "zero"):
+        params = strategy.zero.full_parameters()
+    else:
+        params = {p.name: p.data.copy() for p in model.parameters()}
+    return losses, params, strategy, held
+
+
+def _rel(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(1e-30, float(np.max(np.abs(b)))))
+
+
+def compare(label, ref, got):
+    (l0, p0), (l1, p1) = ref[:2], got[:2]
+    err = max([_rel(l1, l0)] + [_rel(p1[k], p0[k]) for k in p0])
+    assert set(p0) == set(p1), (label, set(p0) ^ set(p1))
+    assert err <= TOL, f"{label}: relative difference {err:.3e} from the single process"
+    # every rank must end with the same parameters
+    assert all(_rel(p1[k], comm.broadcast(p1[k], comm.world())) == 0 for k in p1), label
+    return err
+
+
+def matrix():
+    """dp = world size: zero 0-3 x {plain, grad-accum 2, checkpointing}, batch 11 (no dp divides it)."""
+    n = MPI.COMM_WORLD.Get_size()
+    mesh = comm.Mesh(dp=n)
+    for variant, over in [("plain", {}), ("grad-accum 2", {"grad_accum": 2}),
+                          ("checkpointing", {"checkpoint_activations": True})]:
+        args = _args(**over)
+        ref = train_steps(args, lambda m, o: Strategy(m, o))
+        for zero in (0, 1, 2, 3):
+            got = train_steps(args, lambda m, o: make_strategy(m, o, dp=n, zero=zero, mesh=mesh, bucket_mb=0.002))
+            err = compare(f"dp={n} zero={zero} {variant}", ref, got)
+            if MPI.COMM_WORLD.rank == 0:
+                print(f"dp ok: dp={n} zero={zero} {variant} rel {err:.1e}", flush=True)
+    print("matrix done", flush=True)
+
+
+def buckets_and_overlap():
+    """DDP and ZeRO-2 bucketed, one bucket per parameter, one big bucket, and without overlap."""
+    n = MPI.COMM_WORLD.Get_size()
+    mesh = comm.Mesh(dp=n)
+    args = _args()
+    ref = train_steps(args, lambda m, o: Strategy(m, o))
+    for zero in (0, 2):
+        for bucket_mb, overlap in [(0, True), (0.002, True), (25, True), (0.002, False)]:
+            got = train_steps(args, lambda m, o: make_strategy(m, o, dp=n, zero=zero, mesh=mesh,
+                                                               bucket_mb=bucket_mb, overlap=overlap))
+            compare(f"zero={zero} bucket_mb={bucket_mb} overlap={overlap}", ref, got)
+            if MPI.COMM_WORLD.rank == 0:
+                print(f"bucket ok: zero={zero} bucket_mb={bucket_mb} overlap={overlap}", flush=True)
+
+
+def hsdp():
+    """dp=4 as 2 shard groups of 2 (ZeRO-3 inside, all-reduce across): equal to one process."""
+    args = _args()
+    ref = train_steps(args, lambda m, o: Strategy(m, o))
+    for over in ({}, {"grad_accum": 2}, {"checkpoint_activations": True}):
+        a = _args(**over)
+        r = ref if not over else train_steps(a, lambda m, o: Strategy(m, o))
+        got = train_steps(a, lambda m, o: make_strategy(m, o, dp=4, hsdp_shard=2))
+        compare(f"hsdp {over}", r, got)
+        z = got[2].zero
+        assert z.group.size == 2 and z.replicate_group.size == 2
+        if MPI.COMM_WORLD.rank == 0:
+            print(f"hsdp ok: {over}", flush=True)
+
+
+def memory_and_live_params():
+    """Counted bytes equal the formulas exactly; stage 3 never holds more than root + 2 blocks."""
+    n = MPI.COMM_WORLD.Get_size()
+    mesh = comm.Mesh(dp=n)
+    args = _args(layers=4)
+    for zero in (0, 1, 2, 3):
+        losses, params, strategy, held = train_steps(
+            args, lambda m, o: make_strategy(m, o, dp=n, zero=zero, mesh=mesh, bucket_mb=0.002))
+        numel = sum(int(v.size) for v in params.values())
+        mine = strategy.zero.shard_numel if zero else numel
+        want = memory_formula(zero, numel, mine, 8, 2)
+        assert held == want, (zero, held, want)
+        if zero == 3:
+            z = strategy.zero
+            blocks = sorted((u.numel * 8 for u in z.block_units), reverse=True)
+            assert z.max_live_blocks <= 2, z.max_live_blocks
+            assert z.max_live_bytes <= z.root.numel * 8 + blocks[0] + blocks[1], z.max_live_bytes
+            assert z.max_live_blocks == 2  # the prefetch really overlaps the current block
+        if MPI.COMM_WORLD.rank == 0:
+            print(f"memory ok: zero={zero} {held}", flush=True)
+    # the shards add up to the model
+    total = comm.all_reduce(np.array([float(mine)]), comm.world())[0]
+    assert total == numel, (total, numel)
+
+
+def textbook_equals_bucketed():
+    """One all-reduce per gradient after backward == bucketed, overlapped DDP (same gradients)."""
+    n = MPI.COMM_WORLD.Get_size()
+    g = comm.world()
+    args = _args(layers=3)
+    grads = []
+    for bucketed in (False, True):
+        model = make_model(args)
+        params = model.parameters()
+        ddp = DistributedDataParallel(params, g, bucket_mb=0.004) if bucketed else None
+        x = np.random.default_rng(g.rank).integers(0, 256, (2, 9))
+        loss = model(x[:, :-1], x[:, 1:]) * 0.5
+        loss.backward()
+        ddp.finish() if bucketed else allreduce_gradients(params, g)
+        grads.append([p.grad.copy() for p in params])
+        if bucketed:
+            assert len(ddp.buckets) > 1
+    for a, b in zip(*grads):
+        assert _rel(a, b) <= 1e-12
+    print(f"textbook ok on {n} ranks", flush=True)
+
+
+def overlap_timeline():
+    """With a slow simulated link, the first bucket's all-reduce starts before backward ends."""
+    assert os.environ.get("MINIDIST_LINK_GBPS"), "run with MINIDIST_LINK_GBPS set"
+    g = comm.world()
+    args = _args(layers=4, d_model=32)
+    for overlap in (True, False):
+        model = make_model(args)
+        ddp = DistributedDataParallel(model.parameters(), g, bucket_mb=0.01, overlap=overlap)
+        x = np.random.default_rng(0).integers(0, 256, (4, 9))
+        ddp.reducer.reset_timeline()
+        model(x[:, :-1], x[:, 1:]).backward()
+        ddp.finish()
+        first, end = ddp.reducer.launch_times[0], ddp.reducer.backward_end
+        assert len(ddp.buckets) >= 4
+        if overlap:
+            assert first < end, (first, end)
+            launched_early = sum(t < end for t in ddp.reducer.launch_times)
+            print(f"early launch ok: {launched_early}/{len(ddp.buckets)} buckets launched during backward", flush=True)
+        else:
+            assert first >= end
+            print("no-overlap ok: every bucket launched after backward", flush=True)
+
+
+def ring_bytes():
+    """Bytes on the wire of a ring DDP step: summed over ranks, 2(N-1) x the gradient bytes."""
+    from minidist.comm.stats import reset_stats, stats
+
+    g = comm.world()
+    args = _args(layers=2)
+    model = make_model(args)
+    ddp = DistributedDataParallel(model.parameters(), g, bucket_mb=0.004, algorithm="ring")
+    x = np.random.default_rng(0).integers(0, 256, (2, 9))
+    reset_stats()
+    model(x[:, :-1], x[:, 1:]).backward()
+    ddp.finish()
+    sent = stats()["all_reduce"]["bytes_sent"]
+    psi = sum(p.size for p in model.parameters())
+    total = comm.all_reduce(np.array([float(sent)]), g)[0]
+    assert total == 2 * (g.size - 1) * psi * 8, (total, psi)
+    print(f"ring bytes ok: {sent} bytes sent on rank {g.rank}, Ψ={psi}", flush=True)
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()
