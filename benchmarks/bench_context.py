@@ -112,7 +112,8 @@ def cp_child(seq, reps, block):
     import numpy as np
 
     from minidist import comm
-    from minidist.parallel.context import ContextParallel, allreduce_gradients
+    from minidist.parallel.context import ContextParallel
+    from minidist.parallel.data import allreduce_gradients
     from minidist.train import forward_backward
 
     world = comm.world()

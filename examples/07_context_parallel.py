@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 
 from minidist import comm  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
-from minidist.parallel.context import ContextParallel, allreduce_gradients  # noqa: E402
+from minidist.parallel.context import ContextParallel  # noqa: E402
+from minidist.parallel.data import allreduce_gradients  # noqa: E402
 from minidist.profile import PeakMemory  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

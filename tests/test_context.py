@@ -67,7 +67,11 @@ def test_context_parallel_memory_and_work(nprocs):
 def test_training_flags_are_checked_with_their_names():
     from argparse import Namespace
 
+    from minidist.nn import ATTENTIONS
+    from minidist.parallel.context_cli import ATTENTIONS as FLAG_CHOICES
     from minidist.parallel.context_cli import check_arguments
+
+    assert FLAG_CHOICES == ATTENTIONS
 
     def args(**kw):
         return Namespace(**{"cp": 2, "cp_impl": "ring", "seq_len": 64, "heads": 4, **kw})

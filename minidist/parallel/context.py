@@ -208,7 +208,7 @@ class ContextParallel:
         cp.install(model)                       # attention -> ring attention; positions -> this rank's
         loss = cp.loss(model, x, y)             # this rank's tokens, weighted by their share
         loss.backward()
-        allreduce_gradients(params, cp.group)  # (or DDP over the ("dp", "cp") group)
+        data.allreduce_gradients(params, mesh.group(("dp", "cp")))  # or DDP over that group
 
     ``attention`` / ``block``: the single-rank attention Ulysses runs on its heads
     (``"plain"`` or ``"blockwise"``), and the tile of ring attention's online softmax.
@@ -281,12 +281,3 @@ class ContextParallelStrategy(DataParallel):
         for i in range(grad_accum):
             xs, ys = self.context.shard(shard(xr, i, grad_accum), shard(yr, i, grad_accum))
             yield xs, ys, xs.shape[0] / rows * xs.shape[1] / seq, i == grad_accum - 1
-
-
-def allreduce_gradients(params, group) -> None:
-    """Sum every parameter's gradient over ``group`` (the textbook gradient sync)."""
-    if group.size == 1:
-        return
-    for p in params:
-        if p.grad is not None:
-            p.grad = from_host(comm.all_reduce(to_host(p.grad), group))

@@ -10,12 +10,12 @@ and exit code 2).
 from __future__ import annotations
 
 IMPLEMENTATIONS = ("ring", "ulysses")
+ATTENTIONS = ("plain", "blockwise")  # nn.ATTENTIONS, named here: importing nn would load the backend
+                                     # before train.py has checked MINIDIST_BACKEND (a test keeps them equal)
 
 
 def add_arguments(parser, positive) -> None:
     """The ``long sequences`` flags of the training command (``positive``: its int type >= 1)."""
-    from ..nn import ATTENTIONS  # (nn imports no MPI)
-
     a = parser.add_argument_group("long sequences")
     a.add_argument("--attention", choices=ATTENTIONS, default="plain",
                    help="plain keeps the T x T probabilities; blockwise (FlashAttention's online softmax) "

@@ -17,6 +17,7 @@ from minidist.comm.group import Group
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.parallel import context as ctx
+from minidist.parallel.data import allreduce_gradients
 
 STEPS, BATCH, SEQ = 5, 4, 16
 CFG = dict(seq_len=SEQ, n_layer=2, n_head=4, d_model=16, dtype="float64", seed=7)
@@ -67,7 +68,7 @@ def _parallel(mesh, impl, attention="plain", block=None, checkpoint=False, grad_
                 loss = cp.loss(model, xs[k * m:(k + 1) * m], ys[k * m:(k + 1) * m]) * (m / BATCH)
             loss.backward()
             total += loss.item()
-        ctx.allreduce_gradients(model.parameters(), both)
+        allreduce_gradients(model.parameters(), both)
         opt.step()
         opt.zero_grad()
         losses.append(float(comm.all_reduce(np.array([total]), both)[0]))
