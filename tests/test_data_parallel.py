@@ -89,11 +89,11 @@ def test_cli_trains_data_parallel_and_only_rank_0_reports(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_low_precision_dp2_loss_falls(tmp_path, precision):
+@pytest.mark.parametrize("precision, zero", [("bf16", "0"), ("fp16", "0"), ("bf16", "3")])
+def test_low_precision_dp2_loss_falls(tmp_path, precision, zero):
     out = tmp_path / "m.jsonl"
     r = train(2, ["--steps", "30", "--eval-every", "0", "--lr", "1e-2", "--mixed-precision", precision,
-                  "--metrics-jsonl", str(out)])
+                  "--zero", zero, "--metrics-jsonl", str(out)])
     assert r.returncode == 0, r.stderr
     losses = [json.loads(line)["loss"] for line in out.read_text().splitlines()]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
@@ -112,3 +112,8 @@ def test_bad_data_parallel_input_is_one_message_exit_2(n, args, needle):
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.count(needle) == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout == ""
+
+
+@pytest.mark.mpi
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    assert body(2, "overflow_is_agreed").count("overflow ok") == 4

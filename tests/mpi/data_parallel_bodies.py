@@ -206,3 +206,29 @@ def ring_bytes():
 
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
+
+
+def overflow_is_agreed():
+    """An inf in one rank's gradient shard makes every rank skip (ZeRO-2: shards differ)."""
+    from minidist.optim import DynamicLossScaler
+
+    n = MPI.COMM_WORLD.Get_size()
+    for zero in (0, 2):
+        args = _args()
+        model = make_model(args)
+        opt = make_optimizer(args, model.parameters())
+        strategy = make_strategy(model, opt, dp=n, zero=zero, mesh=comm.Mesh(dp=n))
+        sampler = Sampler(_CORPUS, args.seq_len, args.batch_size, args.seed)
+        x, y = sampler.batch(0)
+        forward_backward(model, x, y, 1, None, 1.0, strategy)
+        if MPI.COMM_WORLD.rank == n - 1:
+            holder = strategy.grad_holders[-1]
+            holder.grad.reshape(-1)[0] = np.inf
+        before = {p.name: p.data.copy() for p in model.parameters()} if zero == 0 else None
+        record = {}
+        update(strategy, DynamicLossScaler(init_scale=4.0), args.clip_grad, record)
+        assert record["skipped"] is True, (zero, record)
+        assert record["loss_scale"] == 2.0
+        if before is not None:
+            assert all(np.array_equal(before[p.name], p.data) for p in model.parameters())
+        print(f"overflow ok: zero={zero} rank {MPI.COMM_WORLD.rank} skipped", flush=True)
