@@ -244,11 +244,15 @@ def _validate_context(args):
 def memory_estimate(args) -> dict:
     from .data import DEFAULT_MAX_BYTES
 
+    from .parallel.context_cli import score_values
+
     data_bytes = os.path.getsize(args.data) if args.data else DEFAULT_MAX_BYTES
-    return training_memory_bytes(args.layers, args.d_model, args.heads, args.seq_len, args.block_size,
+    seq_per_rank = args.seq_len // getattr(args, "cp", 1)  # context parallelism: this rank's tokens
+    return training_memory_bytes(args.layers, args.d_model, args.heads, seq_per_rank, args.block_size,
                                  args.batch_size, args.grad_accum, args.dtype, args.mixed_precision,
                                  args.checkpoint_activations, args.optimizer, not args.untied,
-                                 data_bytes=data_bytes, eval_batches=args.eval_batches if args.eval_every else 0)
+                                 data_bytes=data_bytes, eval_batches=args.eval_batches if args.eval_every else 0,
+                                 score_values=score_values(args))
 
 
 def make_model(args):

@@ -85,6 +85,14 @@ def test_training_flags_are_checked_with_their_names():
     with pytest.raises(ValueError, match=r"--cp 2 composes with DDP only: --zero and --hsdp-shard"):
         check_arguments(args(zero=2))
     check_arguments(args(seq_len=30, cp=1))  # no context parallelism: any length
+    # the memory estimate's attention scores per sequence and block
+    from minidist.parallel.context_cli import score_values
+
+    plain = dict(cp=1, attention="plain", attention_block=16)
+    assert score_values(args(**plain)) == 4 * 64 * 64
+    assert score_values(args(**{**plain, "attention": "blockwise"})) == 4 * 16 * 16
+    assert score_values(args(cp=4, attention="plain", attention_block=128)) == 4 * 8 * 8  # ring: chunks of 8
+    assert score_values(args(cp=4, cp_impl="ulysses", attention="plain", attention_block=16)) == 64 * 64
     check_arguments(args(seq_len=30, cp=3, cp_impl="ulysses", heads=3))
 
 

@@ -46,3 +46,16 @@ def check_arguments(args) -> None:
                          "heads / cp of the attention heads")
     if args.cp_impl == "ulysses" and args.seq_len % cp:
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by --cp {cp}")
+
+
+def score_values(args) -> int:
+    """Attention scores one block keeps per sequence on one rank, for the memory estimate:
+    plain attention keeps H x T x T, blockwise one tile per head; ring attention one tile of
+    its chunks; Ulysses its H / C heads over the whole sequence."""
+    T, H, cp = args.seq_len, args.heads, getattr(args, "cp", 1)
+    block = getattr(args, "attention_block", 128)
+    blockwise = getattr(args, "attention", "plain") == "blockwise"
+    if cp > 1 and args.cp_impl == "ring":
+        return H * min(block, max(1, T // (2 * cp))) ** 2
+    heads = H // cp if cp > 1 else H
+    return heads * (min(block, T) ** 2 if blockwise else T * T)
