@@ -64,7 +64,7 @@ def tile_mask(q_start, q_stop, k_start, k_stop, causal, dtype):
     return xp.where(k > q, -xp.inf, 0.0).astype(dtype)
 
 
-def _tiles(tq, tk, q0, k0, block, causal, dtype):
+def tiles(tq, tk, q0, k0, block, causal, dtype):
     """(rows, cols, mask) of every tile that is not skipped; rows/cols are local slices."""
     for i0 in range(0, tq, block):
         rows = slice(i0, min(i0 + block, tq))
@@ -94,7 +94,7 @@ def forward_tiles(qs, k, v, q0, k0, state, block, causal=True) -> int:
     """
     m, l, acc = state
     work = 0
-    for rows, cols, mask in _tiles(qs.shape[-2], k.shape[-2], q0, k0, block, causal, qs.dtype):
+    for rows, cols, mask in tiles(qs.shape[-2], k.shape[-2], q0, k0, block, causal, qs.dtype):
         s = xp.matmul(qs[..., rows, :], k[..., cols, :].swapaxes(-1, -2))
         if mask is not None:
             s += mask
@@ -131,7 +131,7 @@ def backward_tiles(qs, k, v, q0, k0, do, lse, delta, dq, dk, dv, block, causal=T
     ``delta`` = rowsum(dO * O) of the query rows (FlashAttention-2's identity
     rowsum(dP * P) = rowsum(dO * O), so no T x T array is needed for the softmax backward).
     """
-    for rows, cols, mask in _tiles(qs.shape[-2], k.shape[-2], q0, k0, block, causal, qs.dtype):
+    for rows, cols, mask in tiles(qs.shape[-2], k.shape[-2], q0, k0, block, causal, qs.dtype):
         q_i, do_i = qs[..., rows, :], do[..., rows, :]
         s = xp.matmul(q_i, k[..., cols, :].swapaxes(-1, -2))
         if mask is not None:

@@ -36,8 +36,8 @@ from .. import comm
 from ..autograd import Tensor, make_tensor
 from ..backend import from_host, to_host, xp
 from ..comm import functional as F
-from ..ops import blockwise as bw
 from ..data import shard
+from ..ops import blockwise as bw
 from ..ops.precision import gemm_operands, to_dtype
 from .context_cli import IMPLEMENTATIONS
 from .strategy import DataParallel
@@ -168,12 +168,11 @@ def ring_work(cp: int, seq_len: int, zigzag: bool, block=None) -> list[int]:
     out = []
     for r in range(cp):
         mine, c = chunk_starts(r, cp, seq_len, zigzag)
-        block = c if block is None else block
         total = 0
         for src in range(cp):
-            for rows, cols, qa, kb in _pairs(mine, chunk_starts(src, cp, seq_len, zigzag)[0], c):
-                total += sum((t[0].stop - t[0].start) * (t[1].stop - t[1].start)
-                             for t in bw._tiles(c, c, qa, kb, block, True, xp.float64))
+            for _, _, qa, kb in _pairs(mine, chunk_starts(src, cp, seq_len, zigzag)[0], c):
+                total += sum((rows.stop - rows.start) * (cols.stop - cols.start)
+                             for rows, cols, _ in bw.tiles(c, c, qa, kb, block or c, True, xp.float64))
         out.append(total)
     return out
 

@@ -94,7 +94,7 @@ def train_all():
          dict(mesh=comm.Mesh(cp=4), impl="ring", block=2, checkpoint=True, grad_accum=2)),
         ("ulysses cp=4", dict(mesh=comm.Mesh(cp=4), impl="ulysses")),
         ("ulysses cp=4 blockwise inside", dict(mesh=comm.Mesh(cp=4), impl="ulysses", attention="blockwise", block=3)),
-        ("ring cp=2", dict(mesh=comm.Mesh(cp=2, world=halves), impl="ring")),
+        ("ring cp=2 blocks of 3 (chunks of 4)", dict(mesh=comm.Mesh(cp=2, world=halves), impl="ring", block=3)),
         ("ulysses cp=2", dict(mesh=comm.Mesh(cp=2, world=halves), impl="ulysses")),
         ("ring dp=2 x cp=2", dict(mesh=comm.Mesh(dp=2, cp=2), impl="ring")),
         ("ulysses dp=2 x cp=2", dict(mesh=comm.Mesh(dp=2, cp=2), impl="ulysses")),
