@@ -9,9 +9,9 @@ round repeated ``--launches`` times (the machine's speed drifts over minutes: in
 keeps the compared runs side by side):
 
 * minidist on 1 rank (no communication) and DDP on 2 ranks (default 25 MB buckets, overlap);
-* the same 2-rank DDP with ``--no-overlap``, on shared memory and on a simulated 1 Gbit/s link
-  (``MINIDIST_LINK_GBPS=1``), and the overlapped run on that link: the share of the
-  communication that overlap hides is 1 - exposed(overlap) / exposed(no overlap);
+* the same 2-rank DDP with ``--no-overlap``, and both with 1 MB buckets, on shared memory and
+  on a simulated 1 Gbit/s link (``MINIDIST_LINK_GBPS=1``): the share of the communication
+  that overlap hides is 1 - exposed(overlap) / exposed(no overlap);
 * ZeRO-1, 2 and 3 on 2 ranks (step time relative to DDP);
 * PyTorch (when installed) on 1 rank and with DistributedDataParallel (gloo) on 2 ranks,
   started by the same mpiexec (ranks read from the launcher's environment).
@@ -51,7 +51,7 @@ def _batches(shape, rank, steps):
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
-def worker_minidist(shape, steps, zero, overlap):
+def worker_minidist(shape, steps, zero, overlap, bucket_mb):
     from minidist.nn import GPT, GPTConfig
     from minidist.optim import AdamW
     from minidist.parallel.strategy import make_strategy
@@ -61,7 +61,7 @@ def worker_minidist(shape, steps, zero, overlap):
     model = GPT(GPTConfig(seq_len=shape["seq_len"], n_layer=shape["n_layer"], n_head=shape["n_head"],
                           d_model=shape["d_model"]))
     opt = AdamW(model.parameters(), lr=1e-4)
-    strategy = make_strategy(model, opt, dp=n, zero=zero, overlap=overlap)
+    strategy = make_strategy(model, opt, dp=n, zero=zero, overlap=overlap, bucket_mb=bucket_mb)
     rank = strategy.rank
     times, exposed = [], []
     for x, y in _batches(shape, rank, steps + 1):
@@ -110,7 +110,7 @@ def worker(args):
     if args.worker == "torch":
         rank, n, times, exposed = worker_torch(shape, args.steps)
     else:
-        rank, n, times, exposed = worker_minidist(shape, args.steps, args.zero, not args.no_overlap)
+        rank, n, times, exposed = worker_minidist(shape, args.steps, args.zero, not args.no_overlap, args.bucket_mb)
     if rank == 0:
         print("RESULT " + json.dumps({"times": times, "exposed": exposed, "ranks": n}), flush=True)
 
@@ -119,9 +119,15 @@ CONFIGS = [  # name, ranks, worker args, extra environment
     ("minidist 1 rank", 1, ["--worker", "minidist"], {}),
     ("minidist DDP 2 ranks", 2, ["--worker", "minidist"], {}),
     ("minidist DDP 2 ranks, no overlap", 2, ["--worker", "minidist", "--no-overlap"], {}),
-    ("minidist DDP 2 ranks, 1 Gbit/s link", 2, ["--worker", "minidist"], {"MINIDIST_LINK_GBPS": "1"}),
-    ("minidist DDP 2 ranks, 1 Gbit/s link, no overlap", 2, ["--worker", "minidist", "--no-overlap"],
+    # 1 MB buckets: the model's 12.8 MB of gradients fit one default 25 MB bucket, which can
+    # only start when backward is done; smaller buckets give the overlap something to hide.
+    ("minidist DDP 2 ranks, 1 MB buckets", 2, ["--worker", "minidist", "--bucket-mb", "1"], {}),
+    ("minidist DDP 2 ranks, 1 MB buckets, no overlap", 2,
+     ["--worker", "minidist", "--bucket-mb", "1", "--no-overlap"], {}),
+    ("minidist DDP 2 ranks, 1 MB buckets, 1 Gbit/s link", 2, ["--worker", "minidist", "--bucket-mb", "1"],
      {"MINIDIST_LINK_GBPS": "1"}),
+    ("minidist DDP 2 ranks, 1 MB buckets, 1 Gbit/s link, no overlap", 2,
+     ["--worker", "minidist", "--bucket-mb", "1", "--no-overlap"], {"MINIDIST_LINK_GBPS": "1"}),
     ("minidist ZeRO-1 2 ranks", 2, ["--worker", "minidist", "--zero", "1"], {}),
     ("minidist ZeRO-2 2 ranks", 2, ["--worker", "minidist", "--zero", "2"], {}),
     ("minidist ZeRO-3 2 ranks", 2, ["--worker", "minidist", "--zero", "3"], {}),
@@ -155,6 +161,7 @@ def main():
     ap.add_argument("--worker", choices=["minidist", "torch"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--no-overlap", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help=argparse.SUPPRESS)
     ap.add_argument("--launches", type=int, default=3, help="rounds of launches (each config once per round)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per launch (after one warm-up step)")
     ap.add_argument("--quick", action="store_true", help="a tiny model, one round (for tests)")
@@ -187,9 +194,10 @@ def main():
               "tokens_per_s_each_launch": per, "exposed_comm_s": exp}
     md1, md2 = tok["minidist 1 rank"], tok["minidist DDP 2 ranks"]
     result["minidist_scaling_2_over_1"] = md2 / md1
-    for link in ("", ", 1 Gbit/s link"):
-        on, off = exp[f"minidist DDP 2 ranks{link}"], exp[f"minidist DDP 2 ranks{link}, no overlap"]
-        result[f"hidden_share{link.replace(', ', '_').replace(' ', '_').replace('/', '_')}"] = 1 - on / off if off else None
+    result["hidden_share"] = {}
+    for setting in ("", ", 1 MB buckets", ", 1 MB buckets, 1 Gbit/s link"):
+        on, off = exp[f"minidist DDP 2 ranks{setting}"], exp[f"minidist DDP 2 ranks{setting}, no overlap"]
+        result["hidden_share"][setting.lstrip(", ") or "25 MB buckets"] = 1 - on / off if off else None
     for z in (1, 2, 3):
         result[f"zero{z}_step_time_over_ddp"] = md2 / tok[f"minidist ZeRO-{z} 2 ranks"]
     if "PyTorch 1 rank" in tok:
@@ -207,9 +215,9 @@ def main():
     if "torch_scaling_2_over_1" in result:
         print(f"PyTorch 2 ranks / 1 rank: {result['torch_scaling_2_over_1']:.2f}x; "
               f"minidist 2 ranks / PyTorch 2 ranks: {result['minidist_2_over_torch_2']:.2f} (target >= 0.9)")
-    for key in ("hidden_share", "hidden_share_1_Gbit_s_link"):
-        value = result[key]
-        print(f"{key.replace('_', ' ')}: {'n/a' if value is None else f'{100 * value:.0f}%'}")
+    for setting, value in result["hidden_share"].items():
+        print(f"communication hidden by overlap, {setting}: {'n/a' if value is None else f'{100 * value:.0f}%'} "
+              "(1 - exposed with overlap / exposed without)")
     print("ZeRO step time / DDP: " + ", ".join(f"stage {z} {result[f'zero{z}_step_time_over_ddp']:.2f}x"
                                               for z in (1, 2, 3)))
 

@@ -510,6 +510,16 @@ def summary_table(metrics: list, wall_s: float) -> str:
         ("peak memory of a step", f"{max(peaks):,.0f} MiB" if peaks else "not measured"),
         ("wall time", f"{_duration(wall_s)} ({_duration(sum(r['step_time_s'] for r in metrics))} in steps)"),
     ]
+    if "mesh" in last:  # under mpiexec: the mesh, and rank 0's communication over the timed steps
+        comm_s = sum(r["comm_s"] for r in timed)
+        exposed = sum(r["comm_exposed_s"] for r in timed)
+        held = next((r["state_mb"] for r in reversed(metrics) if "state_mb" in r), None)
+        rows[1:1] = [("mesh", last["mesh"])]
+        rows.append(("communication (rank 0)", f"{_duration(comm_s)} in collectives, {_duration(exposed)} "
+                                               f"of it waited for after backward"))
+        if held:
+            rows.append(("rank 0 holds", f"{held['params']:.1f} MiB params, {held['grads']:.1f} MiB grads, "
+                                         f"{held['optimizer']:.1f} MiB optimizer state"))
     width = max(len(name) for name, _ in rows)
     rule = "-" * (width + 3 + max(len(value) for _, value in rows))
     return "\n".join(["summary", rule] + [f"{name:<{width}} | {value}" for name, value in rows] + [rule])

@@ -117,3 +117,16 @@ def test_bad_data_parallel_input_is_one_message_exit_2(n, args, needle):
 @pytest.mark.mpi
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
     assert body(2, "overflow_is_agreed").count("overflow ok") == 4
+
+
+@pytest.mark.mpi
+def test_cli_under_mpiexec_n_1_is_the_single_process_run(tmp_path):
+    out = tmp_path / "m.jsonl"
+    r = train(1, ["--steps", "2", "--eval-every", "0", "--dtype", "float64", "--metrics-jsonl", str(out)])
+    assert r.returncode == 0, r.stderr
+    plain = subprocess.run([sys.executable, "-m", "minidist.train"] + TINY + [
+        "--steps", "2", "--eval-every", "0", "--dtype", "float64", "--metrics-jsonl", str(tmp_path / "p.jsonl")],
+        capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    losses = [[json.loads(line)["loss"] for line in f.read_text().splitlines()] for f in (out, tmp_path / "p.jsonl")]
+    assert losses[0] == losses[1]

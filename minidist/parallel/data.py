@@ -28,6 +28,7 @@ import zlib
 
 from .. import comm
 from ..backend import from_host, to_host, xp
+from .flat import FlatUnit
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,17 +83,11 @@ def any_rank(flag: bool, group) -> bool:
 # --------------------------------------------------------------------------------------------
 # Buckets
 # --------------------------------------------------------------------------------------------
-class Bucket:
+class Bucket(FlatUnit):
     """Consecutive parameters whose gradients travel in one flat message."""
 
     def __init__(self, params):
-        self.params = list(params)
-        self.offsets, n = [], 0
-        for p in self.params:
-            self.offsets.append(n)
-            n += int(p.size)
-        self.numel = n
-        self.dtype = self.params[0].dtype
+        super().__init__(params)
         self.ready: set[int] = set()  # ids of the parameters whose gradient is final this pass
         self.handle = None
 
@@ -101,18 +96,16 @@ class Bucket:
 
         ``free=True`` drops each parameter's own gradient once packed (ZeRO-2/3 keep only
         their reduced shard)."""
-        flat = xp.empty(self.numel, self.dtype)
-        for p, o in zip(self.params, self.offsets):
-            flat[o:o + p.size] = 0 if p.grad is None else p.grad.reshape(-1)
-            if free:
+        flat = self.flatten([p.grad for p in self.params])
+        if free:
+            for p in self.params:
                 p.grad = None
         return to_host(flat)
 
     def unpack_grads(self, flat):
         """Each parameter's ``.grad`` becomes its (reshaped) slice of ``flat``."""
-        flat = from_host(flat)
-        for p, o in zip(self.params, self.offsets):
-            p.grad = flat[o:o + p.size].reshape(p.shape)
+        for p, g in zip(self.params, self.views(from_host(flat))):
+            p.grad = g
 
 
 def make_buckets(params, bucket_mb: float) -> list[Bucket]:

@@ -33,7 +33,7 @@ class Shard:
 class FlatUnit:
     """Parameters ``params`` laid end to end; rank ``rank`` of ``size`` owns ``[lo, hi)``."""
 
-    def __init__(self, params, rank: int, size: int, name: str = ""):
+    def __init__(self, params, rank: int = 0, size: int = 1, name: str = ""):
         self.params = list(params)
         self.name = name
         self.offsets, n = [], 0

@@ -68,8 +68,10 @@ class ShardedOptimizer:
             raise TypeError(f"ZeRO shards AdamW or SGD state, got {type(template).__name__}")
         self.template, self.units, self.shards = template, units, shards
         self.decay = decay  # id(param) -> its weight decay, read while the parameters were whole
-        keys = {AdamW: ("exp_avg", "exp_avg_sq")}.get(type(template), ("momentum_buffer",) if
-                                                                      getattr(template, "momentum", 0) else ())
+        if isinstance(template, AdamW):
+            keys = ("exp_avg", "exp_avg_sq")
+        else:
+            keys = ("momentum_buffer",) if template.momentum else ()
         self.state = [{k: xp.zeros_like(s.data) for k in keys} for s in shards]
         self.step_count = 0
 
