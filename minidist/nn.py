@@ -5,7 +5,7 @@ of pre-LayerNorm blocks (causal multi-head self-attention, then a 4x GELU MLP, e
 a residual connection), a final LayerNorm and a language-model head tied to the token
 embedding.
 
-Two choices here serve the parallel strategies built on top:
+Three choices here serve the parallel strategies built on top:
 
 * **The model runs in pieces.**  ``embed``, each block, and ``head``/``loss`` are separate
   calls, so a pipeline stage can run "these blocks on a received activation" and backward
@@ -13,6 +13,10 @@ Two choices here serve the parallel strategies built on top:
 * **Initialisation is keyed by name and global shape.**  Every parameter is drawn from
   ``(seed, parameter name)`` in its unsharded shape (``backend.seeded_normal``); nothing
   depends on creation order, so sharded and serial models start bit-identical.
+* **The layers come from a layer set.**  ``GPT(cfg, layers)`` builds every linear layer,
+  LayerNorm, embedding and the loss through ``layers`` (:class:`Layers`: the plain ones);
+  ``parallel.tensor.TensorParallelLayers`` splits them over a tensor-parallel group, so one
+  GPT class serves every mode.
 
 Linear weights are stored ``(in_features, out_features)`` so the forward pass is ``x @ W``.
 """
@@ -89,26 +93,33 @@ class Module:
         return self.forward(*args, **kwargs)
 
 
-def _param(shape, dtype, init: tuple) -> Parameter:
-    """A parameter whose values are filled later by ``init_parameters`` (see GPT.__init__)."""
-    p = Parameter(xp.zeros(shape, dtype=dtype))
+def _param(shape, dtype, init: tuple, sharding=None) -> Parameter:
+    """A parameter whose values are filled later by ``init_parameters`` (see GPT.__init__).
+
+    ``shape`` is the global shape; a ``sharding`` (e.g. parallel.tensor.Shard) says which
+    slice of it this rank keeps: ``sharding.local_shape(shape)`` and ``sharding.take(full)``.
+    """
+    local = shape if sharding is None else sharding.local_shape(shape)
+    p = Parameter(xp.zeros(local, dtype=dtype), global_shape=shape, sharding=sharding)
     p.init = init  # ("normal", std) | ("ones",) | ("zeros",)
     return p
 
 
 def init_parameters(module: Module, seed: int):
-    """Name every parameter and draw its values from (seed, name) in its global shape."""
+    """Name every parameter and draw its values from (seed, name) in its global shape;
+    a sharded parameter keeps its slice of that draw, so every mesh starts identical."""
     for name, p in module.named_parameters():
         p.name = name
         kind = p.init[0]
         if kind == "normal":
-            p.data = seeded_normal(seed, name, p.global_shape, p.init[1], p.dtype)
+            full = seeded_normal(seed, name, p.global_shape, p.init[1], p.dtype)
         elif kind == "ones":
-            p.data = xp.ones(p.global_shape, dtype=p.dtype)
+            full = xp.ones(p.global_shape, dtype=p.dtype)
         elif kind == "zeros":
-            p.data = xp.zeros(p.global_shape, dtype=p.dtype)
+            full = xp.zeros(p.global_shape, dtype=p.dtype)
         else:
             raise ValueError(f"unknown init {p.init!r} for {name}")
+        p.data = full if p.sharding is None else xp.ascontiguousarray(p.sharding.take(full))
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,6 +141,10 @@ class Embedding(Module):
     def forward(self, ids):
         return ops.embedding(self.weight, ids)
 
+    def logits(self, x):
+        """``x @ weight^T``: the language-model head tied to this embedding."""
+        return ops.linear(x, ops.transpose(self.weight, (1, 0)))
+
 
 class LayerNorm(Module):
     def __init__(self, dim, dtype, eps=1e-5):
@@ -141,13 +156,48 @@ class LayerNorm(Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+class Layers:
+    """How the model builds its layers: here the plain ones.
+
+    ``parallel.tensor.TensorParallelLayers`` has the same methods and returns layers split
+    over a tensor-parallel group, so one GPT class serves every mode.  ``parts`` is how many
+    ranks share each layer (attention keeps ``n_head // parts`` heads per rank).
+    """
+
+    parts = 1
+
+    def column(self, d_in, d_out, dtype, bias=True, std=0.02, fused=1):
+        """A linear layer whose *output* features a tensor-parallel set splits (``fused``:
+        the output is that many equal parts, e.g. 3 for the fused q, k, v)."""
+        return Linear(d_in, d_out, dtype, bias, std)
+
+    def row(self, d_in, d_out, dtype, bias=True, std=0.02):
+        """A linear layer whose *input* features a tensor-parallel set splits."""
+        return Linear(d_in, d_out, dtype, bias, std)
+
+    def layer_norm(self, dim, dtype):
+        return LayerNorm(dim, dtype)
+
+    def token_embedding(self, num, dim, dtype):
+        return Embedding(num, dim, dtype)
+
+    def position_embedding(self, num, dim, dtype):
+        return Embedding(num, dim, dtype)
+
+    def cross_entropy(self, logits, targets):
+        return ops.cross_entropy(logits, targets)
+
+
 class CausalSelfAttention(Module):
     """Multi-head attention with a causal mask (Vaswani et al. 2017), fused QKV projection."""
 
-    def __init__(self, cfg: "GPTConfig", dtype):
-        self.n_head = cfg.n_head
-        self.c_attn = Linear(cfg.d_model, 3 * cfg.d_model, dtype, cfg.bias)
-        self.c_proj = Linear(cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+        layers = layers or Layers()
+        if cfg.n_head % layers.parts:
+            raise ValueError(f"n_head={cfg.n_head} is not divisible by the {layers.parts} ranks that split the heads")
+        self.n_head = cfg.n_head // layers.parts  # this rank's heads (all of them unless split)
+        self.c_attn = layers.column(cfg.d_model, 3 * cfg.d_model, dtype, cfg.bias, fused=3)
+        self.c_proj = layers.row(cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
         # The attention function (qkv, n_head) -> y; context parallelism swaps in ring or
         # Ulysses attention here (minidist.parallel.context).
         self.attention = attention_function(cfg.attention, cfg.attention_block)
@@ -175,9 +225,10 @@ def attention_function(name: str = "plain", block: int = 128):
 
 
 class MLP(Module):
-    def __init__(self, cfg: "GPTConfig", dtype):
-        self.c_fc = Linear(cfg.d_model, 4 * cfg.d_model, dtype, cfg.bias)
-        self.c_proj = Linear(4 * cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+        layers = layers or Layers()
+        self.c_fc = layers.column(cfg.d_model, 4 * cfg.d_model, dtype, cfg.bias)
+        self.c_proj = layers.row(4 * cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
 
     def forward(self, x):
         return self.c_proj(ops.gelu(self.c_fc(x)))
@@ -186,11 +237,12 @@ class MLP(Module):
 class Block(Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: "GPTConfig", dtype):
-        self.ln_1 = LayerNorm(cfg.d_model, dtype)
-        self.attn = CausalSelfAttention(cfg, dtype)
-        self.ln_2 = LayerNorm(cfg.d_model, dtype)
-        self.mlp = MLP(cfg, dtype)
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+        layers = layers or Layers()
+        self.ln_1 = layers.layer_norm(cfg.d_model, dtype)
+        self.attn = CausalSelfAttention(cfg, dtype, layers)
+        self.ln_2 = layers.layer_norm(cfg.d_model, dtype)
+        self.mlp = MLP(cfg, dtype, layers)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -233,14 +285,18 @@ class GPTConfig:
 
 
 class GPT(Module):
-    def __init__(self, cfg: GPTConfig):
+    """The model.  ``layers`` builds its layers (default: plain); pass
+    ``parallel.tensor.TensorParallelLayers(group)`` to split them over a tensor-parallel group."""
+
+    def __init__(self, cfg: GPTConfig, layers: Layers | None = None):
         self.config = cfg
+        self.layers = layers = Layers() if layers is None else layers
         dt = _dtype(cfg.dtype)
-        self.wte = Embedding(cfg.vocab_size, cfg.d_model, dt)
-        self.wpe = Embedding(cfg.seq_len, cfg.d_model, dt)
-        self.h = [Block(cfg, dt) for _ in range(cfg.n_layer)]
-        self.ln_f = LayerNorm(cfg.d_model, dt)
-        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, dt, bias=False)
+        self.wte = layers.token_embedding(cfg.vocab_size, cfg.d_model, dt)
+        self.wpe = layers.position_embedding(cfg.seq_len, cfg.d_model, dt)
+        self.h = [Block(cfg, dt, layers) for _ in range(cfg.n_layer)]
+        self.ln_f = layers.layer_norm(cfg.d_model, dt)
+        self.lm_head = None if cfg.tie_embeddings else layers.column(cfg.d_model, cfg.vocab_size, dt, bias=False)
         self.checkpoint_activations = False
         init_parameters(self, cfg.seed)
 
@@ -266,15 +322,15 @@ class GPT(Module):
         return checkpoint(block, x) if self.checkpoint_activations else block(x)
 
     def head(self, x: Tensor) -> Tensor:
-        """Final LayerNorm and the LM head: logits (B, T, vocab)."""
+        """Final LayerNorm and the LM head: logits (B, T, vocab), or this rank's slice of the
+        vocabulary when the layers are tensor-parallel (the full logits are never formed)."""
         x = self.ln_f(x)
         if self.lm_head is not None:
             return self.lm_head(x)
-        return ops.linear(x, ops.transpose(self.wte.weight, (1, 0)))  # tied: x @ wte^T
+        return self.wte.logits(x)  # tied: x @ wte^T
 
-    @staticmethod
-    def loss(logits: Tensor, targets) -> Tensor:
-        return ops.cross_entropy(logits, targets)
+    def loss(self, logits: Tensor, targets) -> Tensor:
+        return self.layers.cross_entropy(logits, targets)
 
     def token_positions(self, T: int):
         """The places in their sequences of the T tokens of each row this rank embeds: 0..T-1

@@ -59,6 +59,7 @@ EXAMPLES = """examples:
   minidist-train --data my.txt --metrics-jsonl run.jsonl --trace trace.json
   mpiexec -n 4 minidist-train --zero 2                        data parallel, ZeRO-2, on 4 ranks
   mpiexec -n 4 minidist-train --hsdp-shard 2                  HSDP: ZeRO-3 in pairs, 2 replicas
+  mpiexec -n 4 minidist-train --tp 2 --tp-async                dp=2 x tp=2, collective matmuls
 
 Bad input (a value out of range, a missing file, an output that would overwrite --data, a
 model too large for memory) stops the run before any work with one message and exit code 2.
@@ -122,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gradient bucket size in MB, 0 for one bucket per parameter")
     dp.add_argument("--no-overlap", action="store_true",
                     help="reduce gradients after the backward pass instead of during it (for comparison)")
+    tp = p.add_argument_group("tensor parallelism (run under mpiexec; tp is the innermost mesh axis)")
+    tp.add_argument("--tp", type=POSITIVE, default=1, metavar="T",
+                    help="split every weight matrix over T ranks (Megatron-LM); the other ranks are data parallel")
+    tp.add_argument("--sequence-parallel", action="store_true",
+                    help="also split the LayerNorm and residual activations over the sequence (Korthikanti et al.)")
+    tp.add_argument("--tp-async", nargs="?", const="ring", choices=["ring", "bidirectional"], default=None,
+                    metavar="ring|bidirectional",
+                    help="hide the all-gathers and reduce-scatters behind the matmuls as ring steps (collective "
+                         "matmul, Wang et al.; implies --sequence-parallel); 'bidirectional' sends half each way "
+                         "(default when given: ring)")
+
     from .parallel.context_cli import add_arguments as add_context_arguments
 
     add_context_arguments(p, POSITIVE)  # --attention, --attention-block, --cp, --cp-impl
@@ -187,6 +199,7 @@ def _validate(args):
         raise InputError("the cupy backend needs the cupy package (pip install cupy-cuda12x)") from None
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    _validate_tensor(args)  # after the backend check: parallel/tensor.py imports the backend
     check_memory(memory_estimate(args), available_memory_bytes())
 
 
@@ -205,6 +218,17 @@ def world_rank() -> int:
         if var in os.environ:
             return int(os.environ[var])
     return 0
+
+
+def _validate_tensor(args):
+    """Sizes that --tp ranks cannot split (parallel/tensor.py names the flag and value)."""
+    from .parallel.tensor import check_cli
+
+    try:
+        check_cli(args.tp, args.heads, args.d_model, args.seq_len, args.sequence_parallel, args.tp_async,
+                  zero=bool(args.zero or args.hsdp_shard))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 def _validate_mesh(args):
@@ -255,13 +279,14 @@ def memory_estimate(args) -> dict:
                                  score_values=score_values(args))
 
 
-def make_model(args):
+def make_model(args, layers=None):
+    """The GPT these flags describe; ``layers`` (nn.Layers) builds its layers, e.g. tensor-parallel."""
     from .nn import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=256, seq_len=args.block_size, n_layer=args.layers, n_head=args.heads,
                     d_model=args.d_model, tie_embeddings=not args.untied, dtype=args.dtype, seed=args.seed,
                     attention=getattr(args, "attention", "plain"), attention_block=getattr(args, "attention_block", 128))
-    model = GPT(cfg)
+    model = GPT(cfg, layers)
     model.checkpoint_activations = args.checkpoint_activations
     return model
 
@@ -337,7 +362,18 @@ def load_data(args):
     return sampler, val.val_batches(args.eval_batches)
 
 
-def build_strategy(args, model, opt):
+def build_tensor_parallel(args):
+    """(mesh, tensor-parallel layer set) for --tp > 1, else (None, None): the mesh is dp x tp."""
+    if getattr(args, "tp", 1) == 1:
+        return None, None
+    from .comm import Mesh
+    from .parallel.tensor import TensorParallelLayers
+
+    mesh = Mesh(dp=args.dp, tp=args.tp)
+    return mesh, TensorParallelLayers(mesh.group("tp"), args.sequence_parallel, args.tp_async or "none")
+
+
+def build_strategy(args, model, opt, mesh=None):
     """The parallel strategy these flags ask for (one process when the world has one rank)."""
     from .parallel.strategy import make_strategy
 
@@ -347,8 +383,14 @@ def build_strategy(args, model, opt):
 
         return ContextParallelStrategy(model, opt, Mesh(dp=args.dp, cp=args.cp), args.cp_impl, args.attention,
                                        args.attention_block, bucket_mb=args.bucket_mb, overlap=not args.no_overlap)
-    return make_strategy(model, opt, dp=args.dp, zero=args.zero, bucket_mb=args.bucket_mb,
-                         overlap=not args.no_overlap, hsdp_shard=args.hsdp_shard)
+    strategy = make_strategy(model, opt, dp=args.dp, zero=args.zero, bucket_mb=args.bucket_mb,
+                             overlap=not args.no_overlap, hsdp_shard=args.hsdp_shard,
+                             mesh=mesh if args.dp > 1 else None)
+    if mesh is not None:
+        from .parallel.tensor import TensorParallelStrategy
+
+        strategy = TensorParallelStrategy(strategy, mesh.group("tp"))
+    return strategy
 
 
 def train(args, log=print, data=None):
@@ -361,10 +403,11 @@ def train(args, log=print, data=None):
     if getattr(args, "dp", None) is None or getattr(args, "zero", None) is None:
         _validate_mesh(args)  # train() called as a library function without validate()
 
-    model = make_model(args)
-    num_params = model.num_parameters()
+    mesh, layers = build_tensor_parallel(args)
+    model = make_model(args, layers)
+    num_params = sum(math.prod(p.global_shape) for p in model.parameters())  # whole model, not this rank's slices
     opt = make_optimizer(args, model.parameters())
-    strategy = build_strategy(args, model, opt)
+    strategy = build_strategy(args, model, opt, mesh)
     world = world_size()
     rank0 = world_rank() == 0
     log = log if rank0 else (lambda *_: None)
@@ -390,7 +433,8 @@ def train(args, log=print, data=None):
         return step < args.steps and (step % args.log_every == 0 or step + 1 == args.steps)
 
     mesh = f"dp={args.dp}" + (f" (shard {args.hsdp_shard} x replicate {args.dp // args.hsdp_shard})"
-                              if args.hsdp_shard else "") + (f" zero={args.zero}" if args.zero else "") + (
+                              if args.hsdp_shard else "") + (f" zero={args.zero}" if args.zero else "") \
+        + (f" tp={args.tp}" if getattr(args, "tp", 1) > 1 else "") + (
         f" cp={args.cp} ({args.cp_impl})" if getattr(args, "cp", 1) > 1 else "")
     metrics, metrics_file = [], open(args.metrics_jsonl, "w") if args.metrics_jsonl and rank0 else None
     try:

@@ -118,6 +118,24 @@ def test_bench_ddp_quick(quick_run):
 
 @pytest.mark.mpi
 @pytest.mark.slow
+def test_bench_tensor_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "tensor_parallel.json") as f:
+        report = json.load(f)
+    modes = report["mlp"]["modes"]
+    assert set(modes) == {"sync", "ring", "bidirectional"}
+    for mode, row in modes.items():
+        assert row["step_s"] > 0 and row["exposed_comm_s"] >= 0, (mode, row)
+        if mode != "sync":
+            assert row["hidden_s"] == pytest.approx(modes["sync"]["step_s"] - row["step_s"])
+            assert row["ideal_hidden_s"] >= 0 and math.isfinite(row["share_of_ideal"]), (mode, row)
+    ratios = report["gpt"]["ratio_vs_1_rank"]
+    assert set(ratios) == {"1 rank", "tp=2", "tp=2 sequence parallel"} and ratios["1 rank"] == 1.0
+    assert all(v > 0 for v in report["gpt"]["tokens_per_s"].values())
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_bench_context_quick(quick_run):
     tmp_path, _ = quick_run
     with open(tmp_path / "context.json") as f:

@@ -84,6 +84,8 @@ def test_training_flags_are_checked_with_their_names():
         check_arguments(args(cp=4, cp_impl="ulysses", seq_len=30))
     with pytest.raises(ValueError, match=r"--cp 2 composes with DDP only: --zero and --hsdp-shard"):
         check_arguments(args(zero=2))
+    with pytest.raises(ValueError, match=r"--cp 2 with --tp 2 is not supported yet"):
+        check_arguments(args(tp=2))
     check_arguments(args(seq_len=30, cp=1))  # no context parallelism: any length
     # the memory estimate's attention scores per sequence and block
     from minidist.parallel.context_cli import score_values

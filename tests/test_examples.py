@@ -82,8 +82,16 @@ def test_06_async_sgd_prints_three_curves():
 
 
 @pytest.mark.mpi
-def test_07_context_parallel_balances_and_agrees():
-    out = run_mpi(4, os.path.join(EXAMPLES, "07_context_parallel.py"), "--quick", timeout=120).stdout
+def test_07_tensor_parallel_modes_agree():
+    out = run_mpi(4, os.path.join(EXAMPLES, "07_tensor_parallel.py"), "--quick", "--reps", "1", timeout=120).stdout
+    for mode in ("tensor", "sequence parallel", "ring", "bidirectional"):
+        assert sum(line.strip().startswith(mode) for line in out.splitlines()) >= 2, (mode, out)
+    assert "in every mode" in out and "sequence parallelism saves" in out, out
+
+
+@pytest.mark.mpi
+def test_08_context_parallel_balances_and_agrees():
+    out = run_mpi(4, os.path.join(EXAMPLES, "08_context_parallel.py"), "--quick", timeout=120).stdout
     assert "same loss everywhere: True" in out, out
     zigzag = next(line for line in out.splitlines() if line.strip().startswith("zig-zag:"))
     contiguous = next(line for line in out.splitlines() if line.strip().startswith("contiguous:"))

@@ -384,7 +384,9 @@ class Request:
         self._done = False
 
     def is_completed(self) -> bool:
-        if not self._done and self._req.Test():
+        # Get_status tests without freeing the request (Test would free it, and wait() would
+        # then find an empty request and report a 0-byte message).
+        if not self._done and self._req.Get_status():
             self.wait()
         return self._done
 

@@ -38,6 +38,8 @@ def check_arguments(args) -> None:
         return
     if getattr(args, "zero", None) or getattr(args, "hsdp_shard", None):
         raise ValueError(f"--cp {cp} composes with DDP only: --zero and --hsdp-shard are not supported with it")
+    if getattr(args, "tp", 1) > 1:
+        raise ValueError(f"--cp {cp} with --tp {args.tp} is not supported yet: use one of them (with --dp)")
     if args.cp_impl == "ring" and args.seq_len % (2 * cp):
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by 2 x --cp = {2 * cp}: zig-zag ring attention "
                          "gives each rank two equal chunks of every sequence")

@@ -44,6 +44,13 @@ def p2p_roundtrip():
     got = req_r.wait()
     req_s.wait()
     assert req_r.is_completed() and req_s.is_completed()
+    # Polling: is_completed() completes a receive once it has arrived; wait() then returns it.
+    polled = np.zeros(3)
+    req_p = comm.irecv(polled, left, g, tag=8)
+    comm.send(np.full(3, float(r)), right, g, tag=8)
+    while not req_p.is_completed():
+        time.sleep(0.0005)
+    assert np.all(req_p.wait() == left) and np.all(polled == left)
     assert np.all(big[:, ::2] == left) and np.all(big[:, 1::2] == 0) and got.base is big
 
     # recv_into with the wrong size: a clear error naming both sizes.

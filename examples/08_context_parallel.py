@@ -1,6 +1,6 @@
 """Context parallelism: one long sequence split over the ranks, ring attention vs Ulysses.
 
-    mpiexec -n 4 python examples/07_context_parallel.py [--seq 1024] [--quick]
+    mpiexec -n 4 python examples/08_context_parallel.py [--seq 1024] [--quick]
 
 Each of the N ranks holds T/N tokens of the sequence.  Everything but attention works token by
 token; attention needs every earlier key, and gets it one of two ways

@@ -1,0 +1,494 @@
+"""Tensor parallelism: Megatron-LM's layers, sequence parallelism and collective matmuls.
+
+Tensor parallelism splits every weight matrix over the ``tp`` ranks of a group (Shoeybi et
+al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism").  Linear weights are stored ``(in, out)`` (``y = x @ W``):
+
+* **ColumnParallelLinear** keeps ``out / tp`` columns of W: every rank needs the whole
+  input and produces its slice of the output features;
+* **RowParallelLinear** keeps ``in / tp`` rows of W: every rank takes its slice of the input
+  features and produces a *partial sum* of the whole output.
+
+Column then row needs no communication in between, so the MLP (``c_fc`` column, ``c_proj``
+row) and attention (q, k, v column-split by heads, output projection row) each communicate
+once forward and once backward: Megatron's **f** (identity, all-reduce of the gradient)
+where the block starts and **g** (all-reduce, identity backward) where it ends
+(comm/functional.py).  Cost per block and direction: one all-reduce of the activation,
+2 (tp-1)/tp * B*T*C elements sent per rank.
+
+The vocabulary is split too: each rank holds ``V / tp`` rows of the token embedding (a
+lookup outside them gives zeros; the ranks' partial embeddings are summed), the tied LM
+head produces ``V / tp`` logits per token, and the cross-entropy combines the shards with
+two small all-reduces (a max and a sum per token) without ever forming the full logits.
+
+**Sequence parallelism** (``sequence_parallel=True``; Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models"): outside the tensor-parallel matmuls
+(LayerNorm, residual additions) the activations are split along the sequence instead of
+being replicated, so those regions store 1/tp of their activations.  Each all-reduce
+becomes an all-gather of the sequence before a column-parallel layer and a reduce-scatter
+after a row-parallel one: the same bytes (an all-reduce *is* a reduce-scatter plus an
+all-gather).  A replicated parameter used on a sequence shard (LayerNorm, the row-parallel
+bias, the position table) enters through **f**, so its gradient is summed over the shards.
+
+**Collective matmul** (``overlap="ring"`` or ``"bidirectional"``; Wang et al. 2022, used by
+ViT-22B): the all-gather before a column-parallel matmul and the reduce-scatter after a
+row-parallel one cut into tp-1 ring steps, each hidden behind the matmul of a chunk already
+present (parallel/collective_matmul.py).  Backward uses the same two loops: the gradient of
+an all-gather-then-matmul is a matmul-then-reduce-scatter and vice versa.  The collective
+matmul works on the sequence-parallel layout, so it turns sequence parallelism on.
+
+With a group of one rank (or none) every layer here is the plain layer: one GPT class
+(``nn.GPT(cfg, layers=TensorParallelLayers(group))``) serves every mode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minidist import comm, nn, ops
+from minidist.autograd import Tensor, make_tensor
+from minidist.backend import xp
+from minidist.comm import functional as F
+from minidist.comm.group import Group
+from minidist.ops.basic import check_index
+from minidist.ops.precision import compute_dtype, gemm_operands, get_autocast_dtype, to_dtype
+from minidist.optim.clip import grad_norm_sq
+from minidist.parallel import collective_matmul as cm
+from minidist.parallel.collective_matmul import record_timeline  # noqa: F401  (tensor.record_timeline)
+
+OVERLAPS = ("none", "ring", "bidirectional")
+
+
+# --------------------------------------------------------------------------------------------
+# Which slice of a global parameter a rank keeps
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shard:
+    """Part ``index`` of ``parts`` equal parts of dimension ``dim``, taken from each of
+    ``blocks`` equal blocks of that dimension.  The fused QKV weight (d, 3d) has blocks=3:
+    rank r keeps its heads' columns of q, of k and of v, in that order."""
+
+    dim: int
+    index: int
+    parts: int
+    blocks: int = 1
+    axis: str = "tp"
+
+    def local_shape(self, shape):
+        shape = list(shape)
+        shape[self.dim] //= self.parts
+        return tuple(shape)
+
+    def indices(self, length: int):
+        """The global indices along ``dim`` this rank keeps, in its local order."""
+        block = length // self.blocks
+        part = block // self.parts
+        return xp.concatenate([xp.arange(b * block + self.index * part, b * block + (self.index + 1) * part)
+                               for b in range(self.blocks)])
+
+    def take(self, full):
+        """This rank's slice of the global array ``full``."""
+        return xp.take(full, self.indices(full.shape[self.dim]), axis=self.dim)
+
+
+def check_cli(tp: int, heads: int, d_model: int, seq_len: int, sequence_parallel: bool, tp_async,
+              zero: bool = False) -> None:
+    """The training command's tensor-parallel flags: raise ValueError naming the flag and its
+    value when tp ranks cannot split the model (run before any message is sent)."""
+    if tp_async and tp == 1:
+        raise ValueError(f"--tp-async {tp_async} needs --tp greater than 1 (got --tp {tp})")
+    if tp == 1:
+        return
+    if zero:
+        raise ValueError(f"--zero / --hsdp-shard with --tp {tp}: ZeRO does not shard tensor-parallel "
+                         "models (use DDP, --zero 0, across the data-parallel ranks)")
+    for flag, value in (("--heads", heads), ("--d-model", d_model)):
+        if value % tp:
+            raise ValueError(f"{flag} {value} is not divisible by --tp {tp}")
+    if (4 * d_model) % tp:
+        raise ValueError(f"the MLP width 4 x --d-model = {4 * d_model} is not divisible by --tp {tp}")
+    if 256 % tp:
+        raise ValueError(f"the vocabulary (256 byte values) is not divisible by --tp {tp}")
+    if (sequence_parallel or tp_async) and seq_len % tp:
+        what = "--sequence-parallel" if sequence_parallel else f"--tp-async {tp_async} (sequence parallel)"
+        raise ValueError(f"--seq-len {seq_len} is not divisible by --tp {tp}: {what} splits the sequence")
+
+
+# --------------------------------------------------------------------------------------------
+# The layer set GPT builds from
+# --------------------------------------------------------------------------------------------
+class TensorParallelLayers(nn.Layers):
+    """nn.Layers split over ``group``: ``nn.GPT(cfg, layers=TensorParallelLayers(tp_group))``.
+
+    ``sequence_parallel``: activations outside the matmuls are split along the sequence.
+    ``overlap``: "none" (all-gather / reduce-scatter as one collective), "ring" or
+    "bidirectional" (collective matmuls; they imply sequence parallelism).
+    Creating it is collective over ``group`` when overlap is "bidirectional" (the second
+    direction gets its own communicator and progress thread).
+    """
+
+    def __init__(self, group: Group | None = None, sequence_parallel: bool = False, overlap: str = "none"):
+        if overlap not in OVERLAPS:
+            raise ValueError(f"overlap={overlap!r}; choose one of {OVERLAPS}")
+        self.group = group
+        self.parts = 1 if group is None else group.size
+        self.rank = 0 if group is None else group.rank
+        split = self.parts > 1
+        self.overlap = overlap if split else "none"
+        self.sequence_parallel = split and (sequence_parallel or overlap != "none")
+        # The counter-clockwise stream of the bidirectional ring runs on its own group, so
+        # its messages travel at the same time as the clockwise ones (full-duplex links).
+        self.reverse = (Group(group.user_comm.Dup(), name=f"{group.name}-ccw")
+                        if self.overlap == "bidirectional" else None)
+
+    def __repr__(self):
+        return (f"TensorParallelLayers(parts={self.parts}, sequence_parallel={self.sequence_parallel}, "
+                f"overlap={self.overlap!r})")
+
+    def shard(self, dim: int, blocks: int = 1):
+        return Shard(dim, self.rank, self.parts, blocks) if self.parts > 1 else None
+
+    def shared(self, *params):
+        """Replicated parameters as used on this rank's sequence shard: under sequence
+        parallelism their gradients are partial sums, which f (copy_to_tp) completes.
+        Several 1-d parameters go through one f (one all-reduce), joined end to end."""
+        if not self.sequence_parallel:
+            return params[0] if len(params) == 1 else params
+        if len(params) == 1:
+            return F.copy_to_tp(params[0], self.group)
+        joined = F.copy_to_tp(ops.concat(params, axis=0), self.group)
+        return tuple(ops.split(joined, [p.shape[0] for p in params], axis=0))
+
+    def enter(self, x):
+        """Megatron's f where a replicated x enters a tensor-parallel region."""
+        return F.copy_to_tp(x, self.group)
+
+    def leave(self, y):
+        """A region's output of partial sums: all-reduced (Megatron's g), or reduce-scattered
+        along the sequence (sequence parallelism)."""
+        if self.sequence_parallel:
+            return F.reduce_scatter_to_sp(y, self.group, axis=1)
+        return F.reduce_from_tp(y, self.group)
+
+    def gather_sequence(self, x, visit):
+        """All-gather the sequence (axis 1) of x, calling ``visit(rows, chunk)`` on the parts:
+        one collective, or the ring steps of a collective matmul (collective_matmul.py)."""
+        if self.overlap == "ring":
+            return cm.ring_all_gather(x, self.group, visit)
+        if self.overlap == "bidirectional":
+            return cm.bidirectional_all_gather(x, self.group, self.reverse, visit)
+        return cm.gather_once(x, self.group, visit)
+
+    def matmul_scatter_sequence(self, h, w):
+        """``reduce_scatter(h @ w, axis=1)``: one collective, or a collective matmul."""
+        if self.overlap == "ring":
+            return cm.matmul_reduce_scatter(h, w, self.group)
+        if self.overlap == "bidirectional":
+            return cm.bidirectional_matmul_reduce_scatter(h, w, self.group, self.reverse)
+        return cm.matmul_then_reduce_scatter(h, w, self.group)
+
+    # -- nn.Layers -----------------------------------------------------------------------------
+    def column(self, d_in, d_out, dtype, bias=True, std=0.02, fused=1):
+        return ColumnParallelLinear(d_in, d_out, dtype, self, bias, std, fused)
+
+    def row(self, d_in, d_out, dtype, bias=True, std=0.02):
+        return RowParallelLinear(d_in, d_out, dtype, self, bias, std)
+
+    def layer_norm(self, dim, dtype):
+        return LayerNorm(dim, dtype, self)
+
+    def token_embedding(self, num, dim, dtype):
+        return VocabParallelEmbedding(num, dim, dtype, self)
+
+    def position_embedding(self, num, dim, dtype):
+        return PositionEmbedding(num, dim, dtype, self)
+
+    def cross_entropy(self, logits, targets):
+        if self.parts == 1:
+            return ops.cross_entropy(logits, targets)
+        return vocab_parallel_cross_entropy(logits, targets, self.group)
+
+
+def _check_split(name, n, parts):
+    if n % parts:
+        raise ValueError(f"{name}={n} is not divisible by the {parts} tensor-parallel ranks")
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W + b`` with W's columns (and b) split: this rank's output features only."""
+
+    def __init__(self, d_in, d_out, dtype, tp: TensorParallelLayers, bias=True, std=0.02, fused=1):
+        _check_split("output features" if fused == 1 else f"output features of each of its {fused} fused parts",
+                     d_out // fused, tp.parts)
+        self.tp = tp
+        self.weight = nn._param((d_in, d_out), dtype, ("normal", std), tp.shard(1, fused))
+        self.bias = nn._param((d_out,), dtype, ("zeros",), tp.shard(0, fused)) if bias else None
+
+    def forward(self, x):
+        tp = self.tp
+        if tp.parts == 1:
+            return ops.linear(x, self.weight, self.bias)
+        if tp.sequence_parallel:
+            return all_gather_linear(x, self.weight, self.bias, tp)
+        return ops.linear(tp.enter(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ W + b`` with W's rows split: x holds this rank's input features, the
+    partial products are summed over the group (or reduce-scattered), then b is added."""
+
+    def __init__(self, d_in, d_out, dtype, tp: TensorParallelLayers, bias=True, std=0.02):
+        _check_split("input features", d_in, tp.parts)
+        self.tp = tp
+        self.weight = nn._param((d_in, d_out), dtype, ("normal", std), tp.shard(0))
+        self.bias = nn._param((d_out,), dtype, ("zeros",)) if bias else None
+
+    def forward(self, x):
+        tp = self.tp
+        if tp.parts == 1:
+            return ops.linear(x, self.weight, self.bias)
+        if tp.sequence_parallel:
+            y = linear_reduce_scatter(x, self.weight, tp)
+        else:
+            y = tp.leave(ops.linear(x, self.weight))
+        return y if self.bias is None else y + tp.shared(self.bias)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm whose gain and bias are replicated; under sequence parallelism each rank
+    normalises its own tokens, and f sums the parameters' gradients over the shards."""
+
+    def __init__(self, dim, dtype, tp: TensorParallelLayers, eps=1e-5):
+        super().__init__(dim, dtype, eps)
+        self.tp = tp
+
+    def forward(self, x):
+        return ops.layer_norm(x, *self.tp.shared(self.weight, self.bias), self.eps)
+
+
+class PositionEmbedding(nn.Embedding):
+    """The learned position table (replicated); under sequence parallelism a rank looks up
+    only the positions of its part of the sequence."""
+
+    def __init__(self, num, dim, dtype, tp: TensorParallelLayers):
+        super().__init__(num, dim, dtype)
+        self.tp = tp
+
+    def forward(self, positions):
+        if not self.tp.sequence_parallel:
+            return ops.embedding(self.weight, positions)
+        n = positions.shape[0] // self.tp.parts
+        mine = positions[self.tp.rank * n:(self.tp.rank + 1) * n]
+        return ops.embedding(self.tp.shared(self.weight), mine)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Token embedding with the vocabulary split: rank r holds rows [r V/tp, (r+1) V/tp).
+
+    Forward looks up the ids in this rank's range (zeros elsewhere) and sums the ranks'
+    partial embeddings (all-reduce, or reduce-scatter along the sequence under sequence
+    parallelism).  ``logits`` is the tied LM head: this rank's V/tp logits of every token.
+    """
+
+    def __init__(self, num, dim, dtype, tp: TensorParallelLayers, std=0.02):
+        _check_split("vocab_size", num, tp.parts)
+        self.tp = tp
+        self.vocab_size = num
+        self.weight = nn._param((num, dim), dtype, ("normal", std), tp.shard(0))
+
+    def forward(self, ids):
+        tp = self.tp
+        if tp.parts == 1:
+            return ops.embedding(self.weight, ids)
+        ids = check_index(xp.asarray(ids), self.vocab_size, "embedding id")
+        rows = self.weight.shape[0]
+        local = ids - tp.rank * rows
+        mine = (local >= 0) & (local < rows)
+        partial = ops.embedding(self.weight, xp.where(mine, local, 0)) * mine[..., None].astype(self.weight.dtype)
+        return tp.leave(partial)
+
+    def logits(self, x):
+        tp = self.tp
+        w_t = ops.transpose(self.weight, (1, 0))
+        if tp.parts == 1:
+            return ops.linear(x, w_t)
+        if tp.sequence_parallel:
+            return all_gather_linear(x, w_t, None, tp)
+        return ops.linear(tp.enter(x), w_t)
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabulary-parallel cross-entropy
+# --------------------------------------------------------------------------------------------
+def vocab_parallel_cross_entropy(logits, targets, group):
+    """Mean cross-entropy of vocabulary-sharded logits (Megatron-LM's vocab-parallel loss).
+
+    ``logits`` (..., V/tp) are this rank's columns [r V/tp, (r+1) V/tp) of the full logits;
+    ``targets`` (...) are global token ids, the same on every rank.  Per token::
+
+        m = max over ranks of the local maxima                      (all-reduce max)
+        S = sum over ranks of sum_j exp(z_j - m)                      (all-reduce sum)
+        z_t - m from the one rank that holds column t, 0 elsewhere   (same all-reduce)
+        loss = log S - (z_t - m)
+
+    Communication: 3 numbers per token, never the V/tp logits.  The loss is replicated;
+    its gradient with respect to this rank's logits is (softmax - onehot) / n on this
+    rank's columns, which needs no communication.
+    """
+    Vl = logits.shape[-1]
+    lo = group.rank * Vl
+    targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"cross_entropy: targets shape {tuple(targets.shape)} != logits shape "
+                         f"{tuple(logits.shape[:-1])} (logits without the class axis)")
+    t = check_index(targets.reshape(-1), Vl * group.size, "cross_entropy target")
+    cdt = compute_dtype(logits.dtype)
+    z = logits.data.reshape(-1, Vl).astype(cdt, copy=True)
+    n, rows = z.shape[0], xp.arange(z.shape[0])
+    z -= comm.all_reduce(z.max(axis=1), group, op="max")[:, None]
+    local = t - lo
+    mine = (local >= 0) & (local < Vl)
+    local = xp.where(mine, local, 0)
+    picked = xp.where(mine, z[rows, local], 0.0)
+    xp.exp(z, out=z)
+    total, picked = comm.all_reduce(xp.stack([z.sum(axis=1), picked]), group, op="sum")
+    nll = xp.log(total) - picked
+    z /= total[:, None]  # this rank's columns of softmax(z), saved for backward
+    loss = xp.asarray(nll.sum() / n, dtype=cdt)
+
+    def backward(g):
+        scale = float(g) / n
+        dz = z * scale
+        dz[rows[mine], local[mine]] -= scale
+        return (to_dtype(dz.reshape(logits.shape), logits.dtype),)
+
+    return make_tensor(loss, (logits,), backward)
+
+
+# --------------------------------------------------------------------------------------------
+# The sequence-parallel linear layers as ops (one collective, or a collective matmul)
+# --------------------------------------------------------------------------------------------
+def _check_layout(x, N, what):
+    if x.ndim != 3:
+        raise ValueError(f"{what}: sequence parallelism needs (batch, sequence, features) input, "
+                         f"got shape {tuple(x.shape)}")
+    if what == "linear_reduce_scatter" and x.shape[1] % N:
+        raise ValueError(f"{what}: sequence length {x.shape[1]} is not divisible by tp={N}")
+
+
+def _out_dtype(*arrays):
+    """The dtype ops.linear would give these inputs (the autocast dtype inside autocast)."""
+    low = get_autocast_dtype()
+    return low if low is not None else xp.result_type(*[a.dtype for a in arrays])
+
+
+def all_gather_linear(x, w, b, tp: TensorParallelLayers):
+    """Column-parallel ``all_gather(x, axis=1) @ w + b`` for this rank's sequence part x.
+
+    Only x is kept for backward, which gathers it again (Korthikanti et al. 2022, sec. 4.2.2:
+    no rank stores the whole sequence's input).  Backward: dx = reduce_scatter(dy @ w^T),
+    dw = the sum over the gathered chunks c of x_c^T dy_c, db = the column sums of dy.
+    """
+    _check_layout(x, tp.parts, "all_gather_linear")
+    (W, Bias), _ = gemm_operands(w.data, None if b is None else b.data)
+    B, n, _ = x.shape
+    y = xp.empty((B, n * tp.parts, W.shape[1]), dtype=xp.result_type(compute_dtype(x.dtype), W.dtype))
+
+    def product(rows, chunk):
+        y[:, rows] = cm.mm(chunk, W)
+
+    tp.gather_sequence(x.data, product)
+    if Bias is not None:
+        y += Bias
+
+    def backward(g):
+        G = g if g.dtype == y.dtype else g.astype(y.dtype)
+        gx = to_dtype(tp.matmul_scatter_sequence(G, W.T), x.dtype) if x.requires_grad else None
+        gw = None
+        if w.requires_grad:
+            gw = xp.zeros(W.shape, dtype=y.dtype)
+
+            def weight_grad(rows, chunk):
+                gw[...] += cm.mm_t(chunk, G[:, rows])
+
+            tp.gather_sequence(x.data, weight_grad)
+        g2d = G.reshape(-1, G.shape[-1])
+        gb = xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if b is not None and b.requires_grad else None
+        return gx, to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
+
+    return make_tensor(to_dtype(y, _out_dtype(x.data, w.data)), (x, w, b), backward)
+
+
+def linear_reduce_scatter(h, w, tp: TensorParallelLayers):
+    """Row-parallel ``reduce_scatter(h @ w, axis=1)`` (no bias): this rank's sequence part.
+
+    Backward gathers dy chunk by chunk: dh[:, rows] = dy_c @ w^T and dw += h[:, rows]^T dy_c.
+    """
+    _check_layout(h, tp.parts, "linear_reduce_scatter")
+    (H, W), out_dtype = gemm_operands(h.data, w.data)
+    y = tp.matmul_scatter_sequence(H, W)
+
+    def backward(g):
+        gh = xp.empty(H.shape, dtype=H.dtype) if h.requires_grad else None
+        gw = xp.zeros(W.shape, dtype=H.dtype) if w.requires_grad else None
+
+        def grads(rows, chunk):
+            if gh is not None:
+                gh[:, rows] = cm.mm(chunk, W.T)
+            if gw is not None:
+                gw[...] += cm.mm_t(H[:, rows], chunk)
+
+        tp.gather_sequence(g, grads)
+        return to_dtype(gh, h.dtype), to_dtype(gw, w.dtype)
+
+    return make_tensor(to_dtype(y, out_dtype), (h, w), backward)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient norm over a tensor-parallel group
+# --------------------------------------------------------------------------------------------
+def tp_grad_norm_sq(params, group) -> float:
+    """Squared global gradient norm when ``params`` are this rank's part of a tensor-parallel
+    model: sharded parameters' squares summed over the group, replicated ones counted once."""
+    sharded = [p for p in params if getattr(p, "sharding", None) is not None]
+    replicated = [p for p in params if getattr(p, "sharding", None) is None]
+    sq = grad_norm_sq(sharded)
+    if group is not None and group.size > 1:
+        sq = float(comm.all_reduce(xp.asarray([sq], dtype=xp.float64), group, op="sum")[0])
+    return sq + grad_norm_sq(replicated)
+
+
+class TensorParallelStrategy:
+    """The training loop's strategy (parallel/strategy.py) of the data axis, made aware of the
+    tp group: the gradient norm sums the sharded parameters' squares over the tp ranks (the
+    replicated ones once), and an fp16 overflow on any tp rank skips the step on all.
+    Everything else (rows of the batch, gradient reduction over dp, the update) is the
+    wrapped strategy's: tp-sharded and replicated gradients are reduced over the dp group
+    only, each tp rank reducing its own slices."""
+
+    def __init__(self, inner, group):
+        self.inner, self.group = inner, group
+        self.name = f"{inner.name}, tensor parallel over {group.size} ranks"
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def found_inf(self, scaler) -> bool:
+        from minidist.parallel.data import any_rank
+
+        return any_rank(self.inner.found_inf(scaler), self.group)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(self.inner.grad_holders, max_norm, self.group)
+
+
+def clip_grad_norm(params, max_norm: float, group) -> float:
+    """optim.clip_grad_norm for a tensor-parallel model (the norm of the whole model)."""
+    from minidist.optim.clip import clip_coefficient, scale_grads
+
+    params = list(params)
+    total = math.sqrt(tp_grad_norm_sq(params, group))
+    if math.isfinite(total):
+        scale_grads(params, clip_coefficient(total, float(max_norm)))
+    return total

@@ -1,0 +1,139 @@
+"""Tensor parallelism (parallel/tensor.py): layers, vocabulary-parallel loss, training, overlap."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minidist.parallel import tensor as tpm
+from minidist.testing import mpiexec_command, run_mpi
+
+BODIES = os.path.join(os.path.dirname(__file__), "mpi", "tensor_bodies.py")
+
+
+def test_shard_takes_each_fused_block():
+    full = np.arange(2 * 12).reshape(2, 12)  # q | k | v, 4 columns each
+    shard = tpm.Shard(dim=1, index=1, parts=2, blocks=3)
+    assert shard.local_shape(full.shape) == (2, 6)
+    assert list(shard.indices(12)) == [2, 3, 6, 7, 10, 11]
+    np.testing.assert_array_equal(shard.take(full), full[:, [2, 3, 6, 7, 10, 11]])
+
+
+def test_layers_refuse_sizes_their_ranks_cannot_split():
+    from minidist import nn
+
+    class SplitInTwo(nn.Layers):
+        parts = 2
+
+    cfg = nn.GPTConfig(vocab_size=256, seq_len=8, n_layer=1, n_head=3, d_model=12)
+    with pytest.raises(ValueError, match="n_head=3 is not divisible by the 2 ranks"):
+        nn.CausalSelfAttention(cfg, np.float64, SplitInTwo())
+    fake = tpm.TensorParallelLayers(None)
+    fake.parts = 4
+    with pytest.raises(ValueError, match="vocab_size=250 is not divisible by the 4 tensor-parallel ranks"):
+        fake.token_embedding(250, 8, np.float64)
+    with pytest.raises(ValueError, match="input features=6 is not divisible"):
+        fake.row(6, 8, np.float64)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ((1, 4, 32, 16, False, "ring"), "--tp-async ring needs --tp greater than 1"),
+    ((4, 6, 48, 16, False, None), "--heads 6 is not divisible by --tp 4"),
+    ((4, 4, 30, 16, False, None), "--d-model 30 is not divisible by --tp 4"),
+    ((3, 3, 33, 15, False, None), r"vocabulary \(256 byte values\) is not divisible by --tp 3"),
+    ((4, 4, 32, 10, True, None), "--seq-len 10 is not divisible by --tp 4: --sequence-parallel"),
+    ((4, 4, 32, 10, False, "bidirectional"), "--seq-len 10 is not divisible by --tp 4: --tp-async bidirectional"),
+])
+def test_cli_flags_tp_cannot_split_are_named(flags, message):
+    with pytest.raises(ValueError, match=message):
+        tpm.check_cli(*flags)
+    tpm.check_cli(2, 4, 32, 16, True, "ring")  # and a good combination passes
+
+
+def test_one_rank_is_the_plain_model():
+    from minidist import nn
+
+    cfg = nn.GPTConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=8, dtype="float64")
+    plain, single = nn.GPT(cfg), nn.GPT(cfg, tpm.TensorParallelLayers(None, sequence_parallel=True, overlap="ring"))
+    ids = np.random.default_rng(0).integers(0, 256, (2, 8))
+    assert plain(ids, ids).item() == single(ids, ids).item()
+
+
+@pytest.mark.mpi
+def test_layers_match_plain_layers_tp3_and_tp2():
+    out = run_mpi(3, f"{BODIES}::layers_match_plain", timeout=120).stdout
+    assert "tensor layers ok: tp=3" in out and "tensor layers ok: tp=2" in out, out
+    assert out.count("tensor layers done") == 3, out
+
+
+@pytest.mark.mpi
+def test_vocab_parallel_loss_never_holds_the_full_vocabulary():
+    out = run_mpi(2, f"{BODIES}::vocab_parallel_loss", timeout=90).stdout
+    assert out.count("vocab parallel loss ok") == 2, out
+
+
+@pytest.mark.mpi
+def test_training_equals_single_process_tp4_and_tp2():
+    out = run_mpi(4, f"{BODIES}::training_matches_serial", timeout=180).stdout
+    for n in (2, 4):
+        for mode in ("tensor", "sequence", "ring", "bidirectional", "untied head"):
+            assert f"training ok: tp={n} {mode}" in out, out
+    assert "activation checkpointing and 2 accumulated" in out and "tp=2 ring, activation" in out, out
+    assert out.count("bf16 within 2e-2") == 2, out
+    assert out.count("training done") == 4, out
+
+
+@pytest.mark.mpi
+def test_ring_steps_overlap_the_matmuls_on_a_slow_link():
+    out = run_mpi(2, f"{BODIES}::overlap_timeline", timeout=90, env={"MINIDIST_LINK_GBPS": "1"}).stdout
+    assert out.count("overlap ok: ring") == 2 and out.count("overlap ok: bidirectional") == 2, out
+
+
+@pytest.mark.mpi
+def test_dp2_x_tp2_equals_single_process():
+    out = run_mpi(4, f"{BODIES}::dp_tp_matches_serial", timeout=120).stdout
+    for mode in ("tensor", "sequence", "ring", "bidirectional"):
+        assert f"dp x tp ok: {mode}" in out, out
+    assert out.count("overflow agreed") == 4, out
+
+
+# -- the training command ------------------------------------------------------------------------
+TINY = ["--layers", "2", "--d-model", "16", "--heads", "4", "--seq-len", "8", "--batch-size", "8",
+        "--peak-gflops", "10", "--eval-batches", "1", "--eval-every", "3", "--quiet"]
+
+
+def _train(n, args, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    launcher = mpiexec_command(n) if n > 1 else []
+    return subprocess.run(launcher + [sys.executable, "-m", "minidist.train"] + TINY + args,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.mpi
+def test_cli_dp2_x_tp2_async_equals_one_process(tmp_path):
+    common = ["--steps", "3", "--dtype", "float64", "--data", __file__]
+    one, four = tmp_path / "1.jsonl", tmp_path / "4.jsonl"
+    assert _train(1, common + ["--metrics-jsonl", str(one)]).returncode == 0
+    r = _train(4, common + ["--tp", "2", "--tp-async", "bidirectional", "--metrics-jsonl", str(four)])
+    assert r.returncode == 0, r.stderr
+    a, b = ([json.loads(line) for line in f.read_text().splitlines()] for f in (one, four))
+    assert b[0]["mesh"] == "dp=2 tp=2" and len(a) == len(b) == 3
+    for key in ("loss", "grad_norm", "val_loss"):
+        np.testing.assert_allclose([r.get(key, 0) for r in b], [r.get(key, 0) for r in a], rtol=1e-9, err_msg=key)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, args, needle", [
+    (2, ["--tp", "2", "--heads", "3", "--d-model", "24"], "--heads 3 is not divisible by --tp 2"),
+    (3, ["--tp", "3", "--heads", "3", "--d-model", "24"], "vocabulary (256 byte values) is not divisible by --tp 3"),
+    (2, ["--tp", "2", "--sequence-parallel", "--seq-len", "7"], "--seq-len 7 is not divisible by --tp 2"),
+    (2, ["--tp-async"], "--tp-async ring needs --tp greater than 1 (got --tp 1)"),
+    (2, ["--tp", "2", "--zero", "1"], "ZeRO does not shard tensor-parallel models"),
+])
+def test_bad_tensor_parallel_input_is_one_message_exit_2(n, args, needle):
+    r = _train(n, args, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.count(needle) == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
