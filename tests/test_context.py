@@ -140,3 +140,21 @@ def test_bad_context_input_is_one_message_exit_2(n, args, needle):
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.count(needle) == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout == ""
+
+
+@pytest.mark.mpi
+def test_cli_blockwise_attention_under_tensor_parallelism_equals_one_process(tmp_path):
+    """--attention blockwise runs on each rank's heads under --tp: same losses as one process
+    with plain attention (float64)."""
+    import json
+
+    common = ["--steps", "3", "--eval-every", "0", "--dtype", "float64", "--metrics-jsonl"]
+    runs = {}
+    for name, n, extra in (("one", 1, []), ("tp", 2, ["--tp", "2", "--attention", "blockwise",
+                                                      "--attention-block", "5"])):
+        out = tmp_path / f"{name}.jsonl"
+        r = _train(n, common + [str(out)] + extra)
+        assert r.returncode == 0, r.stderr
+        runs[name] = [json.loads(line)["loss"] for line in out.read_text().splitlines()]
+    assert len(runs["one"]) == 3
+    np.testing.assert_allclose(runs["tp"], runs["one"], rtol=1e-9)
