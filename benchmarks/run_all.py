@@ -54,6 +54,8 @@ PARTS = [
          [], ["--quick"], full_s=300, quick_s=20),
     Part("tensor", "bench_tensor.py", "tensor parallelism on 2 ranks: collective matmuls vs sync "
          "(simulated 1 Gbit/s link), tp=2 vs 1 rank", [], ["--quick"], full_s=30, quick_s=3),
+    Part("context", "bench_context.py", "long sequences: blockwise vs plain attention, ring vs Ulysses vs one rank",
+         [], ["--quick"], full_s=120, quick_s=8),
     Part("pipeline", "bench_pipeline.py", "pipeline schedules: measured bubble vs formula, tokens/s vs one rank",
          [], ["--quick"], full_s=150, quick_s=4),
 ]
@@ -63,7 +65,7 @@ def missing_requirement(part: Part) -> str | None:
     """Why ``part`` cannot run here (one line), or None."""
     if part.name == "model" and importlib.util.find_spec("torch") is None:
         return "PyTorch is not installed (pip install -e '.[torch]'; `make bench` tries that first)"
-    if part.name in ("collectives", "ddp", "tensor", "pipeline"):
+    if part.name in ("collectives", "ddp", "tensor", "context", "pipeline"):
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py is not installed (make install)"
         local = os.path.join(os.path.dirname(sys.executable), "mpiexec")

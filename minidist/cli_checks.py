@@ -166,7 +166,7 @@ def training_memory_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int,
                           batch_size: int, grad_accum: int = 1, dtype: str = "float32",
                           mixed_precision: str = "none", checkpoint_activations: bool = False,
                           optimizer: str = "adamw", tied: bool = True, vocab_size: int = 256,
-                          data_bytes: int = 0, eval_batches: int = 0) -> dict:
+                          data_bytes: int = 0, eval_batches: int = 0, score_values: int | None = None) -> dict:
     """Estimated peak bytes of a training step, by part (``total`` sums them).
 
     Fitted to :mod:`tracemalloc` peaks of real two-step runs (1-8 layers, d_model 32-1024,
@@ -178,7 +178,9 @@ def training_memory_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int,
     largest weight.  Checkpointing keeps each block's input and one block's activations;
     mixed precision (float32 arithmetic on low-precision copies) was measured 25 % above
     float32.  ``data_bytes`` of corpus are held twice while loading; ``eval_batches`` fixed
-    validation batches are int64 inputs and targets.
+    validation batches are int64 inputs and targets.  ``score_values``: the attention scores a
+    block keeps per sequence (default ``n_head * seq_len**2``, plain attention's; blockwise and
+    context-parallel attention keep fewer, see ``parallel.context_cli.score_values``).
     """
     item = NUMPY_BYTES[dtype]
     act_item = item if mixed_precision == "none" else 5  # measured: 1.25 x float32
@@ -186,7 +188,8 @@ def training_memory_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int,
     states = 2 if optimizer == "adamw" else 1  # AdamW: m, v; SGD: momentum
     micro = -(-batch_size // grad_accum)       # the largest micro-batch
     tokens = micro * seq_len
-    block = 24 * tokens * d_model + micro * n_head * seq_len * seq_len
+    scores = n_head * seq_len * seq_len if score_values is None else score_values
+    block = 24 * tokens * d_model + micro * scores
     stored = (n_layer * tokens * d_model + block) if checkpoint_activations else n_layer * block
     parts = {
         "weights, gradients and optimizer state": params * item * (2 + states),

@@ -23,6 +23,7 @@ Linear weights are stored ``(in_features, out_features)`` so the forward pass is
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -197,13 +198,30 @@ class CausalSelfAttention(Module):
         self.n_head = cfg.n_head // layers.parts  # this rank's heads (all of them unless split)
         self.c_attn = layers.column(cfg.d_model, 3 * cfg.d_model, dtype, cfg.bias, fused=3)
         self.c_proj = layers.row(cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
+        # The attention function (qkv, n_head) -> y; context parallelism swaps in ring or
+        # Ulysses attention here (minidist.parallel.context).
+        self.attention = attention_function(cfg.attention, cfg.attention_block)
 
     def forward(self, x):
         qkv = self.c_attn(x)                                       # (B, T, 3C)
-        # The fused op reads each head's q, k, v as strided views of qkv and writes its
+        # The plain op reads each head's q, k, v as strided views of qkv and writes its
         # output into the head's columns of y: no (B, H, T, D) transpose copies.
-        y = ops.self_attention(qkv, self.n_head, causal=True)     # (B, T, C)
+        y = self.attention(qkv, self.n_head)                      # (B, T, C), causal
         return self.c_proj(y)
+
+
+ATTENTIONS = ("plain", "blockwise")
+"""Attention on one rank: ``plain`` keeps the T x T probabilities, ``blockwise`` (FlashAttention's
+online softmax) never holds more than a block x block tile of them."""
+
+
+def attention_function(name: str = "plain", block: int = 128):
+    """The causal self-attention ``(qkv, n_head) -> y`` called ``name``."""
+    if name == "plain":
+        return ops.self_attention
+    if name == "blockwise":
+        return functools.partial(ops.blockwise_self_attention, block=block)
+    raise ValueError(f"unknown attention {name!r}; choose from {ATTENTIONS}")
 
 
 class MLP(Module):
@@ -245,6 +263,8 @@ class GPTConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"   # parameter (master weight) dtype
     seed: int = 0
+    attention: str = "plain"  # "plain" or "blockwise" (see ATTENTIONS)
+    attention_block: int = 128  # query/key block of the blockwise attention
 
     def __post_init__(self):
         for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -254,6 +274,8 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         _dtype(self.dtype)
+        attention_function(self.attention)
+        ops.check_block(self.attention_block)
 
     @property
     def residual_std(self) -> float:
@@ -280,11 +302,12 @@ class GPT(Module):
 
     # -- the pieces a pipeline stage runs ----------------------------------------------------
     def embed(self, ids) -> Tensor:
-        """Token + position embeddings of an int array ``ids`` (B, T)."""
-        T = ids.shape[-1]
-        if T > self.config.seq_len:
-            raise ValueError(f"sequence length {T} exceeds the position table ({self.config.seq_len})")
-        x = self.wte(ids) + self.wpe(xp.arange(T))
+        """Token + position embeddings of an int array ``ids`` (B, T), at ``token_positions``."""
+        positions = self.token_positions(ids.shape[-1])
+        if positions.shape[-1] and int(positions.max()) >= self.config.seq_len:
+            raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds the position table "
+                             f"({self.config.seq_len})")
+        x = self.wte(ids) + self.wpe(positions)
         low = ops.get_autocast_dtype()
         return ops.cast(x, low) if low is not None else x  # mixed precision: low-precision activations
 
@@ -308,6 +331,12 @@ class GPT(Module):
 
     def loss(self, logits: Tensor, targets) -> Tensor:
         return self.layers.cross_entropy(logits, targets)
+
+    def token_positions(self, T: int):
+        """The places in their sequences of the T tokens of each row this rank embeds: 0..T-1
+        (context parallelism replaces this hook by its slice of the sequence:
+        ``model.token_positions = ...``)."""
+        return xp.arange(T)
 
     def forward(self, ids, targets=None):
         """Logits for ``ids``, or the mean cross-entropy if ``targets`` are given."""

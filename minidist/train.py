@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hide the all-gathers and reduce-scatters behind the matmuls as ring steps (collective "
                          "matmul, Wang et al.; implies --sequence-parallel); 'bidirectional' sends half each way "
                          "(default when given: ring)")
+
+    from .parallel.context_cli import add_arguments as add_context_arguments
+
+    add_context_arguments(p, POSITIVE)  # --attention, --attention-block, --cp, --cp-impl
+
     from .parallel.pipeline import cli as pipeline_cli
 
     pipeline_cli.add_arguments(p)
@@ -177,6 +182,7 @@ def _validate(args):
         raise InputError(f"--grad-accum {args.grad_accum} exceeds --batch-size {args.batch_size}: "
                          "every micro-batch needs at least one sequence")
     _validate_mesh(args)
+    _validate_context(args)
     _validate_pipeline(args)
     if args.min_lr is None:
         args.min_lr = args.lr / 10
@@ -262,14 +268,27 @@ def _validate_pipeline(args):
     pipeline_cli.validate(args)
 
 
+def _validate_context(args):
+    from .parallel.context_cli import check_arguments
+
+    try:
+        check_arguments(args)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
 def memory_estimate(args) -> dict:
     from .data import DEFAULT_MAX_BYTES
 
+    from .parallel.context_cli import score_values
+
     data_bytes = os.path.getsize(args.data) if args.data else DEFAULT_MAX_BYTES
-    return training_memory_bytes(args.layers, args.d_model, args.heads, args.seq_len, args.block_size,
+    seq_per_rank = args.seq_len // getattr(args, "cp", 1)  # context parallelism: this rank's tokens
+    return training_memory_bytes(args.layers, args.d_model, args.heads, seq_per_rank, args.block_size,
                                  args.batch_size, args.grad_accum, args.dtype, args.mixed_precision,
                                  args.checkpoint_activations, args.optimizer, not args.untied,
-                                 data_bytes=data_bytes, eval_batches=args.eval_batches if args.eval_every else 0)
+                                 data_bytes=data_bytes, eval_batches=args.eval_batches if args.eval_every else 0,
+                                 score_values=score_values(args))
 
 
 def make_model(args, layers=None):
@@ -277,7 +296,8 @@ def make_model(args, layers=None):
     from .nn import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=256, seq_len=args.block_size, n_layer=args.layers, n_head=args.heads,
-                    d_model=args.d_model, tie_embeddings=not args.untied, dtype=args.dtype, seed=args.seed)
+                    d_model=args.d_model, tie_embeddings=not args.untied, dtype=args.dtype, seed=args.seed,
+                    attention=getattr(args, "attention", "plain"), attention_block=getattr(args, "attention_block", 128))
     model = GPT(cfg, layers)
     model.checkpoint_activations = args.checkpoint_activations
     return model
@@ -373,6 +393,12 @@ def build_strategy(args, model, opt, mesh=None):
     """The parallel strategy these flags ask for (one process when the world has one rank)."""
     from .parallel.strategy import make_strategy
 
+    if getattr(args, "cp", 1) > 1:  # the sequence split over cp ranks (and the batch over dp)
+        from .comm import Mesh
+        from .parallel.context import ContextParallelStrategy
+
+        return ContextParallelStrategy(model, opt, Mesh(dp=args.dp, cp=args.cp), args.cp_impl, args.attention,
+                                       args.attention_block, bucket_mb=args.bucket_mb, overlap=not args.no_overlap)
     strategy = make_strategy(model, opt, dp=args.dp, zero=args.zero, bucket_mb=args.bucket_mb,
                              overlap=not args.no_overlap, hsdp_shard=args.hsdp_shard,
                              mesh=mesh if args.dp > 1 else None)
@@ -428,7 +454,8 @@ def train(args, log=print, data=None):
 
     mesh = f"dp={args.dp}" + (f" (shard {args.hsdp_shard} x replicate {args.dp // args.hsdp_shard})"
                               if args.hsdp_shard else "") + (f" zero={args.zero}" if args.zero else "") \
-        + (f" tp={args.tp}" if getattr(args, "tp", 1) > 1 else "")
+        + (f" tp={args.tp}" if getattr(args, "tp", 1) > 1 else "") + (
+        f" cp={args.cp} ({args.cp_impl})" if getattr(args, "cp", 1) > 1 else "")
     mesh += f" pp={args.pp}" if getattr(args, "pp", 1) > 1 else ""
     metrics, metrics_file = [], open(args.metrics_jsonl, "w") if args.metrics_jsonl and rank0 else None
     try:

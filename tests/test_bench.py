@@ -26,7 +26,7 @@ def _import(name):
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """`run_all.py --quick`: both benchmarks in their smallest form (seconds), run once."""
+    """`run_all.py --quick`: every benchmark in its smallest form (seconds), run once."""
     out = tmp_path_factory.mktemp("bench")
     r = subprocess.run([sys.executable, os.path.join(BENCH, "run_all.py"), "--quick", "--out", str(out)],
                        timeout=600, capture_output=True, text=True)
@@ -45,6 +45,7 @@ def test_run_all_quick_says_what_it_runs(quick_run):
     torch_here = importlib.util.find_spec("torch") is not None
     k = parts.index("model") + 1
     assert (f"[{k}/{n}] model: done in" if torch_here else f"[{k}/{n}] model: skipped: PyTorch is not installed") in stdout
+    assert f"[{parts.index('context') + 1}/{n}] context: done in" in stdout
     with open(out / "run_all.json") as f:
         durations = json.load(f)["quick"]
     assert durations["collectives"] > 0 and ("model" in durations) == torch_here
@@ -131,6 +132,23 @@ def test_bench_tensor_quick(quick_run):
     ratios = report["gpt"]["ratio_vs_1_rank"]
     assert set(ratios) == {"1 rank", "tp=2", "tp=2 sequence parallel"} and ratios["1 rank"] == 1.0
     assert all(v > 0 for v in report["gpt"]["tokens_per_s"].values())
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_context_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "context.json") as f:
+        report = json.load(f)
+    one = report["one_rank"]
+    for side in ("plain", "blockwise"):
+        assert one[side]["step_s"] > 0 and one[side]["peak_attention_bytes"] > 0, one
+    assert one["attention_memory_ratio"] == pytest.approx(
+        one["blockwise"]["peak_attention_bytes"] / one["plain"]["peak_attention_bytes"])
+    for side in ("ring cp=2", "ulysses cp=2", "one rank (plain)", "one rank (blockwise)"):
+        row = report["cp2"][side]
+        assert row["tokens_per_s"] > 0 and len(row["peak_bytes_per_rank"]) == 2, (side, row)
+        assert (row["attention_bytes_sent"] > 0) == ("cp=2" in side), (side, row)
 
 
 @pytest.mark.mpi

@@ -90,8 +90,19 @@ def test_07_tensor_parallel_modes_agree():
 
 
 @pytest.mark.mpi
-def test_08_pipeline_every_schedule_same_loss():
-    out = run_mpi(4, os.path.join(EXAMPLES, "08_pipeline.py"), "--quick", timeout=120).stdout
+def test_08_context_parallel_balances_and_agrees():
+    out = run_mpi(4, os.path.join(EXAMPLES, "08_context_parallel.py"), "--quick", timeout=120).stdout
+    assert "same loss everywhere: True" in out, out
+    zigzag = next(line for line in out.splitlines() if line.strip().startswith("zig-zag:"))
+    contiguous = next(line for line in out.splitlines() if line.strip().startswith("contiguous:"))
+    assert zigzag.endswith(" 1.00x") and not contiguous.endswith(" 1.00x"), out
+    for name in ("ring, zig-zag", "ring, contiguous", "ulysses", "one rank (plain attention)"):
+        assert f"\n{name}: loss " in out, out
+
+
+@pytest.mark.mpi
+def test_09_pipeline_every_schedule_same_loss():
+    out = run_mpi(4, os.path.join(EXAMPLES, "09_pipeline.py"), "--quick", timeout=120).stdout
     table = out[out.index("schedule         bubble meas."):].splitlines()[1:6]
     names = [row.split()[0] for row in table]
     assert names == ["naive", "gpipe", "1f1b", "interleaved", "looping"], out

@@ -201,6 +201,7 @@ def test_cli_pipeline_trains_like_one_process_and_reports_the_bubble(tmp_path):
     (2, ["--pp", "3"], "the world size 2 is not divisible by the other mesh axes (3)"),
     (2, ["--pp", "2", "--microbatches", "9"], "--microbatches 9 exceeds the 8 sequence(s)"),
     (4, ["--pp", "2", "--tp", "2"], "--pp 2 with --tp 2: pipeline and tensor parallelism do not compose yet"),
+    (4, ["--pp", "2", "--cp", "2"], "--pp 2 with --cp 2: pipeline and context parallelism do not compose yet"),
 ])
 def test_bad_pipeline_input_is_one_message_exit_2(n, args, needle):
     r = _train(n, args, timeout=60)

@@ -2,7 +2,8 @@
 
 Modules: ``basic`` (arithmetic with broadcasting, reductions, shape ops, indexing),
 ``linalg`` (matmul, linear), ``nn_ops`` (gelu, softmax, layer_norm, embedding,
-cross_entropy), ``attention`` (fused scaled dot-product attention) and ``precision``
+cross_entropy), ``attention`` (fused scaled dot-product attention), ``blockwise`` (the same
+attention in tiles with the online softmax, FlashAttention) and ``precision``
 (autocast, cast).  Importing this package also attaches operator sugar to
 :class:`~minidist.autograd.Tensor` (``a + b``, ``a @ b``, ``x[:, 1:3]``, ``x.sum()``...).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from ..autograd import Tensor
 from .attention import attention, causal_mask, self_attention
+from .blockwise import blockwise_attention, blockwise_self_attention, check_block
 from .basic import (
     add,
     concat,
@@ -39,7 +41,8 @@ __all__ = [
     "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sqrt", "sum", "mean",
     "reshape", "transpose", "split", "concat", "getitem", "index_rows", "unbroadcast",
     "matmul", "linear", "gelu", "softmax", "layer_norm", "embedding", "cross_entropy",
-    "attention", "self_attention", "causal_mask", "cast", "autocast", "get_autocast_dtype",
+    "attention", "self_attention", "causal_mask", "blockwise_attention", "blockwise_self_attention",
+    "check_block", "cast", "autocast", "get_autocast_dtype",
 ]
 
 

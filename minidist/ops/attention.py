@@ -2,8 +2,8 @@
 
     S = scale * Q K^T (+ causal mask),   P = softmax(S),   O = P V
 
-Forward keeps P (the attention probabilities, B*H*T*T values; fine at minidist's sizes,
-where FlashAttention would instead recompute them blockwise).  Backward:
+Forward keeps P (the attention probabilities, B*H*T*T values; fine at minidist's sizes;
+``blockwise.py`` recomputes them tile by tile instead, as FlashAttention does).  Backward:
 
     dV = P^T dO
     dP = dO V^T

@@ -12,6 +12,9 @@ it works over; it never reaches for a global.  Start reading at ``data.py``:
   collective_matmul.py  all-gather / reduce-scatter hidden behind chunk matmuls (Wang et al. 2022)
   tensor.py   tensor parallelism (Megatron-LM): split layers, sequence parallelism, the
               vocabulary-parallel loss; nn.GPT builds its layers through TensorParallelLayers
+  context.py  context parallelism: ring attention (Liu et al. 2023) with the zig-zag layout and
+              DeepSpeed-Ulysses (Jacobs et al. 2023) over the cp group; its training strategy
+  context_cli.py  the training command's long-sequence flags and their checks (no MPI)
   pipeline/   pipeline parallelism: schedules as data (schedules.py), one runtime for every
               schedule (runtime.py), the CLI flags (cli.py), the loop's strategy (strategy.py)
 """

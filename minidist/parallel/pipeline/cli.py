@@ -61,6 +61,9 @@ def validate(args) -> None:
     if getattr(args, "tp", 1) > 1:
         raise InputError(f"--pp {P} with --tp {args.tp}: pipeline and tensor parallelism do not compose yet; "
                          "use one of them (each composes with --dp)")
+    if getattr(args, "cp", 1) > 1:
+        raise InputError(f"--pp {P} with --cp {args.cp}: pipeline and context parallelism do not compose yet; "
+                         "use one of them (each composes with --dp)")
     if getattr(args, "zero", 0) not in (0, 1, None) or getattr(args, "hsdp_shard", None) is not None:
         raise InputError(f"--pp {P} composes with DDP (--zero 0) and ZeRO-1 (--zero 1); "
                          f"ZeRO-{args.zero} shards gradients or parameters across a stage's replicas, "

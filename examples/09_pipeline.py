@@ -1,6 +1,6 @@
 """Pipeline parallelism: every schedule on the same model, side by side.
 
-    mpiexec -n 4 python examples/08_pipeline.py [--microbatches 8] [--steps 3] [--quick]
+    mpiexec -n 4 python examples/09_pipeline.py [--microbatches 8] [--steps 3] [--quick]
 
 An 8-layer GPT is cut into one stage per rank (two chunks per rank for the looped
 schedules) and trained for a few steps with each schedule of

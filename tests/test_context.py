@@ -1,0 +1,160 @@
+"""Context parallelism (ring attention, Ulysses): cp in {2, 4} and dp=2 x cp=2 train exactly
+like one process (float64); memory below T x T; zig-zag balances the work; bad input."""
+import os
+
+import numpy as np
+import pytest
+
+from minidist.parallel import context as ctx
+from minidist.testing import run_mpi
+
+BODIES = os.path.join(os.path.dirname(__file__), "mpi", "context_bodies.py")
+
+
+def test_positions_cover_the_sequence_once():
+    for zigzag in (True, False):
+        for cp in (1, 2, 4):
+            seen = np.concatenate([ctx.positions(r, cp, 16, zigzag) for r in range(cp)])
+            assert sorted(seen.tolist()) == list(range(16))
+    assert ctx.positions(1, 4, 16, True).tolist() == [2, 3, 12, 13]  # chunks 1 and 6 of 8
+
+
+def test_zigzag_balances_ring_work():
+    """Causal attention over 4 ranks, one tile per chunk pair: with contiguous slices rank r
+    meets r + 1 blocks of keys; zig-zag gives every rank 2C + 1 chunk pairs (of a quarter of
+    the size), the same work everywhere, and the busiest rank less than before."""
+    plain, zigzag = ctx.ring_work(4, 64, False), ctx.ring_work(4, 64, True)
+    assert plain == [16 * 16 * (r + 1) for r in range(4)]
+    assert zigzag == [9 * 8 * 8] * 4 and max(zigzag) < max(plain)
+
+
+def test_bad_context_configurations():
+    with pytest.raises(ValueError, match="sequence length 30 is not divisible by 2 \\* cp = 4"):
+        ctx.check_context(2, "ring", 30, 4)
+    with pytest.raises(ValueError, match="6 attention heads are not divisible by cp = 4"):
+        ctx.check_context(4, "ulysses", 64, 6)
+    with pytest.raises(ValueError, match="unknown context-parallel implementation 'tree'"):
+        ctx.check_context(2, "tree", 64, 4)
+    ctx.check_context(2, "ring", 28, 4)
+    ctx.check_context(4, "ulysses", 8, 4)
+
+
+@pytest.mark.mpi
+def test_context_parallel_trains_like_one_process():
+    out = run_mpi(4, f"{BODIES}::train_all", timeout=240).stdout
+    assert out.count("context done") == 4, out
+    assert out.count("cp ok:") == 4 * 8, out
+    assert out.count("cp bf16 ok:") == 4 * 2, out
+
+
+@pytest.mark.mpi
+def test_training_strategy_dp_x_cp_trains_like_one_process():
+    """The training command's strategy: DDP buckets over ("dp", "cp"), its loop, --grad-accum,
+    --checkpoint-activations, --attention blockwise, against one process (float64)."""
+    out = run_mpi(4, f"{BODIES}::strategy_matrix", timeout=240).stdout
+    assert out.count("strategy done") == 4, out
+    assert out.count("cp ok:") == 4 * 4, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_context_parallel_memory_and_work(nprocs):
+    out = run_mpi(nprocs, f"{BODIES}::memory_and_work", timeout=120).stdout
+    assert out.count("cp memory ok") == 2, out
+    assert out.count("cp work ok") == 2, out
+
+
+def test_training_flags_are_checked_with_their_names():
+    from argparse import Namespace
+
+    from minidist.nn import ATTENTIONS
+    from minidist.parallel.context_cli import ATTENTIONS as FLAG_CHOICES
+    from minidist.parallel.context_cli import check_arguments
+
+    assert FLAG_CHOICES == ATTENTIONS
+
+    def args(**kw):
+        return Namespace(**{"cp": 2, "cp_impl": "ring", "seq_len": 64, "heads": 4, **kw})
+
+    with pytest.raises(ValueError, match=r"--seq-len 30 is not divisible by 2 x --cp = 4"):
+        check_arguments(args(seq_len=30))
+    with pytest.raises(ValueError, match=r"--heads 6 is not divisible by --cp 4"):
+        check_arguments(args(cp=4, cp_impl="ulysses", heads=6))
+    with pytest.raises(ValueError, match=r"--seq-len 30 is not divisible by --cp 4"):
+        check_arguments(args(cp=4, cp_impl="ulysses", seq_len=30))
+    with pytest.raises(ValueError, match=r"--cp 2 composes with DDP only: --zero and --hsdp-shard"):
+        check_arguments(args(zero=2))
+    with pytest.raises(ValueError, match=r"--cp 2 with --tp 2 is not supported yet"):
+        check_arguments(args(tp=2))
+    check_arguments(args(seq_len=30, cp=1))  # no context parallelism: any length
+    # the memory estimate's attention scores per sequence and block
+    from minidist.parallel.context_cli import score_values
+
+    plain = dict(cp=1, attention="plain", attention_block=16)
+    assert score_values(args(**plain)) == 4 * 64 * 64
+    assert score_values(args(**{**plain, "attention": "blockwise"})) == 4 * 16 * 16
+    assert score_values(args(cp=4, attention="plain", attention_block=128)) == 4 * 8 * 8  # ring: chunks of 8
+    assert score_values(args(cp=4, cp_impl="ulysses", attention="plain", attention_block=16)) == 64 * 64
+    check_arguments(args(seq_len=30, cp=3, cp_impl="ulysses", heads=3))
+
+
+# -- the training command ------------------------------------------------------------------------
+TINY = ["--layers", "2", "--d-model", "16", "--heads", "4", "--seq-len", "16", "--batch-size", "4",
+        "--peak-gflops", "10", "--eval-batches", "1"]
+
+
+def _train(n, args, timeout=120):
+    import subprocess
+    import sys
+
+    from minidist.testing import mpiexec_command
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    launcher = mpiexec_command(n) if n > 1 else []
+    return subprocess.run(launcher + [sys.executable, "-m", "minidist.train"] + TINY + args,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.mpi
+def test_cli_trains_dp2_x_cp2_with_ring_attention(tmp_path):
+    out = tmp_path / "m.jsonl"
+    r = _train(4, ["--steps", "3", "--eval-every", "3", "--dp", "2", "--cp", "2", "--cp-impl", "ring",
+                   "--attention-block", "4", "--metrics-jsonl", str(out)])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("summary") == 1 and "ring context parallelism over 2 ranks x DDP over 2" in r.stdout
+    records = [__import__("json").loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 3 and records[0]["mesh"] == "dp=2 cp=2 (ring)" and "val_loss" in records[-1]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, args, needle", [
+    (2, ["--cp", "2", "--seq-len", "18", "--block-size", "18"],
+     "--seq-len 18 is not divisible by 2 x --cp = 4: zig-zag ring attention"),
+    (2, ["--cp", "2", "--cp-impl", "ulysses", "--heads", "1", "--d-model", "16"],
+     "--heads 1 is not divisible by --cp 2: Ulysses"),
+    (1, ["--attention-block", "0"], "argument --attention-block: "),
+    (1, ["--cp-impl", "tree"], "argument --cp-impl: invalid choice: 'tree'"),
+])
+def test_bad_context_input_is_one_message_exit_2(n, args, needle):
+    r = _train(n, args, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.count(needle) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.mpi
+def test_cli_blockwise_attention_under_tensor_parallelism_equals_one_process(tmp_path):
+    """--attention blockwise runs on each rank's heads under --tp: same losses as one process
+    with plain attention (float64)."""
+    import json
+
+    common = ["--steps", "3", "--eval-every", "0", "--dtype", "float64", "--metrics-jsonl"]
+    runs = {}
+    for name, n, extra in (("one", 1, []), ("tp", 2, ["--tp", "2", "--attention", "blockwise",
+                                                      "--attention-block", "5"])):
+        out = tmp_path / f"{name}.jsonl"
+        r = _train(n, common + [str(out)] + extra)
+        assert r.returncode == 0, r.stderr
+        runs[name] = [json.loads(line)["loss"] for line in out.read_text().splitlines()]
+    assert len(runs["one"]) == 3
+    np.testing.assert_allclose(runs["tp"], runs["one"], rtol=1e-9)
