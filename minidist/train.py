@@ -378,15 +378,36 @@ def load_data(args):
     return sampler, val.val_batches(args.eval_batches)
 
 
-def build_tensor_parallel(args):
-    """(mesh, tensor-parallel layer set) for --tp > 1, else (None, None): the mesh is dp x tp."""
-    if getattr(args, "tp", 1) == 1:
-        return None, None
+def build_mesh(args):
+    """The run's one ``Mesh(dp, pp, tp, cp)`` (tp innermost), or None for a single process."""
+    axes = {a: getattr(args, a, 1) for a in ("dp", "pp", "tp", "cp")}
+    if math.prod(axes.values()) == 1:
+        return None  # one process: no communicator (a run without mpiexec never initialises MPI)
     from .comm import Mesh
+
+    return Mesh(**axes)
+
+
+def mesh_label(args) -> str:
+    """The mesh as the metrics name it, e.g. ``dp=2 zero=1 tp=2``."""
+    label = f"dp={args.dp}"
+    if args.hsdp_shard:
+        label += f" (shard {args.hsdp_shard} x replicate {args.dp // args.hsdp_shard})"
+    if args.zero:
+        label += f" zero={args.zero}"
+    for axis in ("tp", "cp", "pp"):
+        if getattr(args, axis, 1) > 1:
+            label += f" {axis}={getattr(args, axis)}" + (f" ({args.cp_impl})" if axis == "cp" else "")
+    return label
+
+
+def tensor_parallel_layers(args, mesh):
+    """The layer set that splits every weight over the tp group (--tp > 1), else None (plain layers)."""
+    if getattr(args, "tp", 1) == 1:
+        return None
     from .parallel.tensor import TensorParallelLayers
 
-    mesh = Mesh(dp=args.dp, tp=args.tp)
-    return mesh, TensorParallelLayers(mesh.group("tp"), args.sequence_parallel, args.tp_async or "none")
+    return TensorParallelLayers(mesh.group("tp"), args.sequence_parallel, args.tp_async or "none")
 
 
 def build_strategy(args, model, opt, mesh=None):
@@ -394,15 +415,14 @@ def build_strategy(args, model, opt, mesh=None):
     from .parallel.strategy import make_strategy
 
     if getattr(args, "cp", 1) > 1:  # the sequence split over cp ranks (and the batch over dp)
-        from .comm import Mesh
         from .parallel.context import ContextParallelStrategy
 
-        return ContextParallelStrategy(model, opt, Mesh(dp=args.dp, cp=args.cp), args.cp_impl, args.attention,
+        return ContextParallelStrategy(model, opt, mesh, args.cp_impl, args.attention,
                                        args.attention_block, bucket_mb=args.bucket_mb, overlap=not args.no_overlap)
     strategy = make_strategy(model, opt, dp=args.dp, zero=args.zero, bucket_mb=args.bucket_mb,
                              overlap=not args.no_overlap, hsdp_shard=args.hsdp_shard,
                              mesh=mesh if args.dp > 1 else None)
-    if getattr(args, "tp", 1) > 1:  # mesh is the dp x tp mesh
+    if getattr(args, "tp", 1) > 1:
         from .parallel.tensor import TensorParallelStrategy
 
         strategy = TensorParallelStrategy(strategy, mesh.group("tp"))
@@ -420,14 +440,14 @@ def train(args, log=print, data=None):
     if getattr(args, "dp", None) is None or getattr(args, "zero", None) is None:
         _validate_mesh(args)  # train() called as a library function without validate()
 
-    mesh, layers = build_tensor_parallel(args)
-    model = make_model(args, layers)
+    mesh = build_mesh(args)
+    model = make_model(args, tensor_parallel_layers(args, mesh))
     num_params = sum(math.prod(p.global_shape) for p in model.parameters())  # whole model, not this rank's slices
     if getattr(args, "pp", 1) > 1 and args.schedule is None:
         _validate_pipeline(args)  # train() called as a library function without validate()
-    pipeline, pp_mesh = pipeline_cli.build(args, model)  # --pp > 1: the model keeps this rank's stage only
+    pipeline = pipeline_cli.build(args, model, mesh)  # --pp > 1: the model keeps this rank's stage only
     opt = make_optimizer(args, model.parameters())
-    strategy = pipeline_cli.wrap(pipeline, build_strategy(args, model, opt, mesh or pp_mesh))
+    strategy = pipeline_cli.wrap(pipeline, build_strategy(args, model, opt, mesh))
     world = world_size()
     rank0 = world_rank() == 0
     log = log if rank0 else (lambda *_: None)
@@ -452,11 +472,7 @@ def train(args, log=print, data=None):
     def logged(step):
         return step < args.steps and (step % args.log_every == 0 or step + 1 == args.steps)
 
-    mesh = f"dp={args.dp}" + (f" (shard {args.hsdp_shard} x replicate {args.dp // args.hsdp_shard})"
-                              if args.hsdp_shard else "") + (f" zero={args.zero}" if args.zero else "") \
-        + (f" tp={args.tp}" if getattr(args, "tp", 1) > 1 else "") + (
-        f" cp={args.cp} ({args.cp_impl})" if getattr(args, "cp", 1) > 1 else "")
-    mesh += f" pp={args.pp}" if getattr(args, "pp", 1) > 1 else ""
+    label = mesh_label(args)
     metrics, metrics_file = [], open(args.metrics_jsonl, "w") if args.metrics_jsonl and rank0 else None
     try:
         for step in range(args.steps):
@@ -477,7 +493,7 @@ def train(args, log=print, data=None):
             if hasattr(strategy, "metrics"):
                 record.update(strategy.metrics())  # the pipeline's bubble and activation memory
             if world > 1:
-                record.update(mesh=mesh, comm_s=_comm_seconds(world) - comm0, comm_exposed_s=strategy.comm_wait_s)
+                record.update(mesh=label, comm_s=_comm_seconds(world) - comm0, comm_exposed_s=strategy.comm_wait_s)
             if traced:
                 record["peak_mem_mb"] = memory.last_bytes / 2**20
                 record["state_mb"] = {k: v / 2**20 for k, v in held.items()}  # params, grads, optimizer

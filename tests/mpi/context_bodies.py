@@ -176,7 +176,7 @@ def strategy_matrix():
     from minidist.data import Sampler
     from minidist.optim import lr_at
     from minidist.parallel.strategy import Strategy
-    from minidist.train import build_parser, build_strategy, forward_backward, make_model, make_optimizer, update
+    from minidist.train import build_mesh, build_parser, build_strategy, forward_backward, make_model, make_optimizer, update
 
     corpus = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
 
@@ -211,6 +211,7 @@ def strategy_matrix():
     for flags in configs:
         args = args_for(*flags)
         ref = run(args_for("--grad-accum", str(args.grad_accum)), lambda m, o: Strategy(m, o))
-        losses, params, strategy = run(args, lambda m, o: build_strategy(args, m, o))
+        mesh = build_mesh(args)
+        losses, params, strategy = run(args, lambda m, o: build_strategy(args, m, o, mesh))
         _compare(f"{' '.join(flags)} ({strategy.name})", (losses, params), ref[:2], rank)
     print(f"rank {rank}: strategy done", flush=True)

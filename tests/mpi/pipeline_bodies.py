@@ -180,12 +180,13 @@ def train_loop(args):
     from minidist.data import Sampler
     from minidist.optim import lr_at
     from minidist.parallel.pipeline import cli
-    from minidist.train import build_strategy, forward_backward, make_model, make_optimizer, update
+    from minidist.train import build_mesh, build_strategy, forward_backward, make_model, make_optimizer, update
 
     if args.pp > 1:
         cli.validate(args)
     model = make_model(args)
-    pipeline, mesh = cli.build(args, model)
+    mesh = build_mesh(args)
+    pipeline = cli.build(args, model, mesh)
     opt = make_optimizer(args, model.parameters())
     strategy = cli.wrap(pipeline, build_strategy(args, model, opt, mesh))
     sampler = Sampler(_CORPUS, args.seq_len, args.batch_size, args.seed)

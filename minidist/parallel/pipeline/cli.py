@@ -76,17 +76,14 @@ def validate(args) -> None:
                          f"every microbatch needs at least one")
 
 
-def build(args, model):
-    """For ``--pp`` > 1: the ``dp x pp`` mesh and this rank's :class:`PipelineRuntime`, which
-    keeps only this rank's stage of ``model`` (so build the optimizer after it).  Otherwise
-    ``(None, None)``."""
+def build(args, model, mesh):
+    """For ``--pp`` > 1: this rank's :class:`PipelineRuntime` over ``mesh``'s pp group, which
+    keeps only this rank's stage of ``model`` (so build the optimizer after it).  Otherwise None."""
     if getattr(args, "pp", 1) == 1:
-        return None, None
-    from minidist.comm import Mesh
+        return None
     from minidist.parallel.pipeline.runtime import PipelineRuntime
 
-    mesh = Mesh(dp=args.dp, pp=args.pp)
-    return PipelineRuntime(model, mesh.group("pp"), args.schedule, args.microbatches, args.virtual_stages), mesh
+    return PipelineRuntime(model, mesh.group("pp"), args.schedule, args.microbatches, args.virtual_stages)
 
 
 def wrap(runtime, strategy):
