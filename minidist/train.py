@@ -39,7 +39,7 @@ def make_model(args, layers=None):
 
     cfg = GPTConfig(vocab_size=256, seq_len=args.block_size, n_layer=args.layers, n_head=args.heads,
                     d_model=args.d_model, tie_embeddings=not args.untied, dtype=args.dtype, seed=args.seed,
-                    attention=getattr(args, "attention", "plain"), attention_block=getattr(args, "attention_block", 128))
+                    attention=getattr(args, "attention", "plain"), attention_block=getattr(args, "attention_block", None) or 128)
     model = GPT(cfg, layers)
     model.checkpoint_activations = args.checkpoint_activations
     return model
@@ -378,7 +378,8 @@ def main(argv=None):
                      f"{(available_memory_bytes() or 0) / 2**30:.1f} GiB available now); "
                      "use a smaller model or batch, or --grad-accum / --checkpoint-activations")
     except FloatingPointError as exc:  # diverged: say so in one line, keep what was written
-        parser.exit(1, f"{parser.prog}: error: {exc}; try a lower --lr or --clip-grad 1\n")
+        # every rank stops at the same step (the loss is global); rank 0 says why, once
+        parser.exit(1, f"{parser.prog}: error: {exc}; try a lower --lr or --clip-grad 1\n" if world_rank() == 0 else None)
     if world_rank() == 0:
         print(summary_table(metrics, time.perf_counter() - t0), flush=True)
 

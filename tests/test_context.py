@@ -86,7 +86,12 @@ def test_training_flags_are_checked_with_their_names():
         check_arguments(args(zero=2))
     with pytest.raises(ValueError, match=r"--cp 2 with --tp 2 is not supported yet"):
         check_arguments(args(tp=2))
-    check_arguments(args(seq_len=30, cp=1))  # no context parallelism: any length
+    check_arguments(args(seq_len=30, cp=1, cp_impl=None))  # no context parallelism: any length
+    # a flag of an axis that is off is refused, not ignored
+    with pytest.raises(ValueError, match=r"--cp-impl ulysses needs --cp greater than 1"):
+        check_arguments(args(cp=1, cp_impl="ulysses"))
+    with pytest.raises(ValueError, match=r"--attention-block 16 needs --attention blockwise or --cp > 1"):
+        check_arguments(args(cp=1, cp_impl=None, attention="plain", attention_block=16))
     # the memory estimate's attention scores per sequence and block
     from minidist.parallel.context_cli import score_values
 

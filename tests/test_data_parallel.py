@@ -130,3 +130,9 @@ def test_cli_under_mpiexec_n_1_is_the_single_process_run(tmp_path):
     assert plain.returncode == 0, plain.stderr
     losses = [[json.loads(line)["loss"] for line in f.read_text().splitlines()] for f in (out, tmp_path / "p.jsonl")]
     assert losses[0] == losses[1]
+
+
+@pytest.mark.mpi
+def test_zero_with_one_data_parallel_rank_is_refused():
+    r = train(1, ["--zero", "2"], timeout=60)
+    assert r.returncode == 2 and r.stderr.count("--zero 2 shards over the data-parallel ranks, but there is one") == 1

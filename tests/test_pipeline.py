@@ -134,7 +134,7 @@ def _args(**kw):
     (dict(schedule="gpipe", virtual_stages=2), "--virtual-stages 2: the gpipe schedule has no virtual stages"),
     (dict(schedule="1f1b", virtual_stages=1), "the 1f1b schedule has no virtual stages"),
     (dict(microbatches=9, batch_size=16, dp=2), "--microbatches 9 exceeds the 8 sequence(s) of a pipeline pass"),
-    (dict(pp=1, microbatches=4), "--microbatches need pipeline parallelism: add --pp 2 or more"),
+    (dict(pp=1, microbatches=4), "--microbatches needs pipeline parallelism: add --pp 2 or more"),
 ])
 def test_cli_refuses_bad_pipelines_with_one_line(kw, fragment):
     from minidist.cli_checks import InputError
@@ -198,7 +198,7 @@ def test_cli_pipeline_trains_like_one_process_and_reports_the_bubble(tmp_path):
     (2, ["--pp", "2", "--schedule", "interleaved", "--microbatches", "3"], "multiple of the pipeline stages (2)"),
     (2, ["--pp", "2", "--schedule", "gpipe", "--virtual-stages", "2"], "the gpipe schedule has no virtual stages"),
     (2, ["--pp", "2", "--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
-    (2, ["--pp", "3"], "the world size 2 is not divisible by the other mesh axes (3)"),
+    (2, ["--pp", "3"], "the world size 2 is not divisible by --pp 3 = 3"),
     (2, ["--pp", "2", "--microbatches", "9"], "--microbatches 9 exceeds the 8 sequence(s)"),
     (4, ["--pp", "2", "--tp", "2"], "--pp 2 with --tp 2: pipeline and tensor parallelism do not compose yet"),
     (4, ["--pp", "2", "--cp", "2"], "--pp 2 with --cp 2: pipeline and context parallelism do not compose yet"),

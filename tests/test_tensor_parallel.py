@@ -40,6 +40,7 @@ def test_layers_refuse_sizes_their_ranks_cannot_split():
 
 @pytest.mark.parametrize("flags, message", [
     ((1, 4, 32, 16, False, "ring"), "--tp-async ring needs --tp greater than 1"),
+    ((1, 4, 32, 16, True, None), "--sequence-parallel needs --tp greater than 1"),
     ((4, 6, 48, 16, False, None), "--heads 6 is not divisible by --tp 4"),
     ((4, 4, 30, 16, False, None), "--d-model 30 is not divisible by --tp 4"),
     ((3, 3, 33, 15, False, None), r"vocabulary \(256 byte values\) is not divisible by --tp 3"),

@@ -20,20 +20,29 @@ def add_arguments(parser, positive) -> None:
     a.add_argument("--attention", choices=ATTENTIONS, default="plain",
                    help="plain keeps the T x T probabilities; blockwise (FlashAttention's online softmax) "
                         "holds one block x block tile at a time")
-    a.add_argument("--attention-block", type=positive, default=128, metavar="B",
+    a.add_argument("--attention-block", type=positive, default=None, metavar="B",
                    help="query/key block of blockwise attention, of ring attention's tiles and of Ulysses' "
-                        "blockwise attention")
+                        "blockwise attention (default: 128)")
     a.add_argument("--cp", type=positive, default=1, metavar="C",
                    help="context parallelism: split every sequence over C ranks")
-    a.add_argument("--cp-impl", choices=IMPLEMENTATIONS, default="ring",
+    a.add_argument("--cp-impl", choices=IMPLEMENTATIONS, default=None,
                    help="ring: K/V blocks circulate (zig-zag layout, --seq-len divisible by 2C); "
-                        "ulysses: all-to-all to head-sharded attention (--heads divisible by C)")
+                        "ulysses: all-to-all to head-sharded attention (--heads divisible by C) (default: ring)")
 
 
 def check_arguments(args) -> None:
     """ValueError naming the flags when --cp cannot split this model (checked on every rank
     before any message)."""
     cp = getattr(args, "cp", 1)
+    blockwise = cp > 1 or getattr(args, "attention", "plain") == "blockwise"
+    if getattr(args, "attention_block", None) is not None and not blockwise:
+        raise ValueError(f"--attention-block {args.attention_block} needs --attention blockwise or --cp > 1 "
+                         "(plain attention has no blocks)")
+    if getattr(args, "cp_impl", None) is not None and cp == 1:
+        raise ValueError(f"--cp-impl {args.cp_impl} needs --cp greater than 1 (got --cp {cp})")
+    # Defaults, set once the flags given have been checked against the axis they need.
+    args.attention_block = 128 if getattr(args, "attention_block", None) is None else args.attention_block
+    args.cp_impl = "ring" if getattr(args, "cp_impl", None) is None else args.cp_impl
     if cp == 1:
         return
     if getattr(args, "zero", None) or getattr(args, "hsdp_shard", None):

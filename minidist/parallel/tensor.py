@@ -98,6 +98,8 @@ def check_cli(tp: int, heads: int, d_model: int, seq_len: int, sequence_parallel
     value when tp ranks cannot split the model (run before any message is sent)."""
     if tp_async and tp == 1:
         raise ValueError(f"--tp-async {tp_async} needs --tp greater than 1 (got --tp {tp})")
+    if sequence_parallel and tp == 1:
+        raise ValueError(f"--sequence-parallel needs --tp greater than 1 (got --tp {tp})")
     if tp == 1:
         return
     if zero:

@@ -40,7 +40,8 @@ def validate(args) -> None:
                                       ("--virtual-stages", args.virtual_stages)) if value is not None]
     if pp == 1:
         if given:
-            raise InputError(f"{' and '.join(given)} need pipeline parallelism: add --pp 2 or more")
+            raise InputError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} pipeline parallelism: "
+                             "add --pp 2 or more")
         return
     if args.schedule is None:
         args.schedule = DEFAULT_SCHEDULE
