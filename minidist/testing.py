@@ -48,6 +48,29 @@ def mpiexec_command(nprocs: int) -> list[str]:
     return cmd
 
 
+def run_train(nprocs: int | None, args: list, timeout: float = 120):
+    """``python -m minidist.train ARGS`` on ``nprocs`` ranks under mpiexec (None: without mpiexec),
+    one BLAS thread per rank; the CompletedProcess, whatever its exit code (tests check it)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    launcher = mpiexec_command(nprocs) if nprocs else []
+    return subprocess.run(launcher + [sys.executable, "-m", "minidist.train", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def traced_peak_bytes(fn) -> int:
+    """Peak bytes Python's allocator traced while ``fn()`` ran, above what was live before."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
 def run_mpi(nprocs: int, target: str, *args: str, timeout: float = 120, env: dict | None = None):
     """Run ``target`` on ``nprocs`` ranks; return the CompletedProcess or raise MPIJobFailed."""
     dump_dir = tempfile.mkdtemp(prefix="minidist-hang-")

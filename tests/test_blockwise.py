@@ -1,6 +1,5 @@
 """Blockwise (FlashAttention) attention: equal to plain attention in value and gradient
 (float64), its memory stays below the T x T footprint, and the GPT trains the same with it."""
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -9,6 +8,7 @@ from minidist import ops
 from minidist.autograd import Tensor
 from minidist.nn import GPT, GPTConfig
 from minidist.ops import blockwise
+from minidist.testing import traced_peak_bytes
 
 RNG = np.random.default_rng(1)
 
@@ -60,15 +60,6 @@ def test_tiles_above_the_diagonal_are_skipped():
     assert blockwise.tile_mask(0, 8, 8, 16, True, qs.dtype) is blockwise.SKIP
 
 
-def _peak_bytes(fn):
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        fn()
-        return tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
 
 
 def test_blockwise_peak_memory_below_the_t_by_t_footprint():
@@ -82,8 +73,8 @@ def test_blockwise_peak_memory_below_the_t_by_t_footprint():
     def step(fn):
         return lambda: _run(fn, x0, g)
 
-    plain = _peak_bytes(step(lambda x: ops.self_attention(x, H)))
-    flash = _peak_bytes(step(lambda x: ops.blockwise_self_attention(x, H, block=32)))
+    plain = traced_peak_bytes(step(lambda x: ops.self_attention(x, H)))
+    flash = traced_peak_bytes(step(lambda x: ops.blockwise_self_attention(x, H, block=32)))
     assert plain >= footprint, (plain, footprint)
     assert flash < 0.25 * footprint, (flash, footprint)
 

@@ -109,15 +109,9 @@ TINY = ["--layers", "2", "--d-model", "16", "--heads", "4", "--seq-len", "16", "
 
 
 def _train(n, args, timeout=120):
-    import subprocess
-    import sys
+    from minidist.testing import run_train
 
-    from minidist.testing import mpiexec_command
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    launcher = mpiexec_command(n) if n > 1 else []
-    return subprocess.run(launcher + [sys.executable, "-m", "minidist.train"] + TINY + args,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return run_train(n if n > 1 else None, TINY + args, timeout)
 
 
 @pytest.mark.mpi

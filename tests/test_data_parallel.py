@@ -5,12 +5,10 @@ reference itself and compares, in float64, 5 steps' losses and parameters (<= 1e
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from minidist.testing import mpiexec_command, run_mpi
+from minidist.testing import run_mpi, run_train
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "data_parallel_bodies.py")
 
@@ -69,9 +67,7 @@ TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "
 
 
 def train(n, args, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    cmd = mpiexec_command(n) + [sys.executable, "-m", "minidist.train"] + TINY + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return run_train(n, TINY + args, timeout)
 
 
 @pytest.mark.mpi
@@ -124,9 +120,8 @@ def test_cli_under_mpiexec_n_1_is_the_single_process_run(tmp_path):
     out = tmp_path / "m.jsonl"
     r = train(1, ["--steps", "2", "--eval-every", "0", "--dtype", "float64", "--metrics-jsonl", str(out)])
     assert r.returncode == 0, r.stderr
-    plain = subprocess.run([sys.executable, "-m", "minidist.train"] + TINY + [
-        "--steps", "2", "--eval-every", "0", "--dtype", "float64", "--metrics-jsonl", str(tmp_path / "p.jsonl")],
-        capture_output=True, text=True, timeout=120)
+    plain = run_train(None, TINY + ["--steps", "2", "--eval-every", "0", "--dtype", "float64",
+                                    "--metrics-jsonl", str(tmp_path / "p.jsonl")])
     assert plain.returncode == 0, plain.stderr
     losses = [[json.loads(line)["loss"] for line in f.read_text().splitlines()] for f in (out, tmp_path / "p.jsonl")]
     assert losses[0] == losses[1]

@@ -1,13 +1,12 @@
 """Pipeline parallelism equals the single-process run (float64), on 1, 2 and 4 ranks."""
 import json
 import os
-import subprocess
 import sys
 import types
 
 import pytest
 
-from minidist.testing import mpiexec_command, run_mpi
+from minidist.testing import run_mpi, run_train
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "pipeline_bodies.py")
 sys.path.insert(0, os.path.dirname(BODIES))
@@ -165,10 +164,7 @@ TINY = ["--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len", "16", "
 
 
 def _train(n, args, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    launcher = mpiexec_command(n) if n > 1 else []
-    cmd = launcher + [sys.executable, "-m", "minidist.train"] + TINY + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return run_train(n if n > 1 else None, TINY + args, timeout)
 
 
 @pytest.mark.mpi

@@ -1,14 +1,12 @@
 """Tensor parallelism (parallel/tensor.py): layers, vocabulary-parallel loss, training, overlap."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from minidist.parallel import tensor as tpm
-from minidist.testing import mpiexec_command, run_mpi
+from minidist.testing import run_mpi, run_train
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "tensor_bodies.py")
 
@@ -106,10 +104,7 @@ TINY = ["--layers", "2", "--d-model", "16", "--heads", "4", "--seq-len", "8", "-
 
 
 def _train(n, args, timeout=120):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    launcher = mpiexec_command(n) if n > 1 else []
-    return subprocess.run(launcher + [sys.executable, "-m", "minidist.train"] + TINY + args,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return run_train(n if n > 1 else None, TINY + args, timeout)
 
 
 @pytest.mark.mpi

@@ -5,7 +5,6 @@ single-process run that each rank also computes by itself: 5 AdamW steps, the sa
 parameters to 1e-9 relative.  ``memory_and_work`` measures the traced peak bytes of one
 attention forward + backward and counts each rank's attention scores.
 """
-import tracemalloc
 
 import numpy as np
 from mpi4py import MPI
@@ -18,6 +17,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.parallel import context as ctx
 from minidist.parallel.data import allreduce_gradients
+from minidist.testing import traced_peak_bytes
 
 STEPS, BATCH, SEQ = 5, 4, 16
 CFG = dict(seq_len=SEQ, n_layer=2, n_head=4, d_model=16, dtype="float64", seed=7)
@@ -115,15 +115,6 @@ def train_all():
 # ------------------------------------------------------------------ memory and work
 
 
-def _peak_bytes(fn):
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        fn()
-        return tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
 
 
 def memory_and_work():
@@ -147,7 +138,7 @@ def memory_and_work():
             x = Tensor(qkv_full[:, pos], requires_grad=True)
             attend(x, H).backward(g_full[:, pos])
 
-        peak = _peak_bytes(step)
+        peak = traced_peak_bytes(step)
         assert peak < footprint, (impl, peak, footprint)
         world_peak = comm.all_reduce(np.array([peak]), world, op="max")[0]
         if rank == 0:
