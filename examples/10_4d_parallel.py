@@ -1,0 +1,118 @@
+"""4D parallelism: data, pipeline, context and tensor parallelism at once, and who holds what.
+
+    mpiexec -n 16 python examples/10_4d_parallel.py [--dp 2 --pp 2 --cp 2 --tp 2] [--png 4d_grid.png]
+    python examples/10_4d_parallel.py --grid-only --dp 8 --pp 4       # just the grid, no mpiexec
+
+Llama 3 trained its 405B model on TP8 · CP16 · PP16 · DP8 = 16,384 GPUs (Llama Team 2024,
+*The Llama 3 Herd of Models*): Megatron-LM's 3D parallelism (Narayanan et al. 2021, *Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM*) plus context
+parallelism for long sequences.  Every rank holds the intersection of four cuts:
+
+* ``tp`` (Megatron-LM tensor parallelism): H/tp of the attention heads and the matching
+  slices of the weights; innermost, so a tp group is consecutive ranks (one node, NVLink),
+  because it all-reduces activations in every layer;
+* ``cp`` (ring attention with the zig-zag layout, or DeepSpeed-Ulysses): a part of every
+  sequence, with K/V blocks (or all-to-alls) exchanged in every attention;
+* ``pp`` (pipeline): a stage's consecutive blocks, activations passed between neighbours;
+* ``dp`` (data parallelism): its rows of the global batch; outermost, since it talks only
+  once per step (the gradients) and can cross the slowest links.
+
+The ranks are numbered ``((dp * PP + pp) * CP + cp) * TP + tp``, as in minidist.comm.mesh.
+
+Rank 0 prints the grid (minidist.parallel.grid.describe: each rank's coordinates, layers,
+heads, tokens and batch rows, then the groups of every axis) and, when matplotlib is
+installed, draws it into --png.  Then every rank trains a tiny GPT for a few steps with the
+composed mesh through the training command (minidist.train.main); its progress lines and
+summary table follow.  Flags this script does not know are passed on to minidist.train (e.g.
+``--schedule gpipe``).  Without mpiexec (one process) only the grid is shown.
+"""
+import argparse
+import math
+import os
+import sys
+
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # one BLAS thread per rank: 16 ranks already share the cores
+
+from minidist.flags import world_rank, world_size  # noqa: E402  (reads the launcher's environment, no MPI)
+from minidist.parallel import grid  # noqa: E402
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for axis in ("dp", "pp", "cp", "tp"):
+        ap.add_argument(f"--{axis}", type=int, default=2, help=f"{axis} size (default: 2)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=8, help="the global batch")
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--virtual-stages", type=int, default=1,
+                    help="model chunks per pipeline rank (> 1 uses the interleaved schedule)")
+    ap.add_argument("--cp-impl", choices=["ring", "ulysses"], default="ring")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--png", default="4d_grid.png", help="where to draw the grid (default: 4d_grid.png)")
+    ap.add_argument("--no-png", action="store_true", help="do not draw the grid")
+    ap.add_argument("--grid-only", action="store_true", help="print (and draw) the grid, do not train")
+    args, rest = ap.parse_known_args(argv)
+    return ap, args, rest
+
+
+def grid_args(args) -> dict:
+    """The arguments of grid.placement / describe / draw for these flags."""
+    return dict(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, n_layer=args.layers, n_head=args.heads,
+                seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
+                virtual_stages=args.virtual_stages, cp_impl=args.cp_impl)
+
+
+def show_grid(args) -> None:
+    """Rank 0: the table, and the PNG when matplotlib is there."""
+    print(grid.describe(**grid_args(args)), flush=True)
+    if args.no_png:
+        return
+    try:
+        grid.draw(**grid_args(args), path=args.png)
+    except ImportError:
+        print(f"(not drawing {args.png}: matplotlib is not installed; pip install 'minidist[plot]')", flush=True)
+        return
+    print(f"wrote {args.png}", flush=True)
+
+
+def train_argv(args, rest) -> list:
+    """The training command for the same grid: a tiny model, exact float64, a few steps."""
+    argv = ["--dp", args.dp, "--pp", args.pp, "--tp", args.tp, "--cp", args.cp, "--layers", args.layers,
+            "--d-model", args.d_model, "--heads", args.heads, "--seq-len", args.seq_len,
+            "--batch-size", args.batch_size, "--grad-accum", args.grad_accum, "--steps", args.steps,
+            "--dtype", "float64", "--eval-every", 0, "--log-every", 1, "--warmup", 0]
+    if args.cp > 1:
+        argv += ["--cp-impl", args.cp_impl]
+    if args.virtual_stages > 1:  # only the looped schedules have several chunks per rank
+        argv += ["--virtual-stages", args.virtual_stages] + ([] if "--schedule" in rest else ["--schedule", "interleaved"])
+    return [str(a) for a in argv] + rest
+
+
+def main(argv=None) -> int:
+    ap, args, rest = parse(argv)
+    try:
+        grid.placement(**grid_args(args))  # every rank checks, so every rank stops on bad sizes
+    except ValueError as exc:
+        ap.error(str(exc))
+    if world_rank() == 0:
+        show_grid(args)  # before any training: the picture comes first even if training refuses
+    need = math.prod((args.dp, args.pp, args.cp, args.tp))
+    if args.grid_only or (world_size() == 1 and need > 1):
+        if not args.grid_only:
+            print(f"\nto train on this grid: mpiexec -n {need} python {' '.join(sys.argv)}", flush=True)
+        return 0
+    from minidist import train
+
+    if world_rank() == 0:
+        print(f"\ntraining on the {need}-rank grid: python -m minidist.train {' '.join(train_argv(args, rest))}",
+              flush=True)
+    train.main(train_argv(args, rest))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
