@@ -133,10 +133,10 @@ class Zero(Strategy):
 
     def __init__(self, model, optimizer, group, stage: int, bucket_mb: float = 25.0, overlap: bool = True,
                  replicate_group=None, dp_group=None):
-        from .zero import ZeRO
+        from .zero import make_zero
 
         super().__init__(model, optimizer, dp_group if dp_group is not None else group)
-        self.zero = ZeRO(model, group, stage, optimizer, bucket_mb, overlap, replicate_group)
+        self.zero = make_zero(model, group, stage, optimizer, bucket_mb, overlap, replicate_group)
         self.stage = stage
         self.name = (f"HSDP: ZeRO-3 over {group.size} ranks x {replicate_group.size} replicas"
                      if replicate_group is not None else f"ZeRO-{stage} over {group.size} ranks")

@@ -1,4 +1,4 @@
-"""Tensor parallelism: Megatron-LM's layers, sequence parallelism and collective matmuls.
+"""Tensor parallelism: Megatron-LM's layers.
 
 Tensor parallelism splits every weight matrix over the ``tp`` ranks of a group (Shoeybi et
 al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
@@ -21,21 +21,10 @@ lookup outside them gives zeros; the ranks' partial embeddings are summed), the 
 head produces ``V / tp`` logits per token, and the cross-entropy combines the shards with
 two small all-reduces (a max and a sum per token) without ever forming the full logits.
 
-**Sequence parallelism** (``sequence_parallel=True``; Korthikanti et al. 2022, "Reducing
-Activation Recomputation in Large Transformer Models"): outside the tensor-parallel matmuls
-(LayerNorm, residual additions) the activations are split along the sequence instead of
-being replicated, so those regions store 1/tp of their activations.  Each all-reduce
-becomes an all-gather of the sequence before a column-parallel layer and a reduce-scatter
-after a row-parallel one: the same bytes (an all-reduce *is* a reduce-scatter plus an
-all-gather).  A replicated parameter used on a sequence shard (LayerNorm, the row-parallel
-bias, the position table) enters through **f**, so its gradient is summed over the shards.
-
-**Collective matmul** (``overlap="ring"`` or ``"bidirectional"``; Wang et al. 2022, used by
-ViT-22B): the all-gather before a column-parallel matmul and the reduce-scatter after a
-row-parallel one cut into tp-1 ring steps, each hidden behind the matmul of a chunk already
-present (parallel/collective_matmul.py).  Backward uses the same two loops: the gradient of
-an all-gather-then-matmul is a matmul-then-reduce-scatter and vice versa.  The collective
-matmul works on the sequence-parallel layout, so it turns sequence parallelism on.
+Sequence parallelism (``sequence_parallel=True``) and collective matmuls (``overlap="ring"``
+or ``"bidirectional"``) keep these layers and replace each all-reduce by an all-gather and a
+reduce-scatter along the sequence: the linear ops live in parallel/sequence_parallel.py
+(Korthikanti et al. 2022; Wang et al. 2022).
 
 With a group of one rank (or none) every layer here is the plain layer: one GPT class
 (``nn.GPT(cfg, layers=TensorParallelLayers(group))``) serves every mode.
@@ -52,10 +41,11 @@ from minidist.backend import xp
 from minidist.comm import functional as F
 from minidist.comm.group import Group
 from minidist.ops.basic import check_index
-from minidist.ops.precision import compute_dtype, gemm_operands, get_autocast_dtype, to_dtype
+from minidist.ops.precision import compute_dtype, to_dtype
 from minidist.optim.clip import grad_norm_sq
 from minidist.parallel import collective_matmul as cm
 from minidist.parallel.collective_matmul import record_timeline  # noqa: F401  (tensor.record_timeline)
+from minidist.parallel.sequence_parallel import all_gather_linear, linear_reduce_scatter
 
 OVERLAPS = ("none", "ring", "bidirectional")
 
@@ -366,85 +356,6 @@ def vocab_parallel_cross_entropy(logits, targets, group):
         return (to_dtype(dz.reshape(logits.shape), logits.dtype),)
 
     return make_tensor(loss, (logits,), backward)
-
-
-# --------------------------------------------------------------------------------------------
-# The sequence-parallel linear layers as ops (one collective, or a collective matmul)
-# --------------------------------------------------------------------------------------------
-def _check_layout(x, N, what):
-    if x.ndim != 3:
-        raise ValueError(f"{what}: sequence parallelism needs (batch, sequence, features) input, "
-                         f"got shape {tuple(x.shape)}")
-    if what == "linear_reduce_scatter" and x.shape[1] % N:
-        raise ValueError(f"{what}: sequence length {x.shape[1]} is not divisible by tp={N}")
-
-
-def _out_dtype(*arrays):
-    """The dtype ops.linear would give these inputs (the autocast dtype inside autocast)."""
-    low = get_autocast_dtype()
-    return low if low is not None else xp.result_type(*[a.dtype for a in arrays])
-
-
-def all_gather_linear(x, w, b, tp: TensorParallelLayers):
-    """Column-parallel ``all_gather(x, axis=1) @ w + b`` for this rank's sequence part x.
-
-    Only x is kept for backward, which gathers it again (Korthikanti et al. 2022, sec. 4.2.2:
-    no rank stores the whole sequence's input).  Backward: dx = reduce_scatter(dy @ w^T),
-    dw = the sum over the gathered chunks c of x_c^T dy_c, db = the column sums of dy.
-    """
-    _check_layout(x, tp.parts, "all_gather_linear")
-    (W, Bias), _ = gemm_operands(w.data, None if b is None else b.data)
-    B, n, _ = x.shape
-    y = xp.empty((B, n * tp.parts, W.shape[1]), dtype=xp.result_type(compute_dtype(x.dtype), W.dtype))
-
-    def product(rows, chunk):
-        y[:, rows] = cm.mm(chunk, W)
-
-    tp.gather_sequence(x.data, product)
-    if Bias is not None:
-        y += Bias
-
-    def backward(g):
-        G = g if g.dtype == y.dtype else g.astype(y.dtype)
-        gx = to_dtype(tp.matmul_scatter_sequence(G, W.T), x.dtype) if x.requires_grad else None
-        gw = None
-        if w.requires_grad:
-            gw = xp.zeros(W.shape, dtype=y.dtype)
-
-            def weight_grad(rows, chunk):
-                gw[...] += cm.mm_t(chunk, G[:, rows])
-
-            tp.gather_sequence(x.data, weight_grad)
-        g2d = G.reshape(-1, G.shape[-1])
-        gb = xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if b is not None and b.requires_grad else None
-        return gx, to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
-
-    return make_tensor(to_dtype(y, _out_dtype(x.data, w.data)), (x, w, b), backward)
-
-
-def linear_reduce_scatter(h, w, tp: TensorParallelLayers):
-    """Row-parallel ``reduce_scatter(h @ w, axis=1)`` (no bias): this rank's sequence part.
-
-    Backward gathers dy chunk by chunk: dh[:, rows] = dy_c @ w^T and dw += h[:, rows]^T dy_c.
-    """
-    _check_layout(h, tp.parts, "linear_reduce_scatter")
-    (H, W), out_dtype = gemm_operands(h.data, w.data)
-    y = tp.matmul_scatter_sequence(H, W)
-
-    def backward(g):
-        gh = xp.empty(H.shape, dtype=H.dtype) if h.requires_grad else None
-        gw = xp.zeros(W.shape, dtype=H.dtype) if w.requires_grad else None
-
-        def grads(rows, chunk):
-            if gh is not None:
-                gh[:, rows] = cm.mm(chunk, W.T)
-            if gw is not None:
-                gw[...] += cm.mm_t(H[:, rows], chunk)
-
-        tp.gather_sequence(g, grads)
-        return to_dtype(gh, h.dtype), to_dtype(gw, w.dtype)
-
-    return make_tensor(to_dtype(y, out_dtype), (h, w), backward)
 
 
 # --------------------------------------------------------------------------------------------

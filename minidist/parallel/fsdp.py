@@ -1,0 +1,219 @@
+"""FSDP: ZeRO stage 3, the parameters sharded too; HSDP, sharding inside groups, replicas across.
+
+Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel"; ZeRO
+stage 3 of Rajbhandari et al. 2020 (zero.py has the memory table: 4bΨ_r bytes per rank).
+Parameters live only as shards of flat units (flat.py): one unit per transformer block,
+and the root unit (the embedding, final LayerNorm and head).
+
+* A block's parameters are all-gathered just before its forward and freed after it,
+  gathered again before its backward, and its gradients reduce-scattered right after; the
+  next block's gather is **prefetched** (async) while the current one computes, so at most
+  two blocks are whole at once.  The root unit is gathered for the whole forward and
+  backward.
+* Because minidist's ops keep their input arrays in the graph, a block whose weights are
+  freed cannot keep its graph: each block's forward runs without recording it and is
+  recomputed in backward (per-block activation checkpointing, Chen et al. 2016), so
+  ``--checkpoint-activations`` changes nothing here.
+* With gradient accumulation every micro-step reduce-scatters into the gradient shard,
+  which is what keeps the gradient memory at Ψ_r.
+* **HSDP** (hybrid sharding, ``replicate_group``): FSDP inside shard groups of K ranks, the
+  gradient shards then all-reduced over the replica group of the N/K ranks holding the
+  same shard (:func:`hsdp_groups` makes both groups).
+
+FSDP reaches into the model through one hook: it replaces ``GPT.block_runner`` by
+:meth:`FSDP._run_block`, which gathers each block's shards around the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from .. import comm
+from ..autograd import Tensor, enable_grad, is_grad_enabled, no_grad, run_backward
+from ..backend import from_host, to_host
+from ..ops import autocast, get_autocast_dtype
+from .flat import FlatUnit, Shard
+from .zero import ShardedDataParallel
+
+_FREED = None  # what a parameter's .data is between uses
+
+
+class FSDP(ShardedDataParallel):
+    """ZeRO stage 3 of ``model`` over ``group`` (the shard group), updating with
+    ``optimizer``'s rule; ``replicate_group`` makes it HSDP.
+
+    The training loop's calls, as for zero.ZeRO: ``with fsdp.micro_step(last): loss.backward()``
+    (gather the root unit and prefetch the first block; afterwards reduce-scatter the root's
+    gradients and wait for the blocks'), ``fsdp.step()`` (update the shards; nothing to
+    gather: the next forward gathers), ``fsdp.zero_grad()``.  ``grad_holders`` are the shards,
+    their squared norms summed over ``norm_group``.  ``max_live_blocks`` and
+    ``max_live_bytes`` record the most block units and full-parameter bytes alive at once.
+    """
+
+    stage = 3
+
+    def __init__(self, model, group, optimizer, replicate_group=None):
+        super().__init__(model, group, optimizer, replicate_group)
+        self._shard_units(model)
+        self._shard_optimizer(optimizer)
+        self.grad_holders = self.shards
+        self.norm_group = group  # HSDP: the replicas hold the same shards, so the shard group
+
+    def _shard_units(self, model):
+        """One unit per block and a root unit of the rest; keep this rank's shard, free the rest."""
+        blocks = list(model.h)
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        root = [p for p in self.params if id(p) not in in_blocks]
+        g = self.group
+        self.root = FlatUnit(root, g.rank, g.size, "root")
+        self.block_units = [FlatUnit([p for p in b.parameters() if p.requires_grad], g.rank, g.size, f"h.{i}")
+                            for i, b in enumerate(blocks)]
+        self.units = [self.root] + self.block_units
+        self.shards = []
+        for unit in self.units:
+            full = unit.flatten([p.data for p in unit.params])
+            self.shards.append(Shard(full[unit.lo:unit.hi].copy()))
+            for p in unit.params:
+                p.data = _FREED
+        self.unit_index = {id(b): i + 1 for i, b in enumerate(blocks)}
+        self._inflight = {}        # unit index -> handle of its prefetched all-gather
+        self.live = set()          # unit indices whose full parameters exist now (gathered or in flight)
+        self.max_live_blocks = 0   # the most block units alive at once (asserted by the tests)
+        self.max_live_bytes = 0    # the most full-parameter bytes alive at once
+        self._pending_rs = []      # (unit index, handle) of block reduce-scatters in flight
+        model.block_runner = self._run_block
+
+    # -- gather, prefetch, free ----------------------------------------------------------------
+    def _launch_gather(self, i):
+        if i in self.live:
+            return
+        self.live.add(i)
+        self._count_live()
+        self._inflight[i] = comm.all_gather(to_host(self.shards[i].data), self.group, async_op=True)
+
+    def _prefetch(self, i):
+        """Start gathering block unit i (1..L) while the current block computes."""
+        if 1 <= i < len(self.units):
+            self._launch_gather(i)
+
+    def _gathered(self, i):
+        """Make unit i's parameters full (waiting for its prefetch if one is in flight)."""
+        self._launch_gather(i)
+        handle = self._inflight.pop(i, None)
+        if handle is not None:
+            unit = self.units[i]
+            for p, view in zip(unit.params, unit.views(from_host(handle.wait()))):
+                p.data = view
+
+    def _free(self, i):
+        for p in self.units[i].params:
+            p.data = _FREED
+        self.live.discard(i)
+
+    def _count_live(self):
+        blocks = len(self.live - {0})
+        self.max_live_blocks = max(self.max_live_blocks, blocks)
+        nbytes = sum(self.units[i].numel * self.units[i].dtype.itemsize for i in self.live)
+        self.max_live_bytes = max(self.max_live_bytes, nbytes)
+
+    # -- a block: gathered around its forward, recomputed and reduce-scattered in backward ------
+    def _run_block(self, block, x):
+        """GPT.block_runner under FSDP: gather, prefetch the next block, run, free."""
+        i = self.unit_index[id(block)]
+        self._gathered(i)
+        self._prefetch(i + 1)
+        low = get_autocast_dtype()
+        with no_grad():
+            y = block(x)
+        self._free(i)
+        if not (is_grad_enabled() and x.requires_grad):
+            return y
+
+        def backward_fn(g):
+            self._gathered(i)
+            self._prefetch(i - 1)  # the block before, in backward order
+            inp = Tensor(x.data, requires_grad=True)
+            with enable_grad(), autocast(low):
+                out = block(inp)
+            unit = self.units[i]
+            grads = run_backward([out], [g], capture=[inp] + unit.params)
+            self._free(i)
+            flat = to_host(unit.flatten([grads.get(id(p)) for p in unit.params]))
+            self._pending_rs.append((i, comm.reduce_scatter(flat, self.group, async_op=True)))
+            return (grads.get(id(inp)),)
+
+        out = Tensor(y.data)
+        out.requires_grad = True
+        out._ctx = ((x,), backward_fn)
+        return out
+
+    # -- the loop's interface --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def evaluating(self):
+        """The root unit's parameters gathered for a forward pass without backward."""
+        self._gathered(0)
+        try:
+            yield
+        finally:
+            self._free(0)
+
+    @contextlib.contextmanager
+    def micro_step(self, last: bool):
+        """One micro-batch's forward and backward; every micro-step reduce-scatters into the
+        gradient shards.  HSDP: on the last, the shards' gradients are summed over the replicas."""
+        self._gathered(0)
+        self._prefetch(1)
+        yield
+        self._finish_backward()
+        if last and self.replicate_group is not None:
+            for shard in self.shards:
+                shard.grad = from_host(comm.all_reduce(to_host(shard.grad), self.replicate_group))
+
+    def _finish_backward(self):
+        """Reduce-scatter the root unit's gradients, then land every reduce-scatter in flight."""
+        root = self.root
+        flat = to_host(root.flatten([p.grad for p in root.params]))
+        for p in root.params:
+            p.grad = None
+        self._pending_rs.append((0, comm.reduce_scatter(flat, self.group, async_op=True)))
+        for i, handle in self._pending_rs:
+            self._accumulate(self.shards[i], handle.wait())
+        self._pending_rs = []
+        self._free(0)
+        for i in list(self._inflight):  # a prefetch nobody used (a 1-block model): drain it
+            self._inflight.pop(i).wait()
+            self._free(i)
+
+    def step(self):
+        """Update this rank's shards; the parameters stay sharded until the next gather."""
+        self.optimizer.step()
+
+    def memory_bytes(self) -> dict:
+        """Bytes of parameters, gradients and optimizer state this rank holds now, from the arrays."""
+        params = sum(s.data.nbytes for s in self.shards) + sum(
+            p.data.nbytes for p in self.params if p.data is not _FREED)
+        full_grads = sum(p.grad.nbytes for p in self.params if p.grad is not None)
+        shard_grads = sum(s.grad.nbytes for s in self.shards if s.grad is not None)
+        return {"params": params, "grads": full_grads + shard_grads, "optimizer": self.optimizer.nbytes()}
+
+    def full_parameters(self) -> dict:
+        """Every parameter's full array by name, all-gathered from the shards (every rank calls it)."""
+        out = {}
+        for unit, shard in zip(self.units, self.shards):
+            full = from_host(comm.all_gather(to_host(shard.data), self.group))
+            out.update({p.name: v.copy() for p, v in zip(unit.params, unit.views(full))})
+        return out
+
+
+def hsdp_groups(dp_group, shard_size: int):
+    """Split the data-parallel group into shard groups of ``shard_size`` consecutive ranks and
+    replica groups of the ranks at the same position in each: (shard group, replicate group)."""
+    from ..comm.group import Group
+
+    n, r = dp_group.size, dp_group.rank
+    if shard_size < 1 or n % shard_size:
+        raise ValueError(f"HSDP shard size {shard_size} does not divide the data-parallel size {n}")
+    # Split is collective over dp_group: every rank makes both calls, in the same order.
+    shard = dp_group.comm.Split(r // shard_size, r % shard_size)
+    replicate = dp_group.comm.Split(r % shard_size, r // shard_size)
+    return Group(shard, name=f"dp.shard{shard_size}"), Group(replicate, name=f"dp.replicate{n // shard_size}")
