@@ -14,6 +14,8 @@ import sys
 
 from .cli_checks import (InputError, available_memory_bytes, check_input_file, check_memory, check_output_files,
                          float_in, int_in, training_memory_bytes)
+from .config import ATTENTIONS, CP_IMPLEMENTATIONS, TP_OVERLAPS, RunConfig, from_args
+from .parallel.pipeline.schedules import ORDERS
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -114,19 +116,32 @@ def build_parser() -> argparse.ArgumentParser:
                     help="split every weight matrix over T ranks (Megatron-LM); the other ranks are data parallel")
     tp.add_argument("--sequence-parallel", action="store_true",
                     help="also split the LayerNorm and residual activations over the sequence (Korthikanti et al.)")
-    tp.add_argument("--tp-async", nargs="?", const="ring", choices=["ring", "bidirectional"], default=None,
+    tp.add_argument("--tp-async", nargs="?", const="ring", choices=TP_OVERLAPS, default=None,
                     metavar="ring|bidirectional",
                     help="hide the all-gathers and reduce-scatters behind the matmuls as ring steps (collective "
                          "matmul, Wang et al.; implies --sequence-parallel); 'bidirectional' sends half each way "
                          "(default when given: ring)")
 
-    from .parallel.context_cli import add_arguments as add_context_arguments
-
-    add_context_arguments(p, POSITIVE)  # --attention, --attention-block, --cp, --cp-impl
-
-    from .parallel.pipeline import cli as pipeline_cli
-
-    pipeline_cli.add_arguments(p)
+    a = p.add_argument_group("long sequences: context parallelism (run under mpiexec; cp is next to tp)")
+    a.add_argument("--attention", choices=ATTENTIONS, default="plain",
+                   help="plain keeps the T x T probabilities; blockwise (FlashAttention's online softmax) "
+                        "holds one block x block tile at a time")
+    a.add_argument("--attention-block", type=POSITIVE, default=None, metavar="B",
+                   help="query/key block of blockwise attention, of ring attention's tiles and of Ulysses' "
+                        "blockwise attention (default: 128)")
+    a.add_argument("--cp", type=POSITIVE, default=1, metavar="C",
+                   help="context parallelism: split every sequence over C ranks")
+    a.add_argument("--cp-impl", choices=CP_IMPLEMENTATIONS, default=None,
+                   help="ring: K/V blocks circulate (zig-zag layout, --seq-len divisible by 2C); "
+                        "ulysses: all-to-all to head-sharded attention (heads / --tp divisible by C) (default: ring)")
+    g = p.add_argument_group("pipeline parallelism (run under mpiexec; pp is outside cp and tp)")
+    g.add_argument("--pp", type=POSITIVE, default=1, metavar="P",
+                   help="pipeline stages: the blocks are cut into P consecutive stages, one per rank")
+    g.add_argument("--microbatches", type=POSITIVE, default=None, metavar="M",
+                   help="microbatches per pipeline pass (default: 2 x --pp)")
+    g.add_argument("--schedule", choices=list(ORDERS), default=None, help="pipeline schedule (default: 1f1b)")
+    g.add_argument("--virtual-stages", type=POSITIVE, default=None, metavar="V",
+                   help="model chunks per rank, for the interleaved and looping schedules (default: 2 for them)")
     r = p.add_argument_group("reporting")
     r.add_argument("--eval-every", type=NON_NEGATIVE, default=50, metavar="N",
                    help="validation loss every N steps, 0 for never")
@@ -144,41 +159,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate(args, parser):
-    """Reject bad input before any work, with one message naming the value (exit code 2).
+def validate(args, parser) -> RunConfig:
+    """The run configuration of these flags, or one message naming the bad value (exit code 2).
 
-    Each number's own range is checked while parsing (``type=``); here come the checks
-    that involve several flags, the files, the backend and the memory a step needs.
+    Each number's own range is checked while parsing (``type=``); here come the checks that
+    involve several flags, the files, the backend, each parallel axis's settings (each in its
+    own module, gathered by ``parallel.compose.problems``) and the memory a step needs.
+    Every rank runs them on the same flags, so every rank stops before any message is sent.
     """
     try:
-        _validate(args)
+        return _validate(args)
     except InputError as exc:
         parser.error(str(exc))
 
 
-def _validate(args):
+def _validate(args) -> RunConfig:
     if args.d_model % args.heads:
         raise InputError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
-    if args.block_size is None:
-        args.block_size = args.seq_len
-    if args.seq_len > args.block_size:
+    if args.block_size is not None and args.seq_len > args.block_size:
         raise InputError(f"--seq-len {args.seq_len} is larger than the position table (--block-size {args.block_size})")
     if args.grad_accum > args.batch_size:
         raise InputError(f"--grad-accum {args.grad_accum} exceeds --batch-size {args.batch_size}: "
                          "every micro-batch needs at least one sequence")
-    _validate_mesh(args)
-    share_cores_between_ranks()
-    _validate_context(args)
-    _validate_pipeline(args)
-    if args.min_lr is None:
-        args.min_lr = args.lr / 10
-    if args.min_lr > args.lr:
+    if args.min_lr is not None and args.min_lr > args.lr:
         raise InputError(f"--min-lr {args.min_lr:g} exceeds --lr {args.lr:g}")
     if args.mixed_precision != "none" and args.dtype == "float64":
         raise InputError("--mixed-precision needs --dtype float32 master weights")
     if args.data is not None:
         check_input_file("--data", args.data)
     check_output_files({"--metrics-jsonl": args.metrics_jsonl, "--trace": args.trace}, {"--data": args.data})
+    share_cores_between_ranks()  # before NumPy (the backend) is imported
     if args.timeout_s is not None:  # the communication watchdog's timeout, read when minidist.comm is imported
         os.environ["MINIDIST_TIMEOUT_S"] = repr(args.timeout_s)
         if "minidist.comm.watchdog" in sys.modules:  # already imported (train used as a library)
@@ -191,12 +201,15 @@ def _validate(args):
         raise InputError("the cupy backend needs the cupy package (pip install cupy-cuda12x)") from None
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    _validate_tensor(args)  # after the backend check: parallel/tensor.py imports the backend
-    if args.zero and args.dp == 1:  # after the axes' own checks, whose messages are more specific
-        flag = f"--hsdp-shard {args.hsdp_shard}" if args.hsdp_shard else f"--zero {args.zero}"
-        raise InputError(f"{flag} shards over the data-parallel ranks, but there is one (--dp 1): "
-                         "run under mpiexec with more ranks, or leave it out")
-    check_memory(memory_estimate(args), available_memory_bytes())
+    from .parallel.compose import problems
+
+    given, world = from_args(args), world_size()
+    found = problems(given, world)
+    if found:
+        raise InputError(found[0])
+    cfg = given.resolved(world)
+    check_memory(memory_estimate(cfg), available_memory_bytes())
+    return cfg
 
 
 def world_size() -> int:
@@ -216,17 +229,6 @@ def world_rank() -> int:
     return 0
 
 
-def _validate_tensor(args):
-    """Sizes that --tp ranks cannot split (parallel/tensor.py names the flag and value)."""
-    from .parallel.tensor import check_cli
-
-    try:
-        check_cli(args.tp, args.heads, args.d_model, args.seq_len, args.sequence_parallel, args.tp_async,
-                  zero=bool(args.zero or args.hsdp_shard))
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-
-
 def share_cores_between_ranks():
     """Under mpiexec, give each rank's BLAS its share of the cores (unless the user set it).
 
@@ -243,57 +245,26 @@ def share_cores_between_ranks():
         os.environ.setdefault(var, threads)
 
 
-def _validate_mesh(args):
-    """The data-parallel settings against the world size and the batch (every rank runs this
-    on the same flags, so every rank refuses bad input before any message is sent)."""
-    world = world_size()
-    others = getattr(args, "pp", 1) * getattr(args, "tp", 1) * getattr(args, "cp", 1)
-    if args.dp is None:
-        if world % others:
-            axes = " x ".join(f"--{a} {getattr(args, a, 1)}" for a in ("pp", "tp", "cp") if getattr(args, a, 1) > 1)
-            hint = f": run under mpiexec -n {others} or a multiple of it" if world == 1 else ""
-            raise InputError(f"the world size {world} is not divisible by {axes} = {others}{hint}")
-        args.dp = world // others
-    elif args.dp * others != world:
-        raise InputError(f"--dp {args.dp} does not match the world size {world} "
-                         f"(mpiexec -n {world}{f' over {others} ranks of the other axes' if others > 1 else ''})")
-    if args.batch_size < args.dp * args.grad_accum:
-        raise InputError(f"--batch-size {args.batch_size} has fewer rows than --dp {args.dp} x --grad-accum "
-                         f"{args.grad_accum} = {args.dp * args.grad_accum}: a rank would get an empty micro-batch")
-    if args.hsdp_shard is not None:
-        if args.zero not in (None, 3):
-            raise InputError(f"--hsdp-shard shards with ZeRO-3, but --zero {args.zero} was given")
-        if args.dp % args.hsdp_shard:
-            raise InputError(f"--hsdp-shard {args.hsdp_shard} does not divide --dp {args.dp}")
-        args.zero = 3
-    if args.zero is None:
-        args.zero = 0
-
-
-def _validate_pipeline(args):
-    from .parallel.pipeline import cli as pipeline_cli
-
-    pipeline_cli.validate(args)
-
-
-def _validate_context(args):
-    from .parallel.context_cli import check_arguments
-
-    try:
-        check_arguments(args)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-
-
-def memory_estimate(args) -> dict:
+def memory_estimate(cfg: RunConfig) -> dict:
+    """The estimated peak bytes of one rank's training step (cli_checks.training_memory_bytes)."""
     from .data import DEFAULT_MAX_BYTES
 
-    from .parallel.context_cli import score_values
+    m, d, dev, p = cfg.model, cfg.data, cfg.device, cfg.parallel
+    data_bytes = os.path.getsize(d.data) if d.data else DEFAULT_MAX_BYTES
+    return training_memory_bytes(m.layers, m.d_model, m.heads, d.seq_len // p.cp, m.block_size, d.batch_size,
+                                 dev.grad_accum, m.dtype, dev.mixed_precision, dev.checkpoint_activations,
+                                 cfg.optim.optimizer, not m.untied, data_bytes=data_bytes,
+                                 eval_batches=cfg.report.eval_batches if cfg.report.eval_every else 0,
+                                 score_values=score_values(cfg))
 
-    data_bytes = os.path.getsize(args.data) if args.data else DEFAULT_MAX_BYTES
-    seq_per_rank = args.seq_len // getattr(args, "cp", 1)  # context parallelism: this rank's tokens
-    return training_memory_bytes(args.layers, args.d_model, args.heads, seq_per_rank, args.block_size,
-                                 args.batch_size, args.grad_accum, args.dtype, args.mixed_precision,
-                                 args.checkpoint_activations, args.optimizer, not args.untied,
-                                 data_bytes=data_bytes, eval_batches=args.eval_batches if args.eval_every else 0,
-                                 score_values=score_values(args))
+
+def score_values(cfg: RunConfig) -> int:
+    """Attention scores one block keeps per sequence on one rank, for the memory estimate:
+    plain attention keeps H x T x T, blockwise one tile per head; ring attention one tile of
+    its chunks; Ulysses its H / C heads over the whole sequence."""
+    T, H, p = cfg.data.seq_len, cfg.model.heads, cfg.parallel
+    block = cfg.model.attention_block or 128
+    if p.cp > 1 and p.cp_impl == "ring":
+        return H * min(block, max(1, T // (2 * p.cp))) ** 2
+    heads = H // p.cp if p.cp > 1 else H
+    return heads * (min(block, T) ** 2 if cfg.model.attention == "blockwise" else T * T)

@@ -165,6 +165,11 @@ class Layers:
     """
 
     parts = 1
+    sequence_parallel = False  # True: activations outside the matmuls hold 1/parts of the tokens
+
+    def local_tokens(self, tokens: int) -> int:
+        """How many of a sequence's ``tokens`` this rank's activations between blocks hold."""
+        return tokens // self.parts if self.sequence_parallel else tokens
 
     def column(self, d_in, d_out, dtype, bias=True, std=0.02, fused=1):
         """A linear layer whose *output* features a tensor-parallel set splits (``fused``:

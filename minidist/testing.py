@@ -57,6 +57,37 @@ def run_train(nprocs: int | None, args: list, timeout: float = 120):
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def train_steps(cfg, steps: int, corpus=None):
+    """``steps`` optimizer steps of the resolved run configuration ``cfg`` as ``minidist.train``
+    runs them (on every rank of its mesh, or one process), on a fixed random corpus.
+
+    Returns ``(losses, params, sharding)``: the step losses followed by one validation loss,
+    ``{name: array}`` of every parameter this rank holds (its tensor-parallel slices of its
+    pipeline stage, whole again under ZeRO-3), and ``{name: Shard or None}`` saying which slice.
+    """
+    import numpy as np
+
+    from minidist.data import Sampler
+    from minidist.optim import lr_at
+    from minidist.parallel.compose import build, build_mesh
+    from minidist.train import update
+
+    if corpus is None:
+        corpus = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
+    model, strategy = build(cfg, build_mesh(cfg.parallel))
+    sampler = Sampler(corpus, cfg.data.seq_len, cfg.data.batch_size, cfg.model.seed)
+    o, losses = cfg.optim, []
+    for step in range(steps):
+        strategy.optimizer.lr = lr_at(step, o.lr, o.warmup, o.steps, o.min_lr)
+        x, y = sampler.batch(step)
+        losses.append(strategy.forward_backward(x, y, cfg.device.grad_accum))
+        update(strategy, None, o.clip_grad)
+        strategy.metrics()
+    losses.append(strategy.evaluate([sampler.batch(steps)]))
+    sharding = {p.name: p.sharding for p in model.parameters()}
+    return losses, {k: np.array(v) for k, v in strategy.parameters().items()}, sharding
+
+
 def traced_peak_bytes(fn) -> int:
     """Peak bytes Python's allocator traced while ``fn()`` ran, above what was live before."""
     import tracemalloc

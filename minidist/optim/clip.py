@@ -23,13 +23,13 @@ def grad_norm_sq(params) -> float:
     float64 matters: summing millions of fp16/fp32 squares in their own precision loses
     digits and can overflow fp16.  Parameters with ``grad is None`` contribute nothing.
     """
-    total = 0.0
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad.reshape(-1).astype(xp.float64, copy=False)
-        total += float(xp.dot(g, g))
-    return total
+    return sum(sum_of_squares(p.grad) for p in params if p.grad is not None)
+
+
+def sum_of_squares(a) -> float:
+    """The sum of the squares of an array's elements, accumulated in float64."""
+    g = a.reshape(-1).astype(xp.float64, copy=False)
+    return float(xp.dot(g, g))
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -36,11 +36,9 @@ from .. import comm
 from ..autograd import Tensor, make_tensor
 from ..backend import from_host, to_host, xp
 from ..comm import functional as F
-from ..data import shard
 from ..ops import blockwise as bw
 from ..ops.precision import gemm_operands, to_dtype
-from .context_cli import IMPLEMENTATIONS
-from .strategy import DataParallel
+from ..config import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
 
 
 # ------------------------------------------------------------------ who holds which tokens
@@ -64,20 +62,36 @@ def positions(rank: int, cp: int, seq_len: int, zigzag: bool = True):
     return xp.concatenate([xp.arange(s, s + c) for s in starts])
 
 
-def check_context(cp: int, impl: str, seq_len: int, n_head: int, zigzag: bool = True) -> None:
-    """Raise ValueError naming the value when ``impl`` cannot split this model over ``cp`` ranks."""
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown context-parallel implementation {impl!r}; choose from {IMPLEMENTATIONS}")
-    if impl == "ring":
-        parts = 2 * cp if zigzag else cp
-        if seq_len % parts:
-            what = f"2 * cp = {parts} (zig-zag ring attention gives each rank 2 chunks)" if zigzag else f"cp = {cp}"
-            raise ValueError(f"sequence length {seq_len} is not divisible by {what}")
-    else:
-        if n_head % cp:
-            raise ValueError(f"{n_head} attention heads are not divisible by cp = {cp} (Ulysses splits the heads)")
-        if seq_len % cp:
-            raise ValueError(f"sequence length {seq_len} is not divisible by cp = {cp}")
+def problems(given, cfg) -> list[str]:
+    """Why the long-sequence settings cannot run (one line each; [] if they can).
+
+    ``given``: the run configuration as the user gave it (None = not given), ``cfg`` resolved.
+    With tensor parallelism each rank attends with its ``heads / tp`` heads, so Ulysses splits
+    those; sequence parallelism then splits this rank's ``seq_len / cp`` tokens over tp."""
+    p, m, g = cfg.parallel, cfg.model, given
+    cp, T = p.cp, cfg.data.seq_len
+    out = []
+    if g.model.attention_block is not None and not (cp > 1 or m.attention == "blockwise"):
+        out.append(f"--attention-block {g.model.attention_block} needs --attention blockwise or --cp > 1 "
+                   "(plain attention has no blocks)")
+    if g.parallel.cp_impl is not None and cp == 1:
+        out.append(f"--cp-impl {g.parallel.cp_impl} needs --cp greater than 1 (got --cp {cp})")
+    if cp == 1:
+        return out
+    if p.cp_impl not in IMPLEMENTATIONS:
+        out.append(f"unknown context-parallel implementation {p.cp_impl!r}; choose from {IMPLEMENTATIONS}")
+    elif p.cp_impl == "ring" and T % (2 * cp):
+        out.append(f"--seq-len {T} is not divisible by 2 x --cp = {2 * cp}: zig-zag ring attention "
+                   "gives each rank two equal chunks of every sequence")
+    elif p.cp_impl == "ulysses":
+        heads = m.heads // p.tp
+        if heads % cp:
+            per = f" / --tp {p.tp} = {heads} heads per tensor-parallel rank" if p.tp > 1 else ""
+            out.append(f"--heads {m.heads}{per} is not divisible by --cp {cp}: Ulysses gives each rank "
+                       "heads / cp of the attention heads")
+        if T % cp:
+            out.append(f"--seq-len {T} is not divisible by --cp {cp}")
+    return out
 
 
 # ------------------------------------------------------------------ ring attention
@@ -221,9 +235,6 @@ class ContextParallel:
         self.inner = attention
         self.work = {}  # ring attention's score count on this rank (forward)
 
-    def check(self, seq_len: int, n_head: int) -> None:
-        check_context(self.group.size, self.impl, seq_len, n_head, self.zigzag)
-
     def positions(self, seq_len: int):
         return positions(self.group.rank, self.group.size, seq_len, self.zigzag)
 
@@ -254,29 +265,3 @@ class ContextParallel:
         cp group, the loss of the whole sequences.  ``model`` must be installed."""
         xs, ys = self.shard(x, y)
         return model(xs, ys) * (xs.shape[-1] / x.shape[-1])
-
-
-class ContextParallelStrategy(DataParallel):
-    """The training loop's strategy for ``--cp C`` (with ``--dp N``): rows of the global batch
-    over dp, every sequence over cp, DDP's gradient sum over the ("dp", "cp") group.
-
-    Each micro-batch's share of the global batch is its share of the rows times its share of
-    the tokens of each row (1 / C), so the sum over all ranks of the weighted losses (and of
-    their gradients) is the single-process mean loss (gradient).
-    """
-
-    def __init__(self, model, optimizer, mesh, impl: str = "ring", attention: str = "plain", block=None,
-                 bucket_mb: float = 25.0, overlap: bool = True):
-        super().__init__(model, optimizer, mesh.group(("dp", "cp")), bucket_mb, overlap)
-        self.context = ContextParallel(mesh.group("cp"), impl, attention, block)
-        self.context.install(model)
-        self.dp_rank, self.dp_size = mesh.coord("dp"), mesh.size("dp")
-        self.name = f"{impl} context parallelism over {mesh.size('cp')} ranks" + (
-            f" x DDP over {self.dp_size}" if self.dp_size > 1 else "")
-
-    def micro_batches(self, x, y, grad_accum: int):
-        rows, seq = x.shape
-        xr, yr = shard(x, self.dp_rank, self.dp_size), shard(y, self.dp_rank, self.dp_size)
-        for i in range(grad_accum):
-            xs, ys = self.context.shard(shard(xr, i, grad_accum), shard(yr, i, grad_accum))
-            yield xs, ys, xs.shape[0] / rows * xs.shape[1] / seq, i == grad_accum - 1

@@ -148,6 +148,7 @@ class BucketedReducer:
         self._launch, self._land = launch, land
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.active = True          # False inside no_sync(): hooks do nothing
+        self.held: set[int] = set()  # ids of buckets launched only by finish() (see hold)
         self.launch_times: list[float] = []  # perf_counter() of each launch this pass
         self.backward_end = None    # perf_counter() when finish() was called
         self.wait_s = 0.0           # time finish() spent waiting: the exposed communication
@@ -160,8 +161,14 @@ class BucketedReducer:
             return
         bucket = self._bucket_of[id(p)]
         bucket.ready.add(id(p))
-        if len(bucket.ready) == len(bucket.params) and bucket.handle is None:
+        if len(bucket.ready) == len(bucket.params) and bucket.handle is None and id(bucket) not in self.held:
             self._start(bucket)
+
+    def hold(self, param):
+        """Launch the bucket of ``param`` only in :meth:`finish`, never from a hook: its gradient
+        still changes after its hook fires (a pipeline's tied embedding, whose two stages add
+        their parts once the schedule is over)."""
+        self.held.add(id(self._bucket_of[id(param)]))
 
     def _start(self, bucket):
         self.launch_times.append(time.perf_counter())
@@ -237,3 +244,31 @@ class DistributedDataParallel:
     @property
     def wait_s(self) -> float:
         return self.reducer.wait_s
+
+
+# --------------------------------------------------------------------------------------------
+# The data axis's settings
+# --------------------------------------------------------------------------------------------
+def problems(given, cfg) -> list[str]:
+    """Why the data-parallel settings cannot run (one line each; [] if they can).
+
+    ``given`` is the run configuration as the user gave it, ``cfg`` the same resolved.  The
+    gradients are reduced over the ("dp", "cp") group: ZeRO and HSDP shard over it."""
+    p, g = cfg.parallel, given.parallel
+    rows, accum = cfg.data.batch_size, cfg.device.grad_accum
+    out = []
+    if rows < p.dp * accum:
+        out.append(f"--batch-size {rows} has fewer rows than --dp {p.dp} x --grad-accum {accum} = "
+                   f"{p.dp * accum}: a rank would get an empty micro-batch")
+    replicas = p.dp * p.cp
+    if g.hsdp_shard is not None:
+        if g.zero not in (None, 3):
+            out.append(f"--hsdp-shard shards with ZeRO-3, but --zero {g.zero} was given")
+        elif replicas % g.hsdp_shard:
+            over = f"--dp {p.dp} x --cp {p.cp} = {replicas}" if p.cp > 1 else f"--dp {p.dp}"
+            out.append(f"--hsdp-shard {g.hsdp_shard} does not divide {over}")
+    if p.zero and replicas == 1:
+        flag = f"--hsdp-shard {g.hsdp_shard}" if g.hsdp_shard else f"--zero {p.zero}"
+        out.append(f"{flag} shards over the data-parallel ranks, but there is one (--dp 1): "
+                   "run under mpiexec with more ranks, or leave it out")
+    return out

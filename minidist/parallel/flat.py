@@ -41,7 +41,7 @@ class FlatUnit:
             self.offsets.append(n)
             n += int(p.size)
         self.numel = n
-        self.dtype = self.params[0].dtype
+        self.dtype = self.params[0].dtype if self.params else None  # None: an empty unit (float64)
         self.bounds = split_bounds(n, size)
         self.lo, self.hi = self.bounds[rank]
         self.shapes = [tuple(p.shape) for p in self.params]

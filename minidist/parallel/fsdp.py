@@ -61,7 +61,7 @@ class FSDP(ShardedDataParallel):
 
     def _shard_units(self, model):
         """One unit per block and a root unit of the rest; keep this rank's shard, free the rest."""
-        blocks = list(model.h)
+        blocks = [b for b in model.h if b is not None]  # a pipeline stage keeps only its blocks
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         root = [p for p in self.params if id(p) not in in_blocks]
         g = self.group
@@ -151,31 +151,42 @@ class FSDP(ShardedDataParallel):
     @contextlib.contextmanager
     def evaluating(self):
         """The root unit's parameters gathered for a forward pass without backward."""
-        self._gathered(0)
+        self._gather_root()
         try:
             yield
         finally:
             self._free(0)
 
     @contextlib.contextmanager
-    def micro_step(self, last: bool):
-        """One micro-batch's forward and backward; every micro-step reduce-scatters into the
-        gradient shards.  HSDP: on the last, the shards' gradients are summed over the replicas."""
-        self._gathered(0)
+    def micro_step(self, last: bool, before_reduce=None):
+        """One micro-batch's forward and backward (or a pipeline pass); every micro-step
+        reduce-scatters into the gradient shards.  ``before_reduce`` runs on the root unit's
+        full gradients first (a pipeline's tied-embedding sum).  HSDP: on the last, the shards'
+        gradients are summed over the replicas."""
+        self._gather_root()
         self._prefetch(1)
         yield
+        if before_reduce is not None:
+            before_reduce()
         self._finish_backward()
         if last and self.replicate_group is not None:
             for shard in self.shards:
                 shard.grad = from_host(comm.all_reduce(to_host(shard.grad), self.replicate_group))
 
+    def _gather_root(self):
+        """The root unit (embedding, final LayerNorm, head) gathered for a whole pass; a
+        pipeline's middle stage has none of them."""
+        if self.root.params:
+            self._gathered(0)
+
     def _finish_backward(self):
         """Reduce-scatter the root unit's gradients, then land every reduce-scatter in flight."""
         root = self.root
-        flat = to_host(root.flatten([p.grad for p in root.params]))
-        for p in root.params:
-            p.grad = None
-        self._pending_rs.append((0, comm.reduce_scatter(flat, self.group, async_op=True)))
+        if root.params:
+            flat = to_host(root.flatten([p.grad for p in root.params]))
+            for p in root.params:
+                p.grad = None
+            self._pending_rs.append((0, comm.reduce_scatter(flat, self.group, async_op=True)))
         for i, handle in self._pending_rs:
             self._accumulate(self.shards[i], handle.wait())
         self._pending_rs = []
@@ -200,6 +211,8 @@ class FSDP(ShardedDataParallel):
         """Every parameter's full array by name, all-gathered from the shards (every rank calls it)."""
         out = {}
         for unit, shard in zip(self.units, self.shards):
+            if not unit.params:
+                continue
             full = from_host(comm.all_gather(to_host(shard.data), self.group))
             out.update({p.name: v.copy() for p, v in zip(unit.params, unit.views(full))})
         return out

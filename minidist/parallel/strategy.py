@@ -1,20 +1,31 @@
-"""What the training loop asks of a parallel strategy, and the strategies of the data axis.
+"""What the training loop asks of a parallel run: one :class:`Strategy` for every mesh.
 
-The loop (minidist/train.py) is the same for every strategy::
+The loop (minidist/train.py) is the same whatever the mesh::
 
-    for xs, ys, share, last in strategy.micro_batches(x, y, grad_accum):
-        with strategy.micro_step(last):          # DDP: no_sync unless last; ZeRO-3: gathers
-            (model(xs, ys) * share).backward()   # hooks launch the gradient collectives
-    loss = strategy.reduce_loss(local_loss)      # the global batch's mean loss
-    if not strategy.found_inf(scaler):           # fp16: one rank overflows, every rank skips
-        strategy.clip_grad_norm(max_norm)        # the global norm over all ranks
-        strategy.step()
-    strategy.zero_grad()
+    for step in range(steps):
+        x, y = sampler.batch(step)                          # the global batch, same on every rank
+        loss = strategy.forward_backward(x, y, grad_accum)  # this rank's part; gradients reduced
+        if not strategy.found_inf(scaler):                  # fp16: one rank overflows, all skip
+            strategy.clip_grad_norm(max_norm)               # the norm of the whole model
+            strategy.step()
+        strategy.zero_grad()
 
-:class:`Strategy` is one process; :class:`DataParallel` wraps DDP (parallel/data.py) and
-:class:`Zero` ZeRO-1/2/3 and HSDP (parallel/zero.py).  Each rank takes its rows of the global
-batch (``data.shard``) and weights each micro-batch's mean loss by its share of the *global*
-batch's rows, so the gradients summed over ranks are the single-process gradients.
+Inside, one step of a ``dp x pp x tp x cp`` run goes:
+
+* **rows** of the global batch over ``dp`` (``data.shard``), in ``grad_accum`` micro-batches;
+* **tokens** of every row over ``cp`` (parallel/context.py); each micro-batch's mean loss is
+  weighted by its share of the global batch's rows *and* tokens, so summed over every rank it
+  is exactly the single-process loss, and so are the gradients;
+* the micro-batch runs through the model (tensor-parallel layers communicate inside it), or
+  through the **pipeline** schedule of this rank's stage (parallel/pipeline/runtime.py);
+* the **data-parallel part** (:func:`data_parallel`: one replica, DDP, ZeRO-1/2 or ZeRO-3 /
+  HSDP) reduces the gradients over the ``("dp", "cp")`` group, the ranks holding the same
+  parameters; with a pipeline and a tied embedding the first and last stage first add their
+  two partial embedding gradients.
+
+The update then needs three numbers agreed by every rank: the loss (summed over
+``("dp", "cp")``), the overflow flag and the gradient norm (over the whole world, each
+gradient counted once: see :meth:`Strategy.clip_grad_norm`).
 """
 
 from __future__ import annotations
@@ -22,66 +33,219 @@ from __future__ import annotations
 import contextlib
 import math
 
+from .. import ops
+from ..autograd import no_grad
+from ..backend import from_host
 from ..data import shard
-from ..optim.clip import clip_coefficient, grad_norm_sq, scale_grads
+from ..optim.clip import clip_coefficient, scale_grads, sum_of_squares
 from .data import DistributedDataParallel, any_rank, reduce_sum
 
 
 class Strategy:
-    """One process: the whole batch, the whole model, the plain optimizer."""
+    """The loop's interface for ``model`` (this rank's part of it) on ``mesh`` (None: one
+    process): ``data`` reduces the gradients, ``context`` splits the sequences, ``pipeline``
+    runs this rank's stage.  Build it with :func:`minidist.parallel.compose.build`."""
 
-    name = "single process"
+    def __init__(self, model, data, mesh=None, context=None, pipeline=None):
+        self.model, self.data, self.mesh = model, data, mesh
+        self.optimizer = data.optimizer
+        self.context, self.pipeline = context, pipeline
+        coord = mesh.coords if mesh is not None else {"dp": 0, "pp": 0, "tp": 0, "cp": 0}
+        self.dp_rank, self.dp_size = coord["dp"], mesh.size("dp") if mesh is not None else 1
+        self.world = mesh.world if mesh is not None else None
+        # A gradient the tp ranks all hold whole (LayerNorm, biases of row-parallel layers,
+        # ...) enters the global norm from tp rank 0 only; its split slices from every rank.
+        self.first_tp = coord["tp"] == 0
+        self.tied = pipeline.tied_weight() if pipeline is not None else None
+        if self.tied is not None:  # the two stages add their parts before the reduction
+            data.before_reduce = pipeline.reduce_tied_gradients
+            data.hold(self.tied)
+        self.name = describe(mesh, data, context, pipeline)
+        self._pipeline_totals = {}
+
+    # -- one step ---------------------------------------------------------------------------------
+    def micro_batches(self, x, y, grad_accum: int):
+        """This rank's part of the global batch ``(x, y)`` in ``grad_accum`` micro-batches:
+        ``(x, y, share of the global batch, last?)``; the share counts rows and tokens."""
+        rows, tokens = x.shape
+        xr, yr = shard(x, self.dp_rank, self.dp_size), shard(y, self.dp_rank, self.dp_size)
+        for i in range(grad_accum):
+            xs, ys = shard(xr, i, grad_accum), shard(yr, i, grad_accum)
+            if self.context is not None:
+                xs, ys = self.context.shard(xs, ys)
+            yield xs, ys, xs.shape[0] / rows * xs.shape[1] / tokens, i == grad_accum - 1
+
+    def forward_backward(self, x, y, grad_accum: int = 1, low_dtype=None, loss_scale: float = 1.0) -> float:
+        """Accumulate into the gradients the gradient of the global batch's mean loss (times
+        ``loss_scale``), reduced over the data-parallel group; return that loss."""
+        local = 0.0
+        for xs, ys, share, last in self.micro_batches(x, y, grad_accum):
+            if self.pipeline is not None:
+                local += self._pipeline_pass(xs, ys, share, last, low_dtype, loss_scale)
+                continue
+            with self.data.micro_step(last):
+                with ops.autocast(low_dtype):
+                    loss = self.model(from_host(xs), from_host(ys))
+                (loss * (share * loss_scale)).backward()
+            local += share * loss.item()
+        return self.reduce_loss(local)
+
+    def _pipeline_pass(self, xs, ys, share, last, low_dtype, loss_scale) -> float:
+        """One pass of the schedule.  Gradient hooks open only around each chunk's last
+        backward of a pass that reduces, where every gradient of the chunk is final once."""
+        reduces = last or self.data.reduces_every_micro_step
+        with self.data.micro_step(last, pipelined=True):
+            loss = self.pipeline.forward_backward(xs, ys, weight=share, low_dtype=low_dtype, loss_scale=loss_scale,
+                                                  around_last_backward=self.data.hook_window() if reduces else None)
+        st, t = self.pipeline.stats, self._pipeline_totals
+        for key in ("busy_s", "span_s"):
+            t[key] = t.get(key, 0.0) + st[key]
+        t["peak_activation_bytes"] = max(t.get("peak_activation_bytes", 0.0), st["peak_activation_bytes"])
+        return loss
+
+    def reduce_loss(self, local: float) -> float:
+        """The weighted micro-batch losses summed over the ranks that see different data."""
+        return reduce_sum(local, self.data.group) if self.data.group is not None else local
+
+    def evaluate(self, batches, low_dtype=None) -> float:
+        """Mean loss over ``batches`` (each split over the mesh like a training batch)."""
+        total = 0.0
+        with no_grad(), ops.autocast(low_dtype), self.data.evaluating():
+            for x, y in batches:
+                for xs, ys, share, _ in self.micro_batches(x, y, 1):
+                    if self.pipeline is not None:
+                        loss = self.pipeline.evaluate(xs, ys, low_dtype)
+                    else:
+                        loss = self.model(from_host(xs), from_host(ys)).item()
+                    total += share * loss
+        return self.reduce_loss(total) / len(batches)
+
+    # -- the update -------------------------------------------------------------------------------
+    def found_inf(self, scaler) -> bool:
+        """Unscale this rank's gradients; True on every rank if any rank saw an inf/NaN."""
+        found = scaler.unscale_(self.data.grad_holders)
+        return any_rank(found, self.world) if self.world is not None else found
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip every gradient by the norm of the whole model's gradient; return that norm.
+
+        Each rank adds the squares of the gradients it is the one to count -- its tp slices,
+        a tp-replicated gradient on tp rank 0 only, a data-parallel replica's gradients on
+        one replica only (ZeRO's shards on every rank: they are disjoint), the tied
+        embedding on the first stage only -- and one sum over the world gives the norm."""
+        sq = sum(sum_of_squares(g) for p, g in self.data.grad_segments() if self._counted(p))
+        if self.world is not None:
+            sq = reduce_sum(sq if self.data.counts_in_norm else 0.0, self.world)
+        total = math.sqrt(sq)
+        if math.isfinite(total):
+            scale_grads(self.data.grad_holders, clip_coefficient(total, max_norm))
+        return total
+
+    def _counted(self, p) -> bool:
+        if p.sharding is None and not self.first_tp:
+            return False
+        return not (p is self.tied and not self.pipeline.is_first)
+
+    def step(self):
+        self.data.step()
+
+    def zero_grad(self):
+        self.data.zero_grad()
+
+    def parameters(self) -> dict:
+        """``{name: array}`` of every parameter this rank holds (its tensor-parallel slices of
+        its pipeline stage), whole even under ZeRO-3 (gathered from the shards)."""
+        return self.data.parameters()
+
+    # -- reports ----------------------------------------------------------------------------------
+    def memory_bytes(self) -> dict:
+        return self.data.memory_bytes()
+
+    @property
+    def comm_wait_s(self) -> float:
+        """Time the last step waited for gradient communication not hidden by backward."""
+        return self.data.comm_wait_s
+
+    def metrics(self) -> dict:
+        """The last step's pipeline figures ({} without a pipeline): measured bubble (idle share
+        of the passes, mean over stages) beside the formula, and each stage's peak activation
+        memory.  A gather over the pp group, so every rank calls it."""
+        if self.pipeline is None:
+            return {}
+        t, self._pipeline_totals = self._pipeline_totals, {}
+        rows = self.pipeline.gather_rows([t.get("busy_s", 0.0), t.get("span_s", 0.0),
+                                          t.get("peak_activation_bytes", 0.0)])
+        if rows is None:
+            return {}
+        bubbles = [1.0 - b / s if s > 0 else 0.0 for b, s, _ in rows]
+        return {"bubble": sum(bubbles) / len(bubbles), "bubble_theory": self.pipeline.stats["bubble_theory"],
+                "stage_bubble": bubbles, "peak_activation_mb": [p / 2**20 for _, _, p in rows]}
+
+
+def describe(mesh, data, context, pipeline) -> str:
+    """The run in words, e.g. ``dp=2 x pp=2 x tp=2: ZeRO-1 over 2 ranks, pipeline 1f1b (M=4)``."""
+    if mesh is None:
+        return "single process"
+    parts = [data.name]
+    if context is not None:
+        parts.append(f"{context.impl} context parallelism over {context.group.size} ranks")
+    if pipeline is not None:
+        parts.append(f"pipeline {pipeline.schedule.name} over {pipeline.P} stages (M={pipeline.M}"
+                     + (f", V={pipeline.V})" if pipeline.V > 1 else ")"))
+    if mesh.size("tp") > 1:
+        parts.append(f"tensor parallel over {mesh.size('tp')} ranks")
+    shape = " x ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "one rank"
+    return f"{shape}: " + ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# The data-parallel part: who reduces the gradients over the ("dp", "cp") group, and how
+# ------------------------------------------------------------------------------------------------
+class OneReplica:
+    """One data-parallel replica: the gradients are already the batch's; nothing to reduce.
+
+    The interface every data-parallel part has (the Strategy calls only these):
+    ``micro_step(last, pipelined)`` around a micro-batch's forward and backward,
+    ``hook_window()`` (the pipeline opens gradient hooks inside it), ``hold(param)`` (reduce
+    that gradient only at the end: the tied embedding), ``before_reduce`` (run on the full
+    gradients just before they are reduced), ``grad_holders`` / ``grad_segments()`` (what to
+    unscale, clip and count in the norm), ``step``, ``zero_grad``, ``evaluating``,
+    ``memory_bytes``, ``comm_wait_s``.
+    """
+
+    reduces_every_micro_step = False  # ZeRO-2/3 reduce-scatter each micro-step (their gradient memory)
 
     def __init__(self, model, optimizer, group=None):
         self.model, self.optimizer, self.group = model, optimizer, group
-        self.rank, self.size = (group.rank, group.size) if group is not None else (0, 1)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.before_reduce = None
+        self.counts_in_norm = True  # this rank counts its gradients in the global norm
+        self.name = "one data-parallel replica"
 
-    # -- data ------------------------------------------------------------------------------------
-    def micro_batches(self, x, y, grad_accum: int):
-        """This rank's rows of the global batch in ``grad_accum`` micro-batches:
-        ``(x, y, share of the global rows, last?)``."""
-        total = x.shape[0]
-        xr, yr = shard(x, self.rank, self.size), shard(y, self.rank, self.size)
-        for i in range(grad_accum):
-            xs, ys = shard(xr, i, grad_accum), shard(yr, i, grad_accum)
-            yield xs, ys, xs.shape[0] / total, i == grad_accum - 1
+    def hold(self, param):
+        pass
 
-    def reduce_loss(self, local: float) -> float:
-        """The row-weighted shard losses summed into the global batch's mean loss."""
-        return reduce_sum(local, self.group) if self.group is not None else local
+    def hook_window(self):
+        return None
 
-    # -- backward --------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def micro_step(self, last: bool):
+    def micro_step(self, last: bool, pipelined: bool = False):
         yield
+        if last and self.before_reduce is not None:
+            self.before_reduce()
 
     @contextlib.contextmanager
     def evaluating(self):
         yield
 
-    # -- the update ------------------------------------------------------------------------------
     @property
     def grad_holders(self):
         """The objects whose ``.grad`` this rank unscales and clips."""
         return self.params
 
-    norm_group = None  # the group over which squared gradient norms are summed (None: none)
-
-    def found_inf(self, scaler) -> bool:
-        """Unscale this rank's gradients; True on every rank if any rank saw an inf/NaN."""
-        found = scaler.unscale_(self.grad_holders)
-        return any_rank(found, self.group) if self.group is not None else found
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip to ``max_norm`` by the global gradient norm (over every rank's shard)."""
-        sq = grad_norm_sq(self.grad_holders)
-        if self.norm_group is not None:
-            sq = reduce_sum(sq, self.norm_group)
-        total = math.sqrt(sq)
-        if math.isfinite(total):
-            scale_grads(self.grad_holders, clip_coefficient(total, max_norm))
-        return total
+    def grad_segments(self):
+        """``(parameter, gradient array)`` of every gradient this rank holds (for the norm)."""
+        return ((p, p.grad) for p in self.grad_holders if p.grad is not None)
 
     def step(self):
         self.optimizer.step()
@@ -89,7 +253,9 @@ class Strategy:
     def zero_grad(self):
         self.optimizer.zero_grad()
 
-    # -- reports ---------------------------------------------------------------------------------
+    def parameters(self) -> dict:
+        return {p.name: p.data for p in self.params}
+
     def memory_bytes(self) -> dict:
         """Bytes of parameters, gradients and optimizer state held now, from the arrays."""
         return {"params": sum(p.data.nbytes for p in self.params),
@@ -99,11 +265,58 @@ class Strategy:
 
     @property
     def comm_wait_s(self) -> float:
-        """Time the last step spent waiting for gradient communication (not hidden by backward)."""
         return 0.0
 
 
-class DataParallel(Strategy):
+class Bucketed(OneReplica):
+    """A part whose gradient collectives are launched per bucket from the gradient hooks
+    (``self.reducer``, parallel/data.py): DDP, ZeRO-1 and ZeRO-2 share this protocol."""
+
+    reducer = None
+
+    def hold(self, param):
+        self.reducer.hold(param)
+
+    def hook_window(self):
+        reducer = self.reducer
+
+        @contextlib.contextmanager
+        def window():
+            reducer.active = True
+            try:
+                yield
+            finally:
+                reducer.active = False
+        return window
+
+    @contextlib.contextmanager
+    def micro_step(self, last: bool, pipelined: bool = False):
+        """Without reduction (accumulation, ``no_sync``) unless this micro-step reduces; a
+        pipelined pass keeps the hooks shut except inside :meth:`hook_window`."""
+        r = self.reducer
+        if not (last or self.reduces_every_micro_step):
+            r.active = False
+            try:
+                yield
+            finally:
+                r.active = True
+            return
+        r.reset_timeline()
+        r.active = not pipelined
+        try:
+            yield
+        finally:
+            r.active = True
+        if self.before_reduce is not None:
+            self.before_reduce()
+        r.finish()  # launches what the hooks did not (and the held buckets), waits for all
+
+    @property
+    def comm_wait_s(self) -> float:
+        return self.reducer.wait_s
+
+
+class DataParallel(Bucketed):
     """DDP over ``group``: bucketed all-reduces launched from the gradient hooks."""
 
     def __init__(self, model, optimizer, group, bucket_mb: float = 25.0, overlap: bool = True,
@@ -111,40 +324,40 @@ class DataParallel(Strategy):
         super().__init__(model, optimizer, group)
         self.ddp = DistributedDataParallel(self.params, group, bucket_mb=bucket_mb, overlap=overlap,
                                            algorithm=algorithm)
+        self.reducer = self.ddp.reducer
+        self.counts_in_norm = group.rank == 0  # every replica holds the same reduced gradients
         self.name = f"DDP over {group.size} ranks"
 
-    @contextlib.contextmanager
-    def micro_step(self, last: bool):
-        if not last:
-            with self.ddp.no_sync():
-                yield
-            return
-        self.ddp.reducer.reset_timeline()
-        yield
-        self.ddp.finish()
+
+class Zero(Bucketed):
+    """ZeRO-1 or ZeRO-2 over ``group`` (parallel/zero.py): the optimizer state (and, for
+    stage 2, the gradients) sharded; the buckets' collectives launched from the hooks."""
+
+    def __init__(self, model, optimizer, group, stage: int, bucket_mb: float = 25.0, overlap: bool = True):
+        from .zero import ZeRO
+
+        super().__init__(model, optimizer, group)
+        self.zero = ZeRO(model, group, stage, optimizer, bucket_mb, overlap)
+        self.reducer, self.stage = self.zero.reducer, stage
+        self.reduces_every_micro_step = stage == 2  # a rank keeps only its gradient shard
+        # Stage 1 clips the full, all-reduced gradients (the same on every rank: count them
+        # once); stage 2 clips the disjoint gradient shards (count every rank's).
+        self.counts_in_norm = stage == 2 or group.rank == 0
+        self.name = f"ZeRO-{stage} over {group.size} ranks"
 
     @property
-    def comm_wait_s(self) -> float:
-        return self.ddp.wait_s
+    def grad_holders(self):
+        return self.zero.grad_holders
 
+    def grad_segments(self):
+        if self.stage == 1:
+            return super().grad_segments()
+        return _shard_segments(self.zero.units, self.zero.shards)
 
-class Zero(Strategy):
-    """ZeRO stage 1, 2 or 3 over ``group``; with ``replicate_group``, HSDP."""
-
-    def __init__(self, model, optimizer, group, stage: int, bucket_mb: float = 25.0, overlap: bool = True,
-                 replicate_group=None, dp_group=None):
-        from .zero import make_zero
-
-        super().__init__(model, optimizer, dp_group if dp_group is not None else group)
-        self.zero = make_zero(model, group, stage, optimizer, bucket_mb, overlap, replicate_group)
-        self.stage = stage
-        self.name = (f"HSDP: ZeRO-3 over {group.size} ranks x {replicate_group.size} replicas"
-                     if replicate_group is not None else f"ZeRO-{stage} over {group.size} ranks")
-
-    micro_step = property(lambda self: self.zero.micro_step)
-    evaluating = property(lambda self: self.zero.evaluating)
-    grad_holders = property(lambda self: self.zero.grad_holders)
-    norm_group = property(lambda self: self.zero.norm_group)
+    @contextlib.contextmanager
+    def evaluating(self):
+        with self.zero.evaluating():
+            yield
 
     def step(self):
         self.zero.step()
@@ -155,24 +368,74 @@ class Zero(Strategy):
     def memory_bytes(self) -> dict:
         return self.zero.memory_bytes()
 
+
+class FullyShardedDataParallel(OneReplica):
+    """ZeRO-3 = FSDP over ``shard_group`` (parallel/fsdp.py), or HSDP with ``replicate_group``:
+    parameters, gradients and optimizer state sharded; the loss summed over ``group``."""
+
+    reduces_every_micro_step = True  # each block's gradients are reduce-scattered in its backward
+
+    def __init__(self, model, optimizer, group, shard_group, replicate_group=None):
+        from .fsdp import FSDP
+
+        super().__init__(model, optimizer, group)
+        self.fsdp = FSDP(model, shard_group, optimizer, replicate_group)
+        # The shards are disjoint within a shard group; HSDP's replicas hold the same ones.
+        self.counts_in_norm = replicate_group is None or replicate_group.rank == 0
+        self.name = (f"HSDP: ZeRO-3 over {shard_group.size} ranks x {replicate_group.size} replicas"
+                     if replicate_group is not None else f"ZeRO-3 (FSDP) over {shard_group.size} ranks")
+
+    @contextlib.contextmanager
+    def micro_step(self, last: bool, pipelined: bool = False):
+        with self.fsdp.micro_step(last, before_reduce=self.before_reduce):
+            yield
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        with self.fsdp.evaluating():
+            yield
+
     @property
-    def comm_wait_s(self) -> float:
-        return self.zero.reducer.wait_s if self.zero.reducer is not None else 0.0
+    def grad_holders(self):
+        return self.fsdp.grad_holders
+
+    def grad_segments(self):
+        return _shard_segments(self.fsdp.units, self.fsdp.shards)
+
+    def step(self):
+        self.fsdp.step()
+
+    def parameters(self) -> dict:
+        return self.fsdp.full_parameters()
+
+    def zero_grad(self):
+        self.fsdp.zero_grad()
+
+    def memory_bytes(self) -> dict:
+        return self.fsdp.memory_bytes()
 
 
-def make_strategy(model, optimizer, dp: int = 1, zero: int = 0, bucket_mb: float = 25.0, overlap: bool = True,
-                  hsdp_shard: int | None = None, mesh=None):
-    """The strategy for these settings; ``mesh`` (a comm.Mesh) is built when dp > 1 and none is given."""
-    if dp == 1 and mesh is None:
-        return Strategy(model, optimizer)
-    if mesh is None:
-        from ..comm import Mesh
-        mesh = Mesh(dp=dp)
-    group = mesh.group("dp")
-    if hsdp_shard is not None and hsdp_shard != group.size:
-        from .zero import hsdp_groups
-        shard_group, replicate = hsdp_groups(group, hsdp_shard)
-        return Zero(model, optimizer, shard_group, 3, bucket_mb, overlap, replicate, dp_group=group)
-    if zero:
-        return Zero(model, optimizer, group, zero, bucket_mb, overlap)
-    return DataParallel(model, optimizer, group, bucket_mb, overlap)
+def _shard_segments(units, shards):
+    """``(parameter, its stretch of the shard's gradient)`` for every shard (ZeRO-2/3)."""
+    for unit, shard in zip(units, shards):
+        if shard.grad is not None:
+            for p, s, _ in unit.segments():
+                yield p, shard.grad[s]
+
+
+def data_parallel(model, optimizer, p, mesh):
+    """The data-parallel part of a run (``p``: its ParallelConfig) over the ``("dp", "cp")``
+    group -- the ranks that hold the same parameters and see different tokens -- : one
+    replica, DDP, ZeRO-1/2, ZeRO-3 (FSDP) or HSDP (ZeRO-3 in groups of ``p.hsdp_shard``)."""
+    if mesh is None or mesh.size(("dp", "cp")) == 1:
+        return OneReplica(model, optimizer)
+    group = mesh.group(("dp", "cp"))
+    if p.zero == 3:
+        shards, replicas = group, None
+        if p.hsdp_shard and p.hsdp_shard != group.size:
+            from .fsdp import hsdp_groups
+            shards, replicas = hsdp_groups(group, p.hsdp_shard)
+        return FullyShardedDataParallel(model, optimizer, group, shards, replicas)
+    if p.zero:
+        return Zero(model, optimizer, group, p.zero, p.bucket_mb, p.overlap)
+    return DataParallel(model, optimizer, group, p.bucket_mb, p.overlap)

@@ -32,7 +32,6 @@ With a group of one rank (or none) every layer here is the plain layer: one GPT 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from minidist import comm, nn, ops
@@ -42,7 +41,6 @@ from minidist.comm import functional as F
 from minidist.comm.group import Group
 from minidist.ops.basic import check_index
 from minidist.ops.precision import compute_dtype, to_dtype
-from minidist.optim.clip import grad_norm_sq
 from minidist.parallel import collective_matmul as cm
 from minidist.parallel.collective_matmul import record_timeline  # noqa: F401  (tensor.record_timeline)
 from minidist.parallel.sequence_parallel import all_gather_linear, linear_reduce_scatter
@@ -82,29 +80,40 @@ class Shard:
         return xp.take(full, self.indices(full.shape[self.dim]), axis=self.dim)
 
 
-def check_cli(tp: int, heads: int, d_model: int, seq_len: int, sequence_parallel: bool, tp_async,
-              zero: bool = False) -> None:
-    """The training command's tensor-parallel flags: raise ValueError naming the flag and its
-    value when tp ranks cannot split the model (run before any message is sent)."""
-    if tp_async and tp == 1:
-        raise ValueError(f"--tp-async {tp_async} needs --tp greater than 1 (got --tp {tp})")
-    if sequence_parallel and tp == 1:
-        raise ValueError(f"--sequence-parallel needs --tp greater than 1 (got --tp {tp})")
+def problems(given, cfg) -> list[str]:
+    """Why the tensor-parallel settings cannot split this model (one line each; [] if they can).
+
+    ``given``: the run configuration as the user gave it, ``cfg`` resolved.  With context
+    parallelism, sequence parallelism splits each rank's ``seq_len / cp`` tokens over tp."""
+    p, m = cfg.parallel, cfg.model
+    tp, out = p.tp, []
+    if p.tp_async and tp == 1:
+        out.append(f"--tp-async {p.tp_async} needs --tp greater than 1 (got --tp {tp})")
+    if p.sequence_parallel and tp == 1:
+        out.append(f"--sequence-parallel needs --tp greater than 1 (got --tp {tp})")
     if tp == 1:
-        return
-    if zero:
-        raise ValueError(f"--zero / --hsdp-shard with --tp {tp}: ZeRO does not shard tensor-parallel "
-                         "models (use DDP, --zero 0, across the data-parallel ranks)")
-    for flag, value in (("--heads", heads), ("--d-model", d_model)):
+        return out
+    for flag, value in (("--heads", m.heads), ("--d-model", m.d_model)):
         if value % tp:
-            raise ValueError(f"{flag} {value} is not divisible by --tp {tp}")
-    if (4 * d_model) % tp:
-        raise ValueError(f"the MLP width 4 x --d-model = {4 * d_model} is not divisible by --tp {tp}")
+            out.append(f"{flag} {value} is not divisible by --tp {tp}")
+    if (4 * m.d_model) % tp:
+        out.append(f"the MLP width 4 x --d-model = {4 * m.d_model} is not divisible by --tp {tp}")
     if 256 % tp:
-        raise ValueError(f"the vocabulary (256 byte values) is not divisible by --tp {tp}")
-    if (sequence_parallel or tp_async) and seq_len % tp:
-        what = "--sequence-parallel" if sequence_parallel else f"--tp-async {tp_async} (sequence parallel)"
-        raise ValueError(f"--seq-len {seq_len} is not divisible by --tp {tp}: {what} splits the sequence")
+        out.append(f"the vocabulary (256 byte values) is not divisible by --tp {tp}")
+    tokens = cfg.data.seq_len // p.cp
+    if (p.sequence_parallel or p.tp_async) and tokens % tp:
+        what = "--sequence-parallel" if p.sequence_parallel else f"--tp-async {p.tp_async} (sequence parallel)"
+        seq = f"--seq-len {cfg.data.seq_len}" + (f" / --cp {p.cp} = {tokens} tokens per rank" if p.cp > 1 else "")
+        out.append(f"{seq} is not divisible by --tp {tp}: {what} splits the sequence")
+    return out
+
+
+def tensor_parallel_layers(p, mesh):
+    """The run's layer set (``p``: its ParallelConfig): split over the mesh's tp group when
+    ``p.tp`` > 1, else None (the plain layers)."""
+    if p.tp == 1:
+        return None
+    return TensorParallelLayers(mesh.group("tp"), p.sequence_parallel, p.tp_async or "none")
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,52 +365,3 @@ def vocab_parallel_cross_entropy(logits, targets, group):
         return (to_dtype(dz.reshape(logits.shape), logits.dtype),)
 
     return make_tensor(loss, (logits,), backward)
-
-
-# --------------------------------------------------------------------------------------------
-# Gradient norm over a tensor-parallel group
-# --------------------------------------------------------------------------------------------
-def tp_grad_norm_sq(params, group) -> float:
-    """Squared global gradient norm when ``params`` are this rank's part of a tensor-parallel
-    model: sharded parameters' squares summed over the group, replicated ones counted once."""
-    sharded = [p for p in params if getattr(p, "sharding", None) is not None]
-    replicated = [p for p in params if getattr(p, "sharding", None) is None]
-    sq = grad_norm_sq(sharded)
-    if group is not None and group.size > 1:
-        sq = float(comm.all_reduce(xp.asarray([sq], dtype=xp.float64), group, op="sum")[0])
-    return sq + grad_norm_sq(replicated)
-
-
-class TensorParallelStrategy:
-    """The training loop's strategy (parallel/strategy.py) of the data axis, made aware of the
-    tp group: the gradient norm sums the sharded parameters' squares over the tp ranks (the
-    replicated ones once), and an fp16 overflow on any tp rank skips the step on all.
-    Everything else (rows of the batch, gradient reduction over dp, the update) is the
-    wrapped strategy's: tp-sharded and replicated gradients are reduced over the dp group
-    only, each tp rank reducing its own slices."""
-
-    def __init__(self, inner, group):
-        self.inner, self.group = inner, group
-        self.name = f"{inner.name}, tensor parallel over {group.size} ranks"
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def found_inf(self, scaler) -> bool:
-        from minidist.parallel.data import any_rank
-
-        return any_rank(self.inner.found_inf(scaler), self.group)
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.inner.grad_holders, max_norm, self.group)
-
-
-def clip_grad_norm(params, max_norm: float, group) -> float:
-    """optim.clip_grad_norm for a tensor-parallel model (the norm of the whole model)."""
-    from minidist.optim.clip import clip_coefficient, scale_grads
-
-    params = list(params)
-    total = math.sqrt(tp_grad_norm_sq(params, group))
-    if math.isfinite(total):
-        scale_grads(params, clip_coefficient(total, float(max_norm)))
-    return total

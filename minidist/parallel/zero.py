@@ -246,10 +246,3 @@ def memory_formula(stage: int, numel: int, shard_numel: int, itemsize: int, stat
     grads = b * (mine if stage >= 2 else full)
     state = b * state_arrays * (mine if stage >= 1 else full)
     return {"params": params, "grads": grads, "optimizer": state}
-
-
-def hsdp_groups(dp_group, shard_size: int):
-    """fsdp.hsdp_groups, importable from here as parallel/strategy.py does."""
-    from .fsdp import hsdp_groups
-
-    return hsdp_groups(dp_group, shard_size)

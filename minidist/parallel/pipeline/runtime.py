@@ -38,7 +38,7 @@ import time
 
 from minidist import comm, ops
 from minidist.autograd import Parameter, Tensor, no_grad
-from minidist.backend import from_host, xp
+from minidist.backend import dtype as backend_dtype, from_host, xp
 from minidist.data import shard
 from minidist.parallel.pipeline.schedules import (BACKWARD, FORWARD, Action, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
                                                   layer_range, make_schedule, message_tag, model_stage,
@@ -253,7 +253,7 @@ class PipelineRuntime:
     def _post(self, a):
         key = self._key(a)
         if key not in self._posted:
-            shape = (len(self._x[a.microbatch]), self._x[a.microbatch].shape[1], self.model.config.d_model)
+            shape = self._activation_shape(self._x[a.microbatch])
             dtype = self._low if self._low is not None else self._param_dtype()
             self._posted[key] = comm.irecv(xp.empty(shape, dtype), a.peer, self.group, tag=self._tag(key))
 
@@ -270,8 +270,13 @@ class PipelineRuntime:
         key = self._key(a)
         self._inbox[key] = self._posted.pop(key).wait()
 
+    def _activation_shape(self, x):
+        """The shape of the activation between two stages for token ids ``x`` (rows, tokens):
+        sequence parallelism gives each tensor-parallel rank its part of the tokens."""
+        return (len(x), self.model.layers.local_tokens(x.shape[1]), self.model.config.d_model)
+
     def _param_dtype(self):
-        return next(iter(self.model.parameters())).dtype
+        return backend_dtype(self.model.config.dtype)  # from the config: ZeRO-3 frees the parameters' arrays
 
     # ----------------------------------------------------------------- after the step
     def reduce_tied_gradients(self):
@@ -289,28 +294,12 @@ class PipelineRuntime:
         w.grad += comm.sendrecv(w.grad, peer, peer, self.group, tag=TIED_TAG)  # in place: w.grad may be a
         # view into a data-parallel strategy's flat gradient buffer (ZeRO-1), which must see the sum
 
-    def grad_norm_sq(self, params=None) -> float:
-        """The whole model's squared gradient norm: every rank's ``params`` (default: its
-        stage's parameters) summed over the pipeline group, the tied embedding, whose full
-        gradient both ends hold, counted once (on the first stage)."""
-        from minidist.optim import grad_norm_sq
-
-        params = self.model.parameters() if params is None else params
-        if self.tied and self.is_last and not self.is_first:
-            params = [p for p in params if p is not self.model.wte.weight]
-        return self.sum_over_stages(grad_norm_sq(params))
-
-    def sum_over_stages(self, value: float) -> float:
-        """The sum of a float over the pipeline group."""
-        if self.P == 1:
-            return float(value)
-        return float(comm.all_reduce(xp.asarray([value], dtype=xp.float64), self.group)[0])
-
-    def any_true(self, flag: bool) -> bool:
-        """``flag`` or-ed over the pipeline group (e.g. the loss scaler's overflow check)."""
-        if self.P == 1:
-            return bool(flag)
-        return bool(comm.all_reduce(xp.asarray([1.0 if flag else 0.0]), self.group, op="max")[0])
+    def tied_weight(self):
+        """The tied embedding weight when this rank holds one of its two copies (the first
+        stage's lookup table, the last stage's head), else None."""
+        if not self.tied or self.P == 1 or not (self.is_first or self.is_last):
+            return None
+        return self.model.wte.weight
 
     # ------------------------------------------------------------------- evaluation
     def evaluate(self, x, y, low_dtype=None) -> float:
@@ -325,8 +314,7 @@ class PipelineRuntime:
                     prev = stage_location(s - 1, self.P)[0]
                     if prev != self.rank:
                         dtype = low_dtype if low_dtype is not None else self._param_dtype()
-                        h = Tensor(comm.recv((len(x), x.shape[1], self.model.config.d_model), dtype, prev,
-                                             self.group, tag=EVAL_TAG))
+                        h = Tensor(comm.recv(self._activation_shape(x), dtype, prev, self.group, tag=EVAL_TAG))
                 h = self.model.run_blocks(h, self.blocks[c])
                 if s == self.S - 1:
                     loss = float(self.model.loss(self.model.head(h), from_host(y)).item())

@@ -189,6 +189,37 @@ def schedule_problem(name: str, P: int, M: int, V: int = 1, num_layers: int | No
     return None
 
 
+def problems(given, cfg) -> list[str]:
+    """Why the pipeline settings cannot run (one line each; [] if they can).
+
+    ``given``: the run configuration as the user gave it (None = not given), ``cfg`` resolved.
+    Each pipeline pass splits a data-parallel rank's share of an accumulation step into M
+    microbatches of at least one row."""
+    p, g = cfg.parallel, given.parallel
+    flags = [f for f, v in (("--microbatches", g.microbatches), ("--schedule", g.schedule),
+                            ("--virtual-stages", g.virtual_stages)) if v is not None]
+    if p.pp == 1:
+        if not flags:
+            return []
+        verb = "needs" if len(flags) == 1 else "need"
+        return [f"{' and '.join(flags)} {verb} pipeline parallelism: add --pp 2 or more"]
+    P, M, V, L = p.pp, p.microbatches, p.virtual_stages, cfg.model.layers
+    if g.virtual_stages is not None and p.schedule not in VIRTUAL:
+        return [f"--virtual-stages {V}: the {p.schedule} schedule has no virtual stages "
+                f"(only {' and '.join(VIRTUAL)} have)"]
+    if L % (P * V):
+        return [f"--layers {L} cannot be cut into --pp {P} x --virtual-stages {V} = {P * V} equal stages"]
+    problem = schedule_problem(p.schedule, P, M, V, L)
+    if problem:
+        return [f"--schedule {p.schedule} --pp {P} --microbatches {M}: {problem}"]
+    accum = cfg.device.grad_accum
+    rows = cfg.data.batch_size // p.dp // accum  # the fewest rows a rank gets per accumulation step
+    if rows < M:
+        return [f"--microbatches {M} exceeds the {rows} sequence(s) of a pipeline pass (--batch-size "
+                f"{cfg.data.batch_size} / --dp {p.dp} / --grad-accum {accum}): every microbatch needs at least one"]
+    return []
+
+
 TAG_LIMIT = 29000  # the schedule's message tags; the runtime uses a few more up to comm's reserved 30000
 
 

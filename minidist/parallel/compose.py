@@ -1,0 +1,127 @@
+"""The composer: one function puts the four axes together into a model and its strategy.
+
+The seeds' summary of large-scale training is one sentence: use TP, CP, PP and DP at the
+same time, arranged as a 4D grid of ranks (Llama 3 405B: TP8 x CP16 x PP16 x DP8 on 16,384
+GPUs).  :func:`build` does it in the order each axis needs the one before:
+
+1. **tensor** (Megatron-LM): the layer set splits every weight over the tp group, so the
+   model is *built* split (each rank draws its slices of the global weights from the seed);
+2. **context** (Ring Attention / DeepSpeed-Ulysses): every block's attention and the token
+   positions become those of this rank's part of each sequence;
+3. **pipeline** (GPipe, 1F1B, interleaved): the model keeps only this rank's stage;
+4. **data** (DDP, ZeRO-1/2, ZeRO-3 = FSDP, HSDP): the gradients of what is left are reduced
+   over the ``("dp", "cp")`` group -- the ranks that hold the same parameters and see different
+   tokens -- each rank reducing (or sharding) *its* tensor-parallel slices, as FSDP2 x TP does
+   in torchtitan;
+5. the loop's :class:`~minidist.parallel.strategy.Strategy`, the same interface for every mesh.
+
+Which axes compose with which is one table, :data:`COMPOSES` (the README's table is checked
+against it by a test); each axis checks its own settings in its own module (``problems``).
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+AXES = ("dp", "pp", "tp", "cp")
+
+#: Every pair of axes and every data-parallel flavour, with "yes" or the reason it is refused.
+#: The target of the design is no refusal at all; each entry is tested by the equivalence matrix.
+COMPOSES = {
+    **{pair: "yes" for pair in combinations(AXES, 2)},
+    **{("zero", axis): "yes" for axis in ("pp", "tp", "cp")},
+    **{("hsdp", axis): "yes" for axis in ("pp", "tp", "cp")},
+}
+
+
+def composition_table() -> str:
+    """:data:`COMPOSES` as the README's markdown table."""
+    rows = ["| axes | composes |", "|---|---|"]
+    for (a, b), verdict in COMPOSES.items():
+        name = {"zero": "ZeRO-1/2/3", "hsdp": "HSDP"}.get(a, f"--{a}")
+        rows.append(f"| {name} x --{b} | {verdict} |")
+    return "\n".join(rows)
+
+
+def problems(given, world_size: int) -> list[str]:
+    """Every reason the run configuration ``given`` (as the user gave it: None = not given)
+    cannot run on ``world_size`` ranks, one line each; [] if it can.  Pure arithmetic on the
+    settings, so every rank reaches the same verdict before any message is sent."""
+    from . import context, data, tensor
+    from .pipeline import schedules
+
+    out = _mesh_problems(given.parallel, world_size)
+    if out:
+        return out  # the other checks need a mesh that fits
+    cfg = given.resolved(world_size)
+    for axis in (data, tensor, context, schedules):
+        out += axis.problems(given, cfg)
+    return out
+
+
+def _mesh_problems(p, world: int) -> list[str]:
+    others = p.pp * p.tp * p.cp
+    axes = " x ".join(f"--{a} {getattr(p, a)}" for a in ("pp", "tp", "cp") if getattr(p, a) > 1)
+    if p.dp is None:
+        if world % others:
+            hint = f": run under mpiexec -n {others} or a multiple of it" if world == 1 else ""
+            return [f"the world size {world} is not divisible by {axes} = {others}{hint}"]
+        return []
+    if p.dp * others != world:
+        over = f" over {others} ranks of the other axes" if others > 1 else ""
+        return [f"--dp {p.dp} does not match the world size {world} (mpiexec -n {world}{over})"]
+    return []
+
+
+def build(cfg, mesh=None):
+    """``(model, strategy)`` for the resolved run configuration ``cfg`` on ``mesh`` (a
+    ``comm.Mesh``; None for one process).  Collective over the mesh: every rank calls it."""
+    from ..nn import GPT
+    from .strategy import Strategy, data_parallel
+    from .tensor import tensor_parallel_layers
+
+    p = cfg.parallel
+    model = GPT(model_config(cfg), tensor_parallel_layers(p, mesh))          # 1. tensor
+    model.checkpoint_activations = cfg.device.checkpoint_activations
+    context = None
+    if p.cp > 1:                                                               # 2. context
+        from .context import ContextParallel
+        context = ContextParallel(mesh.group("cp"), p.cp_impl, cfg.model.attention, cfg.model.attention_block)
+        context.install(model)
+    pipeline = None
+    if p.pp > 1:                                                               # 3. pipeline
+        from .pipeline.runtime import PipelineRuntime
+        pipeline = PipelineRuntime(model, mesh.group("pp"), p.schedule, p.microbatches, p.virtual_stages)
+    optimizer = make_optimizer(cfg.optim, model.parameters())
+    data = data_parallel(model, optimizer, p, mesh)                            # 4. data
+    return model, Strategy(model, data, mesh, context, pipeline)             # 5. the loop's interface
+
+
+def model_config(cfg):
+    """The GPTConfig of a run configuration."""
+    from ..nn import GPTConfig
+
+    m = cfg.model
+    return GPTConfig(vocab_size=256, seq_len=m.block_size or cfg.data.seq_len, n_layer=m.layers, n_head=m.heads,
+                     d_model=m.d_model, tie_embeddings=not m.untied, dtype=m.dtype, seed=m.seed,
+                     attention=m.attention, attention_block=m.attention_block or 128)
+
+
+def make_optimizer(o, params):
+    """AdamW or SGD over ``params``; biases and LayerNorm gains are not decayed (GPT-2 / nanoGPT)."""
+    from ..optim import SGD, AdamW, no_decay_below_2d
+
+    if o.optimizer == "sgd":
+        return SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, no_decay=no_decay_below_2d)
+    return AdamW(params, lr=o.lr, weight_decay=o.weight_decay, no_decay=no_decay_below_2d)
+
+
+def build_mesh(p):
+    """The run's one ``Mesh(dp, pp, tp, cp)`` (tp innermost), or None for a single process
+    (a run without mpiexec never initialises MPI)."""
+    sizes = p.mesh_sizes()
+    if p.world_size == 1:
+        return None
+    from ..comm import Mesh
+
+    return Mesh(**sizes)

@@ -1,0 +1,182 @@
+"""What a run tells its user: the start-up line, the progress line, the metrics records and
+the end-of-run summary table.  Only rank 0 prints and writes; every rank takes part in the
+few small gathers a record needs (the pipeline's figures, each rank's peak memory).
+
+Kept out of the training loop (minidist/train.py) so that the loop reads as the algorithm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+
+class Reporter:
+    """Builds each step's metrics record, writes it (``--metrics-jsonl``) and prints progress.
+
+    ``rank0``: this rank prints and writes; ``world``: the number of ranks (records gain the
+    mesh, communication time and per-rank peak memory under mpiexec)."""
+
+    def __init__(self, cfg, strategy, world: int, rank0: bool, log=print, peak_gflops: float = 1.0):
+        from .profile import model_flops_per_token
+
+        self.cfg, self.strategy, self.world, self.rank0 = cfg, strategy, world, rank0
+        self.log = log if rank0 else (lambda *_: None)
+        m, d = cfg.model, cfg.data
+        self.tokens_per_step = d.batch_size * d.seq_len
+        self.flops_per_step = model_flops_per_token(m.layers, m.d_model, d.seq_len, 256) * self.tokens_per_step
+        self.peak = peak_gflops
+        self.metrics: list[dict] = []
+        path = cfg.report.metrics_jsonl
+        self.file = open(path, "w") if path and rank0 else None
+        self.mesh = mesh_label(cfg.parallel)
+
+    def logged(self, step: int) -> bool:
+        """Is step ``step``'s progress line printed?"""
+        steps, every = self.cfg.optim.steps, self.cfg.report.log_every
+        return step < steps and (step % every == 0 or step + 1 == steps)
+
+    def record(self, step, loss, lr, update, step_time, comm_s, peak_bytes, traced) -> dict:
+        """The metrics record of one step (``update``: what the optimizer half filled in)."""
+        update = dict(update)
+        state = update.pop("state_mb", None)
+        r = {"step": step, "loss": loss, "lr": lr, **update, "step_time_s": step_time,
+             "tokens_per_s": self.tokens_per_step / step_time,
+             "mfu": self.flops_per_step / step_time / (self.peak * 1e9 * self.world)}
+        r.update(self.strategy.metrics())  # the pipeline's bubble and activation memory (collective)
+        if self.world > 1:
+            r.update(mesh=self.mesh, comm_s=comm_s, comm_exposed_s=self.strategy.comm_wait_s)
+        if traced:
+            r["peak_mem_mb"] = peak_bytes / 2**20
+            r["state_mb"] = state  # params, grads, optimizer
+            if self.world > 1:
+                r["rank_peak_mem_mb"] = _per_rank(peak_bytes / 2**20)
+        return r
+
+    def add(self, r: dict, peak_bytes: int):
+        """Keep, write and (every ``--log-every`` steps, and with a validation loss) print ``r``."""
+        self.metrics.append(r)
+        if self.file:
+            self.file.write(json.dumps(r) + "\n")
+            self.file.flush()
+        if not self.cfg.report.quiet and (self.logged(r["step"]) or "val_loss" in r):
+            self.log(progress_line(r, self.cfg.optim.steps, self.metrics, peak_bytes))
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+def start_line(cfg, train_bytes: int, peak: float, strategy) -> str:
+    from .cli_checks import gpt_num_parameters
+
+    m, d = cfg.model, cfg.data
+    num_params = gpt_num_parameters(m.layers, m.d_model, m.block_size, tied=not m.untied)  # the whole model
+    return (f"minidist: GPT {m.layers}x{m.d_model} ({num_params:,} parameters), {train_bytes:,} training bytes, "
+            f"batch {d.batch_size}x{d.seq_len}, peak {peak:.1f} GFLOP/s per rank for MFU, {strategy.name}")
+
+
+def mesh_label(p) -> str:
+    """The mesh as the metrics name it, e.g. ``dp=2 zero=1 tp=2``."""
+    label = f"dp={p.dp}"
+    if p.hsdp_shard:
+        label += f" (shard {p.hsdp_shard} x replicate {p.dp * p.cp // p.hsdp_shard})"
+    if p.zero:
+        label += f" zero={p.zero}"
+    for axis in ("tp", "cp", "pp"):
+        if getattr(p, axis) > 1:
+            label += f" {axis}={getattr(p, axis)}" + (f" ({p.cp_impl})" if axis == "cp" else "")
+    return label
+
+
+def _per_rank(value: float) -> list:
+    """``value`` of every rank, in rank order (a tiny all-gather over the world)."""
+    from . import comm
+    from .backend import xp
+
+    return [float(v) for v in comm.all_gather(xp.asarray([value], dtype=xp.float64), comm.world())]
+
+
+def progress_line(r: dict, steps: int, history: list, mem_bytes: int) -> str:
+    done = r["step"] + 1
+    recent = [h["step_time_s"] for h in history[-20:]]  # recent steps: the first one pays warm-up
+    eta = sum(recent) / len(recent) * (steps - done)
+    line = (f"step {done:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+            f"{r['tokens_per_s']:,.0f} tok/s | MFU {100 * r['mfu']:.1f}% | "
+            f"mem {mem_bytes / 2**20:.0f} MiB | ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+    if "val_loss" in r:
+        line += f" | val {r['val_loss']:.4f}"
+    if r.get("skipped"):
+        line += " | skipped (overflow)"
+    if "bubble" in r:
+        line += (f" | bubble {100 * r['bubble']:.0f}% (theory {100 * r['bubble_theory']:.0f}%)"
+                 f" | act {max(r['peak_activation_mb']):.1f} MiB")
+    return line
+
+
+def summary_table(metrics: list, wall_s: float) -> str:
+    """The end-of-run table (rank 0): steps, final losses, throughput, MFU, peak memory, time.
+
+    Throughput and MFU are over the steps after the first (which pays for warm-up), as
+    total tokens (FLOPs) over total step time.
+    """
+    last = metrics[-1]
+    timed = metrics[1:] or metrics
+    step_s = sum(r["step_time_s"] for r in timed)
+    tokens_per_s = sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / step_s
+    mfu = sum(r["mfu"] * r["step_time_s"] for r in timed) / step_s
+    vals = [r for r in metrics if "val_loss" in r]
+    peaks = [r["peak_mem_mb"] for r in metrics if "peak_mem_mb" in r]
+    rows = [
+        ("steps", f"{len(metrics)}"),
+        ("final train loss", f"{last['loss']:.4f}"),
+        ("final validation loss", f"{vals[-1]['val_loss']:.4f} (after step {vals[-1]['step'] + 1})" if vals
+         else "not evaluated (--eval-every 0)"),
+        ("tokens/s", f"{tokens_per_s:,.0f}"),
+        ("MFU", f"{100 * mfu:.1f}%"),
+        ("peak memory of a step", f"{max(peaks):,.0f} MiB" if peaks else "not measured"),
+    ]
+    rows += _pipeline_rows(timed)
+    rows.append(("wall time", f"{_duration(wall_s)} ({_duration(sum(r['step_time_s'] for r in metrics))} in steps)"))
+    if "mesh" in last:  # under mpiexec: the mesh, and rank 0's communication over the timed steps
+        comm_s = sum(r["comm_s"] for r in timed)
+        exposed = sum(r["comm_exposed_s"] for r in timed)
+        held = next((r["state_mb"] for r in reversed(metrics) if "state_mb" in r), None)
+        rows[1:1] = [("mesh", last["mesh"])]
+        rows.append(("communication (rank 0)", f"{_duration(comm_s)} in collectives, {_duration(exposed)} "
+                                               f"of it waited for after backward"))
+        if held:
+            rows.append(("rank 0 holds", f"{held['params']:.1f} MiB params, {held['grads']:.1f} MiB grads, "
+                                         f"{held['optimizer']:.1f} MiB optimizer state"))
+    width = max(len(name) for name, _ in rows)
+    rule = "-" * (width + 3 + max(len(value) for _, value in rows))
+    return "\n".join(["summary", rule] + [f"{name:<{width}} | {value}" for name, value in rows] + [rule])
+
+
+def _pipeline_rows(timed: list) -> list:
+    """The pipeline's rows of the summary: bubble (mean over the timed steps) and the largest
+    stage's peak activation memory ([] without a pipeline)."""
+    timed = [r for r in timed if "bubble" in r]
+    if not timed:
+        return []
+    bubble = sum(r["bubble"] for r in timed) / len(timed)
+    peaks = [max(r["peak_activation_mb"]) for r in timed]
+    return [("pipeline bubble", f"{100 * bubble:.1f}% measured, {100 * timed[-1]['bubble_theory']:.1f}% theory"),
+            ("peak activations of a stage", f"{max(peaks):,.2f} MiB")]
+
+
+def grid_text(p) -> str:
+    """The grid of the mesh ``p`` (a ParallelConfig): each rank's coordinates and which ranks
+    form each tp / cp / pp / dp group (tp innermost), printed under the summary."""
+    from .comm.mesh import MeshLayout
+
+    return MeshLayout(**p.mesh_sizes()).describe()
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}h{m % 60:02d}m{s:02d}s" if m >= 60 else f"{m}m{s:02d}s"
