@@ -48,3 +48,63 @@ def _cases():
 def test_mesh_trains_like_one_process(ranks, variants):
     out = run_mpi(ranks, BODIES, json.dumps(variants), timeout=120 + 60 * len(variants) * ranks // 4).stdout
     assert out.count("equal to one process:") == len(variants), out
+
+
+# -- the composition table and the checks (no MPI) ---------------------------------------------
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+def test_readme_composition_table_is_the_composers():
+    from minidist.parallel.compose import composition_table
+
+    text = open(README).read()
+    table = text.split("<!-- composition table: begin -->")[1].split("<!-- composition table: end -->")[0]
+    assert table.strip() == composition_table()
+
+
+FLAG_SETS = [dict(), dict(zero=1), dict(zero=2), dict(zero=3), dict(sequence_parallel=True),
+             dict(tp_async="ring"), dict(tp_async="bidirectional"), dict(cp_impl="ulysses"),
+             dict(attention="blockwise"), dict(grad_accum=2), dict(checkpoint_activations=True),
+             dict(mixed_precision="bf16", dtype="float32"), dict(untied=True), dict(schedule="interleaved"),
+             dict(schedule="gpipe"), dict(hsdp_shard=2)]
+MESHES = [dict(dp=2, pp=2, tp=2, cp=2), dict(dp=4, tp=2, cp=2), dict(pp=2, tp=2, cp=4), dict(dp=4, pp=2, tp=2)]
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items()))
+def test_every_flag_is_accepted_on_every_mesh(mesh):
+    """No axis refuses another: every flag of every axis passes the checks on 4D meshes
+    whose sizes divide the model (the equivalence matrix above shows they train right)."""
+    import dataclasses
+
+    from minidist.config import RunConfig
+    from minidist.parallel.compose import problems
+
+    base = RunConfig().replace(model=dict(layers=4, d_model=32, heads=8), data=dict(seq_len=32, batch_size=16))
+    sections = {f.name: s for s in ("model", "data", "device", "parallel") for f in dataclasses.fields(getattr(base, s))}
+    world = mesh.get("dp", 1) * mesh.get("pp", 1) * mesh.get("tp", 1) * mesh.get("cp", 1)
+    for flags in FLAG_SETS:
+        flat = {**mesh, **flags}
+        needs = {"sequence_parallel": "tp", "tp_async": "tp", "cp_impl": "cp", "schedule": "pp"}
+        if any(k in flat and mesh.get(axis, 1) == 1 for k, axis in needs.items()):
+            continue
+        if "hsdp_shard" in flat and (mesh.get("dp", 1) * mesh.get("cp", 1)) % 2:
+            continue
+        if flat.get("pp", 1) > 1:
+            flat.setdefault("microbatches", 2)
+        changes = {}
+        for k, v in flat.items():
+            changes.setdefault(sections[k], {})[k] = v
+        assert problems(base.replace(**changes), world) == [], flat
+
+
+@pytest.mark.mpi
+def test_a_bad_cross_axis_setting_is_one_line_on_every_rank():
+    """Ulysses splits each tensor-parallel rank's heads over cp: 2 heads / tp 2 = 1 head
+    cannot be split over cp 2.  Refused before any message, one line, exit code 2."""
+    from minidist.testing import run_train
+
+    r = run_train(4, ["--tp", "2", "--cp", "2", "--cp-impl", "ulysses", "--heads", "2", "--d-model", "16",
+                      "--steps", "1"], timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "not divisible by --cp 2" in lines[0], r.stderr
