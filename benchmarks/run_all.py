@@ -58,6 +58,8 @@ PARTS = [
          [], ["--quick"], full_s=120, quick_s=8),
     Part("pipeline", "bench_pipeline.py", "pipeline schedules: measured bubble vs formula, tokens/s vs one rank",
          [], ["--quick"], full_s=150, quick_s=4),
+    Part("compose", "bench_compose.py", "4D composition on 4 ranks: dp4, dp2·tp2, pp2·tp2, tp2·cp2 vs one rank; "
+         "bytes per axis vs the formulas", [], ["--quick"], full_s=120, quick_s=10),
 ]
 
 

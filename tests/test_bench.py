@@ -165,3 +165,19 @@ def test_bench_pipeline_quick(quick_run):
         assert 0 <= row["bubble_best"] <= row["bubble_measured"] and 0 <= row["bubble_replayed"] < 1, row
     theory = {r["schedule"]: r["bubble_theory"] for r in result["rows"]}
     assert theory["gpipe"] == pytest.approx(1 / 9) and theory["interleaved"] == pytest.approx(1 / 17)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_compose_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "compose.json") as f:
+        report = json.load(f)
+    rows = {r["mesh"]: r for r in report["results"]}
+    assert list(rows) == ["1 rank", "dp4", "dp2·tp2", "pp2·tp2", "tp2·cp2"]
+    assert rows["1 rank"]["vs_one_rank"] == 1.0 and not rows["1 rank"]["bytes_sent_last_step"]
+    for name, row in rows.items():
+        assert row["tokens_per_s"] > 0 and math.isfinite(row["vs_one_rank"]), row
+    # each mesh's traffic travels on the groups of its own axes
+    assert "tp" in rows["dp2·tp2"]["bytes_sent_last_step"] and "dp" in rows["dp2·tp2"]["bytes_sent_last_step"]
+    assert "pp" in rows["pp2·tp2"]["bytes_sent_last_step"] and "cp" in rows["tp2·cp2"]["bytes_sent_last_step"]

@@ -183,7 +183,9 @@ class Mesh:
             key = tuple(a for a in axes if self.layout.shape[a] > 1)
             if key not in by_ranks:
                 if self.layout.size(axes) == self.world.size:
-                    by_ranks[key] = self.world  # spans everyone: no new communicator needed
+                    # Spans everyone: the world's ranks, under the axes' name, so that traffic
+                    # is counted per axis (comm.stats.bytes_by_group).
+                    by_ranks[key] = Group(self.world.user_comm.Dup(), name="+".join(key) if key else "self")
                 else:
                     color = self.layout.color(axes, self.rank)
                     position = self.layout.members(axes, self.rank).index(self.rank)
