@@ -39,15 +39,17 @@ class _Parser(argparse.ArgumentParser):
 
 POSITIVE, NON_NEGATIVE = int_in(lo=1), int_in(lo=0)
 
-EXAMPLES = """examples:
+EXAMPLES = """examples (run `make install` first; `.venv/bin` holds mpiexec and minidist-train):
   minidist-train --steps 300                                  the demo
   minidist-train --dtype float64 --steps 20                   exact arithmetic, for checks
   minidist-train --grad-accum 4 --checkpoint-activations --mixed-precision bf16
   minidist-train --data my.txt --metrics-jsonl run.jsonl --trace trace.json
+  mpiexec -n 8 minidist-train --dp 2 --pp 2 --tp 2            3D parallelism: the main job
+  mpiexec -n 16 minidist-train --dp 2 --pp 2 --tp 2 --cp 2 --zero 1 --sequence-parallel
   mpiexec -n 4 minidist-train --zero 2                        data parallel, ZeRO-2, on 4 ranks
   mpiexec -n 4 minidist-train --hsdp-shard 2                  HSDP: ZeRO-3 in pairs, 2 replicas
   mpiexec -n 4 minidist-train --pp 2 --dp 2 --schedule 1f1b   pipeline of 2 stages x 2 replicas
-  mpiexec -n 4 minidist-train --tp 2 --tp-async                dp=2 x tp=2, collective matmuls
+  mpiexec -n 4 minidist-train --tp 2 --cp 2 --cp-impl ulysses tensor x context parallelism
 
 Bad input (a value out of range, a missing file, an output that would overwrite --data, a
 model too large for memory) stops the run before any work with one message and exit code 2.

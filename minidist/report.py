@@ -83,9 +83,10 @@ def mesh_label(p) -> str:
         label += f" (shard {p.hsdp_shard} x replicate {p.dp * p.cp // p.hsdp_shard})"
     if p.zero:
         label += f" zero={p.zero}"
+    sizes = p.mesh_sizes()
     for axis in ("tp", "cp", "pp"):
-        if getattr(p, axis) > 1:
-            label += f" {axis}={getattr(p, axis)}" + (f" ({p.cp_impl})" if axis == "cp" else "")
+        if sizes[axis] > 1:
+            label += f" {axis}={sizes[axis]}" + (f" ({p.cp_impl})" if axis == "cp" else "")
     return label
 
 

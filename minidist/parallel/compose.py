@@ -61,7 +61,8 @@ def problems(given, world_size: int) -> list[str]:
 
 def _mesh_problems(p, world: int) -> list[str]:
     others = p.pp * p.tp * p.cp
-    axes = " x ".join(f"--{a} {getattr(p, a)}" for a in ("pp", "tp", "cp") if getattr(p, a) > 1)
+    sizes = p.mesh_sizes()
+    axes = " x ".join(f"--{a} {sizes[a]}" for a in ("pp", "tp", "cp") if sizes[a] > 1)
     if p.dp is None:
         if world % others:
             hint = f": run under mpiexec -n {others} or a multiple of it" if world == 1 else ""
