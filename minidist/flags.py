@@ -14,6 +14,7 @@ import sys
 
 from .cli_checks import (InputError, available_memory_bytes, check_input_file, check_memory, check_output_files,
                          float_in, int_in, training_memory_bytes)
+from .blas_env import pin_blas_threads
 from .config import ATTENTIONS, CP_IMPLEMENTATIONS, TP_OVERLAPS, RunConfig, from_args
 from .parallel.pipeline.schedules import ORDERS
 
@@ -190,7 +191,7 @@ def _validate(args) -> RunConfig:
     if args.data is not None:
         check_input_file("--data", args.data)
     check_output_files({"--metrics-jsonl": args.metrics_jsonl, "--trace": args.trace}, {"--data": args.data})
-    share_cores_between_ranks()  # before NumPy (the backend) is imported
+    pin_blas_threads()  # under mpiexec each rank's BLAS gets its share of the cores; before NumPy loads
     if args.timeout_s is not None:  # the communication watchdog's timeout, read when minidist.comm is imported
         os.environ["MINIDIST_TIMEOUT_S"] = repr(args.timeout_s)
         if "minidist.comm.watchdog" in sys.modules:  # already imported (train used as a library)
@@ -229,22 +230,6 @@ def world_rank() -> int:
         if var in os.environ:
             return int(os.environ[var])
     return 0
-
-
-def share_cores_between_ranks():
-    """Under mpiexec, give each rank's BLAS its share of the cores (unless the user set it).
-
-    Each rank would otherwise start one BLAS thread per core: with N ranks on a machine the
-    threads outnumber the cores N to 1 and spin-wait for each other (steps 10-50x slower on 2
-    cores).  Runs before NumPy is imported, which is when the BLAS reads these variables.
-    """
-    world = world_size()
-    if world == 1:
-        return
-    local = int(os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or world)
-    threads = str(max(1, (os.cpu_count() or 1) // local))
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(var, threads)
 
 
 def memory_estimate(cfg: RunConfig) -> dict:

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from minidist.blas_env import BLAS_THREAD_VARS, blas_thread_env
+
 _HANG_DIR = "MINIDIST_HANG_DIR"
 _HANG_AFTER = "MINIDIST_HANG_AFTER_S"
 
@@ -51,7 +53,7 @@ def mpiexec_command(nprocs: int) -> list[str]:
 def run_train(nprocs: int | None, args: list, timeout: float = 120):
     """``python -m minidist.train ARGS`` on ``nprocs`` ranks under mpiexec (None: without mpiexec),
     one BLAS thread per rank; the CompletedProcess, whatever its exit code (tests check it)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env = {**os.environ, **{v: "1" for v in BLAS_THREAD_VARS}}
     launcher = mpiexec_command(nprocs) if nprocs else []
     return subprocess.run(launcher + [sys.executable, "-m", "minidist.train", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -110,8 +112,7 @@ def run_mpi(nprocs: int, target: str, *args: str, timeout: float = 120, env: dic
     full_env[_HANG_DIR] = dump_dir
     full_env[_HANG_AFTER] = str(max(1.0, timeout - min(10.0, 0.2 * timeout)))
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    full_env.setdefault("OMP_NUM_THREADS", "1")  # ranks oversubscribe the cores already
-    full_env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    full_env = blas_thread_env(1, full_env)  # ranks oversubscribe the cores already
     cmd = mpiexec_command(nprocs) + [sys.executable, "-m", "minidist.testing", target, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, start_new_session=True)
