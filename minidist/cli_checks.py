@@ -180,7 +180,7 @@ def training_memory_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int,
     float32.  ``data_bytes`` of corpus are held twice while loading; ``eval_batches`` fixed
     validation batches are int64 inputs and targets.  ``score_values``: the attention scores a
     block keeps per sequence (default ``n_head * seq_len**2``, plain attention's; blockwise and
-    context-parallel attention keep fewer, see ``parallel.context_cli.score_values``).
+    context-parallel attention keep fewer, see ``flags.score_values``).
     """
     item = NUMPY_BYTES[dtype]
     act_item = item if mixed_precision == "none" else 5  # measured: 1.25 x float32

@@ -26,7 +26,7 @@ its five lines of rank arithmetic are written out here; a test keeps them equal)
 from __future__ import annotations
 
 from minidist.data import shard_bounds
-from minidist.parallel.context_cli import IMPLEMENTATIONS
+from minidist.config import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
 from minidist.parallel.pipeline.schedules import layer_range, model_stage
 
 AXES = ("dp", "pp", "cp", "tp")
