@@ -55,7 +55,7 @@ def call_identity(name, x, kw) -> int | None:
 
 
 def _run(g, name, body, x, sig, ident, args):
-    with stats.scope(name, ident):
+    with stats.scope(name, ident, g.name):
         if sig is not None:
             check.agree(g, sig)
         result = body(g, x, *args)

@@ -8,7 +8,8 @@ send and receive only through the functions of this module, so this is the one p
   all ranks run on the same kind of machine, so byte order agrees.  CuPy arrays are staged
   through host memory (``backend.to_host``/``from_host``);
 * counts every byte sent and received (and the time spent) under the current collective's
-  name (:mod:`minidist.comm.stats`);
+  name, and every byte sent under the name of the group it travels on
+  (:mod:`minidist.comm.stats`);
 * applies the optional simulated link (:mod:`minidist.comm.links`);
 * checks that each received message had exactly the expected size, so that ranks calling a
   collective with different shapes get an error instead of a silently wrong answer, and
@@ -99,13 +100,15 @@ def _truncated(comm, src, tag, expected, err, what=None, status=None, wire=None)
 
 
 def _charge(state, sent: int, received: int) -> None:
-    """stats.count_bytes on a thread state already at hand."""
+    """stats.count_bytes on a thread state already at hand: ``sent`` also counts on the
+    group the running scope names (``state.grec``, its record: no lookup)."""
     counters, name = state.counters, state.label or "p2p"
     rec = counters.get(name)
     if rec is None:
         rec = counters[name] = [0, 0, 0, 0.0]
     rec[1] += sent
     rec[2] += received
+    state.grec[0] += sent
 
 
 # ------------------------------------------------- fast helpers on host arrays (internal)
@@ -336,7 +339,7 @@ def _check_tag(tag) -> int:
 def send(x, dst: int, group, tag: int = 0) -> None:
     """Blocking send of array ``x`` to group rank ``dst``."""
     dst, tag = _check_peer(dst, group, "dst"), _check_tag(tag)
-    with stats.scope("send"):
+    with stats.scope("send", None, group.name):
         _send(group.user_comm, _host_contiguous(x), dst, tag)
 
 
@@ -346,7 +349,7 @@ def recv_into(out, src: int, group, tag: int = 0):
     host = to_host(out)
     direct = isinstance(host, np.ndarray) and host is out and out.flags.c_contiguous
     buf = out if direct else np.empty(out.shape, out.dtype)
-    with stats.scope("recv"):
+    with stats.scope("recv", None, group.name):
         _recv(group.user_comm, buf, src, tag)
     if not direct:
         out[...] = from_host(buf)
@@ -367,7 +370,7 @@ def sendrecv(x, dst: int, src: int, group, out=None, tag: int = 0):
     host = to_host(target)
     direct = host is target and target.flags.c_contiguous
     buf = target if direct else np.empty(target.shape, target.dtype)
-    with stats.scope("sendrecv"):
+    with stats.scope("sendrecv", None, group.name):
         _sendrecv(group.user_comm, sendbuf, dst, buf, src, tag)
     if not direct:
         target[...] = from_host(buf)
@@ -408,7 +411,7 @@ def isend(x, dst: int, group, tag: int = 0) -> Request:
     """Start sending ``x`` to ``dst``; don't modify ``x`` before ``wait()``."""
     dst, tag = _check_peer(dst, group, "dst"), _check_tag(tag)
     buf = _host_contiguous(x)
-    with stats.scope("isend"):
+    with stats.scope("isend", None, group.name):
         req = _isend(group.user_comm, buf, dst, tag)
     return Request(group.user_comm, req, keep=buf)
 
@@ -418,6 +421,6 @@ def irecv(out, src: int, group, tag: int = 0) -> Request:
     src, tag = _check_peer(src, group, "src"), _check_tag(tag)
     direct = to_host(out) is out and out.flags.c_contiguous
     staged = None if direct else np.empty(out.shape, out.dtype)
-    with stats.scope("irecv"):
+    with stats.scope("irecv", None, group.name):
         req = _irecv(group.user_comm, out if direct else staged, src, tag)
     return Request(group.user_comm, req, keep=None, out=out, staged=staged, src=src, tag=tag)

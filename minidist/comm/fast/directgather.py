@@ -94,7 +94,7 @@ class DirectGatherPlan(_GatherPlan):
                 if self._again(x, out):
                     self._bind(x, out)
         else:  # large, posted afresh by the general path's algorithm, which counts its own bytes
-            with stats.scope("all_gather", self.tag if self.rtag == ANY_TAG else None):
+            with stats.scope("all_gather", self.tag if self.rtag == ANY_TAG else None, self.name):
                 wrong = self._round(g, x, out)
             if wrong is None:
                 stats.note_op("all_gather", self.name, x.shape, self.dtype)

@@ -308,7 +308,7 @@ class EvenGatherPlan(_GatherPlan):
             if got != rhi - rlo:  # finish the rounds with empty messages, so that every rank raises
                 bad = f"rank {source} sent {got} bytes where {rhi - rlo} were expected"
                 stats.note_op("all_gather", self.name, x.shape, self.dtype)
-                with stats.scope("all_gather", None if rtag != ANY_TAG else tag):  # the rest carry its identity too
+                with stats.scope("all_gather", None if rtag != ANY_TAG else tag, self.name):  # the rest carry its identity too
                     evengather.exchange(g, flat, self.rounds[k + 1:], bad, status)
                 raise mismatch or evengather.error(g, out, bad)
         stats.record_call(self.call, self.sent, self.received, t0)

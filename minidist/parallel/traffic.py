@@ -1,0 +1,514 @@
+"""Bytes one rank sends per optimizer step on each mesh axis, in closed form (no MPI).
+
+``comm.stats.bytes_by_group()`` measures what a rank sent on each group; the functions here
+predict it for one GPT training step (``strategy.forward_backward`` then ``train.update``,
+the model and strategy from ``parallel.compose.build``) from the mesh, this rank's
+coordinates, the model and the step's settings.  They are exact, to the byte, for the code
+as it stands: tests/test_axis_bytes.py measures steps on real meshes and compares.  Each
+axis is one function, each collective's cost one function:
+
+* the **algorithms** (comm/algorithms/): what each sends per rank, including what the size
+  thresholds of comm/reducing.py and comm/collectives.py choose (recursive doubling for a
+  small all-reduce sends log2(N) X, not the ring's 2(N-1)/N X), uneven np.array_split
+  blocks, and float16/bfloat16 reduced in float32 (4 bytes per element on the wire);
+* the **axes**: :func:`dp_bytes` (gradient reduction: DDP, ZeRO-1/2) and :func:`fsdp_bytes`
+  (ZeRO-3), :func:`tp_bytes` (Megatron-LM), :func:`cp_bytes` (Ring Attention,
+  DeepSpeed-Ulysses), :func:`pp_bytes` (activations and gradients between stages, the tied
+  embedding);
+* :func:`step_bytes` puts them together: ``{"dp", "pp", "tp", "cp", "world"} -> bytes``.
+  "dp" is the traffic on the data-parallel *reduction* group, the ("dp", "cp") group
+  (context-parallel ranks see different tokens of the same sequences, so their gradients
+  are summed too); "world" the scalars every rank agrees on.  :func:`group_names` gives the
+  name ``comm.Mesh`` gives each of these groups ("dp+cp"; "world" for a group of every
+  rank), and :func:`by_group` re-keys a result by them, as ``bytes_by_group`` reports.
+
+The scalar collectives of a step travel too and are counted, each a float64 all-reduce of
+one element (recursive doubling: 8 bytes per round, log2(N) rounds on 2^k ranks): the loss
+summed over the reduction group, the squared gradient norm (``clip_grad``) and the fp16
+overflow flag (``fp16``) over the world (parallel/strategy.py), and on a pipeline the loss
+broadcast from the last stage after every pass.  Reporting is not part of a step and not
+counted: the pipeline's metrics gather, the per-rank peak memory all-gather, evaluation;
+nor is the check mode's signature exchange (MINIDIST_CHECK_COLLECTIVES=1).
+
+Not covered (``step_bytes`` raises): collective matmuls (``--tp-async``) and HSDP.  Mixed
+precision (``act_itemsize`` 2: the activations' low dtype) is exact where the tests check it
+(bf16/fp16 with dp, pp, cp, Ulysses, tp without sequence parallelism, ZeRO-3): reductions
+send 4 bytes per element (float32 accumulation, comm/reduction.py), the loss and ring
+attention compute in float32.  Not with tensor parallelism's sequence parallelism or
+pipeline x tensor parallelism: there the row-parallel layers add their float32 bias to the
+low-precision output (parallel/tensor.py), which turns the residual stream float32, so some
+all-gathers carry 4-byte elements (and pp x tp fails: the next stage expects 2-byte ones).
+"""
+
+from __future__ import annotations
+
+import math
+
+# The size thresholds of comm/reducing.py and comm/collectives.py (copied: importing
+# minidist.comm would start MPI; tests/mpi/axis_bytes_bodies.py checks they agree).
+SMALL_ALL_REDUCE_BYTES = 512 << 10
+SMALL_ALL_REDUCE_BYTES_WIDE = 512 << 10
+SMALL_BROADCAST_BYTES = 256 * 1024
+SCALAR = 8  # a float64 scalar (loss, squared norm, overflow flag) as one all-reduce element
+AXES = ("dp", "pp", "tp", "cp")
+
+
+# ------------------------------------------------------------------ blocks and algorithms
+
+
+def split(n: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` pieces of ``n`` like ``np.array_split`` (comm/algorithms/blocks.py,
+    data.shard): the first ``n % parts`` pieces one larger."""
+    q, extra = divmod(n, parts)
+    return [q + (1 if i < extra else 0) for i in range(parts)]
+
+
+def acc_itemsize(itemsize: int) -> int:
+    """Bytes per element a reduction sends: float16/bfloat16 are reduced in float32
+    (comm/reduction.py accumulator_dtype)."""
+    return 4 if itemsize == 2 else itemsize
+
+
+def doubling_messages(n: int, r: int) -> int:
+    """Whole-vector messages rank r sends in a recursive-doubling all-reduce over n ranks
+    (Thakur, Rabenseifner & Gropp 2005; doubling.recursive_doubling_schedule): log2(N) on
+    2^k ranks; otherwise the first 2*rem ranks pair up, the even one sends once (GIVE) and
+    its odd partner sends the result back (RESULT_OUT) after its log2(pof2) exchanges."""
+    if n == 1:
+        return 0
+    pof2 = 1 << (n.bit_length() - 1)
+    rem, rounds = n - pof2, pof2.bit_length() - 1
+    if r < 2 * rem:
+        return 1 if r % 2 == 0 else rounds + 1
+    return rounds
+
+
+def all_reduce_bytes(numel: int, itemsize: int, n: int, r: int, algorithm: str = "auto") -> int:
+    """Bytes rank r sends in ``comm.all_reduce`` of ``numel`` elements over n ranks, with
+    the algorithm reducing.all_reduce_algorithm picks: recursive doubling up to 512 KiB,
+    log2(N) X (doubling.py); above, pairwise reduce-scatter then all-gather (reducing.
+    pairwise_all_reduce), 2(N-1)/N X for even blocks; ``"ring"``: Patarasuk & Yuan 2009,
+    2(N-1)/N X (ring.py).  Blocks are np.array_split pieces of the flat vector."""
+    if n == 1:
+        return 0
+    b = acc_itemsize(itemsize)
+    if algorithm == "auto":
+        limit = SMALL_ALL_REDUCE_BYTES if n <= 2 else SMALL_ALL_REDUCE_BYTES_WIDE
+        algorithm = "recursive_doubling" if numel * b <= limit or numel < n else "pairwise"
+    if algorithm == "recursive_doubling":
+        return doubling_messages(n, r) * numel * b
+    blocks = split(numel, n)
+    if algorithm == "ring":  # ring reduce-scatter sends every block but r, the all-gather every block but r+1
+        return (2 * numel - blocks[r] - blocks[(r + 1) % n]) * b
+    if algorithm == "pairwise":
+        scatter = numel - blocks[r]  # pairwise.pairwise_reduce_scatter: every block but r, once
+        if n & (n - 1) == 0:  # doubling all-gather: round k sends the 2^k blocks held so far
+            gather = sum(sum(blocks[(r & ~(m - 1)) + i] for i in range(m)) for m in _powers(n))
+        else:
+            gather = numel - blocks[(r + 1) % n]
+        return (scatter + gather) * b
+    raise ValueError(f"all_reduce_bytes: no formula for algorithm {algorithm!r}")
+
+
+def _powers(n):
+    m = 1
+    while m < n:
+        yield m
+        m <<= 1
+
+
+def reduce_scatter_bytes(rows: int, row_numel: int, itemsize: int, n: int, r: int) -> int:
+    """Bytes rank r sends in ``comm.reduce_scatter`` of ``rows`` rows: whatever the algorithm
+    (one-shot, halving, ring, pairwise), every block but its own leaves it once, summed
+    into another rank's block: (N-1)/N X for even blocks (Thakur et al. 2005)."""
+    if n == 1:
+        return 0
+    return (rows - split(rows, n)[r]) * row_numel * acc_itemsize(itemsize)
+
+
+def all_gather_bytes(rows_of: list[int], row_bytes: int, r: int) -> int:
+    """Bytes rank r sends in ``comm.all_gather`` (no ``out=``) when rank j holds
+    ``rows_of[j]`` rows: two ranks swap their blocks (pairwise.pair_all_gather); more
+    run Bruck (Bruck et al. 1997; bruck.bruck_all_gather_rows), each record an 8-byte row
+    count and its rows, round k sending the first min(2^k, N - 2^k) records held."""
+    n = len(rows_of)
+    if n == 1:
+        return 0
+    if n == 2 and row_bytes:
+        return rows_of[r] * row_bytes
+    sent, have = 0, 1
+    while have < n:
+        cnt = min(have, n - have)
+        sent += sum(8 + rows_of[(r + j) % n] * row_bytes for j in range(cnt))
+        have += cnt
+    return sent
+
+
+def broadcast_bytes(nbytes: int, n: int, r: int, root: int) -> int:
+    """Bytes rank r sends in ``comm.broadcast`` of ``nbytes`` (up to 256 KiB: the binomial
+    tree, trees.binomial_broadcast; each rank forwards to vr + 2^k for every 2^k below the
+    bit it received on; above: the pipelined chain, every rank but the last sends X once)."""
+    if n == 1:
+        return 0
+    vr = (r - root) % n
+    if nbytes > SMALL_BROADCAST_BYTES:
+        return nbytes if vr < n - 1 else 0
+    low = vr & -vr if vr else 1 << (n - 1).bit_length()
+    return sum(nbytes for m in _powers(low) if vr + m < n)
+
+
+def all_to_all_bytes(rows: int, row_bytes: int, n: int, r: int) -> int:
+    """Bytes rank r sends in ``comm.all_to_all`` of ``rows`` rows: every part but its own
+    (pairwise.pairwise_all_to_all), (N-1)/N X for even parts."""
+    return (rows - split(rows, n)[r]) * row_bytes if n > 1 else 0
+
+
+# ------------------------------------------------------------------ the model's parameters
+
+
+def layer_range(stage: int, n_layer: int, stages: int) -> range:
+    """The blocks of model stage ``stage`` of ``stages`` (pipeline/schedules.layer_range)."""
+    per = n_layer // stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def rank_stages(pp_rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
+    """Model stages of pipeline rank ``pp_rank``: chunk c holds stage c*P + rank (schedules.model_stage)."""
+    return [c * pp + pp_rank for c in range(virtual_stages)]
+
+
+def block_numels(d: int, tp: int) -> list[int]:
+    """One block's parameters on a tensor-parallel rank, in ``model.parameters()`` order:
+    ln_1 (2), c_attn (column, fused q|k|v), c_proj (row; its bias replicated), ln_2, c_fc
+    (column), c_proj (row).  Megatron-LM's split (Shoeybi et al. 2019)."""
+    return [d, d, d * 3 * d // tp, 3 * d // tp, d // tp * d, d, d, d,
+            d * 4 * d // tp, 4 * d // tp, 4 * d // tp * d, d]
+
+
+def param_numels(n_layer: int, d_model: int, vocab: int = 256, block_size: int = 128, tied: bool = True,
+                 tp: int = 1, stages=None, num_stages: int = 1) -> list[int]:
+    """Elements of each parameter a rank holds, in ``model.parameters()`` order (the order
+    DDP's buckets are cut from, reversed): the vocabulary-parallel embedding (V/tp rows), the
+    position table, this rank's blocks, the final LayerNorm, the LM head unless tied.  On a
+    pipeline (``stages``: this rank's model stages of ``num_stages``) the first stage keeps
+    the embeddings, the last the final LayerNorm and the head, and with tied embeddings
+    the last stage keeps its own copy of the token embedding (pipeline/runtime.py)."""
+    stages = list(range(num_stages)) if stages is None else list(stages)
+    first, last = 0 in stages, num_stages - 1 in stages
+    d = d_model
+    out = []
+    if first or (last and tied):
+        out.append(vocab // tp * d)
+    if first:
+        out.append(block_size * d)
+    for layer in range(n_layer):
+        if any(layer in layer_range(s, n_layer, num_stages) for s in stages):
+            out += block_numels(d, tp)
+    if last:
+        out += [d, d] + ([] if tied else [d * vocab // tp])
+    return out
+
+
+def buckets(numels: list[int], itemsize: int, bucket_mb: float) -> list[int]:
+    """Elements of each gradient bucket (data.make_buckets): parameters in reverse order,
+    a new bucket when the next would pass ``bucket_mb`` MiB (one dtype throughout)."""
+    cap, out, size = bucket_mb * 2**20, [], None
+    for numel in reversed(numels):
+        nbytes = numel * itemsize
+        if size is not None and size + nbytes > cap:
+            out.append(size // itemsize)
+            size = None
+        size = nbytes if size is None else size + nbytes
+    if size is not None:
+        out.append(size // itemsize)
+    return out
+
+
+# ------------------------------------------------------------------ the data-parallel axis
+
+
+def dp_bytes(numels: list[int], itemsize: int, n: int, r: int, zero: int = 0, bucket_mb: float = 25.0,
+             micro_steps: int = 1) -> int:
+    """Gradient reduction of one step over the data-parallel group (n ranks, this rank r),
+    for this rank's parameters ``numels`` (its stage's, its tensor-parallel slices):
+
+    * DDP / ZeRO-1: each bucket all-reduced once per step (after the last micro-step),
+      2(N-1)/N Ψ b for large buckets by a bandwidth-optimal algorithm (Patarasuk & Yuan
+      2009; PyTorch DDP, Li et al. 2020), log2(N) Ψ b for small ones (recursive doubling);
+    * ZeRO-2 (Rajbhandari et al. 2020): each bucket reduce-scattered every micro-step,
+      (N-1)/N Ψ b; after the update ZeRO-1/2 all-gather each bucket's updated shard
+      (np.array_split pieces of the flat bucket), (N-1)/N Ψ b.
+    ZeRO-3 is :func:`fsdp_bytes`."""
+    if n == 1:
+        return 0
+    total = 0
+    for numel in buckets(numels, itemsize, bucket_mb):
+        if zero == 2:
+            total += micro_steps * reduce_scatter_bytes(numel, 1, itemsize, n, r)
+        else:
+            total += all_reduce_bytes(numel, itemsize, n, r)
+        if zero in (1, 2):
+            total += all_gather_bytes(split(numel, n), itemsize, r)  # a 1-d shard: a row is an element
+    return total
+
+
+def fsdp_bytes(units: list[int], itemsize: int, n: int, r: int, passes: list[list[tuple]]) -> int:
+    """ZeRO-3 / FSDP (Zhao et al. 2023; fsdp.py) over n ranks: ``units`` = [root unit
+    (embeddings, final LayerNorm, head; 0 on a middle pipeline stage), block 1, 2, ...] in
+    elements; ``passes``: per micro-step (or pipeline pass) the compute actions, ("F" or "B",
+    the block units of the chunk).  A pass gathers the root and prefetches block 1; a block's
+    forward gathers it (unless already gathered or prefetched), prefetches the next, frees it;
+    its backward, recomputing it, gathers it again and prefetches the one before; a pass ends
+    reduce-scattering each block's and the root's gradient.  Without a pipeline: the root
+    once, every block twice, each unit reduce-scattered once, per micro-step."""
+    if n == 1:
+        return 0
+    gather = [all_gather_bytes(split(u, n), itemsize, r) for u in units]
+    scatter = [reduce_scatter_bytes(u, 1, itemsize, n, r) for u in units]
+    total = 0
+    for actions in passes:
+        live = set()
+
+        def launch(i):
+            nonlocal total
+            if 0 <= i < len(units) and (i > 0 or units[0]) and i not in live:
+                live.add(i)
+                total += gather[i]
+
+        launch(0)
+        launch(1)
+        for op, blocks in actions:
+            for i in (blocks if op == "F" else reversed(blocks)):
+                launch(i)
+                launch(i + 1 if op == "F" else i - 1 if i > 1 else -1)
+                live.discard(i)
+                total += scatter[i] if op == "B" else 0
+        total += scatter[0] if units[0] else 0
+    return total
+
+
+def compute_actions(pp: int, pp_rank: int, schedule: str | None, microbatches: int, virtual_stages: int,
+                    chunk_units: list[list[int]]) -> list[tuple]:
+    """This rank's compute actions of one pass, ("F" | "B", the block units of the chunk): the
+    pipeline schedule's (pipeline/schedules.py, pure data), or one forward and one backward."""
+    if pp == 1:
+        return [("F", chunk_units[0]), ("B", chunk_units[0])]
+    from .pipeline.schedules import COMPUTE, make_schedule
+
+    actions = make_schedule(schedule, pp, microbatches, virtual_stages).actions[pp_rank]
+    return [(a.op, chunk_units[a.chunk]) for a in actions if a.op in COMPUTE]
+
+
+# ------------------------------------------------------------------ the tensor-parallel axis
+
+
+def tp_bytes(rows: list[int], tokens: int, d_model: int, n_layer: int, block_size: int, tp: int, r: int,
+             itemsize: int, act_itemsize: int, sequence_parallel: bool = False, checkpoint: bool = False,
+             embed: bool = True, head: bool = True) -> int:
+    """Megatron-LM (Shoeybi et al. 2019) over ``tp`` ranks, summed over the micro-batches of
+    ``rows[k]`` sequences of ``tokens`` tokens each (``n_layer``: this rank's blocks; ``embed``
+    / ``head``: it runs the embedding / the LM head and loss).  Per micro-batch, with
+    X = rows x tokens x d_model activations and n = rows x tokens:
+
+    * without sequence parallelism: an all-reduce of X where the vocabulary-parallel
+      embedding's partial sums meet, 2 per block forward (g after attention and MLP), 2 per
+      block backward (f's gradient before them), 2 more per block when checkpointed blocks
+      are recomputed, 1 backward at the LM head's input (f); the vocabulary-parallel
+      cross-entropy all-reduces the per-token max (n values) and the sums (2n);
+    * sequence parallelism (Korthikanti et al. 2022): each all-reduce becomes an all-gather
+      of the sequence before a column-parallel layer and a reduce-scatter after a row-parallel
+      one, and backward gathers each column-parallel input again for its weight gradient;
+      the replicated parameters used on a sequence shard (LayerNorms, row-parallel biases,
+      the position table) have their gradients all-reduced (f)."""
+    if tp == 1:
+        return 0
+    ce_itemsize = max(act_itemsize, 4)  # the loss computes in float32 at least (ops.precision)
+    ar = lambda k, b=act_itemsize: all_reduce_bytes(k, b, tp, r)  # noqa: E731
+    total = 0
+    for rows_k in rows:
+        n = rows_k * tokens
+        loss = ar(n, ce_itemsize) + ar(2 * n, ce_itemsize)
+        if not sequence_parallel:
+            blocks = n_layer * ar(n * d_model) * (6 if checkpoint else 4)
+            total += blocks + embed * ar(n * d_model, itemsize) + head * (ar(n * d_model) + loss)
+            continue
+        gather = lambda b: all_gather_bytes(split(tokens, tp), rows_k * d_model * b, r)  # noqa: E731  (by token)
+        ag, rs = gather(act_itemsize), reduce_scatter_bytes(tokens, rows_k * d_model, act_itemsize, tp, r)
+        small = lambda k: ar(k, itemsize)  # noqa: E731  (a replicated parameter's gradient)
+        per_block = (2 * ag + 2 * rs) * (2 if checkpoint else 1) + 4 * ag + 2 * rs \
+            + 2 * small(2 * d_model) + 2 * small(d_model)
+        # the embedding's partial sums (parameter dtype) scattered, their gradient gathered; wpe's gradient
+        embedding = rs + gather(itemsize) + small(block_size * d_model)
+        lm_head = small(2 * d_model) + ag + rs + ag + loss  # ln_f; logits: gather, backward scatter + gather
+        total += n_layer * per_block + embed * embedding + head * lm_head
+    return total
+
+
+# ------------------------------------------------------------------ the context-parallel axis
+
+
+def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, r: int, act_itemsize: int,
+             impl: str = "ring", checkpoint: bool = False) -> int:
+    """Attention over ``cp`` ranks holding ``tokens`` tokens each of every sequence, per block
+    and micro-batch of ``rows[k]`` sequences (``d_local``: this rank's heads x head size):
+
+    * Ring Attention (Liu et al. 2023; context.ring_attention): one K|V block,
+      2 x rows x tokens x d_local values, per ppermute step: C-1 steps forward, backward C-1
+      K|V steps again plus C steps of their gradients travelling home (3C-2 messages;
+      C-1 more when the block is recomputed).  The blocks travel in the attention's compute
+      dtype: float32 under mixed precision (ops.precision.gemm_operands);
+    * DeepSpeed-Ulysses (Jacobs et al. 2023): all-to-all of Q|K|V (3 x) to heads and of the
+      output (1 x) back, each sending (C-1)/C of its bytes, and the same two backward."""
+    if cp == 1:
+        return 0
+    total = 0
+    for rows_k in rows:
+        x = rows_k * tokens * d_local * act_itemsize
+        if impl == "ring":
+            messages = (cp - 1) * (2 if checkpoint else 1) + (cp - 1) + cp
+            total += n_layer * messages * 2 * x // act_itemsize * acc_itemsize(act_itemsize)
+        elif impl == "ulysses":
+            forward = 4 * (x - x // cp)  # (C-1)/C of 3X and of X; the heads (and tokens) divide evenly
+            total += n_layer * forward * (3 if checkpoint else 2)
+        else:
+            raise ValueError(f"cp_bytes: unknown implementation {impl!r}")
+    return total
+
+
+# ------------------------------------------------------------------ the pipeline axis
+
+
+def pp_bytes(passes: list[list[int]], tokens: int, d_model: int, pp: int, pp_rank: int, virtual_stages: int,
+             act_itemsize: int, tied_numel: int = 0, itemsize: int = 4, tied_swaps: int = 1) -> int:
+    """Activations and gradients between pipeline stages (GPipe, Huang et al. 2019; 1F1B,
+    Narayanan et al. 2019; interleaved, Narayanan et al. 2021), per pass of ``passes[k]``
+    microbatch rows (one pass per gradient-accumulation part): every chunk but the model's
+    last sends each microbatch's output, rows x tokens x d_model values, to the next stage's
+    rank, every chunk but the first sends its input's gradient back (with P > 1 neighbouring
+    stages are always on different ranks, V chunks per rank).  After each pass the last stage
+    broadcasts the loss (one float64).  Before each gradient reduction (``tied_swaps``: once
+    per step, or every micro-step for ZeRO-2/3) the first and last stages swap their
+    ``tied_numel``-element parts of the tied embedding's gradient (Megatron-LM's embedding group)."""
+    if pp == 1:
+        return 0
+    S = pp * virtual_stages
+    stages = rank_stages(pp_rank, pp, virtual_stages)
+    sends = sum(s < S - 1 for s in stages) + sum(s > 0 for s in stages)
+    total = 0
+    for rows in passes:
+        total += sends * sum(rows) * tokens * d_model * act_itemsize
+        total += broadcast_bytes(SCALAR, pp, pp_rank, pp - 1)
+    if pp_rank in (0, pp - 1):
+        total += tied_swaps * tied_numel * itemsize
+    return total
+
+
+# ------------------------------------------------------------------ one step
+
+
+def group_names(dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1) -> dict[str, str]:
+    """The name of the group each key of :func:`step_bytes` travels on, as ``comm.Mesh`` names
+    it: its axes of size > 1 joined by "+" in the mesh's order (dp, pp, cp, tp), "self" for
+    none; "dp" is the data-parallel reduction group, ("dp", "cp"), so "dp+cp" when both are
+    split; "world" is the mesh's world group (``comm.world()``), which the scalars use."""
+    sizes = {"dp": dp, "pp": pp, "tp": tp, "cp": cp}
+    out = {}
+    for key, members in (("dp", ("dp", "cp")), ("pp", ("pp",)), ("tp", ("tp",)), ("cp", ("cp",))):
+        axes = [a for a in ("dp", "pp", "cp", "tp") if a in members and sizes[a] > 1]
+        out[key] = "+".join(axes) if axes else "self"
+    out["world"] = "world"
+    return out
+
+
+def by_group(per_axis: dict[str, int], dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1) -> dict[str, int]:
+    """``step_bytes``' result keyed by group name (what ``comm.stats.bytes_by_group`` reports);
+    axes sharing a group (dp = 1 with cp: the reduction group is the cp group) are summed."""
+    out: dict[str, int] = {}
+    for axis, name in group_names(dp, pp, tp, cp).items():
+        if per_axis.get(axis):
+            out[name] = out.get(name, 0) + per_axis[axis]
+    return out
+
+
+def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_size: int,
+               dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, coords: dict | None = None,
+               vocab: int = 256, block_size: int | None = None, tied: bool = True, itemsize: int = 4,
+               act_itemsize: int | None = None, grad_accum: int = 1, microbatches: int = 1,
+               virtual_stages: int = 1, schedule: str | None = "1f1b", zero: int = 0,
+               sequence_parallel: bool = False, cp_impl: str = "ring", bucket_mb: float = 25.0,
+               clip_grad: bool = True, fp16: bool = False, checkpoint_activations: bool = False,
+               tp_async: str | None = None, hsdp_shard: int | None = None) -> dict[str, int]:
+    """Bytes this rank (``coords``: its {"dp", "pp", "tp", "cp"} coordinates) sends in one
+    optimizer step, per axis: ``{"dp", "pp", "tp", "cp", "world"}`` (see the module
+    docstring; ``itemsize``: the parameters' dtype, ``act_itemsize``: the activations',
+    default the same).  "dp" is the ("dp", "cp") reduction group's traffic, "world" the
+    scalars every rank agrees on (gradient norm, fp16 overflow; a step skipped for an fp16
+    overflow clips nothing, so it sends one norm all-reduce less)."""
+    if tp_async or (hsdp_shard and hsdp_shard != dp * cp):
+        raise ValueError("step_bytes has no formula for collective matmuls (tp_async) or HSDP")
+    c = {a: 0 for a in AXES} | dict(coords or {})
+    b, ba = itemsize, act_itemsize or itemsize
+    block_size = block_size or seq_len
+    n_dp, r_dp = dp * cp, c["dp"] * cp + c["cp"]  # the reduction group: dp outer, cp inner
+    parts = split(split(batch_size, dp)[c["dp"]], grad_accum)  # each micro-step's (pipeline pass's) rows
+    V = virtual_stages if pp > 1 else 1
+    S, stages = pp * V, rank_stages(c["pp"], pp, V)
+    layers = [l for s in stages for l in layer_range(s, n_layer, S)]  # this rank's blocks, by chunk
+    first, last = 0 in stages, S - 1 in stages
+    numels = param_numels(n_layer, d_model, vocab, block_size, tied, tp, stages, S)
+    tokens = seq_len // cp
+    micro = [split(p, microbatches) for p in parts] if pp > 1 else [[p] for p in parts]
+    rows = [m for pass_rows in micro for m in pass_rows]  # every forward/backward's rows
+    recompute = checkpoint_activations or zero == 3
+    out = {
+        "tp": tp_bytes(rows, tokens, d_model, len(layers), block_size, tp, c["tp"], b, ba, sequence_parallel,
+                       recompute, first, last),
+        "cp": cp_bytes(rows, tokens, d_model // tp, len(layers), cp, c["cp"], ba, cp_impl, recompute),
+        "pp": pp_bytes(micro, tokens // tp if sequence_parallel else tokens, d_model, pp, c["pp"], V, ba,
+                       vocab // tp * d_model if tied else 0, b, grad_accum if zero >= 2 else 1),
+        "world": 0,
+    }
+    if zero == 3:
+        per_block = sum(block_numels(d_model, tp))
+        units = [sum(numels) - len(layers) * per_block] + [per_block] * len(layers)
+        chunks = [[k + 1 for k, l in enumerate(layers) if l in layer_range(s, n_layer, S)] for s in stages]
+        actions = compute_actions(pp, c["pp"], schedule, microbatches, V, chunks)
+        out["dp"] = fsdp_bytes(units, b, n_dp, r_dp, [actions] * grad_accum)
+    else:
+        out["dp"] = dp_bytes(numels, b, n_dp, r_dp, zero, bucket_mb, grad_accum)
+    world, r_world = dp * pp * tp * cp, _world_rank(dp, pp, tp, cp, c)
+    out["dp"] += all_reduce_bytes(1, SCALAR, n_dp, r_dp)  # the loss, summed over the reduction group
+    out["world"] += (clip_grad + fp16) * all_reduce_bytes(1, SCALAR, world, r_world)  # norm, overflow
+    return out
+
+
+def _world_rank(dp, pp, tp, cp, c) -> int:
+    """The mesh's layout (comm/mesh.py): tp innermost, then cp, pp; dp outermost."""
+    return ((c["dp"] * pp + c["pp"]) * cp + c["cp"]) * tp + c["tp"]
+
+
+def coords_of(rank: int, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1) -> dict[str, int]:
+    """The mesh coordinates of world rank ``rank`` (comm/mesh.py's layout, without MPI)."""
+    out = {}
+    for axis, n in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp)):  # innermost first
+        rank, out[axis] = divmod(rank, n)
+    return {a: out[a] for a in ("dp", "pp", "cp", "tp")}
+
+
+def expected_step_bytes(cfg, rank: int = 0) -> dict[str, int]:
+    """:func:`step_bytes` of world rank ``rank`` for a resolved run configuration
+    (``minidist.config.RunConfig``, as ``flags.validate`` returns it), keyed by group name:
+    what ``comm.stats.bytes_by_group()`` gains in one step of ``python -m minidist.train``."""
+    m, p, dev = cfg.model, cfg.parallel, cfg.device
+    sizes = {"dp": p.dp, "pp": p.pp, "tp": p.tp, "cp": p.cp}
+    low = dev.mixed_precision in ("bf16", "fp16")
+    per_axis = step_bytes(
+        n_layer=m.layers, d_model=m.d_model, n_head=m.heads, seq_len=cfg.data.seq_len,
+        batch_size=cfg.data.batch_size, coords=coords_of(rank, **sizes), block_size=m.block_size,
+        tied=not m.untied, itemsize={"float32": 4, "float64": 8}[m.dtype], act_itemsize=2 if low else None,
+        grad_accum=dev.grad_accum, microbatches=p.microbatches, virtual_stages=p.virtual_stages,
+        schedule=p.schedule, zero=p.zero, sequence_parallel=p.sequence_parallel, cp_impl=p.cp_impl,
+        bucket_mb=p.bucket_mb, clip_grad=bool(cfg.optim.clip_grad), fp16=dev.mixed_precision == "fp16",
+        checkpoint_activations=dev.checkpoint_activations, tp_async=p.tp_async, hsdp_shard=p.hsdp_shard,
+        **sizes)
+    return by_group(per_axis, **sizes)
