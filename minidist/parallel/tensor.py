@@ -40,7 +40,7 @@ from minidist.backend import xp
 from minidist.comm import functional as F
 from minidist.comm.group import Group
 from minidist.ops.basic import check_index
-from minidist.ops.precision import compute_dtype, to_dtype
+from minidist.ops.precision import compute_dtype, get_autocast_dtype, to_dtype
 from minidist.parallel import collective_matmul as cm
 from minidist.parallel.collective_matmul import record_timeline  # noqa: F401  (tensor.record_timeline)
 from minidist.parallel.sequence_parallel import all_gather_linear, linear_reduce_scatter
@@ -253,7 +253,12 @@ class RowParallelLinear(nn.Module):
             y = linear_reduce_scatter(x, self.weight, tp)
         else:
             y = tp.leave(ops.linear(x, self.weight))
-        return y if self.bias is None else y + tp.shared(self.bias)
+        if self.bias is None:
+            return y
+        bias, low = tp.shared(self.bias), get_autocast_dtype()
+        # Under mixed precision y is low-precision; a float32 bias would widen the residual
+        # stream (and the activations a pipeline stage sends) to float32.
+        return y + (ops.cast(bias, low) if low is not None else bias)
 
 
 class LayerNorm(nn.LayerNorm):
