@@ -36,8 +36,9 @@ class Reporter:
         steps, every = self.cfg.optim.steps, self.cfg.report.log_every
         return step < steps and (step % every == 0 or step + 1 == steps)
 
-    def record(self, step, loss, lr, update, step_time, comm_s, peak_bytes, traced) -> dict:
-        """The metrics record of one step (``update``: what the optimizer half filled in)."""
+    def record(self, step, loss, lr, update, step_time, comm_s, peak_bytes, traced, sent=None) -> dict:
+        """The metrics record of one step (``update``: what the optimizer half filled in;
+        ``sent``: the bytes this rank sent in the step on each group of the mesh)."""
         update = dict(update)
         state = update.pop("state_mb", None)
         r = {"step": step, "loss": loss, "lr": lr, **update, "step_time_s": step_time,
@@ -45,7 +46,8 @@ class Reporter:
              "mfu": self.flops_per_step / step_time / (self.peak * 1e9 * self.world)}
         r.update(self.strategy.metrics())  # the pipeline's bubble and activation memory (collective)
         if self.world > 1:
-            r.update(mesh=self.mesh, comm_s=comm_s, comm_exposed_s=self.strategy.comm_wait_s)
+            r.update(mesh=self.mesh, comm_s=comm_s, comm_exposed_s=self.strategy.comm_wait_s,
+                     bytes_sent=dict(sent or {}))
         if traced:
             r["peak_mem_mb"] = peak_bytes / 2**20
             r["state_mb"] = state  # params, grads, optimizer
@@ -115,8 +117,10 @@ def progress_line(r: dict, steps: int, history: list, mem_bytes: int) -> str:
     return line
 
 
-def summary_table(metrics: list, wall_s: float) -> str:
-    """The end-of-run table (rank 0): steps, final losses, throughput, MFU, peak memory, time.
+def summary_table(metrics: list, wall_s: float, expected_bytes: dict | None = None) -> str:
+    """The end-of-run table (rank 0): steps, final losses, throughput, MFU, peak memory, time;
+    under mpiexec the mesh, communication, and the bytes of the last step on each group of
+    the mesh next to ``expected_bytes`` (the formulas of parallel/traffic.py, where they apply).
 
     Throughput and MFU are over the steps after the first (which pays for warm-up), as
     total tokens (FLOPs) over total step time.
@@ -139,6 +143,7 @@ def summary_table(metrics: list, wall_s: float) -> str:
     ]
     rows += _pipeline_rows(timed)
     rows.append(("wall time", f"{_duration(wall_s)} ({_duration(sum(r['step_time_s'] for r in metrics))} in steps)"))
+    expected = expected_bytes or {}
     if "mesh" in last:  # under mpiexec: the mesh, and rank 0's communication over the timed steps
         comm_s = sum(r["comm_s"] for r in timed)
         exposed = sum(r["comm_exposed_s"] for r in timed)
@@ -146,12 +151,35 @@ def summary_table(metrics: list, wall_s: float) -> str:
         rows[1:1] = [("mesh", last["mesh"])]
         rows.append(("communication (rank 0)", f"{_duration(comm_s)} in collectives, {_duration(exposed)} "
                                                f"of it waited for after backward"))
+        rows.append(("bytes sent per step (rank 0)", _bytes_text(last.get("bytes_sent", {}), expected)))
         if held:
             rows.append(("rank 0 holds", f"{held['params']:.1f} MiB params, {held['grads']:.1f} MiB grads, "
                                          f"{held['optimizer']:.1f} MiB optimizer state"))
     width = max(len(name) for name, _ in rows)
     rule = "-" * (width + 3 + max(len(value) for _, value in rows))
     return "\n".join(["summary", rule] + [f"{name:<{width}} | {value}" for name, value in rows] + [rule])
+
+
+def _bytes_text(sent: dict, expected: dict) -> str:
+    """``tp 82,688 B (formula 82,688)``, one entry per group; "none" when nothing was sent."""
+    parts = []
+    for group in sorted(set(sent) | set(expected)):
+        text = f"{group} {sent.get(group, 0):,} B"
+        if group in expected:
+            text += f" (formula {expected[group]:,})"
+        parts.append(text)
+    return ", ".join(parts) or "none"
+
+
+def expected_step_bytes(cfg) -> dict:
+    """Rank 0's bytes per step on each group from the closed-form formulas ({} where there is
+    no formula: collective matmuls, HSDP)."""
+    from .parallel.traffic import expected_step_bytes as formula
+
+    try:
+        return formula(cfg, rank=0)
+    except ValueError:
+        return {}
 
 
 def _pipeline_rows(timed: list) -> list:

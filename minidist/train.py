@@ -71,15 +71,16 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
             # Memory is traced on the first step and on each step before a printed one, so the
             # printed step's own tokens/s and MFU do not pay for the tracing.
             traced = step == 0 or report.logged(step + 1)
-            t0, comm0 = time.perf_counter(), _comm_seconds(world)
+            t0, comm0, sent0 = time.perf_counter(), _comm_seconds(world), _bytes_sent(world)
             strategy.optimizer.lr = lr = lr_at(step, o.lr, o.warmup, o.steps, o.min_lr)
             x, y = sampler.batch(step)
             with tracer.span("forward_backward", step=step), memory.measure(traced):
                 loss = strategy.forward_backward(x, y, dev.grad_accum, low, scaler.scale if scaler else 1.0)
             with tracer.span("optimizer", step=step):
                 done = update(strategy, scaler, o.clip_grad)
+            sent = {g: n - sent0.get(g, 0) for g, n in _bytes_sent(world).items() if n != sent0.get(g, 0)}
             r = report.record(step, loss, lr, done, time.perf_counter() - t0, _comm_seconds(world) - comm0,
-                              memory.last_bytes, traced)
+                              memory.last_bytes, traced, sent)
             if cfg.report.eval_every and ((step + 1) % cfg.report.eval_every == 0 or step + 1 == o.steps):
                 r["val_loss"] = strategy.evaluate(val_batches, low)
             report.add(r, memory.last_bytes)
@@ -132,8 +133,17 @@ def _comm_seconds(world: int) -> float:
     return sum(v["time_s"] for v in stats().values())
 
 
+def _bytes_sent(world: int) -> dict:
+    """Bytes this rank has sent so far on each group of the mesh ({} without a communicator)."""
+    if world == 1:
+        return {}
+    from .comm.stats import bytes_by_group
+
+    return bytes_by_group()
+
+
 def main(argv=None):
-    from .report import grid_text, summary_table
+    from .report import expected_step_bytes, grid_text, summary_table
 
     t0 = time.perf_counter()
     parser = build_parser()
@@ -153,7 +163,8 @@ def main(argv=None):
         # every rank stops at the same step (the loss is global); rank 0 says why, once
         parser.exit(1, f"{parser.prog}: error: {exc}; try a lower --lr or --clip-grad 1\n" if world_rank() == 0 else None)
     if world_rank() == 0:
-        print(summary_table(metrics, time.perf_counter() - t0), flush=True)
+        formula = expected_step_bytes(cfg) if cfg.parallel.world_size > 1 else {}
+        print(summary_table(metrics, time.perf_counter() - t0, formula), flush=True)
         if cfg.parallel.world_size > 1:
             print(grid_text(cfg.parallel), flush=True)
 

@@ -108,3 +108,26 @@ def test_a_bad_cross_axis_setting_is_one_line_on_every_rank():
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "not divisible by --cp 2" in lines[0], r.stderr
+
+
+@pytest.mark.mpi
+def test_bytes_per_axis_of_a_3d_run_equal_the_formulas(tmp_path):
+    """The training command's metrics give the bytes rank 0 sent in each step on each group of
+    a dp2·pp2·tp2 mesh; they equal parallel/traffic.py's closed forms to the byte (ring or
+    doubling all-reduce of the gradients on dp, activations and gradients per microbatch
+    boundary on pp, Megatron's all-reduces per block on tp, the scalars over the world)."""
+    from minidist.config import from_args
+    from minidist.flags import build_parser
+    from minidist.parallel.traffic import expected_step_bytes
+    from minidist.testing import run_train
+
+    out = tmp_path / "m.jsonl"
+    argv = ["--dp", "2", "--pp", "2", "--tp", "2", "--steps", "2", "--layers", "2", "--d-model", "32",
+            "--seq-len", "16", "--batch-size", "8", "--eval-every", "0", "--quiet", "--dtype", "float64"]
+    r = run_train(8, argv + ["--metrics-jsonl", str(out)], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    want = expected_step_bytes(from_args(build_parser().parse_args(argv)).resolved(8), rank=0)
+    assert set(want) == {"dp", "pp", "tp", "world"} and all(v > 0 for v in want.values()), want
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [rec["bytes_sent"] for rec in records] == [want, want]
+    assert "bytes sent per step (rank 0) | dp " in r.stdout and "(formula " in r.stdout, r.stdout

@@ -30,14 +30,11 @@ broadcast from the last stage after every pass.  Reporting is not part of a step
 counted: the pipeline's metrics gather, the per-rank peak memory all-gather, evaluation;
 nor is the check mode's signature exchange (MINIDIST_CHECK_COLLECTIVES=1).
 
-Not covered (``step_bytes`` raises): collective matmuls (``--tp-async``) and HSDP.  Mixed
-precision (``act_itemsize`` 2: the activations' low dtype) is exact where the tests check it
-(bf16/fp16 with dp, pp, cp, Ulysses, tp without sequence parallelism, ZeRO-3): reductions
-send 4 bytes per element (float32 accumulation, comm/reduction.py), the loss and ring
-attention compute in float32.  Not with tensor parallelism's sequence parallelism or
-pipeline x tensor parallelism: there the row-parallel layers add their float32 bias to the
-low-precision output (parallel/tensor.py), which turns the residual stream float32, so some
-all-gathers carry 4-byte elements (and pp x tp fails: the next stage expects 2-byte ones).
+Not covered (``step_bytes`` raises ValueError): collective matmuls (``--tp-async``) and
+HSDP.  Mixed precision (``act_itemsize`` 2: the activations' low dtype) is exact where the
+tests check it (bf16/fp16 with dp, pp, cp, Ulysses, tp without sequence parallelism, ZeRO-3):
+reductions send 4 bytes per element (float32 accumulation, comm/reduction.py), the loss and
+ring attention compute in float32.  Sequence parallelism under mixed precision is not checked.
 """
 
 from __future__ import annotations
