@@ -76,16 +76,22 @@ def train_steps(cfg, steps: int, corpus=None):
 
     if corpus is None:
         corpus = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
+    from minidist.backend import dtype
+    from minidist.optim import DynamicLossScaler
+
     model, strategy = build(cfg, build_mesh(cfg.parallel))
     sampler = Sampler(corpus, cfg.data.seq_len, cfg.data.batch_size, cfg.model.seed)
+    mixed = cfg.device.mixed_precision
+    low = {"none": None, "bf16": dtype("bfloat16"), "fp16": dtype("float16")}[mixed]
+    scaler = DynamicLossScaler() if mixed == "fp16" else None
     o, losses = cfg.optim, []
     for step in range(steps):
         strategy.optimizer.lr = lr_at(step, o.lr, o.warmup, o.steps, o.min_lr)
         x, y = sampler.batch(step)
-        losses.append(strategy.forward_backward(x, y, cfg.device.grad_accum))
-        update(strategy, None, o.clip_grad)
+        losses.append(strategy.forward_backward(x, y, cfg.device.grad_accum, low, scaler.scale if scaler else 1.0))
+        update(strategy, scaler, o.clip_grad)
         strategy.metrics()
-    losses.append(strategy.evaluate([sampler.batch(steps)]))
+    losses.append(strategy.evaluate([sampler.batch(steps)], low))
     sharding = {p.name: p.sharding for p in model.parameters()}
     return losses, {k: np.array(v) for k, v in strategy.parameters().items()}, sharding
 

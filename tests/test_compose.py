@@ -6,6 +6,7 @@ each variant's 5 steps in float64 must equal the single-process run to 1e-9 rela
 loss trajectory, the final validation loss and every parameter each rank holds.
 """
 import json
+import math
 import os
 
 import pytest
@@ -35,12 +36,18 @@ TRIPLES = {  # 8 ranks
                     dict(dp=2, tp=2, cp=2, cp_impl="ulysses", hsdp_shard=2)],
     "pp2-tp2-cp2": [dict(pp=2, tp=2, cp=2, sequence_parallel=True, zero=3)],
 }
+MIXED = {  # float32 master weights, low-precision compute: close to one process's mixed-precision run
+    "dp2-pp2-tp2-bf16": [dict(dp=2, pp=2, tp=2, dtype="float32", mixed_precision="bf16", sequence_parallel=True),
+                         dict(dp=2, pp=2, tp=2, dtype="float32", mixed_precision="fp16", zero=3)],
+    "tp2-cp2-bf16": [dict(tp=2, cp=2, dtype="float32", mixed_precision="bf16", zero=1, cp_impl="ulysses")],
+}
 FULL = {"dp2-pp2-tp2-cp2": [dict(dp=2, pp=2, tp=2, cp=2, zero=1, sequence_parallel=True, checkpoint_activations=True)]}
 
 
 def _cases():
-    for table, ranks, marks in ((PAIRS, 4, ()), (TRIPLES, 8, ()), (FULL, 16, (pytest.mark.slow,))):
+    for table, marks in ((PAIRS, ()), (TRIPLES, ()), (MIXED, ()), (FULL, (pytest.mark.slow,))):
         for name, variants in table.items():
+            ranks = math.prod(variants[0].get(axis, 1) for axis in ("dp", "pp", "tp", "cp"))
             yield pytest.param(ranks, variants, id=name, marks=[pytest.mark.mpi, *marks])
 
 

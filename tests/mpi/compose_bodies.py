@@ -44,7 +44,9 @@ def _serial(cfg):
 
 def equal_to_one_process(variants_json: str):
     """Each variant (a JSON list of flat overrides) trains 5 steps equal to one process:
-    losses, the final validation loss and every parameter this rank holds, to 1e-9."""
+    losses, the final validation loss and every parameter this rank holds, to 1e-9 in
+    float64; with mixed precision (float32 master weights, bf16/fp16 compute) the losses
+    to 2e-2, as round-off in 8 or 11 bits of mantissa allows."""
     world = comm.world()
     worst = 0.0
     for flat in json.loads(variants_json):
@@ -60,9 +62,12 @@ def equal_to_one_process(variants_json: str):
             if sharding[name] is not None:
                 want = sharding[name].take(want)
             errs.append(_rel(value, want))
-        err = max(errs)
+        low = cfg.device.mixed_precision != "none"
+        err = errs[0] if low else max(errs)
+        tol = 2e-2 if low else 1e-9
         label = " ".join(f"{k}={v}" for k, v in flat.items())
-        assert err <= 1e-9, f"rank {world.rank}: {label}: relative difference {err:.2e} from one process"
+        assert np.all(np.isfinite(losses)), f"rank {world.rank}: {label}: losses {losses}"
+        assert err <= tol, f"rank {world.rank}: {label}: relative difference {err:.2e} from one process"
         worst = max(worst, err)
         if world.rank == 0:
             print(f"equal to one process: {label} (rel {err:.1e}, {len(params)} parameters here)", flush=True)
