@@ -22,17 +22,18 @@ The ranks are numbered ``((dp * PP + pp) * CP + cp) * TP + tp``, as in minidist.
 Rank 0 prints the grid (minidist.parallel.grid.describe: each rank's coordinates, layers,
 heads, tokens and batch rows, then the groups of every axis) and, when matplotlib is
 installed, draws it into --png.  Then every rank trains a tiny GPT for a few steps with the
-composed mesh through the training command (minidist.train.main); its progress lines and
-summary table follow.  Flags this script does not know are passed on to minidist.train (e.g.
+composed mesh as the training command does (minidist.train), and rank 0 prints a table of
+the bytes every rank sent on each axis in the last step next to the closed-form formula
+(minidist.parallel.traffic).  Flags this script does not know are passed on to minidist.train (e.g.
 ``--schedule gpipe``).  Without mpiexec (one process) only the grid is shown.
 """
 import argparse
 import math
-import os
 import sys
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")  # one BLAS thread per rank: 16 ranks already share the cores
+from minidist.blas_env import pin_blas_threads
+
+pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: 16 ranks already share the cores
 
 from minidist.flags import world_rank, world_size  # noqa: E402  (reads the launcher's environment, no MPI)
 from minidist.parallel import grid  # noqa: E402
@@ -110,8 +111,44 @@ def main(argv=None) -> int:
     if world_rank() == 0:
         print(f"\ntraining on the {need}-rank grid: python -m minidist.train {' '.join(train_argv(args, rest))}",
               flush=True)
-    train.main(train_argv(args, rest))
+    parser = train.build_parser()
+    cfg = train.validate(parser.parse_args(train_argv(args, rest)), parser)
+    metrics = train.train(cfg, log=lambda line: print(line, flush=True))
+    show_axis_bytes(cfg, metrics[-1]["bytes_sent"])
     return 0
+
+
+def show_axis_bytes(cfg, sent: dict) -> None:
+    """Every rank's bytes sent in the last step on each axis's group, next to the closed-form
+    formula for that rank (minidist.parallel.traffic): dp the gradient reduction (ring or
+    doubling all-reduce, 2(N-1)/N of the stage's gradients for a ring), pp the activations
+    and gradients at each microbatch boundary, tp Megatron's two all-reduces per block and
+    direction, cp the K/V blocks of every ring step; "world" the step's agreed scalars."""
+    import numpy as np
+
+    from minidist import comm
+    from minidist.parallel.traffic import expected_step_bytes, group_names
+
+    world = comm.world()
+    p = cfg.parallel
+    names = {axis: name for axis, name in group_names(p.dp, p.pp, p.tp, p.cp).items() if name != "self"}
+    columns = list(dict.fromkeys(names.values()))  # dp=1 with cp: the reduction group is cp's
+    try:
+        want = expected_step_bytes(cfg, rank=world.rank)
+    except ValueError:  # no formula (collective matmuls, HSDP): measured only
+        want = {}
+    row = [sent.get(g, 0) for g in columns] + [want.get(g, -1) for g in columns]
+    rows = comm.gather(np.asarray([row], dtype=np.float64), world, root=0)
+    if rows is None:
+        return
+    n = len(columns)
+    print("\nbytes each rank sent in the last step, per axis: measured (formula)")
+    print("rank  " + "".join(f"{g:>24}" for g in columns))
+    for r, values in enumerate(rows):
+        cells = [f"{int(m):,} ({int(f):,})" if f >= 0 else f"{int(m):,}" for m, f in zip(values[:n], values[n:])]
+        print(f"{r:>4}  " + "".join(f"{c:>24}" for c in cells))
+    exact = all(values[i] == values[n + i] for values in rows for i in range(n) if values[n + i] >= 0)
+    print("every rank's bytes equal the formulas" if exact else "some ranks differ from the formulas", flush=True)
 
 
 if __name__ == "__main__":

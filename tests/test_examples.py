@@ -112,3 +112,15 @@ def test_09_pipeline_every_schedule_same_loss():
     losses = {row.split()[-1] for row in table}
     assert len(losses) == 1, out  # every schedule computes the same gradient
     assert out.count("measured (F/B") == 5 and out.count("rank 3 |") == 10, out
+
+
+@pytest.mark.mpi
+def test_10_4d_parallel_grid_training_and_bytes_per_axis():
+    """16 ranks, dp2·pp2·cp2·tp2: the grid (tp innermost), a few training steps, and every
+    rank's bytes per axis equal to the closed-form formulas."""
+    out = run_mpi(16, os.path.join(EXAMPLES, "10_4d_parallel.py"), "--no-png", timeout=240).stdout
+    assert "tp groups: [0 1] [2 3]" in out and "dp groups: [0 8] [1 9]" in out, out
+    assert "step     3/3" in out, out
+    assert "every rank's bytes equal the formulas" in out, out
+    table = out.split("measured (formula)")[1]
+    assert sum(line.strip().split()[0].isdigit() for line in table.splitlines() if line.strip()) == 16, out
