@@ -34,6 +34,13 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 WIDTH = dict(n_layer=4, n_head=4, d_model=256)
 
 
+def _forward_backward(model, x, y):
+    """One process's forward and backward of the whole batch (the training loop's call)."""
+    from minidist.parallel.strategy import OneReplica, Strategy
+
+    return Strategy(model, OneReplica(model, None)).forward_backward(x, y)
+
+
 def _model(seq, attention="plain", block=128):
     from minidist.nn import GPT, GPTConfig
     from minidist.optim import AdamW
@@ -75,13 +82,12 @@ def one_rank(seq, reps, block) -> dict:
     import numpy as np
 
     from minidist.nn import attention_function
-    from minidist.train import forward_backward
 
     x, y = _batch(seq)
     sides = {"plain": _model(seq, "plain"), "blockwise": _model(seq, "blockwise", block)}
 
     def step(model, opt):
-        forward_backward(model, x, y)
+        _forward_backward(model, x, y)
         opt.step()
         opt.zero_grad()
 
@@ -114,7 +120,6 @@ def cp_child(seq, reps, block):
     from minidist import comm
     from minidist.parallel.context import ContextParallel
     from minidist.parallel.data import allreduce_gradients
-    from minidist.train import forward_backward
 
     world = comm.world()
     x, y = _batch(seq)
@@ -129,7 +134,7 @@ def cp_child(seq, reps, block):
 
     def step(model, opt, cp):
         if cp is None:
-            forward_backward(model, x, y)
+            _forward_backward(model, x, y)
         else:
             cp.loss(model, x, y).backward()
             allreduce_gradients(model.parameters(), world)

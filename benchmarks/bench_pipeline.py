@@ -37,6 +37,13 @@ SIDES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looping", 2)]
 
 
 # ----------------------------------------------------------------- inside mpiexec
+def _forward_backward(model, x, y):
+    """One process's forward and backward of the whole batch (the training loop's call)."""
+    from minidist.parallel.strategy import OneReplica, Strategy
+
+    return Strategy(model, OneReplica(model, None)).forward_backward(x, y)
+
+
 def worker(out_path: str, reps: int, shape: dict) -> None:
     import time
 
@@ -47,7 +54,6 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
     from minidist.optim import AdamW
     from minidist.parallel.pipeline.runtime import PipelineRuntime
     from minidist.parallel.pipeline.schedules import theoretical_bubble
-    from minidist.train import forward_backward
 
     g = comm.world()
     P, M = g.size, shape["microbatches"]
@@ -76,7 +82,7 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
         comm.barrier(g)
         if g.rank == 0:
             t0 = time.perf_counter()
-            forward_backward(serial, x, y)
+            _forward_backward(serial, x, y)
             serial_opt.step()
             serial_opt.zero_grad()
             t = time.perf_counter() - t0

@@ -37,6 +37,13 @@ MLP_QUICK = dict(batch=2, seq_len=32, d_model=64)
 
 
 # ----------------------------------------------------------------- inside mpiexec
+def _forward_backward(model, x, y):
+    """One process's forward and backward of the whole batch (the training loop's call)."""
+    from minidist.parallel.strategy import OneReplica, Strategy
+
+    return Strategy(model, OneReplica(model, None)).forward_backward(x, y)
+
+
 def _one(g, fn):
     """Run fn once on every rank after a barrier: (slowest rank's seconds, its exposed comm,
     chunk matmul seconds) -- exposed = blocking collectives + waits for ring steps."""
@@ -107,7 +114,6 @@ def gpt_bench(g, shape, reps):
     from minidist import comm, nn
     from minidist.optim import AdamW
     from minidist.parallel import tensor as tpm
-    from minidist.train import forward_backward
 
     cfg = nn.GPTConfig(vocab_size=256, seq_len=shape["seq_len"], n_layer=shape["n_layer"], n_head=shape["n_head"],
                        d_model=shape["d_model"], dtype="float32")
@@ -123,7 +129,7 @@ def gpt_bench(g, shape, reps):
         comm.barrier(g)
         t0 = time.perf_counter()
         if models[name] is not None:
-            forward_backward(models[name], x, y)
+            _forward_backward(models[name], x, y)
             opts[name].step()
             opts[name].zero_grad()
         if name == "1 rank":  # rank 1 waits without spinning on a core

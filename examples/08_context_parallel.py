@@ -28,8 +28,10 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 from minidist import comm  # noqa: E402
+from minidist.config import RunConfig  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
 from minidist.parallel.context import ContextParallel  # noqa: E402
+from minidist.parallel.context import problems as context_problems  # noqa: E402
 from minidist.parallel.data import allreduce_gradients  # noqa: E402
 from minidist.profile import PeakMemory  # noqa: E402
 
@@ -46,8 +48,12 @@ if args.quick:
 
 world = comm.world()
 rank, n = world.rank, world.size
-ContextParallel(world, "ring").check(args.seq, args.heads)
-ContextParallel(world, "ulysses").check(args.seq, args.heads)
+for impl in ("ring", "ulysses"):  # the training command's checks of --cp: one line naming the flag
+    given = RunConfig().replace(model=dict(heads=args.heads, d_model=args.d_model, layers=args.layers),
+                                data=dict(seq_len=args.seq), parallel=dict(cp=n, cp_impl=impl))
+    problems = context_problems(given, given.resolved(n))
+    if problems:  # every rank stops; rank 0 says why (--cp here is the number of ranks)
+        parser.exit(2, f"{parser.prog}: error: {n} ranks, {impl}: {problems[0]}\n" if rank == 0 else None)
 
 cfg = GPTConfig(seq_len=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seed=0)
 tokens = np.random.default_rng(0).integers(0, 256, size=(1, args.seq + 1))

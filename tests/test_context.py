@@ -1,6 +1,7 @@
 """Context parallelism (ring attention, Ulysses): cp in {2, 4} and dp=2 x cp=2 train exactly
 like one process (float64); memory below T x T; zig-zag balances the work; bad input."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -28,15 +29,37 @@ def test_zigzag_balances_ring_work():
     assert zigzag == [9 * 8 * 8] * 4 and max(zigzag) < max(plain)
 
 
+def _given(**kw):
+    """The run configuration as given: --cp 2 --cp-impl ring --seq-len 64 --heads 4 unless ``kw``
+    says otherwise (``kw`` names flags: cp, cp_impl, seq_len, heads, tp, zero, attention, attention_block)."""
+    from minidist.config import RunConfig
+
+    f = {"cp": 2, "cp_impl": "ring", "seq_len": 64, "heads": 4, **kw}
+    return RunConfig().replace(
+        model=dict(heads=f["heads"], d_model=16 * f["heads"], attention=f.get("attention", "plain"),
+                   attention_block=f.get("attention_block")),
+        data=dict(seq_len=f["seq_len"]),
+        parallel=dict(cp=f["cp"], cp_impl=f["cp_impl"], tp=f.get("tp", 1), zero=f.get("zero")))
+
+
+def _problems(**kw):
+    """parallel.context.problems of these flags."""
+    given = _given(**kw)
+    return ctx.problems(given, given.resolved(given.parallel.world_size))
+
+
 def test_bad_context_configurations():
-    with pytest.raises(ValueError, match="sequence length 30 is not divisible by 2 \\* cp = 4"):
-        ctx.check_context(2, "ring", 30, 4)
-    with pytest.raises(ValueError, match="6 attention heads are not divisible by cp = 4"):
-        ctx.check_context(4, "ulysses", 64, 6)
     with pytest.raises(ValueError, match="unknown context-parallel implementation 'tree'"):
-        ctx.check_context(2, "tree", 64, 4)
-    ctx.check_context(2, "ring", 28, 4)
-    ctx.check_context(4, "ulysses", 8, 4)
+        ctx.ContextParallel(None, "tree")
+    for kw, message in [(dict(cp=2, cp_impl="ring", seq_len=30, heads=4),
+                         r"--seq-len 30 is not divisible by 2 x --cp = 4: zig-zag ring attention"),
+                        (dict(cp=4, cp_impl="ulysses", seq_len=64, heads=6), r"--heads 6 is not divisible by --cp 4"),
+                        (dict(cp=2, cp_impl="tree", seq_len=64, heads=4),
+                         r"unknown context-parallel implementation 'tree'")]:
+        found = _problems(**kw)
+        assert len(found) == 1 and re.search(message, found[0]), (kw, found)
+    assert _problems(cp=2, cp_impl="ring", seq_len=28, heads=4) == []
+    assert _problems(cp=4, cp_impl="ulysses", seq_len=8, heads=4) == []
 
 
 @pytest.mark.mpi
@@ -65,42 +88,42 @@ def test_context_parallel_memory_and_work(nprocs):
 
 
 def test_training_flags_are_checked_with_their_names():
-    from argparse import Namespace
-
+    from minidist.config import ATTENTIONS as FLAG_CHOICES
+    from minidist.flags import score_values
     from minidist.nn import ATTENTIONS
-    from minidist.parallel.context_cli import ATTENTIONS as FLAG_CHOICES
-    from minidist.parallel.context_cli import check_arguments
 
     assert FLAG_CHOICES == ATTENTIONS
 
-    def args(**kw):
-        return Namespace(**{"cp": 2, "cp_impl": "ring", "seq_len": 64, "heads": 4, **kw})
+    def refused(message, **kw):
+        found = _problems(**kw)
+        assert any(re.search(message, line) for line in found) and all("\n" not in f for f in found), (kw, found)
 
-    with pytest.raises(ValueError, match=r"--seq-len 30 is not divisible by 2 x --cp = 4"):
-        check_arguments(args(seq_len=30))
-    with pytest.raises(ValueError, match=r"--heads 6 is not divisible by --cp 4"):
-        check_arguments(args(cp=4, cp_impl="ulysses", heads=6))
-    with pytest.raises(ValueError, match=r"--seq-len 30 is not divisible by --cp 4"):
-        check_arguments(args(cp=4, cp_impl="ulysses", seq_len=30))
-    with pytest.raises(ValueError, match=r"--cp 2 composes with DDP only: --zero and --hsdp-shard"):
-        check_arguments(args(zero=2))
-    with pytest.raises(ValueError, match=r"--cp 2 with --tp 2 is not supported yet"):
-        check_arguments(args(tp=2))
-    check_arguments(args(seq_len=30, cp=1, cp_impl=None))  # no context parallelism: any length
+    refused(r"--seq-len 30 is not divisible by 2 x --cp = 4", seq_len=30)
+    refused(r"--heads 6 is not divisible by --cp 4", cp=4, cp_impl="ulysses", heads=6)
+    refused(r"--seq-len 30 is not divisible by --cp 4", cp=4, cp_impl="ulysses", seq_len=30)
+    # with tensor parallelism Ulysses splits each tp rank's heads over cp
+    refused(r"--heads 4 / --tp 2 = 2 heads per tensor-parallel rank is not divisible by --cp 4",
+            cp=4, cp_impl="ulysses", tp=2)
+    # --cp with --zero, and --cp with --tp, were refused; they compose now (tests/test_compose.py)
+    from minidist.parallel.compose import problems
+
+    assert problems(_given(zero=2), 2) == [] and problems(_given(tp=2), 4) == []
+    assert _problems(seq_len=30, cp=1, cp_impl=None) == []  # no context parallelism: any length
     # a flag of an axis that is off is refused, not ignored
-    with pytest.raises(ValueError, match=r"--cp-impl ulysses needs --cp greater than 1"):
-        check_arguments(args(cp=1, cp_impl="ulysses"))
-    with pytest.raises(ValueError, match=r"--attention-block 16 needs --attention blockwise or --cp > 1"):
-        check_arguments(args(cp=1, cp_impl=None, attention="plain", attention_block=16))
+    refused(r"--cp-impl ulysses needs --cp greater than 1", cp=1, cp_impl="ulysses")
+    refused(r"--attention-block 16 needs --attention blockwise or --cp > 1",
+            cp=1, cp_impl=None, attention="plain", attention_block=16)
     # the memory estimate's attention scores per sequence and block
-    from minidist.parallel.context_cli import score_values
+    def scores(**kw):
+        given = _given(**kw)
+        return score_values(given.resolved(given.parallel.world_size))
 
-    plain = dict(cp=1, attention="plain", attention_block=16)
-    assert score_values(args(**plain)) == 4 * 64 * 64
-    assert score_values(args(**{**plain, "attention": "blockwise"})) == 4 * 16 * 16
-    assert score_values(args(cp=4, attention="plain", attention_block=128)) == 4 * 8 * 8  # ring: chunks of 8
-    assert score_values(args(cp=4, cp_impl="ulysses", attention="plain", attention_block=16)) == 64 * 64
-    check_arguments(args(seq_len=30, cp=3, cp_impl="ulysses", heads=3))
+    plain = dict(cp=1, cp_impl=None, attention="plain", attention_block=16)
+    assert scores(**plain) == 4 * 64 * 64
+    assert scores(**{**plain, "attention": "blockwise"}) == 4 * 16 * 16
+    assert scores(cp=4, cp_impl=None, attention="plain", attention_block=128) == 4 * 8 * 8  # ring: chunks of 8
+    assert scores(cp=4, cp_impl="ulysses", attention="plain", attention_block=16) == 64 * 64
+    assert _problems(seq_len=30, cp=3, cp_impl="ulysses", heads=3) == []
 
 
 # -- the training command ------------------------------------------------------------------------
@@ -120,7 +143,7 @@ def test_cli_trains_dp2_x_cp2_with_ring_attention(tmp_path):
     r = _train(4, ["--steps", "3", "--eval-every", "3", "--dp", "2", "--cp", "2", "--cp-impl", "ring",
                    "--attention-block", "4", "--metrics-jsonl", str(out)])
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("summary") == 1 and "ring context parallelism over 2 ranks x DDP over 2" in r.stdout
+    assert r.stdout.count("summary") == 1 and "dp=2 x cp=2: DDP over 4 ranks, ring context parallelism over 2 ranks" in r.stdout, r.stdout
     records = [__import__("json").loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 3 and records[0]["mesh"] == "dp=2 cp=2 (ring)" and "val_loss" in records[-1]
 

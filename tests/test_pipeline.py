@@ -119,11 +119,24 @@ def test_each_parameter_is_final_once_inside_the_last_backward_window(schedule, 
     assert set(inside.values()) == {1} and set(total.values()) == {M}
 
 
-def _args(**kw):
-    base = dict(pp=2, microbatches=None, schedule=None, virtual_stages=None, layers=4, batch_size=16, dp=1,
-                grad_accum=1)
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+def _given(**kw):
+    """The run configuration as given: --pp 2 --layers 4 --batch-size 16 --dp 1 unless ``kw``
+    says otherwise (pp, microbatches, schedule, virtual_stages, layers, batch_size, dp, grad_accum)."""
+    from minidist.config import RunConfig
+
+    f = dict(pp=2, microbatches=None, schedule=None, virtual_stages=None, layers=4, batch_size=16, dp=1,
+             grad_accum=1)
+    f.update(kw)
+    return RunConfig().replace(model=dict(layers=f["layers"]), data=dict(batch_size=f["batch_size"]),
+                               device=dict(grad_accum=f["grad_accum"]),
+                               parallel={k: f[k] for k in ("pp", "dp", "microbatches", "schedule", "virtual_stages")})
+
+
+def _problems(**kw):
+    from minidist.parallel.pipeline.schedules import problems
+
+    given = _given(**kw)
+    return problems(given, given.resolved(given.parallel.world_size))
 
 
 @pytest.mark.parametrize("kw, fragment", [
@@ -136,26 +149,17 @@ def _args(**kw):
     (dict(pp=1, microbatches=4), "--microbatches needs pipeline parallelism: add --pp 2 or more"),
 ])
 def test_cli_refuses_bad_pipelines_with_one_line(kw, fragment):
-    from minidist.cli_checks import InputError
-    from minidist.parallel.pipeline import cli
-
-    with pytest.raises(InputError) as exc:
-        cli.validate(_args(**kw))
-    assert fragment in str(exc.value) and "\n" not in str(exc.value)
+    (found,) = _problems(**kw)
+    assert fragment in found and "\n" not in found
 
 
 def test_cli_defaults():
-    from minidist.parallel.pipeline import cli
-
-    a = _args(pp=2)
-    cli.validate(a)
-    assert (a.schedule, a.microbatches, a.virtual_stages) == ("1f1b", 4, 1)
-    a = _args(pp=2, schedule="interleaved")
-    cli.validate(a)
-    assert (a.microbatches, a.virtual_stages) == (4, 2)
-    a = _args(pp=1)
-    cli.validate(a)
-    assert a.schedule is None
+    assert _problems(pp=2) == [] and _problems(pp=2, schedule="interleaved") == [] and _problems(pp=1) == []
+    p = _given(pp=2).resolved(2).parallel
+    assert (p.schedule, p.microbatches, p.virtual_stages) == ("1f1b", 4, 1)
+    p = _given(pp=2, schedule="interleaved").resolved(2).parallel
+    assert (p.microbatches, p.virtual_stages) == (4, 2)
+    assert _given(pp=1).resolved(1).parallel.schedule is None
 
 
 # -- the training CLI under mpiexec -----------------------------------------------------------------
@@ -196,8 +200,6 @@ def test_cli_pipeline_trains_like_one_process_and_reports_the_bubble(tmp_path):
     (2, ["--pp", "2", "--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
     (2, ["--pp", "3"], "the world size 2 is not divisible by --pp 3 = 3"),
     (2, ["--pp", "2", "--microbatches", "9"], "--microbatches 9 exceeds the 8 sequence(s)"),
-    (4, ["--pp", "2", "--tp", "2"], "--pp 2 with --tp 2: pipeline and tensor parallelism do not compose yet"),
-    (4, ["--pp", "2", "--cp", "2"], "--pp 2 with --cp 2: pipeline and context parallelism do not compose yet"),
 ])
 def test_bad_pipeline_input_is_one_message_exit_2(n, args, needle):
     r = _train(n, args, timeout=60)
@@ -207,13 +209,35 @@ def test_bad_pipeline_input_is_one_message_exit_2(n, args, needle):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("axis, mesh, what", [
+    ("--tp", "dp=1 tp=2 pp=2", "tensor parallel over 2 ranks"),
+    ("--cp", "dp=1 cp=2 (ring) pp=2", "ring context parallelism over 2 ranks"),
+])
+def test_cli_pipeline_with_tp_or_cp_trains_like_one_process(tmp_path, axis, mesh, what):
+    """--pp with --tp and --pp with --cp were refused ("do not compose yet"); the 4D composer
+    runs them (tests/test_compose.py checks the matrix): same losses as one process."""
+    common = ["--steps", "2", "--eval-every", "2"]
+    one, four = tmp_path / "one.jsonl", tmp_path / "four.jsonl"
+    r1 = _train(1, common + ["--metrics-jsonl", str(one)])
+    r4 = _train(4, common + ["--pp", "2", axis, "2", "--metrics-jsonl", str(four)])
+    assert r1.returncode == 0, r1.stderr
+    assert r4.returncode == 0, r4.stderr
+    assert "pipeline 1f1b over 2 stages (M=4)" in r4.stdout and what in r4.stdout, r4.stdout
+    ref = [json.loads(line) for line in one.read_text().splitlines()]
+    got = [json.loads(line) for line in four.read_text().splitlines()]
+    assert len(got) == len(ref) == 2 and got[0]["mesh"] == mesh, got[0]
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert [r.get(key, 0) for r in got] == pytest.approx([r.get(key, 0) for r in ref], rel=1e-9), key
+
+
+@pytest.mark.mpi
 def test_cli_dp2_x_pp2_with_fp16_loss_scaling(tmp_path):
     """fp16 under dp x pp: the overflow check is agreed over both axes (one skips, all skip)."""
     out = tmp_path / "m.jsonl"
     r = _train(4, ["--steps", "3", "--eval-every", "0", "--pp", "2", "--dp", "2", "--dtype", "float32",
                    "--mixed-precision", "fp16", "--metrics-jsonl", str(out)])
     assert r.returncode == 0, r.stderr
-    assert "pipeline 1f1b over 2 stages (M=4) x DDP over 2 ranks" in r.stdout, r.stdout
+    assert "dp=2 x pp=2: DDP over 2 ranks, pipeline 1f1b over 2 stages (M=4)" in r.stdout, r.stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 3 and all("loss_scale" in rec for rec in records)
     assert records[0]["mesh"] == "dp=2 pp=2" and all(0 < rec["loss"] < 10 for rec in records)

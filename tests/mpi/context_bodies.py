@@ -162,37 +162,25 @@ def memory_and_work():
 
 
 def strategy_matrix():
-    """train.py's strategy for --cp (with --dp): DDP buckets over the ("dp", "cp") group, the
-    training loop's own forward_backward and update, against the one-process Strategy."""
-    from minidist.data import Sampler
-    from minidist.optim import lr_at
-    from minidist.parallel.strategy import Strategy
-    from minidist.train import build_mesh, build_parser, build_strategy, forward_backward, make_model, make_optimizer, update
+    """The training command's run for --cp (with --dp): compose.build's strategy (DDP buckets
+    over the ("dp", "cp") group) through the training loop's own calls (testing.train_steps),
+    against the one-process run."""
+    from minidist.config import from_args
+    from minidist.flags import build_parser
+    from minidist.parallel.compose import problems
+    from minidist.testing import train_steps
 
-    corpus = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
+    world = comm.world()
 
-    def args_for(*flags):
-        args = build_parser().parse_args(["--layers", "2", "--d-model", "16", "--heads", "4", "--seq-len", "16",
-                                          "--batch-size", "6", "--dtype", "float64", "--lr", "1e-2",
-                                          "--warmup", "1", "--clip-grad", "0.05", "--steps", str(STEPS),
-                                          "--bucket-mb", "0.002", *flags])
-        args.block_size, args.min_lr, args.zero = args.seq_len, args.lr / 10, 0
-        return args
+    def config(*flags):
+        given = from_args(build_parser().parse_args(
+            ["--layers", "2", "--d-model", "16", "--heads", "4", "--seq-len", "16", "--batch-size", "6",
+             "--dtype", "float64", "--lr", "1e-2", "--warmup", "1", "--clip-grad", "0.05", "--steps", str(STEPS),
+             "--bucket-mb", "0.002", *flags]))
+        world_size = given.parallel.world_size
+        assert problems(given, world_size) == [], (flags, problems(given, world_size))
+        return given.resolved(world_size)
 
-    def run(args, make):
-        model = make_model(args)
-        opt = make_optimizer(args, model.parameters())
-        strategy = make(model, opt)
-        sampler = Sampler(corpus, args.seq_len, args.batch_size, args.seed)
-        losses = []
-        for step in range(STEPS):
-            opt.lr = lr_at(step, args.lr, args.warmup, args.steps, args.min_lr)
-            x, y = sampler.batch(step)
-            losses.append(forward_backward(model, x, y, args.grad_accum, None, 1.0, strategy))
-            update(strategy, None, args.clip_grad, {})
-        return losses, {p.name: p.data.copy() for p in model.parameters()}, strategy
-
-    rank = comm.world().rank
     configs = [
         ["--dp", "1", "--cp", "4", "--cp-impl", "ring"],
         ["--dp", "1", "--cp", "4", "--cp-impl", "ulysses", "--attention", "blockwise", "--attention-block", "5"],
@@ -200,9 +188,9 @@ def strategy_matrix():
         ["--dp", "2", "--cp", "2", "--cp-impl", "ulysses", "--attention-block", "3"],
     ]
     for flags in configs:
-        args = args_for(*flags)
-        ref = run(args_for("--grad-accum", str(args.grad_accum)), lambda m, o: Strategy(m, o))
-        mesh = build_mesh(args)
-        losses, params, strategy = run(args, lambda m, o: build_strategy(args, m, o, mesh))
-        _compare(f"{' '.join(flags)} ({strategy.name})", (losses, params), ref[:2], rank)
-    print(f"rank {rank}: strategy done", flush=True)
+        cfg = config(*flags)
+        assert cfg.parallel.world_size == world.size
+        ref = train_steps(config("--grad-accum", str(cfg.device.grad_accum)), STEPS)
+        got = train_steps(cfg, STEPS)
+        _compare(" ".join(flags), got[:2], ref[:2], world.rank)
+    print(f"rank {world.rank}: strategy done", flush=True)

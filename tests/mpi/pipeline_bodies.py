@@ -9,7 +9,7 @@ import numpy as np
 
 from minidist import comm, ops
 from minidist.nn import GPT, GPTConfig
-from minidist.optim import AdamW, clip_coefficient, clip_grad_norm, no_decay_below_2d, scale_grads
+from minidist.optim import AdamW, clip_grad_norm, no_decay_below_2d
 from minidist.parallel.pipeline.runtime import PipelineRuntime
 from minidist.parallel.pipeline.schedules import ORDERS, schedule_problem
 
@@ -51,26 +51,34 @@ def serial_run(layers, ckpt=False, untied=False, accum=1, clip=0.0, low=None, dt
     return losses, model.state_dict()
 
 
+_MESHES = {}
+
+
+def _pp_mesh(group):
+    """A pipeline-only mesh over ``group`` (None for one rank: no MPI), built once per group."""
+    if group.size == 1:
+        return None
+    if id(group) not in _MESHES:
+        _MESHES[id(group)] = comm.Mesh(pp=group.size, world=group)
+    return _MESHES[id(group)]
+
+
 def pipeline_run(group, schedule, M, V=1, layers=4, ckpt=False, untied=False, accum=1, clip=0.0, low=None,
                  dtype="float64"):
+    """The training loop's calls on a pipeline over ``group`` (every rank the whole batch): the
+    schedule's passes, the tied-embedding sum, the whole model's gradient norm (clipping)."""
+    from minidist.parallel.strategy import OneReplica, Strategy
+    from minidist.train import update
+
     model = GPT(_config(layers, untied, dtype))
     model.checkpoint_activations = ckpt
-    pipe = PipelineRuntime(model, group, schedule, M, V)
-    params = model.parameters()
-    opt = _optimizer(params)
+    mesh = _pp_mesh(group)
+    pipe = PipelineRuntime(model, group if mesh is None else mesh.group("pp"), schedule, M, V)
+    strategy = Strategy(model, OneReplica(model, _optimizer(model.parameters())), mesh, pipeline=pipe)
     losses = []
     for x, y in _batches():
-        total = 0.0
-        for k in range(accum):
-            xs, ys = np.array_split(x, accum)[k], np.array_split(y, accum)[k]
-            total += pipe.forward_backward(xs, ys, weight=len(xs) / len(x), low_dtype=low)
-        pipe.reduce_tied_gradients()
-        if clip:
-            norm = pipe.grad_norm_sq() ** 0.5
-            scale_grads(params, clip_coefficient(norm, clip))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+        losses.append(strategy.forward_backward(x, y, accum, low))
+        update(strategy, None, clip)
     return losses, model.state_dict(), pipe
 
 
@@ -159,56 +167,56 @@ def accounting():
 
 
 # -- through the training loop's functions, composed with data parallelism --------------------------
-def _train_args(**over):
-    from minidist.train import build_parser
-
-    argv = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "11",
-            "--dtype", "float64", "--lr", "1e-2", "--warmup", "1", "--clip-grad", "0.05", "--steps", str(STEPS)]
-    args = build_parser().parse_args(argv)
-    args.block_size, args.min_lr = args.seq_len, args.lr / 10
-    args.dp, args.zero, args.pp = 1, 0, 1
-    for k, v in over.items():
-        setattr(args, k, v)
-    return args
-
-
 _CORPUS = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
 
 
-def train_loop(args):
-    """5 steps as minidist.train.train runs them; (losses, {name: parameter of this rank})."""
-    from minidist.data import Sampler
-    from minidist.optim import lr_at
-    from minidist.parallel.pipeline import cli
-    from minidist.train import build_mesh, build_strategy, forward_backward, make_model, make_optimizer, update
+def _train_config(**over):
+    """The resolved RunConfig of the training command's flags below, with ``over`` (field names
+    of any section: pp, dp, schedule, layers, grad_accum, ...) changed; checked like the CLI."""
+    import dataclasses
 
-    if args.pp > 1:
-        cli.validate(args)
-    model = make_model(args)
-    mesh = build_mesh(args)
-    pipeline = cli.build(args, model, mesh)
-    opt = make_optimizer(args, model.parameters())
-    strategy = cli.wrap(pipeline, build_strategy(args, model, opt, mesh))
-    sampler = Sampler(_CORPUS, args.seq_len, args.batch_size, args.seed)
-    losses = []
-    for step in range(STEPS):
-        opt.lr = lr_at(step, args.lr, args.warmup, args.steps, args.min_lr)
-        x, y = sampler.batch(step)
-        losses.append(forward_backward(model, x, y, args.grad_accum, None, 1.0, strategy))
-        reducer = strategy._reducer() if hasattr(strategy, "_reducer") else None
-        if reducer is not None and args.bucket_mb == 0 and not args.no_overlap:
-            # one bucket per parameter: the first chunk-final backward launches reductions
-            # before the schedule ends
-            assert reducer.launch_times and min(reducer.launch_times) < reducer.backward_end, "no overlap"
-        update(strategy, None, args.clip_grad, {})
-        if hasattr(strategy, "metrics"):
-            strategy.metrics()
-    return losses, {p.name: p.data.copy() for p in model.parameters()}
+    from minidist.config import from_args
+    from minidist.flags import build_parser
+    from minidist.parallel.compose import problems
+
+    argv = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "11",
+            "--dtype", "float64", "--lr", "1e-2", "--warmup", "1", "--clip-grad", "0.05", "--steps", str(STEPS)]
+    given = from_args(build_parser().parse_args(argv))
+    if "no_overlap" in over:
+        over["overlap"] = not over.pop("no_overlap")
+    sections = {}
+    for key, value in over.items():
+        (section,) = [n for n in ("model", "data", "optim", "device", "parallel")
+                      if key in {f.name for f in dataclasses.fields(getattr(given, n))}]
+        sections.setdefault(section, {})[key] = value
+    given = given.replace(**sections)
+    world = given.parallel.world_size
+    assert problems(given, world) == [], (over, problems(given, world))
+    return given.resolved(world)
+
+
+def _check_overlap(cfg):
+    """One bucket per parameter: the first chunk-final backward launches reductions before
+    the schedule ends (the data-parallel hooks open inside the pipeline's passes)."""
+    from minidist.data import Sampler
+    from minidist.parallel.compose import build, build_mesh
+
+    _, strategy = build(cfg, build_mesh(cfg.parallel))
+    reducer = getattr(strategy.data, "reducer", None)
+    if reducer is None:  # one data-parallel replica: nothing to reduce
+        return
+    x, y = Sampler(_CORPUS, cfg.data.seq_len, cfg.data.batch_size, cfg.model.seed).batch(0)
+    strategy.forward_backward(x, y, cfg.device.grad_accum)
+    assert reducer.launch_times and min(reducer.launch_times) < reducer.backward_end, "no overlap"
+    strategy.zero_grad()
 
 
 def train_path_matrix():
-    """pp = 2 alone (2 ranks) or dp = 2 x pp = 2 (4 ranks) through the training loop's functions,
-    with DDP and ZeRO-1, overlap on and off, grad accumulation, checkpointing, clipping."""
+    """pp = 2 alone (2 ranks) or dp = 2 x pp = 2 (4 ranks) through the training loop's functions
+    (testing.train_steps on compose.build), with DDP and ZeRO-1, overlap on and off, grad
+    accumulation, checkpointing, clipping."""
+    from minidist.testing import train_steps
+
     n = comm.world().size
     dp = n // 2
     configs = [
@@ -220,9 +228,14 @@ def train_path_matrix():
     ]
     worst = 0.0
     for cfg in configs:
+        if dp == 1:  # ZeRO shards over the data-parallel ranks: the CLI refuses it with one
+            cfg.pop("zero", None)
         common = {k: v for k, v in cfg.items() if k in ("layers", "grad_accum", "checkpoint_activations", "untied")}
-        ref_losses, ref_params = train_loop(_train_args(**common))
-        losses, params = train_loop(_train_args(pp=2, dp=dp, **cfg))
+        ref_losses, ref_params, _ = train_steps(_train_config(**common), STEPS, _CORPUS)
+        run = _train_config(pp=2, dp=dp, **cfg)
+        losses, params, _ = train_steps(run, STEPS, _CORPUS)
+        if cfg.get("bucket_mb") == 0 and not cfg.get("no_overlap"):
+            _check_overlap(run)
         err = max([_rel(losses, ref_losses)] + [_rel(v, ref_params[k]) for k, v in params.items()])
         label = f"dp={dp} x pp=2 " + " ".join(f"{k}={v}" for k, v in cfg.items())
         assert err <= 1e-9, f"{label}: relative difference {err:.2e} from one process"

@@ -13,7 +13,11 @@ from minidist import comm, nn, ops
 from minidist.autograd import Tensor
 from minidist.backend import bfloat16
 from minidist.comm.group import Group
+from minidist.comm.mesh import Mesh
+from minidist.config import RunConfig
+from minidist.parallel import compose
 from minidist.parallel import tensor as tpm
+from minidist.train import update
 
 MODES = [("tensor", False, "none"), ("sequence", True, "none"), ("ring", True, "ring"),
          ("bidirectional", True, "bidirectional")]
@@ -206,34 +210,38 @@ def vocab_parallel_loss():
 # ------------------------------------------------------------------ training equals serial
 
 
-def _train(model, batches, group, grad_accum=1, low=None):
-    """Steps of AdamW with the global gradient norm clipped; returns the losses."""
-    from minidist.optim import AdamW, no_decay_below_2d
-    from minidist.train import forward_backward
+def _config(tp=1, sp=False, overlap="none", untied=False, checkpoint=False, dtype="float64", seed=3, dp=1):
+    """The run configuration of these tests (compose.build makes the model and its strategy):
+    2 blocks, 4 heads, d_model 16, sequences of 8, AdamW at a fixed lr 1e-2."""
+    return RunConfig().replace(
+        model=dict(layers=2, heads=4, d_model=16, untied=untied, dtype=dtype, seed=seed),
+        data=dict(seq_len=8, batch_size=4), optim=dict(lr=1e-2, weight_decay=0.1),
+        device=dict(checkpoint_activations=checkpoint),
+        parallel=dict(dp=dp, tp=tp, sequence_parallel=sp, tp_async=None if overlap == "none" else overlap),
+    ).resolved(dp * tp)
 
-    params = model.parameters()
-    opt = AdamW(params, lr=1e-2, weight_decay=0.1, no_decay=no_decay_below_2d)
-    losses = []
+
+def _train(strategy, batches, grad_accum=1, low=None, norms=False):
+    """Steps of the training loop's calls, the global gradient norm clipped to 0.5 (small
+    enough to clip: the norm must be the whole model's); the losses (and the norms)."""
+    out = []
     for x, y in batches:
-        losses.append(forward_backward(model, x, y, grad_accum, low))
-        tpm.clip_grad_norm(params, 0.5, group)  # small enough to clip: the norm must be global
-        opt.step()
-        opt.zero_grad()
-    return losses
+        out.append(strategy.forward_backward(x, y, grad_accum, low))
+        done = update(strategy, None, 0.5)
+        if norms:
+            out.append(done["grad_norm"])
+    return out
 
 
-def _check_training(group, serial, batches, cfg, label, **options):
-    sp, overlap = options.pop("sp", False), options.pop("overlap", "none")
-    ckpt, accum = options.pop("checkpoint", False), options.pop("grad_accum", 1)
-    model = nn.GPT(cfg, tpm.TensorParallelLayers(group, sequence_parallel=sp, overlap=overlap))
-    model.checkpoint_activations = ckpt
-    losses = _train(model, batches, group, accum)
+def _check_training(mesh, serial, batches, label, grad_accum=1, **config):
+    model, strategy = compose.build(_config(mesh.size("tp"), **config), mesh)
+    losses = _train(strategy, batches, grad_accum)
     np.testing.assert_allclose(losses, serial[0], rtol=1e-9, atol=0, err_msg=label)
     ref = serial[1]
     for name, p in model.named_parameters():
         want = ref[name] if p.sharding is None else p.sharding.take(ref[name])
         np.testing.assert_allclose(p.data, want, rtol=1e-9, atol=1e-12, err_msg=f"{label}: {name}")
-    if group.rank == 0:
+    if mesh.world.rank == 0:
         print(f"training ok: {label}", flush=True)
 
 
@@ -242,32 +250,31 @@ def training_matches_serial():
     world = comm.world()
     rng = np.random.default_rng(31)
     batches = [(rng.integers(0, 256, (4, 8)), rng.integers(0, 256, (4, 8))) for _ in range(5)]
-    configs = {tied: nn.GPTConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=4, d_model=16, dtype="float64",
-                                  tie_embeddings=tied, seed=3) for tied in (True, False)}
     serial = {}
-    for tied, cfg in configs.items():
-        model = nn.GPT(cfg)
-        losses = _train(model, batches, None)
-        serial[tied] = (losses, {n: p.data.copy() for n, p in model.named_parameters()})
-    pair = _subgroup(2)
-    for group in (world, pair):
+    for untied in (False, True):
+        model, strategy = compose.build(_config(untied=untied), None)
+        losses = _train(strategy, batches)
+        serial[untied] = (losses, {n: p.data.copy() for n, p in model.named_parameters()})
+    meshes = {"world": Mesh(tp=world.size), "pair": Mesh(tp=2, world=_subgroup(2))}
+    for mesh in meshes.values():
+        n = mesh.size("tp")
         for mode, sp, overlap in MODES:
-            label = f"tp={group.size} {mode}"
-            _check_training(group, serial[True], batches, configs[True], label, sp=sp, overlap=overlap)
-        _check_training(group, serial[False], batches, configs[False], f"tp={group.size} untied head", sp=True)
-    _check_training(pair, serial[True], batches, configs[True], "tp=2 sequence parallel, activation checkpointing "
+            _check_training(mesh, serial[False], batches, f"tp={n} {mode}", sp=sp, overlap=overlap)
+        _check_training(mesh, serial[True], batches, f"tp={n} untied head", sp=True, untied=True)
+    pair = meshes["pair"]
+    _check_training(pair, serial[False], batches, "tp=2 sequence parallel, activation checkpointing "
                     "and 2 accumulated micro-batches", sp=True, checkpoint=True, grad_accum=2)
-    _check_training(pair, serial[True], batches, configs[True], "tp=2 ring, activation checkpointing",
-                    overlap="ring", checkpoint=True)
+    _check_training(pair, serial[False], batches, "tp=2 ring, activation checkpointing",
+                    sp=True, overlap="ring", checkpoint=True)
     # Mixed precision (bf16 matmuls, fp32 master weights): rounding differs (each rank rounds
     # its partial products), so the check is loose; it catches a wrong gradient, not round-off.
-    cfg32 = nn.GPTConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=4, d_model=16, dtype="float32", seed=3)
     low = np.dtype(bfloat16)
-    serial_bf16 = _train(nn.GPT(cfg32), batches, None, low=low)
+    serial_bf16 = _train(compose.build(_config(dtype="float32"), None)[1], batches, low=low)
     for mode, sp, overlap in MODES[2:3]:  # ring: sequence parallel and the collective matmul
-        tp_bf16 = _train(nn.GPT(cfg32, tpm.TensorParallelLayers(pair, sp, overlap)), batches, pair, low=low)
+        _, strategy = compose.build(_config(2, sp, overlap, dtype="float32"), pair)
+        tp_bf16 = _train(strategy, batches, low=low)
         np.testing.assert_allclose(tp_bf16, serial_bf16, rtol=2e-2, err_msg=f"bf16 {mode}")
-        if pair.rank == 0:
+        if pair.world.rank == 0:
             print(f"training ok: tp=2 {mode} bf16 within 2e-2 of the serial bf16 run", flush=True)
     print(f"training done on rank {world.rank}", flush=True)
 
@@ -310,49 +317,29 @@ def overlap_timeline():
 def dp_tp_matches_serial():
     """dp=2 x tp=2 (tp innermost): DDP over the dp group of a tensor-parallel model, through the
     training loop's own calls, equals the serial run; gradient accumulation 2, every mode."""
-    from minidist.comm.mesh import Mesh
-    from minidist.optim import AdamW, no_decay_below_2d
-    from minidist.parallel.strategy import DataParallel
-    from minidist.train import forward_backward, update
+    from minidist.optim import DynamicLossScaler
 
     world = comm.world()
-    mesh = Mesh(dp=2, tp=world.size // 2)
     rng = np.random.default_rng(51)
     batches = [(rng.integers(0, 256, (4, 8)), rng.integers(0, 256, (4, 8))) for _ in range(5)]
-    cfg = nn.GPTConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=4, d_model=16, dtype="float64", seed=5)
-
-    def run(model, wrap):
-        opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, no_decay=no_decay_below_2d)
-        strategy = wrap(model, opt)
-        losses = []
-        for x, y in batches:
-            losses.append(forward_backward(model, x, y, 2, None, 1.0, strategy))
-            record = {}
-            update(strategy, None, 0.5, record)
-            losses.append(record["grad_norm"])
-        return losses
-
-    from minidist.parallel.strategy import Strategy
-
-    serial_model = nn.GPT(cfg)
-    serial = run(serial_model, lambda m, o: Strategy(m, o))
+    serial_model, serial_strategy = compose.build(_config(seed=5), None)
+    serial = _train(serial_strategy, batches, 2, norms=True)
+    ref = dict(serial_model.named_parameters())
+    mesh = None
     for mode, sp, overlap in MODES:
-        model = nn.GPT(cfg, tpm.TensorParallelLayers(mesh.group("tp"), sp, overlap))
-        got = run(model, lambda m, o: tpm.TensorParallelStrategy(DataParallel(m, o, mesh.group("dp")),
-                                                                 mesh.group("tp")))
+        cfg = _config(world.size // 2, sp, overlap, seed=5, dp=2)
+        mesh = mesh or compose.build_mesh(cfg.parallel)
+        model, strategy = compose.build(cfg, mesh)
+        assert "DDP over 2 ranks" in strategy.name, strategy.name
+        got = _train(strategy, batches, 2, norms=True)
         np.testing.assert_allclose(got, serial, rtol=1e-9, err_msg=mode)  # losses and gradient norms
-        ref = dict(serial_model.named_parameters())
         for name, p in model.named_parameters():
             want = ref[name].data if p.sharding is None else p.sharding.take(ref[name].data)
             np.testing.assert_allclose(p.data, want, rtol=1e-9, atol=1e-12, err_msg=f"{mode}: {name}")
         if world.rank == 0:
             print(f"dp x tp ok: {mode}", flush=True)
     # fp16: an overflow in one rank's slice (tp rank 1 of dp replica 0) skips the step everywhere
-    from minidist.optim import DynamicLossScaler
-
-    model = nn.GPT(cfg, tpm.TensorParallelLayers(mesh.group("tp")))
-    opt = AdamW(model.parameters(), lr=1e-2)
-    strategy = tpm.TensorParallelStrategy(DataParallel(model, opt, mesh.group("dp")), mesh.group("tp"))
+    model, strategy = compose.build(_config(world.size // 2, seed=5, dp=2), mesh)
     for p in model.parameters():
         p.grad = np.zeros_like(p.data)
     if mesh.coords == {"dp": 0, "pp": 0, "cp": 0, "tp": 1}:
