@@ -52,21 +52,21 @@ def _batches(shape, rank, steps):
 
 
 def worker_minidist(shape, steps, zero, overlap, bucket_mb):
-    from minidist.nn import GPT, GPTConfig
-    from minidist.optim import AdamW
-    from minidist.parallel.strategy import make_strategy
-    from minidist.train import world_size
+    from minidist.config import RunConfig
+    from minidist.parallel.compose import build, build_mesh
+    from minidist.train import world_rank, world_size
 
-    n = world_size()
-    model = GPT(GPTConfig(seq_len=shape["seq_len"], n_layer=shape["n_layer"], n_head=shape["n_head"],
-                          d_model=shape["d_model"]))
-    opt = AdamW(model.parameters(), lr=1e-4)
-    strategy = make_strategy(model, opt, dp=n, zero=zero, overlap=overlap, bucket_mb=bucket_mb)
-    rank = strategy.rank
+    n, rank = world_size(), world_rank()
+    cfg = RunConfig().replace(
+        model=dict(layers=shape["n_layer"], heads=shape["n_head"], d_model=shape["d_model"]),
+        data=dict(seq_len=shape["seq_len"], batch_size=shape["rows"] * n), optim=dict(lr=1e-4),
+        parallel=dict(dp=n, zero=zero, overlap=overlap, bucket_mb=bucket_mb)).resolved(n)
+    model, strategy = build(cfg, build_mesh(cfg.parallel))  # AdamW; DDP or ZeRO-1/2/3 over the n ranks
+    data = strategy.data  # the data-parallel part: gradient reduction around each micro-step
     times, exposed = [], []
     for x, y in _batches(shape, rank, steps + 1):
         t0 = time.perf_counter()
-        with strategy.micro_step(True):  # weak scaling: each rank its own batch, the mean over ranks
+        with data.micro_step(True):  # weak scaling: each rank its own batch, the mean over ranks
             (model(x, y) * (1.0 / n)).backward()
         strategy.step()
         strategy.zero_grad()

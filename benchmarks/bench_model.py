@@ -31,15 +31,15 @@ def measure(threads: int, reps: int) -> dict:
     from minidist.nn import GPT, GPTConfig
     from minidist.optim import AdamW
     from minidist.profile import measure_peak_gflops, model_flops_per_token
+    from minidist.parallel.strategy import OneReplica, Strategy
     from minidist.torch_reference import TorchGPT
-    from minidist.train import forward_backward
 
     torch.set_num_threads(threads)
     s = SHAPE
     model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"], d_model=s["d_model"],
                           dtype="float32"))
     ref = TorchGPT(model.state_dict(), s["n_head"], torch.float32)
-    opt = AdamW(model.parameters(), lr=1e-4)
+    strategy = Strategy(model, OneReplica(model, AdamW(model.parameters(), lr=1e-4)))  # one process
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     rng = np.random.default_rng(0)
     seq = rng.integers(0, 256, size=(s["batch"], s["seq_len"] + 1))
@@ -47,9 +47,9 @@ def measure(threads: int, reps: int) -> dict:
     tx, ty = torch.tensor(x), torch.tensor(y)
 
     def step_minidist():
-        forward_backward(model, x, y)
-        opt.step()
-        opt.zero_grad()
+        strategy.forward_backward(x, y)
+        strategy.step()
+        strategy.zero_grad()
 
     def step_torch():
         ref_opt.zero_grad(set_to_none=True)

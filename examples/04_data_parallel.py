@@ -33,22 +33,24 @@ from minidist import comm  # noqa: E402
 from minidist.comm.stats import reset_stats, stats  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
 from minidist.optim import AdamW  # noqa: E402
-from minidist.parallel.strategy import DataParallel  # noqa: E402
+from minidist.parallel.strategy import DataParallel, Strategy  # noqa: E402
 
 
-def run(mode, args, g, batch):
+def run(mode, args, mesh, batch):
     model = GPT(GPTConfig(seq_len=args.seq, n_layer=args.layers, n_head=4, d_model=args.width))
     opt = AdamW(model.parameters(), lr=1e-3)
     bucket_mb = 1e6 if mode == "one bucket" else args.bucket_mb
     # The textbook ring all-reduce: 2(N-1)/N·X bytes per rank for any bucket (the automatic
     # choice would take recursive doubling for small buckets, log2(N)·X bytes but fewer rounds).
-    dp = DataParallel(model, opt, g, bucket_mb=bucket_mb, overlap=mode != "no overlap", algorithm="ring")
+    dp = DataParallel(model, opt, mesh.group("dp"), bucket_mb=bucket_mb, overlap=mode != "no overlap",
+                      algorithm="ring")
+    strategy = Strategy(model, dp, mesh)  # for this rank's rows of the global batch
     x, y = batch
     rows = []
     for step in range(args.steps):
         reset_stats()
         t0 = time.perf_counter()
-        for xs, ys, share, last in dp.micro_batches(x, y, 1):
+        for xs, ys, share, last in strategy.micro_batches(x, y, 1):
             with dp.micro_step(last):
                 (model(xs, ys) * share).backward()
                 t_backward = time.perf_counter()
@@ -72,12 +74,13 @@ def main():
     args = ap.parse_args()
     args.layers, args.width, args.seq, args.rows = (2, 32, 16, 2) if args.quick else (4, 128, 64, 4)
     g = comm.world()
+    mesh = comm.Mesh(dp=g.size)
     if args.gbps:
         comm.set_link_model(gbps=args.gbps)
     rng = np.random.default_rng(0)
     data = rng.integers(0, 256, (args.rows * g.size, args.seq + 1))
     batch = (data[:, :-1], data[:, 1:])
-    results = [run(mode, args, g, batch) for mode in ("no overlap", "overlap", "one bucket")]
+    results = [run(mode, args, mesh, batch) for mode in ("no overlap", "overlap", "one bucket")]
     if g.rank:
         return
     link = f"simulated {args.gbps} Gbit/s link" if args.gbps else "shared memory"

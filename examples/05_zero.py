@@ -20,9 +20,8 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 from minidist import comm  # noqa: E402
-from minidist.nn import GPT, GPTConfig  # noqa: E402
-from minidist.optim import AdamW, no_decay_below_2d  # noqa: E402
-from minidist.parallel.strategy import make_strategy  # noqa: E402
+from minidist.config import RunConfig  # noqa: E402
+from minidist.parallel.compose import build  # noqa: E402
 from minidist.parallel.zero import memory_formula  # noqa: E402
 
 PAPER = {0: lambda P, N: 16 * P, 1: lambda P, N: 4 * P + 12 * P / N,
@@ -30,23 +29,25 @@ PAPER = {0: lambda P, N: 16 * P, 1: lambda P, N: 4 * P + 12 * P / N,
 
 
 def run(stage, args, mesh, batch):
-    model = GPT(GPTConfig(seq_len=args.seq, n_layer=args.layers, n_head=4, d_model=args.width))
-    psi = model.num_parameters()
-    opt = AdamW(model.parameters(), lr=1e-3, no_decay=no_decay_below_2d)
-    strategy = make_strategy(model, opt, dp=mesh.size("dp"), zero=stage, mesh=mesh)
+    cfg = RunConfig().replace(model=dict(layers=args.layers, d_model=args.width, heads=4),
+                              data=dict(seq_len=args.seq), optim=dict(lr=1e-3),
+                              parallel=dict(dp=mesh.size("dp"), zero=stage)).resolved()
+    model, strategy = build(cfg, mesh)  # AdamW; DDP, ZeRO-1/2 (strategy.data.zero) or FSDP (.data.fsdp)
+    psi = sum(int(np.prod(p.global_shape)) for p in model.parameters())  # FSDP has freed the full arrays
     x, y = batch
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        for xs, ys, share, last in strategy.micro_batches(x, y, 1):
-            with strategy.micro_step(last):
-                (model(xs, ys) * share).backward()
+        strategy.forward_backward(x, y)  # this rank's rows of the global batch
         strategy.step()
         held = strategy.memory_bytes()
         strategy.zero_grad()
         times.append(time.perf_counter() - t0)
-    mine = strategy.zero.shard_numel if stage else psi
-    live = getattr(getattr(strategy, "zero", None), "max_live_blocks", None)
+    mine, live = psi, None
+    if stage:
+        sharded = strategy.data.fsdp if stage == 3 else strategy.data.zero
+        mine = sharded.shard_numel
+        live = sharded.max_live_blocks if stage == 3 else None
     return psi, mine, held, memory_formula(stage, psi, mine, 4, 2), float(np.median(times[1:] or times)), live
 
 

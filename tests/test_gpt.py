@@ -8,7 +8,12 @@ from minidist import ops
 from minidist.backend import dtype
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, DynamicLossScaler
-from minidist.train import forward_backward
+from minidist.parallel.strategy import OneReplica, Strategy
+
+
+def forward_backward(model, x, y, grad_accum=1, low_dtype=None, loss_scale=1.0):
+    """One process's forward and backward of the batch's mean loss (what minidist.train runs)."""
+    return Strategy(model, OneReplica(model, None)).forward_backward(x, y, grad_accum, low_dtype, loss_scale)
 
 
 def tiny(seed=0, dt="float64", **kw):

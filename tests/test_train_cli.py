@@ -128,19 +128,19 @@ def test_memory_estimate_is_near_a_measured_step(checkpoint, accum):
     from minidist.cli_checks import training_memory_bytes
     from minidist.nn import GPT, GPTConfig
     from minidist.optim import AdamW
-    from minidist.train import forward_backward
+    from minidist.parallel.strategy import OneReplica, Strategy
 
     shape = dict(n_layer=2, d_model=64, n_head=2, seq_len=64)
     tracemalloc.start()
     try:
         model = GPT(GPTConfig(**shape))
         model.checkpoint_activations = checkpoint
-        opt = AdamW(model.parameters(), lr=1e-3)
+        strategy = Strategy(model, OneReplica(model, AdamW(model.parameters(), lr=1e-3)))
         seq = np.random.default_rng(0).integers(0, 256, size=(16, 65))
         for _ in range(2):
-            forward_backward(model, seq[:, :-1], seq[:, 1:], accum)
-            opt.step()
-            opt.zero_grad()
+            strategy.forward_backward(seq[:, :-1], seq[:, 1:], accum)
+            strategy.step()
+            strategy.zero_grad()
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

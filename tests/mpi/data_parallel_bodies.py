@@ -11,47 +11,54 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist import comm
+from minidist.config import RunConfig
 from minidist.data import Sampler
+from minidist.nn import GPT
 from minidist.optim import lr_at
+from minidist.parallel.compose import build, build_mesh, model_config
 from minidist.parallel.data import DistributedDataParallel, allreduce_gradients
-from minidist.parallel.strategy import Strategy, make_strategy
 from minidist.parallel.zero import memory_formula
-from minidist.train import build_parser, forward_backward, make_model, make_optimizer, update
+from minidist.testing import train_steps
+from minidist.train import update
 
 TOL = 1e-9
 STEPS = 5
 
+_BASE = RunConfig().replace(
+    model=dict(layers=2, d_model=16, heads=2, dtype="float64"),
+    data=dict(seq_len=8, batch_size=11),
+    optim=dict(lr=1e-2, warmup=1, clip_grad=0.05, steps=STEPS))
 
-def _args(**over):
-    argv = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "11",
-            "--dtype", "float64", "--lr", "1e-2", "--warmup", "1", "--clip-grad", "0.05", "--steps", str(STEPS)]
-    args = build_parser().parse_args(argv)
-    args.block_size, args.min_lr = args.seq_len, args.lr / 10
-    for k, v in over.items():
-        setattr(args, k, v)
-    return args
+
+def _cfg(model=None, device=None, **parallel):
+    """The tiny float64 run, with ``parallel`` settings (dp=1 by default: one process)."""
+    return _BASE.replace(model=model or {}, device=device or {}, parallel={"dp": 1, **parallel}).resolved()
 
 
 _CORPUS = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
 
 
-def train_steps(args, make):
-    """5 steps of the strategy make(model, opt); (losses, {name: full parameter})."""
-    model = make_model(args)
-    model.checkpoint_activations = args.checkpoint_activations
-    opt = make_optimizer(args, model.parameters())
-    strategy = make(model, opt)
-    sampler = Sampler(_CORPUS, args.seq_len, args.batch_size, args.seed)
-    losses = []
+def run(cfg):
+    """``testing.train_steps`` as (losses, {name: full parameter}), the losses ending with a validation loss."""
+    losses, params, _ = train_steps(cfg, STEPS, _CORPUS)
+    return losses, params
+
+
+def run_keeping(cfg):
+    """The same steps (and validation loss) built here, to keep the strategy and the bytes the
+    last update held: (losses, params, strategy, {params, grads, optimizer: bytes})."""
+    model, strategy = build(cfg, build_mesh(cfg.parallel))
+    sampler = Sampler(_CORPUS, cfg.data.seq_len, cfg.data.batch_size, cfg.model.seed)
+    o, losses = cfg.optim, []
     for step in range(STEPS):
-        opt.lr = lr_at(step, args.lr, args.warmup, args.steps, args.min_lr)
+        strategy.optimizer.lr = lr_at(step, o.lr, o.warmup, o.steps, o.min_lr)
         x, y = sampler.batch(step)
-        losses.append(forward_backward(model, x, y, args.grad_accum, None, 1.0, strategy))
-        held = update(strategy, None, args.clip_grad, {})
-    if hasattr(strategy, "zero"):
-        params = strategy.zero.full_parameters()
-    else:
-        params = {p.name: p.data.copy() for p in model.parameters()}
+        losses.append(strategy.forward_backward(x, y, cfg.device.grad_accum))
+        done = update(strategy, None, o.clip_grad)
+    losses.append(strategy.evaluate([sampler.batch(STEPS)]))
+    held = {k: int(v * 2**20) for k, v in done["state_mb"].items()}  # MiB back to (exact) bytes
+    assert all(held[k] == v * 2**20 for k, v in done["state_mb"].items()), done["state_mb"]
+    params = {k: np.array(v) for k, v in strategy.parameters().items()}
     return losses, params, strategy, held
 
 
@@ -61,24 +68,25 @@ def _rel(a, b):
 
 def compare(label, ref, got):
     (l0, p0), (l1, p1) = ref[:2], got[:2]
-    err = max([_rel(l1, l0)] + [_rel(p1[k], p0[k]) for k in p0])
     assert set(p0) == set(p1), (label, set(p0) ^ set(p1))
+    err = max([_rel(l1, l0)] + [_rel(p1[k], p0[k]) for k in p0])
     assert err <= TOL, f"{label}: relative difference {err:.3e} from the single process"
     # every rank must end with the same parameters
     assert all(_rel(p1[k], comm.broadcast(p1[k], comm.world())) == 0 for k in p1), label
     return err
 
 
+VARIANTS = [("plain", {}), ("grad-accum 2", {"device": {"grad_accum": 2}}),
+            ("checkpointing", {"device": {"checkpoint_activations": True}})]
+
+
 def matrix():
     """dp = world size: zero 0-3 x {plain, grad-accum 2, checkpointing}, batch 11 (no dp divides it)."""
     n = MPI.COMM_WORLD.Get_size()
-    mesh = comm.Mesh(dp=n)
-    for variant, over in [("plain", {}), ("grad-accum 2", {"grad_accum": 2}),
-                          ("checkpointing", {"checkpoint_activations": True})]:
-        args = _args(**over)
-        ref = train_steps(args, lambda m, o: Strategy(m, o))
+    for variant, over in VARIANTS:
+        ref = run(_cfg(**over))
         for zero in (0, 1, 2, 3):
-            got = train_steps(args, lambda m, o: make_strategy(m, o, dp=n, zero=zero, mesh=mesh, bucket_mb=0.002))
+            got = run(_cfg(**over, dp=n, zero=zero, bucket_mb=0.002))
             err = compare(f"dp={n} zero={zero} {variant}", ref, got)
             if MPI.COMM_WORLD.rank == 0:
                 print(f"dp ok: dp={n} zero={zero} {variant} rel {err:.1e}", flush=True)
@@ -88,13 +96,10 @@ def matrix():
 def buckets_and_overlap():
     """DDP and ZeRO-2 bucketed, one bucket per parameter, one big bucket, and without overlap."""
     n = MPI.COMM_WORLD.Get_size()
-    mesh = comm.Mesh(dp=n)
-    args = _args()
-    ref = train_steps(args, lambda m, o: Strategy(m, o))
+    ref = run(_cfg())
     for zero in (0, 2):
         for bucket_mb, overlap in [(0, True), (0.002, True), (25, True), (0.002, False)]:
-            got = train_steps(args, lambda m, o: make_strategy(m, o, dp=n, zero=zero, mesh=mesh,
-                                                               bucket_mb=bucket_mb, overlap=overlap))
+            got = run(_cfg(dp=n, zero=zero, bucket_mb=bucket_mb, overlap=overlap))
             compare(f"zero={zero} bucket_mb={bucket_mb} overlap={overlap}", ref, got)
             if MPI.COMM_WORLD.rank == 0:
                 print(f"bucket ok: zero={zero} bucket_mb={bucket_mb} overlap={overlap}", flush=True)
@@ -102,33 +107,28 @@ def buckets_and_overlap():
 
 def hsdp():
     """dp=4 as 2 shard groups of 2 (ZeRO-3 inside, all-reduce across): equal to one process."""
-    args = _args()
-    ref = train_steps(args, lambda m, o: Strategy(m, o))
-    for over in ({}, {"grad_accum": 2}, {"checkpoint_activations": True}):
-        a = _args(**over)
-        r = ref if not over else train_steps(a, lambda m, o: Strategy(m, o))
-        got = train_steps(a, lambda m, o: make_strategy(m, o, dp=4, hsdp_shard=2))
-        compare(f"hsdp {over}", r, got)
-        z = got[2].zero
-        assert z.group.size == 2 and z.replicate_group.size == 2
+    for variant, over in VARIANTS:
+        ref = run(_cfg(**over))
+        got = run_keeping(_cfg(**over, dp=4, hsdp_shard=2))
+        compare(f"hsdp {variant}", ref, got)
+        f = got[2].data.fsdp
+        assert f.group.size == 2 and f.replicate_group.size == 2
         if MPI.COMM_WORLD.rank == 0:
-            print(f"hsdp ok: {over}", flush=True)
+            print(f"hsdp ok: {variant}", flush=True)
 
 
 def memory_and_live_params():
     """Counted bytes equal the formulas exactly; stage 3 never holds more than root + 2 blocks."""
     n = MPI.COMM_WORLD.Get_size()
-    mesh = comm.Mesh(dp=n)
-    args = _args(layers=4)
     for zero in (0, 1, 2, 3):
-        losses, params, strategy, held = train_steps(
-            args, lambda m, o: make_strategy(m, o, dp=n, zero=zero, mesh=mesh, bucket_mb=0.002))
+        losses, params, strategy, held = run_keeping(_cfg(model={"layers": 4}, dp=n, zero=zero, bucket_mb=0.002))
+        sharded = {1: "zero", 2: "zero", 3: "fsdp"}.get(zero)
         numel = sum(int(v.size) for v in params.values())
-        mine = strategy.zero.shard_numel if zero else numel
+        mine = getattr(strategy.data, sharded).shard_numel if zero else numel
         want = memory_formula(zero, numel, mine, 8, 2)
         assert held == want, (zero, held, want)
         if zero == 3:
-            z = strategy.zero
+            z = strategy.data.fsdp
             blocks = sorted((u.numel * 8 for u in z.block_units), reverse=True)
             assert z.max_live_blocks <= 2, z.max_live_blocks
             assert z.max_live_bytes <= z.root.numel * 8 + blocks[0] + blocks[1], z.max_live_bytes
@@ -140,14 +140,18 @@ def memory_and_live_params():
     assert total == numel, (total, numel)
 
 
+def make_model(cfg):
+    return GPT(model_config(cfg))
+
+
 def textbook_equals_bucketed():
     """One all-reduce per gradient after backward == bucketed, overlapped DDP (same gradients)."""
     n = MPI.COMM_WORLD.Get_size()
     g = comm.world()
-    args = _args(layers=3)
+    cfg = _cfg(model={"layers": 3})
     grads = []
     for bucketed in (False, True):
-        model = make_model(args)
+        model = make_model(cfg)
         params = model.parameters()
         ddp = DistributedDataParallel(params, g, bucket_mb=0.004) if bucketed else None
         x = np.random.default_rng(g.rank).integers(0, 256, (2, 9))
@@ -166,9 +170,9 @@ def overlap_timeline():
     """With a slow simulated link, the first bucket's all-reduce starts before backward ends."""
     assert os.environ.get("MINIDIST_LINK_GBPS"), "run with MINIDIST_LINK_GBPS set"
     g = comm.world()
-    args = _args(layers=4, d_model=32)
+    cfg = _cfg(model={"layers": 4, "d_model": 32})
     for overlap in (True, False):
-        model = make_model(args)
+        model = make_model(cfg)
         ddp = DistributedDataParallel(model.parameters(), g, bucket_mb=0.01, overlap=overlap)
         x = np.random.default_rng(0).integers(0, 256, (4, 9))
         ddp.reducer.reset_timeline()
@@ -190,8 +194,7 @@ def ring_bytes():
     from minidist.comm.stats import reset_stats, stats
 
     g = comm.world()
-    args = _args(layers=2)
-    model = make_model(args)
+    model = make_model(_cfg())
     ddp = DistributedDataParallel(model.parameters(), g, bucket_mb=0.004, algorithm="ring")
     x = np.random.default_rng(0).integers(0, 256, (2, 9))
     reset_stats()
@@ -214,19 +217,16 @@ def overflow_is_agreed():
 
     n = MPI.COMM_WORLD.Get_size()
     for zero in (0, 2):
-        args = _args()
-        model = make_model(args)
-        opt = make_optimizer(args, model.parameters())
-        strategy = make_strategy(model, opt, dp=n, zero=zero, mesh=comm.Mesh(dp=n))
-        sampler = Sampler(_CORPUS, args.seq_len, args.batch_size, args.seed)
+        cfg = _cfg(dp=n, zero=zero)
+        model, strategy = build(cfg, build_mesh(cfg.parallel))
+        sampler = Sampler(_CORPUS, cfg.data.seq_len, cfg.data.batch_size, cfg.model.seed)
         x, y = sampler.batch(0)
-        forward_backward(model, x, y, 1, None, 1.0, strategy)
+        strategy.forward_backward(x, y)
         if MPI.COMM_WORLD.rank == n - 1:
-            holder = strategy.grad_holders[-1]
+            holder = strategy.data.grad_holders[-1]
             holder.grad.reshape(-1)[0] = np.inf
         before = {p.name: p.data.copy() for p in model.parameters()} if zero == 0 else None
-        record = {}
-        update(strategy, DynamicLossScaler(init_scale=4.0), args.clip_grad, record)
+        record = update(strategy, DynamicLossScaler(init_scale=4.0), cfg.optim.clip_grad)
         assert record["skipped"] is True, (zero, record)
         assert record["loss_scale"] == 2.0
         if before is not None:
