@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
 
 POSITIVE, NON_NEGATIVE = int_in(lo=1), int_in(lo=0)
 
-EXAMPLES = """examples (run `make install` first; `.venv/bin` holds mpiexec and minidist-train):
+EXAMPLES = """examples (after make install, with .venv/bin first on PATH: it holds mpiexec and minidist-train):
   minidist-train --steps 300                                  the demo
   minidist-train --dtype float64 --steps 20                   exact arithmetic, for checks
   minidist-train --grad-accum 4 --checkpoint-activations --mixed-precision bf16
