@@ -193,7 +193,8 @@ def launch(nprocs: int, quick: bool, collective: str) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "part.json")
-        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        from minidist.blas_env import blas_threads
+        env = dict(os.environ, **blas_threads(1))
         cmd = mpiexec_command(nprocs) + [sys.executable, os.path.abspath(__file__), "--worker", path,
                                          "--collective", collective]
         subprocess.run(cmd + (["--quick"] if quick else []), check=True, env=env, timeout=1800)

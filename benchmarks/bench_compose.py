@@ -105,7 +105,8 @@ def launch(name: str, mesh: dict, shape: dict, steps: int) -> dict:
     if ranks > 1:
         from minidist.testing import mpiexec_command
         cmd = mpiexec_command(ranks) + cmd
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    from minidist.blas_env import blas_threads
+    env = dict(os.environ, **blas_threads(1))
     subprocess.run(cmd, check=True, timeout=900, env=env, stdout=subprocess.DEVNULL)
     with open(path) as f:
         result = json.load(f)

@@ -28,8 +28,9 @@ import subprocess
 import sys
 import time
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")  # one BLAS thread per process: ranks share the cores
+from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+
+pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 WIDTH = dict(n_layer=4, n_head=4, d_model=256)
 

@@ -139,7 +139,8 @@ CONFIGS = [  # name, ranks, worker args, extra environment
 def launch(name, ranks, wargs, env_extra, args, port):
     from minidist.testing import mpiexec_command
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+    from minidist.blas_env import blas_threads
+    env = dict(os.environ, **blas_threads(1),
                MASTER_PORT=str(port), **env_extra)
     cmd = mpiexec_command(ranks) + [sys.executable, os.path.abspath(__file__), *wargs, "--steps", str(args.steps)]
     if args.quick:

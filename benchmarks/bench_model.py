@@ -94,7 +94,8 @@ def main():
         sys.exit("bench_model.py compares with PyTorch, which is not installed: pip install -e '.[torch]'")
     results = []
     for n in args.threads:
-        env = dict(os.environ, OMP_NUM_THREADS=str(n), OPENBLAS_NUM_THREADS=str(n), MKL_NUM_THREADS=str(n))
+        from minidist.blas_env import blas_threads
+        env = dict(os.environ, **blas_threads(n))
         child = subprocess.run([sys.executable, __file__, "--child", str(n), "--reps", str(args.reps)],
                                env=env, capture_output=True, text=True)
         if child.returncode:  # show the child's own error, not just its exit status

@@ -143,7 +143,8 @@ def launch(P: int, reps: int, quick: bool) -> dict:
 
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    from minidist.blas_env import blas_threads
+    env = dict(os.environ, **blas_threads(1))
     cmd = mpiexec_command(P) + [sys.executable, os.path.abspath(__file__), "--worker", path, "--reps", str(reps)]
     if quick:
         cmd.append("--quick")

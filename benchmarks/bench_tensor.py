@@ -155,8 +155,9 @@ def gpt_bench(g, shape, reps):
 
 
 def worker(path, quick, reps, gbps):
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(var, "1")
+    from minidist.blas_env import pin_blas_threads
+
+    pin_blas_threads(1)
     sys.path.insert(0, HERE)
     from bench_model import SHAPE
 
@@ -193,7 +194,8 @@ def main(argv=None):
     load = os.getloadavg()[0]
     cmd = mpiexec_command(2) + [sys.executable, os.path.abspath(__file__), "--worker", path, "--gbps", str(args.gbps),
                                 "--reps", str(reps)] + (["--quick"] if args.quick else [])
-    subprocess.run(cmd, check=True, timeout=1200, env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+    from minidist.blas_env import blas_threads
+    subprocess.run(cmd, check=True, timeout=1200, env=dict(os.environ, **blas_threads(1)))
     with open(path) as f:
         r = json.load(f)
     m = r["mlp"]

@@ -21,11 +21,11 @@ core, as a NIC would).  On shared memory with one core per rank there is little 
 hide communication in; on the simulated link the hidden share is visible.
 """
 import argparse
-import os
 import time
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[_var] = "1"  # the ranks already share the cores
+from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+
+pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 import numpy as np  # noqa: E402
 

@@ -11,11 +11,11 @@ and gradients, fp32 master weights and Adam state: 2 + 2 + 12 bytes), for the sa
 Ψ_r is this rank's share of the sharded units (Ψ/N up to rounding).
 """
 import argparse
-import os
 import time
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[_var] = "1"
+from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+
+pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 import numpy as np  # noqa: E402
 

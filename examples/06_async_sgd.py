@@ -21,10 +21,10 @@ All three use the same learning rate; losses are on one fixed held-out batch.  B
 uses W batches, so its curve is printed against the number of batches consumed as well.
 """
 import argparse
-import os
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[_var] = "1"
+from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+
+pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 import numpy as np  # noqa: E402
 

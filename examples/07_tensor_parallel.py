@@ -29,8 +29,9 @@ import os
 import time
 import tracemalloc
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[_var] = "1"  # one BLAS thread per rank: the ranks already share the cores
+from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+
+pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 import numpy as np  # noqa: E402
 

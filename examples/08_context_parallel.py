@@ -19,11 +19,11 @@ the attention scores computed, to show why the zig-zag layout (rank r holds chun
 N times the first one's work.  All runs give the same loss.
 """
 import argparse
-import os
 import time
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[_var] = "1"  # one BLAS thread per rank: the ranks already share the cores
+from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+
+pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 import numpy as np  # noqa: E402
 

@@ -20,11 +20,11 @@ message spins instead of yielding: the measured bubble then reads higher than th
 BLAS runs with one thread per rank.
 """
 import argparse
-import os
 import time
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[_var] = "1"
+from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+
+pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 import numpy as np  # noqa: E402  (after the thread settings)
 

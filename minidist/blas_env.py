@@ -16,6 +16,13 @@ import os
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
+def blas_threads(threads: int) -> dict:
+    """``{variable: str(threads)}`` for every BLAS thread variable: ``dict(os.environ,
+    **blas_threads(1))`` is an environment whose BLAS uses one thread whatever the user set
+    (a benchmark's fixed setting)."""
+    return {var: str(threads) for var in BLAS_THREAD_VARS}
+
+
 def blas_thread_env(threads: int, env: dict | None = None) -> dict:
     """A copy of ``env`` (default: this process's environment) where each BLAS may start
     ``threads`` threads (values already set in ``env`` are kept)."""

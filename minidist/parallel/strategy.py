@@ -417,10 +417,10 @@ class FullyShardedDataParallel(OneReplica):
 
 def _shard_segments(units, shards):
     """``(parameter, its stretch of the shard's gradient)`` for every shard (ZeRO-2/3)."""
-    for unit, shard in zip(units, shards):
-        if shard.grad is not None:
+    for unit, piece in zip(units, shards):
+        if piece.grad is not None:
             for p, s, _ in unit.segments():
-                yield p, shard.grad[s]
+                yield p, piece.grad[s]
 
 
 def data_parallel(model, optimizer, p, mesh):

@@ -39,7 +39,6 @@ ring attention compute in float32.  Sequence parallelism under mixed precision i
 
 from __future__ import annotations
 
-import math
 
 # The size thresholds of comm/reducing.py and comm/collectives.py (copied: importing
 # minidist.comm would start MPI; tests/mpi/axis_bytes_bodies.py checks they agree).
