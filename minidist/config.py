@@ -76,8 +76,8 @@ class ParallelConfig:
     # data parallelism
     zero: int | None = None           # None: 0, or 3 with hsdp_shard
     hsdp_shard: int | None = None
-    bucket_mb: float = 25.0
-    overlap: bool = True
+    bucket_mb: float | None = None    # None: 25 (PyTorch DDP's default)
+    overlap: bool = True              # False: --no-overlap
     # tensor parallelism
     sequence_parallel: bool = False
     tp_async: str | None = None       # None | ring | bidirectional
@@ -138,7 +138,7 @@ class RunConfig:
 
         parallel = dataclasses.replace(
             p, dp=dp, zero=p.zero if p.zero is not None else (3 if p.hsdp_shard else 0),
-            cp_impl=p.cp_impl or "ring",
+            cp_impl=p.cp_impl or "ring", bucket_mb=25.0 if p.bucket_mb is None else p.bucket_mb,
             schedule=schedule,
             microbatches=p.microbatches or (2 * p.pp if p.pp > 1 else 1),
             virtual_stages=p.virtual_stages or (2 if schedule in VIRTUAL else 1))

@@ -110,13 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "parameters (FSDP) (default: 0, or 3 with --hsdp-shard)")
     dp.add_argument("--hsdp-shard", type=POSITIVE, default=None, metavar="K",
                     help="HSDP: ZeRO-3 inside groups of K ranks, gradients all-reduced across the groups")
-    dp.add_argument("--bucket-mb", type=float_in(0), default=25.0, metavar="X",
-                    help="gradient bucket size in MB, 0 for one bucket per parameter")
+    dp.add_argument("--bucket-mb", type=float_in(0), default=None, metavar="X",
+                    help="gradient bucket size in MB, 0 for one bucket per parameter (default: 25; DDP, ZeRO-1/2)")
     dp.add_argument("--no-overlap", action="store_true",
                     help="reduce gradients after the backward pass instead of during it (for comparison)")
     tp = p.add_argument_group("tensor parallelism (run under mpiexec; tp is the innermost mesh axis)")
     tp.add_argument("--tp", type=POSITIVE, default=1, metavar="T",
-                    help="split every weight matrix over T ranks (Megatron-LM); the other ranks are data parallel")
+                    help="split every weight matrix over T ranks (Megatron-LM); tp is the innermost mesh axis")
     tp.add_argument("--sequence-parallel", action="store_true",
                     help="also split the LayerNorm and residual activations over the sequence (Korthikanti et al.)")
     tp.add_argument("--tp-async", nargs="?", const="ring", choices=TP_OVERLAPS, default=None,

@@ -111,8 +111,12 @@ def test_training_flags_are_checked_with_their_names():
     assert _problems(seq_len=30, cp=1, cp_impl=None) == []  # no context parallelism: any length
     # a flag of an axis that is off is refused, not ignored
     refused(r"--cp-impl ulysses needs --cp greater than 1", cp=1, cp_impl="ulysses")
-    refused(r"--attention-block 16 needs --attention blockwise or --cp > 1",
+    refused(r"--attention-block 16 needs --attention blockwise or ring attention",
             cp=1, cp_impl=None, attention="plain", attention_block=16)
+    # Ulysses runs one rank's attention on its heads: plain attention there has no blocks either
+    refused(r"--attention-block 16 needs --attention blockwise or ring attention",
+            cp=4, cp_impl="ulysses", attention="plain", attention_block=16)
+    assert _problems(cp=4, cp_impl="ulysses", attention="blockwise", attention_block=16) == []
     # the memory estimate's attention scores per sequence and block
     def scores(**kw):
         given = _given(**kw)

@@ -97,11 +97,13 @@ def test_low_precision_dp2_loss_falls(tmp_path, precision, zero):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n, args, needle", [
-    (2, ["--dp", "3"], "--dp 3 does not match the world size 2"),
+    (2, ["--dp", "3"], "--dp 3 needs 3 ranks (mpiexec -n 3), but this job has 2"),
     (2, ["--batch-size", "3", "--grad-accum", "2"], "--batch-size 3 has fewer rows than --dp 2 x --grad-accum 2"),
     (4, ["--hsdp-shard", "3"], "--hsdp-shard 3 does not divide --dp 4"),
     (2, ["--hsdp-shard", "2", "--zero", "1"], "--hsdp-shard shards with ZeRO-3, but --zero 1 was given"),
     (2, ["--zero", "4"], "argument --zero: invalid choice: 4 (choose from 0, 1, 2, 3)"),
+    (2, ["--zero", "3", "--bucket-mb", "1"], "--bucket-mb sets the gradient buckets of DDP and ZeRO-1/2, but ZeRO-3"),
+    (1, ["--no-overlap"], "--no-overlap sets the gradient buckets of DDP and ZeRO-1/2, but one data-parallel rank"),
 ])
 def test_bad_data_parallel_input_is_one_message_exit_2(n, args, needle):
     r = train(n, args, timeout=60)

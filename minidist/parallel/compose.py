@@ -69,8 +69,8 @@ def _mesh_problems(p, world: int) -> list[str]:
             return [f"the world size {world} is not divisible by {axes} = {others}{hint}"]
         return []
     if p.dp * others != world:
-        over = f" over {others} ranks of the other axes" if others > 1 else ""
-        return [f"--dp {p.dp} does not match the world size {world} (mpiexec -n {world}{over})"]
+        mesh = " x ".join([f"--dp {p.dp}"] + ([axes] if axes else []))
+        return [f"{mesh} needs {p.dp * others} ranks (mpiexec -n {p.dp * others}), but this job has {world}"]
     return []
 
 

@@ -71,9 +71,10 @@ def problems(given, cfg) -> list[str]:
     p, m, g = cfg.parallel, cfg.model, given
     cp, T = p.cp, cfg.data.seq_len
     out = []
-    if g.model.attention_block is not None and not (cp > 1 or m.attention == "blockwise"):
-        out.append(f"--attention-block {g.model.attention_block} needs --attention blockwise or --cp > 1 "
-                   "(plain attention has no blocks)")
+    tiled = m.attention == "blockwise" or (cp > 1 and p.cp_impl == "ring")
+    if g.model.attention_block is not None and not tiled:
+        out.append(f"--attention-block {g.model.attention_block} needs --attention blockwise or ring attention "
+                   "(--cp > 1 with --cp-impl ring): plain attention has no blocks")
     if g.parallel.cp_impl is not None and cp == 1:
         out.append(f"--cp-impl {g.parallel.cp_impl} needs --cp greater than 1 (got --cp {cp})")
     if cp == 1:

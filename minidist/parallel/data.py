@@ -267,6 +267,12 @@ def problems(given, cfg) -> list[str]:
         elif replicas % g.hsdp_shard:
             over = f"--dp {p.dp} x --cp {p.cp} = {replicas}" if p.cp > 1 else f"--dp {p.dp}"
             out.append(f"--hsdp-shard {g.hsdp_shard} does not divide {over}")
+    buckets = [f for f, given_ in (("--bucket-mb", g.bucket_mb is not None), ("--no-overlap", not g.overlap)) if given_]
+    if buckets and (replicas == 1 or p.zero == 3):
+        why = ("one data-parallel rank reduces no gradients" if replicas == 1 else
+               "ZeRO-3 reduce-scatters each block's gradients from its backward, without buckets")
+        out.append(f"{' and '.join(buckets)} {'sets' if len(buckets) == 1 else 'set'} the gradient buckets of DDP "
+                   f"and ZeRO-1/2, but {why}: leave {'it' if len(buckets) == 1 else 'them'} out")
     if p.zero and replicas == 1:
         flag = f"--hsdp-shard {g.hsdp_shard}" if g.hsdp_shard else f"--zero {p.zero}"
         out.append(f"{flag} shards over the data-parallel ranks, but there is one (--dp 1): "

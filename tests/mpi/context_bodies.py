@@ -176,16 +176,17 @@ def strategy_matrix():
         given = from_args(build_parser().parse_args(
             ["--layers", "2", "--d-model", "16", "--heads", "4", "--seq-len", "16", "--batch-size", "6",
              "--dtype", "float64", "--lr", "1e-2", "--warmup", "1", "--clip-grad", "0.05", "--steps", str(STEPS),
-             "--bucket-mb", "0.002", *flags]))
+             *flags]))
         world_size = given.parallel.world_size
         assert problems(given, world_size) == [], (flags, problems(given, world_size))
         return given.resolved(world_size)
 
     configs = [
-        ["--dp", "1", "--cp", "4", "--cp-impl", "ring"],
+        ["--dp", "1", "--cp", "4", "--cp-impl", "ring", "--bucket-mb", "0.002"],
         ["--dp", "1", "--cp", "4", "--cp-impl", "ulysses", "--attention", "blockwise", "--attention-block", "5"],
-        ["--dp", "2", "--cp", "2", "--cp-impl", "ring", "--grad-accum", "3", "--checkpoint-activations"],
-        ["--dp", "2", "--cp", "2", "--cp-impl", "ulysses", "--attention-block", "3"],
+        ["--dp", "2", "--cp", "2", "--cp-impl", "ring", "--grad-accum", "3", "--checkpoint-activations",
+         "--bucket-mb", "0.002"],
+        ["--dp", "2", "--cp", "2", "--cp-impl", "ulysses", "--attention-block", "3", "--attention", "blockwise"],
     ]
     for flags in configs:
         cfg = config(*flags)
