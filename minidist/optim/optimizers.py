@@ -58,6 +58,10 @@ class Optimizer:
         for p in self.params:
             p.grad = None
 
+    def nbytes(self) -> int:
+        """Bytes of the optimizer state's arrays (the step counters are not arrays)."""
+        return sum(st[k].nbytes for st in self.state.values() for k in self.state_keys if k in st)
+
     def decay_of(self, p) -> float:
         """The weight decay applied to ``p`` (0 where the ``no_decay`` predicate says so)."""
         return 0.0 if self.no_decay is not None and self.no_decay(p) else self.weight_decay

@@ -42,11 +42,11 @@ class FSDP(ShardedDataParallel):
     """ZeRO stage 3 of ``model`` over ``group`` (the shard group), updating with
     ``optimizer``'s rule; ``replicate_group`` makes it HSDP.
 
-    The training loop's calls, as for zero.ZeRO: ``with fsdp.micro_step(last): loss.backward()``
-    (gather the root unit and prefetch the first block; afterwards reduce-scatter the root's
-    gradients and wait for the blocks'), ``fsdp.step()`` (update the shards; nothing to
-    gather: the next forward gathers), ``fsdp.zero_grad()``.  ``grad_holders`` are the shards,
-    their squared norms summed over ``norm_group``.  ``max_live_blocks`` and
+    The training loop's calls: ``with fsdp.micro_step(last): loss.backward()`` (gather the
+    root unit and prefetch the first block; afterwards reduce-scatter the root's gradients and
+    wait for the blocks'), ``fsdp.step()`` (update the shards; nothing to gather: the next
+    forward gathers), ``fsdp.zero_grad()``.  ``grad_holders`` are the shards (disjoint within
+    the shard group; HSDP's replicas hold the same ones).  ``max_live_blocks`` and
     ``max_live_bytes`` record the most block units and full-parameter bytes alive at once.
     """
 
@@ -57,7 +57,6 @@ class FSDP(ShardedDataParallel):
         self._shard_units(model)
         self._shard_optimizer(optimizer)
         self.grad_holders = self.shards
-        self.norm_group = group  # HSDP: the replicas hold the same shards, so the shard group
 
     def _shard_units(self, model):
         """One unit per block and a root unit of the rest; keep this rank's shard, free the rest."""
@@ -229,4 +228,4 @@ def hsdp_groups(dp_group, shard_size: int):
     # Split is collective over dp_group: every rank makes both calls, in the same order.
     shard = dp_group.comm.Split(r // shard_size, r % shard_size)
     replicate = dp_group.comm.Split(r % shard_size, r // shard_size)
-    return Group(shard, name=f"dp.shard{shard_size}"), Group(replicate, name=f"dp.replicate{n // shard_size}")
+    return Group(shard, name=f"{dp_group.name}.shard{shard_size}"), Group(replicate, name=f"{dp_group.name}.replicate{n // shard_size}")

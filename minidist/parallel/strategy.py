@@ -5,7 +5,7 @@ The loop (minidist/train.py) is the same whatever the mesh::
     for step in range(steps):
         x, y = sampler.batch(step)                          # the global batch, same on every rank
         loss = strategy.forward_backward(x, y, grad_accum)  # this rank's part; gradients reduced
-        if not strategy.found_inf(scaler):                  # fp16: one rank overflows, all skip
+        if not (scaler and strategy.found_inf(scaler)):     # fp16: one rank overflows, all skip
             strategy.clip_grad_norm(max_norm)               # the norm of the whole model
             strategy.step()
         strategy.zero_grad()
@@ -133,9 +133,11 @@ class Strategy:
         a tp-replicated gradient on tp rank 0 only, a data-parallel replica's gradients on
         one replica only (ZeRO's shards on every rank: they are disjoint), the tied
         embedding on the first stage only -- and one sum over the world gives the norm."""
-        sq = sum(sum_of_squares(g) for p, g in self.data.grad_segments() if self._counted(p))
+        sq = 0.0
+        if self.data.counts_in_norm:
+            sq = sum(sum_of_squares(g) for p, g in self.data.grad_segments() if self._counted(p))
         if self.world is not None:
-            sq = reduce_sum(sq if self.data.counts_in_norm else 0.0, self.world)
+            sq = reduce_sum(sq, self.world)
         total = math.sqrt(sq)
         if math.isfinite(total):
             scale_grads(self.data.grad_holders, clip_coefficient(total, max_norm))
@@ -260,8 +262,7 @@ class OneReplica:
         """Bytes of parameters, gradients and optimizer state held now, from the arrays."""
         return {"params": sum(p.data.nbytes for p in self.params),
                 "grads": sum(p.grad.nbytes for p in self.params if p.grad is not None),
-                "optimizer": sum(a.nbytes for st in self.optimizer.state.values() for a in st.values()
-                                 if hasattr(a, "nbytes"))}
+                "optimizer": self.optimizer.nbytes()}
 
     @property
     def comm_wait_s(self) -> float:
@@ -329,7 +330,7 @@ class DataParallel(Bucketed):
         self.name = f"DDP over {group.size} ranks"
 
 
-class Zero(Bucketed):
+class Zero12(Bucketed):
     """ZeRO-1 or ZeRO-2 over ``group`` (parallel/zero.py): the optimizer state (and, for
     stage 2, the gradients) sharded; the buckets' collectives launched from the hooks."""
 
@@ -437,5 +438,5 @@ def data_parallel(model, optimizer, p, mesh):
             shards, replicas = hsdp_groups(group, p.hsdp_shard)
         return FullyShardedDataParallel(model, optimizer, group, shards, replicas)
     if p.zero:
-        return Zero(model, optimizer, group, p.zero, p.bucket_mb, p.overlap)
+        return Zero12(model, optimizer, group, p.zero, p.bucket_mb, p.overlap)
     return DataParallel(model, optimizer, group, p.bucket_mb, p.overlap)

@@ -33,8 +33,8 @@ last micro-step (``no_sync``); stages 2-3 reduce-scatter every micro-step into t
 shard, which is what keeps their gradient memory at Ψ_r.
 
 Here: :class:`ShardedOptimizer` (the update rule on the shards), :class:`ShardedDataParallel`
-(what every stage shares), :class:`ZeRO` (stages 1-2), :func:`make_zero` (stages 1-3, the one
-call parallel/strategy.py makes) and :func:`memory_formula` (the table).
+(what every stage shares), :class:`ZeRO` (stages 1-2) and :func:`memory_formula` (the table);
+parallel/strategy.py's ``Zero12`` and ``FullyShardedDataParallel`` put them in a run.
 """
 
 from __future__ import annotations
@@ -125,20 +125,20 @@ class ShardedDataParallel:
 
 class ZeRO(ShardedDataParallel):
     """ZeRO stage 1 or 2 of ``model`` over ``group``, updating with ``optimizer``'s rule
-    (stage 3 is fsdp.FSDP; :func:`make_zero` builds either).
+    (stage 3 is fsdp.FSDP).
 
     The units are the gradient buckets (a bucket and its unit lay out the same parameters in
     the same order), and the full parameters are views of one flat array per unit, which
-    the all-gather after the update fills.  The training loop's calls:
-    ``with zero.micro_step(last): loss.backward()`` for each micro-batch, then ``zero.step()``
-    (update the shards, all-gather the parameters), ``zero.zero_grad()``.
-    ``zero.grad_holders`` are the objects with ``.grad`` to unscale and clip, and
-    ``zero.norm_group`` the group to sum their squared norms over.
+    the all-gather after the update fills.  ``zero.reducer`` launches each bucket's collective
+    from the gradient hooks (parallel/strategy.py's Zero12 opens and closes them around each
+    micro-step, as for DDP), then ``zero.step()`` (update the shards, all-gather the
+    parameters), ``zero.zero_grad()``.  ``zero.grad_holders`` are the objects with ``.grad``
+    to unscale and clip: the full gradients (stage 1) or the gradient shards (stage 2).
     """
 
     def __init__(self, model, group, stage: int, optimizer, bucket_mb: float = 25.0, overlap: bool = True):
         if stage not in (1, 2):
-            raise ValueError(f"ZeRO here is stage 1 or 2, got {stage!r} (stage 3: fsdp.FSDP, or make_zero)")
+            raise ValueError(f"ZeRO here is stage 1 or 2, got {stage!r} (stage 3: fsdp.FSDP)")
         super().__init__(model, group, optimizer)
         self.stage = stage
         # Stage 1 all-reduces each bucket, as DDP does; stage 2 reduce-scatters it and frees
@@ -152,10 +152,8 @@ class ZeRO(ShardedDataParallel):
         self.full = [self._flatten_params(u) for u in self.units]  # the parameters' storage
         self.shards = [Shard(full[u.lo:u.hi]) for u, full in zip(self.units, self.full)]
         self._shard_optimizer(optimizer)
-        # Stage 1's gradients are whole and the same on every rank: clip them, no sum of
-        # norms.  Stage 2's are shards: clip those, their squared norms summed over the group.
+        # Stage 1's gradients are whole (and the same on every rank); stage 2's are shards.
         self.grad_holders = self.params if stage == 1 else self.shards
-        self.norm_group = None if stage == 1 else group
 
     def _flatten_params(self, unit):
         full = unit.flatten([p.data for p in unit.params])
@@ -187,19 +185,7 @@ class ZeRO(ShardedDataParallel):
             gathered = comm.all_gather(mine, self.group)
             full[...] = from_host(gathered)
 
-    # -- the loop's interface --------------------------------------------------------------------
-    @contextlib.contextmanager
-    def micro_step(self, last: bool):
-        """One micro-batch's forward and backward.  Stage 1 reduces only on the last micro-step
-        (DDP's no_sync); stage 2 reduce-scatters every micro-step into the gradient shards."""
-        if self.stage == 1:
-            self.reducer.active = last
-        if self.reducer.active:
-            self.reducer.reset_timeline()
-        yield
-        if self.reducer.active:
-            self.reducer.finish()
-
+    # -- the loop's interface (parallel/strategy.py's Zero12 drives the hooks: micro_step) --------
     @contextlib.contextmanager
     def evaluating(self):
         """Nothing to gather: stages 1-2 keep the full parameters."""
@@ -217,25 +203,6 @@ class ZeRO(ShardedDataParallel):
         shard_grads = sum(s.grad.nbytes for s in self.shards if s.grad is not None) if self.stage == 2 else 0
         return {"params": sum(f.nbytes for f in self.full), "grads": full_grads + shard_grads,
                 "optimizer": self.optimizer.nbytes()}
-
-    def full_parameters(self) -> dict:
-        """Every parameter's full array by name."""
-        return {p.name: p.data for p in self.params}
-
-
-def make_zero(model, group, stage: int, optimizer, bucket_mb: float = 25.0, overlap: bool = True,
-              replicate_group=None):
-    """ZeRO stage ``stage`` of ``model`` over ``group`` (the shard group): :class:`ZeRO` for
-    stages 1-2, fsdp.FSDP for stage 3; ``replicate_group`` (stage 3 only) makes it HSDP."""
-    if stage not in (1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
-    if replicate_group is not None and stage != 3:
-        raise ValueError(f"HSDP shards with ZeRO stage 3, got stage {stage}")
-    if stage == 3:
-        from .fsdp import FSDP  # fsdp.py builds on this module, so it is imported here
-
-        return FSDP(model, group, optimizer, replicate_group)
-    return ZeRO(model, group, stage, optimizer, bucket_mb, overlap)
 
 
 def memory_formula(stage: int, numel: int, shard_numel: int, itemsize: int, state_arrays: int) -> dict:

@@ -228,8 +228,9 @@ def train_path_matrix():
     ]
     worst = 0.0
     for cfg in configs:
-        if dp == 1:  # ZeRO shards over the data-parallel ranks: the CLI refuses it with one
-            cfg.pop("zero", None)
+        if dp == 1:  # ZeRO and the buckets' settings need data-parallel ranks: refused with one
+            for key in ("zero", "bucket_mb", "no_overlap"):
+                cfg.pop(key, None)
         common = {k: v for k, v in cfg.items() if k in ("layers", "grad_accum", "checkpoint_activations", "untied")}
         ref_losses, ref_params, _ = train_steps(_train_config(**common), STEPS, _CORPUS)
         run = _train_config(pp=2, dp=dp, **cfg)

@@ -284,15 +284,15 @@ class PipelineRuntime:
 
         The first stage's ``wte.grad`` comes from the embedding lookup, the last stage's from
         the head; their sum is the serial model's gradient, and both ranks end with it (a + b
-        equals b + a exactly, so the two copies stay bit-identical)."""
-        if not self.tied or self.P == 1 or not (self.is_first or self.is_last):
+        equals b + a exactly, so the two copies stay bit-identical).  The strategy runs this
+        before the data-parallel reduction, on the full local gradients (parallel/strategy.py)."""
+        w = self.tied_weight()
+        if w is None:
             return
-        w = self.model.wte.weight
         if w.grad is None:
             w.grad = xp.zeros_like(w.data)
         peer = self.P - 1 if self.is_first else 0
-        w.grad += comm.sendrecv(w.grad, peer, peer, self.group, tag=TIED_TAG)  # in place: w.grad may be a
-        # view into a data-parallel strategy's flat gradient buffer (ZeRO-1), which must see the sum
+        w.grad += comm.sendrecv(w.grad, peer, peer, self.group, tag=TIED_TAG)
 
     def tied_weight(self):
         """The tied embedding weight when this rank holds one of its two copies (the first
