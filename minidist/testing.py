@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-from minidist.blas_env import BLAS_THREAD_VARS, blas_thread_env
+from minidist.blas_env import blas_thread_env, blas_threads
 
 _HANG_DIR = "MINIDIST_HANG_DIR"
 _HANG_AFTER = "MINIDIST_HANG_AFTER_S"
@@ -53,7 +53,7 @@ def mpiexec_command(nprocs: int) -> list[str]:
 def run_train(nprocs: int | None, args: list, timeout: float = 120):
     """``python -m minidist.train ARGS`` on ``nprocs`` ranks under mpiexec (None: without mpiexec),
     one BLAS thread per rank; the CompletedProcess, whatever its exit code (tests check it)."""
-    env = {**os.environ, **{v: "1" for v in BLAS_THREAD_VARS}}
+    env = dict(os.environ, **blas_threads(1))
     launcher = mpiexec_command(nprocs) if nprocs else []
     return subprocess.run(launcher + [sys.executable, "-m", "minidist.train", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -72,18 +72,13 @@ def train_steps(cfg, steps: int, corpus=None):
     from minidist.data import Sampler
     from minidist.optim import lr_at
     from minidist.parallel.compose import build, build_mesh
-    from minidist.train import update
+    from minidist.train import precision, update
 
     if corpus is None:
         corpus = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
-    from minidist.backend import dtype
-    from minidist.optim import DynamicLossScaler
-
     model, strategy = build(cfg, build_mesh(cfg.parallel))
     sampler = Sampler(corpus, cfg.data.seq_len, cfg.data.batch_size, cfg.model.seed)
-    mixed = cfg.device.mixed_precision
-    low = {"none": None, "bf16": dtype("bfloat16"), "fp16": dtype("float16")}[mixed]
-    scaler = DynamicLossScaler() if mixed == "fp16" else None
+    low, scaler = precision(cfg.device.mixed_precision)
     o, losses = cfg.optim, []
     for step in range(steps):
         strategy.optimizer.lr = lr_at(step, o.lr, o.warmup, o.steps, o.min_lr)

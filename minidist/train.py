@@ -51,16 +51,14 @@ def load_data(cfg: RunConfig):
 def train(cfg: RunConfig, log=print, data=None) -> list:
     """Run the whole training of the resolved ``cfg``; return the per-step metrics records
     (rank 0 prints and writes them).  Collective: every rank of the mesh calls it."""
-    from .backend import dtype
-    from .optim import DynamicLossScaler, lr_at
+    from .optim import lr_at
     from .profile import PeakMemory, Tracer
     from .report import Reporter, start_line
 
     sampler, val_batches = data if data is not None else load_data(cfg)
     model, strategy = build(cfg, build_mesh(cfg.parallel))
     dev, o, world = cfg.device, cfg.optim, world_size()
-    low = {"none": None, "bf16": dtype("bfloat16"), "fp16": dtype("float16")}[dev.mixed_precision]
-    scaler = DynamicLossScaler() if dev.mixed_precision == "fp16" else None
+    low, scaler = precision(dev.mixed_precision)
     peak = cfg.report.peak_gflops or _measured_peak(cfg, low)
     report = Reporter(cfg, strategy, world, world_rank() == 0, log, peak)
     if not cfg.report.quiet:
@@ -91,6 +89,16 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
         if cfg.report.trace and world_rank() == 0:
             tracer.save(cfg.report.trace)
     return report.metrics
+
+
+def precision(mixed_precision: str):
+    """``(low dtype, loss scaler)`` of ``--mixed-precision``: (None, None) for none; bf16
+    computes in bfloat16; fp16 in float16 with dynamic loss scaling (its 5 exponent bits)."""
+    from .backend import dtype
+    from .optim import DynamicLossScaler
+
+    low = {"none": None, "bf16": dtype("bfloat16"), "fp16": dtype("float16")}[mixed_precision]
+    return low, DynamicLossScaler() if mixed_precision == "fp16" else None
 
 
 def update(strategy, scaler, clip_grad) -> dict:

@@ -39,6 +39,9 @@ ring attention compute in float32.  Sequence parallelism under mixed precision i
 
 from __future__ import annotations
 
+from ..data import split_bounds
+from .pipeline.schedules import layer_range, model_stage
+
 
 # The size thresholds of comm/reducing.py and comm/collectives.py (copied: importing
 # minidist.comm would start MPI; tests/mpi/axis_bytes_bodies.py checks they agree).
@@ -53,10 +56,9 @@ AXES = ("dp", "pp", "tp", "cp")
 
 
 def split(n: int, parts: int) -> list[int]:
-    """Sizes of ``parts`` pieces of ``n`` like ``np.array_split`` (comm/algorithms/blocks.py,
-    data.shard): the first ``n % parts`` pieces one larger."""
-    q, extra = divmod(n, parts)
-    return [q + (1 if i < extra else 0) for i in range(parts)]
+    """Sizes of ``parts`` pieces of ``n`` like ``np.array_split`` (data.split_bounds, the one
+    split rule): the first ``n % parts`` pieces one larger."""
+    return [stop - start for start, stop in split_bounds(n, parts)]
 
 
 def acc_itemsize(itemsize: int) -> int:
@@ -162,15 +164,9 @@ def all_to_all_bytes(rows: int, row_bytes: int, n: int, r: int) -> int:
 # ------------------------------------------------------------------ the model's parameters
 
 
-def layer_range(stage: int, n_layer: int, stages: int) -> range:
-    """The blocks of model stage ``stage`` of ``stages`` (pipeline/schedules.layer_range)."""
-    per = n_layer // stages
-    return range(stage * per, (stage + 1) * per)
-
-
 def rank_stages(pp_rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
     """Model stages of pipeline rank ``pp_rank``: chunk c holds stage c*P + rank (schedules.model_stage)."""
-    return [c * pp + pp_rank for c in range(virtual_stages)]
+    return [model_stage(pp_rank, c, pp) for c in range(virtual_stages)]
 
 
 def block_numels(d: int, tp: int) -> list[int]:
