@@ -35,6 +35,7 @@ TRIPLES = {  # 8 ranks
     "dp2-tp2-cp2": [dict(dp=2, tp=2, cp=2, cp_impl="ring", zero=0),
                     dict(dp=2, tp=2, cp=2, cp_impl="ulysses", hsdp_shard=2)],
     "pp2-tp2-cp2": [dict(pp=2, tp=2, cp=2, sequence_parallel=True, zero=3)],
+    "dp2-pp2-cp2": [dict(dp=2, pp=2, cp=2, hsdp_shard=2, grad_accum=2)],  # HSDP over (dp, cp) of a pipeline
 }
 MIXED = {  # float32 master weights, low-precision compute: close to one process's mixed-precision run
     "dp2-pp2-tp2-bf16": [dict(dp=2, pp=2, tp=2, dtype="float32", mixed_precision="bf16", sequence_parallel=True),
@@ -45,10 +46,10 @@ FULL = {"dp2-pp2-tp2-cp2": [dict(dp=2, pp=2, tp=2, cp=2, zero=1, sequence_parall
 
 
 def _cases():
-    for table, marks in ((PAIRS, ()), (TRIPLES, ()), (MIXED, ()), (FULL, (pytest.mark.slow,))):
+    for table in (PAIRS, TRIPLES, MIXED, FULL):
         for name, variants in table.items():
             ranks = math.prod(variants[0].get(axis, 1) for axis in ("dp", "pp", "tp", "cp"))
-            yield pytest.param(ranks, variants, id=name, marks=[pytest.mark.mpi, *marks])
+            yield pytest.param(ranks, variants, id=name, marks=pytest.mark.mpi)
 
 
 @pytest.mark.parametrize("ranks, variants", list(_cases()))
