@@ -6,7 +6,15 @@ BIN    := $(VENV)/bin
 # Put the venv first so the mpiexec shipped by the mpich wheel is the one used.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: help install demo test test-fast bench clean
+
+help:
+	@echo "make demo       set up .venv (numpy, mpi4py, the mpich wheel with mpiexec) and train a small GPT"
+	@echo "make test       install what the tests need and run the whole suite (single- and multi-process)"
+	@echo "make test-fast  the suite without the slow tests"
+	@echo "make bench      the benchmarks (installs PyTorch for the comparison); JSON and tables in bench-results/"
+	@echo "make install    only create .venv and install minidist into it"
+	@echo "make clean      remove .venv, bench-results and pytest's cache"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

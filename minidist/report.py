@@ -32,13 +32,15 @@ class Reporter:
         self.mesh = mesh_label(cfg.parallel)
 
     def logged(self, step: int) -> bool:
-        """Is step ``step``'s progress line printed?"""
+        """Is the progress line of step ``step`` (1..steps) printed?  The first, every
+        ``--log-every``-th after it, and the last."""
         steps, every = self.cfg.optim.steps, self.cfg.report.log_every
-        return step < steps and (step % every == 0 or step + 1 == steps)
+        return 1 <= step <= steps and ((step - 1) % every == 0 or step == steps)
 
     def record(self, step, loss, lr, update, step_time, comm_s, peak_bytes, traced, sent=None) -> dict:
-        """The metrics record of one step (``update``: what the optimizer half filled in;
-        ``sent``: the bytes this rank sent in the step on each group of the mesh)."""
+        """The metrics record of step ``step`` (1..steps, as the progress line counts;
+        ``update``: what the optimizer half filled in; ``sent``: the bytes this rank sent in
+        the step on each group of the mesh)."""
         update = dict(update)
         state = update.pop("state_mb", None)
         r = {"step": step, "loss": loss, "lr": lr, **update, "step_time_s": step_time,
@@ -59,7 +61,7 @@ class Reporter:
         """Keep, write and (every ``--log-every`` steps, and with a validation loss) print ``r``."""
         self.metrics.append(r)
         if self.file:
-            self.file.write(json.dumps(r) + "\n")
+            self.file.write(json.dumps(strict_json(r)) + "\n")
             self.file.flush()
         if not self.cfg.report.quiet and (self.logged(r["step"]) or "val_loss" in r):
             self.log(progress_line(r, self.cfg.optim.steps, self.metrics, peak_bytes))
@@ -67,6 +69,24 @@ class Reporter:
     def close(self):
         if self.file:
             self.file.close()
+
+
+def strict_json(r: dict) -> dict:
+    """``r`` as strict JSON accepts it: a non-finite number (a diverged loss, an overflowed
+    gradient norm) becomes null, and a record whose loss is not finite says ``"diverged": true``."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+
+    out = clean(r)
+    if isinstance(r.get("loss"), float) and not math.isfinite(r["loss"]):
+        out["diverged"] = True
+    return out
 
 
 def start_line(cfg, train_bytes: int, peak: float, strategy) -> str:
@@ -101,7 +121,7 @@ def _per_rank(value: float) -> list:
 
 
 def progress_line(r: dict, steps: int, history: list, mem_bytes: int) -> str:
-    done = r["step"] + 1
+    done = r["step"]
     recent = [h["step_time_s"] for h in history[-20:]]  # recent steps: the first one pays warm-up
     eta = sum(recent) / len(recent) * (steps - done)
     line = (f"step {done:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
@@ -135,7 +155,7 @@ def summary_table(metrics: list, wall_s: float, expected_bytes: dict | None = No
     rows = [
         ("steps", f"{len(metrics)}"),
         ("final train loss", f"{last['loss']:.4f}"),
-        ("final validation loss", f"{vals[-1]['val_loss']:.4f} (after step {vals[-1]['step'] + 1})" if vals
+        ("final validation loss", f"{vals[-1]['val_loss']:.4f} (after step {vals[-1]['step']})" if vals
          else "not evaluated (--eval-every 0)"),
         ("tokens/s", f"{tokens_per_s:,.0f}"),
         ("MFU", f"{100 * mfu:.1f}%"),

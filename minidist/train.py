@@ -25,7 +25,10 @@ code 2 (:mod:`minidist.flags`).  A run ends with a summary table (:mod:`minidist
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
+import warnings
 
 from .cli_checks import available_memory_bytes
 from .config import RunConfig
@@ -51,7 +54,6 @@ def load_data(cfg: RunConfig):
 def train(cfg: RunConfig, log=print, data=None) -> list:
     """Run the whole training of the resolved ``cfg``; return the per-step metrics records
     (rank 0 prints and writes them).  Collective: every rank of the mesh calls it."""
-    from .optim import lr_at
     from .profile import PeakMemory, Tracer
     from .report import Reporter, start_line
 
@@ -64,31 +66,56 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
     if not cfg.report.quiet:
         report.log(start_line(cfg, len(sampler.data), peak, strategy))
     memory, tracer = PeakMemory(), Tracer(rank=world_rank(), enabled=bool(cfg.report.trace))
+    step = 0
     try:
-        for step in range(o.steps):
-            # Memory is traced on the first step and on each step before a printed one, so the
-            # printed step's own tokens/s and MFU do not pay for the tracing.
-            traced = step == 0 or report.logged(step + 1)
-            t0, comm0, sent0 = time.perf_counter(), _comm_seconds(world), _bytes_sent(world)
-            strategy.optimizer.lr = lr = lr_at(step, o.lr, o.warmup, o.steps, o.min_lr)
-            x, y = sampler.batch(step)
-            with tracer.span("forward_backward", step=step), memory.measure(traced):
-                loss = strategy.forward_backward(x, y, dev.grad_accum, low, scaler.scale if scaler else 1.0)
-            with tracer.span("optimizer", step=step):
-                done = update(strategy, scaler, o.clip_grad)
-            sent = {g: n - sent0.get(g, 0) for g, n in _bytes_sent(world).items() if n != sent0.get(g, 0)}
-            r = report.record(step, loss, lr, done, time.perf_counter() - t0, _comm_seconds(world) - comm0,
-                              memory.last_bytes, traced, sent)
-            if cfg.report.eval_every and ((step + 1) % cfg.report.eval_every == 0 or step + 1 == o.steps):
-                r["val_loss"] = strategy.evaluate(val_batches, low)
-            report.add(r, memory.last_bytes)
-            if not math.isfinite(loss) and scaler is None:
-                raise FloatingPointError(f"loss became {loss} at step {step}")
+        # Steps count 1..N everywhere (progress line, metrics, messages); the sampler and the
+        # learning-rate schedule take the 0-based index.  A diverging run's overflow warnings
+        # are not printed: the loss check below says what happened, once.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for step in range(1, o.steps + 1):
+                r = _one_step(step, cfg, strategy, sampler, val_batches, report, memory, tracer, low, scaler)
+                if not math.isfinite(r["loss"]) and scaler is None:
+                    raise FloatingPointError(f"loss became {r['loss']} at step {step}")
+    except KeyboardInterrupt:
+        raise Interrupted(step, report.metrics) from None
     finally:
         report.close()
         if cfg.report.trace and world_rank() == 0:
             tracer.save(cfg.report.trace)
     return report.metrics
+
+
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) during step ``step``; ``metrics`` holds the finished steps' records."""
+
+    def __init__(self, step: int, metrics: list):
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.metrics = step, metrics
+
+
+def _one_step(step, cfg, strategy, sampler, val_batches, report, memory, tracer, low, scaler) -> dict:
+    """Step ``step`` (1-based) of the loop; its metrics record (kept and printed by ``report``)."""
+    from .optim import lr_at
+
+    dev, o, world = cfg.device, cfg.optim, report.world
+    # Memory is traced on the first step and on each step before a printed one, so the
+    # printed step's own tokens/s and MFU do not pay for the tracing.
+    traced = step == 1 or report.logged(step + 1)
+    t0, comm0, sent0 = time.perf_counter(), _comm_seconds(world), _bytes_sent(world)
+    strategy.optimizer.lr = lr = lr_at(step - 1, o.lr, o.warmup, o.steps, o.min_lr)
+    x, y = sampler.batch(step - 1)
+    with tracer.span("forward_backward", step=step), memory.measure(traced):
+        loss = strategy.forward_backward(x, y, dev.grad_accum, low, scaler.scale if scaler else 1.0)
+    with tracer.span("optimizer", step=step):
+        done = update(strategy, scaler, o.clip_grad)
+    sent = {g: n - sent0.get(g, 0) for g, n in _bytes_sent(world).items() if n != sent0.get(g, 0)}
+    r = report.record(step, loss, lr, done, time.perf_counter() - t0, _comm_seconds(world) - comm0,
+                      memory.last_bytes, traced, sent)
+    if cfg.report.eval_every and (step % cfg.report.eval_every == 0 or step == o.steps):
+        r["val_loss"] = strategy.evaluate(val_batches, low)
+    report.add(r, memory.last_bytes)
+    return r
 
 
 def precision(mixed_precision: str):
@@ -141,6 +168,19 @@ def _comm_seconds(world: int) -> float:
     return sum(v["time_s"] for v in stats().values())
 
 
+def not_text_warning(path, corpus) -> str | None:
+    """A warning when ``--data`` does not look like text (many NUL bytes, as in a binary file):
+    minidist trains on its bytes all the same, but the user probably named the wrong file."""
+    if path is None or len(corpus) == 0:
+        return None
+    head = corpus[:1 << 20]
+    nul = float((head == 0).mean())
+    if nul < 0.01:
+        return None
+    return (f"--data {path} does not look like text ({100 * nul:.0f}% of its first "
+            f"{len(head):,} bytes are NUL); training on its bytes anyway")
+
+
 def _bytes_sent(world: int) -> dict:
     """Bytes this rank has sent so far on each group of the mesh ({} without a communicator)."""
     if world == 1:
@@ -160,6 +200,10 @@ def main(argv=None):
         data = load_data(cfg)
     except (ValueError, OSError) as exc:  # bad input found while loading: no traceback
         parser.error(str(exc))
+    except KeyboardInterrupt:
+        parser.exit(130, f"{parser.prog}: interrupted before the first step\n" if world_rank() == 0 else None)
+    if world_rank() == 0 and (warning := not_text_warning(cfg.data.data, data[0].data)):
+        print(f"{parser.prog}: warning: {warning}", file=sys.stderr, flush=True)
     try:
         metrics = train(cfg, log=lambda s: print(s, flush=True), data=data)
     except MemoryError:  # the estimate checked up front was too low for this machine
@@ -170,6 +214,16 @@ def main(argv=None):
     except FloatingPointError as exc:  # diverged: say so in one line, keep what was written
         # every rank stops at the same step (the loss is global); rank 0 says why, once
         parser.exit(1, f"{parser.prog}: error: {exc}; try a lower --lr or --clip-grad 1\n" if world_rank() == 0 else None)
+    except Interrupted as stop:  # Ctrl-C: one line, the summary of the finished steps, exit 130
+        if world_rank() == 0:
+            print(f"{parser.prog}: {stop} ({len(stop.metrics)} step(s) finished; "
+                  f"the metrics file holds them)", file=sys.stderr, flush=True)
+            if stop.metrics:
+                print(summary_table(stop.metrics, time.perf_counter() - t0), flush=True)
+        sys.stdout.flush()
+        # Every rank was interrupted wherever it was, perhaps inside a collective: leave
+        # without MPI's finalisation, which would wait for messages that will never come.
+        os._exit(130)
     if world_rank() == 0:
         formula = expected_step_bytes(cfg) if cfg.parallel.world_size > 1 else {}
         print(summary_table(metrics, time.perf_counter() - t0, formula), flush=True)

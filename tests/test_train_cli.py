@@ -177,13 +177,13 @@ def test_float64_run_writes_metrics(tmp_path):
                     "--checkpoint-activations"])
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(6))
+    assert [row["step"] for row in rows] == list(range(1, 7))  # 1..N, as the progress line counts
     for row in rows:
         for key in ("step", "loss", "lr", "tokens_per_s", "mfu", "step_time_s"):
             assert key in row
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"]
-    # peak memory is traced on step 0 and on each step before a printed one (0, 2, 4 and the last)
-    assert [row["step"] for row in rows if "peak_mem_mb" in row] == [0, 1, 3, 4]
+    # peak memory is traced on step 1 and on each step before a printed one (1, 3, 5 and the last)
+    assert [row["step"] for row in rows if "peak_mem_mb" in row] == [1, 2, 4, 5]
     assert all(row["peak_mem_mb"] > 0 for row in rows if "peak_mem_mb" in row)
     assert "val_loss" in rows[2] and "val_loss" in rows[5] and "val_loss" not in rows[0]
     assert "step     6/6" in r.stdout and "tok/s" in r.stdout and "MFU" in r.stdout and "ETA" in r.stdout
