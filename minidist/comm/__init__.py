@@ -48,6 +48,7 @@ Start reading at ``algorithms/ring.py``.  The modules, from the wire up:
   rooted.py         scatter, gather
   collectives.py    all_gather, broadcast, all_to_all, ppermute, barrier (and re-exports)
   mesh.py           Mesh(dp, pp, tp, cp): a Group per set of axes
+  nodes.py          which ranks share a node (real, or MINIDIST_RANKS_PER_NODE); tp/cp groups across nodes
   functional.py     differentiable collectives (Megatron's f/g, all-gather <-> reduce-scatter)
 
 The path of ``comm.all_reduce(x, g)`` to the wire: reducing.all_reduce asks fast.run once
