@@ -109,6 +109,13 @@ class ReportConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    save: str | None = None           # a directory: checkpoints go to save/step-NNNNNN, save/latest
+    save_every: int | None = None     # None: only at the end of the run
+    resume: str | None = None         # a checkpoint directory, or a --save directory (its latest)
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -116,6 +123,7 @@ class RunConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def replace(self, **sections) -> "RunConfig":
         """A copy with some fields changed: ``cfg.replace(parallel=dict(tp=2), model=dict(layers=2))``."""
@@ -148,7 +156,7 @@ class RunConfig:
 
 
 _CLASSES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "device": DeviceConfig,
-            "parallel": ParallelConfig, "report": ReportConfig}
+            "parallel": ParallelConfig, "report": ReportConfig, "checkpoint": CheckpointConfig}
 
 
 def from_args(args) -> RunConfig:

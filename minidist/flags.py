@@ -145,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", choices=list(ORDERS), default=None, help="pipeline schedule (default: 1f1b)")
     g.add_argument("--virtual-stages", type=POSITIVE, default=None, metavar="V",
                    help="model chunks per rank, for the interleaved and looping schedules (default: 2 for them)")
+    c = p.add_argument_group("checkpoints (sharded: each rank writes what it owns; any mesh resumes)")
+    c.add_argument("--save", default=None, metavar="DIR",
+                   help="save checkpoints into DIR (an existing directory): DIR/step-NNNNNN, DIR/latest")
+    c.add_argument("--save-every", type=POSITIVE, default=None, metavar="K",
+                   help="save every K steps (default: only at the end); always at the end")
+    c.add_argument("--resume", default=None, metavar="PATH",
+                   help="continue from a checkpoint: a step-NNNNNN directory, or a --save DIR (its latest); "
+                        "the mesh may differ from the one that saved it")
     r = p.add_argument_group("reporting")
     r.add_argument("--eval-every", type=NON_NEGATIVE, default=50, metavar="N",
                    help="validation loss every N steps, 0 for never")
@@ -211,8 +219,34 @@ def _validate(args) -> RunConfig:
     if found:
         raise InputError(found[0])
     cfg = given.resolved(world)
+    _check_checkpoints(cfg)
     check_memory(memory_estimate(cfg), available_memory_bytes())
     return cfg
+
+
+def _check_checkpoints(cfg: RunConfig) -> None:
+    """--save must name a writable directory, --save-every needs --save, and --resume a
+    checkpoint of this model (every rank reads the same files: the same verdict everywhere)."""
+    from .checkpoint import CheckpointError, metadata, model_differences, resolve
+    from .parallel.compose import model_config
+
+    c = cfg.checkpoint
+    if c.save_every is not None and c.save is None:
+        raise InputError(f"--save-every {c.save_every} needs --save DIR")
+    if c.save is not None:
+        if not os.path.isdir(c.save):
+            raise InputError(f"--save {c.save}: no such directory (create it first)")
+        if not os.access(c.save, os.W_OK | os.X_OK):
+            raise InputError(f"--save {c.save}: the directory is not writable")
+    if c.resume is not None:
+        try:
+            path = resolve(c.resume)
+            differ = model_differences(metadata(path), model_config(cfg))
+        except CheckpointError as exc:
+            raise InputError(str(exc)) from None
+        if differ:
+            raise InputError(f"--resume {c.resume}: the checkpoint is of another model ({', '.join(differ)})")
+        c.resume = path
 
 
 def world_size() -> int:

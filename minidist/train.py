@@ -66,17 +66,21 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
     if not cfg.report.quiet:
         report.log(start_line(cfg, len(sampler.data), peak, strategy))
     memory, tracer = PeakMemory(), Tracer(rank=world_rank(), enabled=bool(cfg.report.trace))
-    step = 0
+    start = resume(cfg, strategy, scaler, report)
+    step = start
     try:
         # Steps count 1..N everywhere (progress line, metrics, messages); the sampler and the
         # learning-rate schedule take the 0-based index.  A diverging run's overflow warnings
         # are not printed: the loss check below says what happened, once.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            for step in range(1, o.steps + 1):
+            for step in range(start + 1, o.steps + 1):
                 r = _one_step(step, cfg, strategy, sampler, val_batches, report, memory, tracer, low, scaler)
                 if not math.isfinite(r["loss"]) and scaler is None:
                     raise FloatingPointError(f"loss became {r['loss']} at step {step}")
+                c = cfg.checkpoint
+                if c.save and (step == o.steps or (c.save_every and step % c.save_every == 0)):
+                    save(cfg, strategy, step, scaler)
     except KeyboardInterrupt:
         raise Interrupted(step, report.metrics) from None
     finally:
@@ -84,6 +88,41 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
         if cfg.report.trace and world_rank() == 0:
             tracer.save(cfg.report.trace)
     return report.metrics
+
+
+def save(cfg, strategy, step: int, scaler=None) -> str:
+    """Checkpoint ``step`` into ``--save`` (every rank writes its part; minidist/checkpoint.py)."""
+    from . import checkpoint
+    from .parallel.compose import model_config
+
+    extra = {"loss_scale": scaler.scale, "loss_scale_clean_steps": scaler.clean_steps} if scaler else {}
+    return checkpoint.save(cfg.checkpoint.save, step, strategy, model_config(cfg), extra)
+
+
+def resume(cfg, strategy, scaler, report) -> int:
+    """Load ``--resume``'s checkpoint into this run's layout (any mesh); the step it ends (0 without)."""
+    if cfg.checkpoint.resume is None:
+        return 0
+    from . import checkpoint
+
+    try:
+        meta, failed = checkpoint.load(cfg.checkpoint.resume, strategy), None
+    except checkpoint.CheckpointError as exc:  # a damaged piece (its CRC), found by the rank reading it
+        meta, failed = None, exc
+    if strategy.world is not None:  # every rank stops if any found damage: nobody waits in a collective
+        from .parallel.data import any_rank
+
+        if any_rank(failed is not None, strategy.world) and failed is None:
+            failed = checkpoint.CheckpointError("")  # another rank says why
+    if failed is not None:
+        raise failed
+    if scaler is not None and "loss_scale" in meta["scalars"]:
+        scaler.scale = float(meta["scalars"]["loss_scale"])
+        scaler.clean_steps = int(meta["scalars"]["loss_scale_clean_steps"])
+    if not cfg.report.quiet:
+        saved = " x ".join(f"{a}={n}" for a, n in meta["mesh"].items() if n > 1) or "one process"
+        report.log(f"resumed from {cfg.checkpoint.resume} (step {meta['step']}, saved on {saved})")
+    return int(meta["step"])
 
 
 class Interrupted(Exception):
@@ -191,6 +230,7 @@ def _bytes_sent(world: int) -> dict:
 
 
 def main(argv=None):
+    from .checkpoint import CheckpointError
     from .report import expected_step_bytes, grid_text, summary_table
 
     t0 = time.perf_counter()
@@ -214,6 +254,11 @@ def main(argv=None):
     except FloatingPointError as exc:  # diverged: say so in one line, keep what was written
         # every rank stops at the same step (the loss is global); rank 0 says why, once
         parser.exit(1, f"{parser.prog}: error: {exc}; try a lower --lr or --clip-grad 1\n" if world_rank() == 0 else None)
+    except CheckpointError as exc:  # damage found while loading: the rank that found it says where
+        if str(exc):
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
     except Interrupted as stop:  # Ctrl-C: one line, the summary of the finished steps, exit 130
         if world_rank() == 0:
             print(f"{parser.prog}: {stop} ({len(stop.metrics)} step(s) finished; "
@@ -224,7 +269,10 @@ def main(argv=None):
         # Every rank was interrupted wherever it was, perhaps inside a collective: leave
         # without MPI's finalisation, which would wait for messages that will never come.
         os._exit(130)
-    if world_rank() == 0:
+    if world_rank() == 0 and not metrics:  # resumed at (or past) the last step
+        print(f"nothing to train: the checkpoint already ends at or after step {cfg.optim.steps} (--steps)",
+              flush=True)
+    elif world_rank() == 0:
         formula = expected_step_bytes(cfg) if cfg.parallel.world_size > 1 else {}
         print(summary_table(metrics, time.perf_counter() - t0, formula), flush=True)
         if cfg.parallel.world_size > 1:

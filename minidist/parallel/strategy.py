@@ -159,6 +159,26 @@ class Strategy:
         its pipeline stage), whole even under ZeRO-3 (gathered from the shards)."""
         return self.data.parameters()
 
+    # -- checkpoints (minidist/checkpoint.py) ----------------------------------------------------
+    def owned_state(self):
+        """``(parameter, "param" or an optimizer state name, flat slice or None, array)`` of
+        everything this rank is the one to save: its data-parallel part's (one replica writes
+        what replicas share; ZeRO ranks their shards), a tp-replicated parameter by tp rank 0,
+        the tied embedding by the first stage."""
+        for item in self.data.owned_state():
+            if self._counted(item[0]):  # as for the norm: tp-replicated ones from tp rank 0 only
+                yield item
+
+    def load_state(self, reader):
+        """This rank's parameters and optimizer state from a checkpoint ``reader`` (any mesh)."""
+        self.data.load_state(reader)
+
+    def checkpoint_scalars(self) -> dict:
+        return self.data.checkpoint_scalars()
+
+    def mesh_sizes(self) -> dict:
+        return self.mesh.shape if self.mesh is not None else {"dp": 1, "pp": 1, "cp": 1, "tp": 1}
+
     # -- reports ----------------------------------------------------------------------------------
     def memory_bytes(self) -> dict:
         return self.data.memory_bytes()
@@ -257,6 +277,39 @@ class OneReplica:
 
     def parameters(self) -> dict:
         return {p.name: p.data for p in self.params}
+
+    @property
+    def writes_replicas(self) -> bool:
+        """Does this rank save what the data-parallel replicas share?  The first one does."""
+        return self.group is None or self.group.rank == 0
+
+    def owned_state(self):
+        if not self.writes_replicas:
+            return
+        opt = self.optimizer
+        for p in self.params:
+            yield p, "param", None, p.data
+            for key in opt.state_keys:
+                if p.name in opt.state:
+                    yield p, key, None, opt.state[p.name][key]
+
+    def load_state(self, reader):
+        opt = self.optimizer
+        steps = reader.meta["scalars"].get("param_steps", {})
+        count = reader.meta["scalars"]["optimizer_steps"]
+        for p in self.params:
+            p.data[...] = from_host(reader.read(p, "param"))
+            if opt.state_keys and reader.has(p, opt.state_keys[0]):
+                opt.state[p.name] = {"step": int(steps.get(p.name, count)),
+                                     **{k: from_host(reader.read(p, k)).astype(p.dtype) for k in opt.state_keys}}
+        opt.step_count = count
+
+    def checkpoint_scalars(self) -> dict:
+        opt = self.optimizer
+        out = {"optimizer_steps": opt.step_count}
+        if self.writes_replicas:
+            out["param_steps"] = {n: st["step"] for n, st in opt.state.items()}
+        return out
 
     def memory_bytes(self) -> dict:
         """Bytes of parameters, gradients and optimizer state held now, from the arrays."""
@@ -369,6 +422,20 @@ class Zero12(Bucketed):
     def memory_bytes(self) -> dict:
         return self.zero.memory_bytes()
 
+    def owned_state(self):
+        if self.writes_replicas:  # the full parameters are the same on every rank after the step
+            for p in self.params:
+                yield p, "param", None, p.data
+        yield from _owned_shards(self.zero.units, self.zero.optimizer.state)
+
+    def load_state(self, reader):
+        for p in self.params:
+            p.data[...] = from_host(reader.read(p, "param"))  # views into the flat storage the shards slice
+        _load_shards(reader, self.zero.units, self.zero.optimizer)
+
+    def checkpoint_scalars(self) -> dict:
+        return {"optimizer_steps": self.zero.optimizer.step_count}
+
 
 class FullyShardedDataParallel(OneReplica):
     """ZeRO-3 = FSDP over ``shard_group`` (parallel/fsdp.py), or HSDP with ``replicate_group``:
@@ -409,11 +476,44 @@ class FullyShardedDataParallel(OneReplica):
     def parameters(self) -> dict:
         return self.fsdp.full_parameters()
 
+    def owned_state(self):
+        if not self.counts_in_norm:  # an HSDP replica other than the first
+            return
+        for unit, piece in zip(self.fsdp.units, self.fsdp.shards):
+            for p, s, flat in unit.segments():
+                yield p, "param", flat, piece.data[s]
+        yield from _owned_shards(self.fsdp.units, self.fsdp.optimizer.state)
+
+    def load_state(self, reader):
+        for unit, piece in zip(self.fsdp.units, self.fsdp.shards):
+            for p, s, flat in unit.segments():
+                piece.data[s] = from_host(reader.read(p, "param", flat))
+        _load_shards(reader, self.fsdp.units, self.fsdp.optimizer)
+
+    def checkpoint_scalars(self) -> dict:
+        return {"optimizer_steps": self.fsdp.optimizer.step_count}
+
     def zero_grad(self):
         self.fsdp.zero_grad()
 
     def memory_bytes(self) -> dict:
         return self.fsdp.memory_bytes()
+
+
+def _owned_shards(units, state):
+    """The optimizer state's pieces in a ZeRO rank's flat shards, per parameter stretch."""
+    for unit, st in zip(units, state):
+        for p, s, flat in unit.segments():
+            for key, array in st.items():
+                yield p, key, flat, array[s]
+
+
+def _load_shards(reader, units, optimizer):
+    for unit, st in zip(units, optimizer.state):
+        for p, s, flat in unit.segments():
+            for key, array in st.items():
+                array[s] = from_host(reader.read(p, key, flat))
+    optimizer.step_count = reader.meta["scalars"]["optimizer_steps"]
 
 
 def _shard_segments(units, shards):

@@ -1,0 +1,327 @@
+"""Sharded, atomic, reshardable checkpoints.
+
+A checkpoint is a directory ``DIR/step-000123/`` holding
+
+* one file per rank that owns something, ``rank-00003.bin``: the raw bytes of the arrays this
+  rank is the one to write -- its tensor-parallel slices of its pipeline stage's parameters
+  and their optimizer state, or under ZeRO its flat shard of them, each replica written once
+  (the first data-parallel rank; the tied embedding by the first pipeline stage);
+* ``metadata.json``: the model, the step, the optimizer's step count and the loss scale, and
+  for every tensor its global shape, dtype and *pieces*: which file and byte range holds which
+  part of it (its tensor-parallel slice ``tp`` = (dim, index, parts, blocks) as
+  ``parallel.tensor.Shard`` draws it, and the range ``flat`` of that slice's elements in C
+  order), each with a CRC-32.
+
+This is the layout of PyTorch's distributed checkpoint (DCP) and Megatron-LM's distributed
+checkpoints: every rank writes only what it owns, and a rank of *another* mesh reads back only
+the pieces that overlap what it needs (:func:`load`), so a run saved on dp2·tp2 with ZeRO-1
+resumes on pp2·dp2, on cp2 or on one process.  Arrays are plain little-endian bytes; nothing
+is ever unpickled.
+
+Atomic: the ranks write into ``DIR/.tmp-step-000123``; rank 0 writes the metadata last, renames
+the directory into place and only then points ``DIR/latest`` at it (a write and a rename).  A
+crash or a kill during a save leaves the previous checkpoint, and ``latest``, as they were.
+Resuming is bit-exact: the data order and the learning rate are functions of the step, and
+every array that changes during training is saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import zlib
+
+import numpy as np
+
+FORMAT = "minidist-checkpoint-1"
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+#: Fields of the model that a checkpoint's arrays depend on: a resumed run must agree on them.
+MODEL_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "bias", "tie_embeddings", "dtype")
+
+bytes_read = 0  # bytes this process read from checkpoint files (the resharding test counts them)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, damaged, or of another model (the message names the file)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding checkpoints
+# ------------------------------------------------------------------------------------------------
+def step_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{step:06d}")
+
+
+def resolve(path: str) -> str:
+    """The checkpoint a ``--resume PATH`` means: PATH itself (a ``step-*`` directory) or the one
+    ``PATH/latest`` points to.  Raises CheckpointError naming what is wrong, and for a damaged
+    latest checkpoint the previous good one."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--resume {path}: no such checkpoint directory")
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        check(path)
+        return path
+    latest = os.path.join(path, "latest")
+    if not os.path.exists(latest):
+        raise CheckpointError(f"--resume {path}: not a checkpoint (no metadata.json) and no 'latest' in it")
+    with open(latest) as f:
+        name = f.read().strip()
+    chosen = os.path.join(path, name)
+    try:
+        check(chosen)
+    except CheckpointError as exc:
+        good = [d for d in _step_dirs(path) if d != name and _is_good(os.path.join(path, d))]
+        hint = f"; the previous good one is {os.path.join(path, good[-1])}" if good else "; no other good checkpoint"
+        raise CheckpointError(f"the latest checkpoint in {path} is damaged ({exc}){hint}") from None
+    return chosen
+
+
+def _step_dirs(directory: str) -> list[str]:
+    return sorted(d for d in os.listdir(directory) if STEP_DIR.match(d))
+
+
+def _is_good(path: str) -> bool:
+    try:
+        check(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def metadata(path: str) -> dict:
+    """The parsed ``metadata.json`` of checkpoint ``path``."""
+    file = os.path.join(path, "metadata.json")
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: cannot be read ({exc})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: not a {FORMAT} file")
+    return meta
+
+
+def check(path: str) -> dict:
+    """Cheap checks of a whole checkpoint (every rank may run them before training): the
+    metadata parses and every file has the size it should (a truncated file is named).  The
+    bytes themselves are checked piece by piece, by CRC, as they are read."""
+    meta = metadata(path)
+    for name, size in meta["files"].items():
+        file = os.path.join(path, name)
+        actual = os.path.getsize(file) if os.path.exists(file) else None
+        if actual != size:
+            raise CheckpointError(f"{file}: {'missing' if actual is None else f'{actual} bytes, expected {size}'}")
+    return meta
+
+
+def model_differences(meta: dict, model_config) -> list[str]:
+    """The model fields on which a checkpoint and a run disagree, as ``name saved -> now``."""
+    saved, now = meta["model"], dataclasses.asdict(model_config)
+    return [f"{k} {saved.get(k)} -> {now[k]}" for k in MODEL_FIELDS if saved.get(k) != now[k]]
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving
+# ------------------------------------------------------------------------------------------------
+def save(directory: str, step: int, strategy, model_config, extra: dict | None = None) -> str:
+    """Write this rank's part of checkpoint ``step`` of ``strategy``'s run into ``directory``
+    (collective: every rank calls it); return the checkpoint's path."""
+    from . import comm
+
+    world = comm.world() if strategy.mesh is not None else None
+    rank = world.rank if world is not None else 0
+    final, tmp = step_dir(directory, step), os.path.join(directory, f".tmp-step-{step:06d}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save killed half-way before this one
+        os.makedirs(tmp)
+    _barrier(world)
+    part = _write_part(tmp, rank, strategy)
+    with open(os.path.join(tmp, f"rank-{rank:05d}.json"), "w") as f:
+        json.dump(part, f)
+    _barrier(world)
+    if rank == 0:
+        _finish(directory, tmp, final, step, strategy, model_config, extra or {}, world.size if world else 1)
+    _barrier(world)
+    return final
+
+
+def _write_part(tmp: str, rank: int, strategy) -> dict:
+    """Write this rank's owned arrays into one file; return their pieces' descriptions."""
+    pieces, offset = [], 0
+    name = f"rank-{rank:05d}.bin"
+    with open(os.path.join(tmp, name), "wb") as f:
+        for p, what, flat, array in strategy.owned_state():
+            data = np.ascontiguousarray(_host(array)).tobytes()
+            f.write(data)
+            sh = p.sharding
+            pieces.append({"tensor": f"{p.name}/{what}", "global_shape": list(p.global_shape),
+                           "dtype": str(np.dtype(_host(array).dtype)), "file": name, "offset": offset,
+                           "nbytes": len(data), "crc32": zlib.crc32(data),
+                           "tp": None if sh is None else [sh.dim, sh.index, sh.parts, sh.blocks],
+                           "flat": None if flat is None else [flat.start, flat.stop]})
+            offset += len(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": name, "size": offset, "pieces": pieces, "scalars": strategy.checkpoint_scalars()}
+
+
+def _finish(directory, tmp, final, step, strategy, model_config, extra, world_size):
+    """Rank 0: merge the parts into metadata.json, rename into place, then point ``latest``."""
+    files, tensors, scalars = {}, {}, {}
+    for part_name in sorted(n for n in os.listdir(tmp) if n.endswith(".json")):
+        with open(os.path.join(tmp, part_name)) as f:
+            part = json.load(f)
+        os.remove(os.path.join(tmp, part_name))
+        files[part["file"]] = part["size"]
+        for piece in part["pieces"]:
+            key, shape, dtype = piece.pop("tensor"), piece.pop("global_shape"), piece.pop("dtype")
+            entry = tensors.setdefault(key, {"global_shape": shape, "dtype": dtype, "pieces": []})
+            entry["pieces"].append(piece)
+        for key, value in part["scalars"].items():
+            if isinstance(value, dict):
+                scalars.setdefault(key, {}).update(value)
+            else:
+                scalars.setdefault(key, value)
+    meta = {"format": FORMAT, "step": step, "world_size": world_size, "mesh": strategy.mesh_sizes(),
+            "model": dataclasses.asdict(model_config), "scalars": {**scalars, **extra},
+            "files": files, "tensors": tensors}
+    with open(os.path.join(tmp, "metadata.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(final):
+        shutil.rmtree(final)  # the same step saved again (a rerun): replace it whole
+    os.rename(tmp, final)
+    latest_tmp = os.path.join(directory, ".latest.tmp")
+    with open(latest_tmp, "w") as f:
+        f.write(os.path.basename(final) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(directory, "latest"))
+
+
+def _barrier(world):
+    if world is not None:
+        from . import comm
+        comm.barrier(world)
+
+
+def _host(array):
+    from .backend import to_host
+    return to_host(array)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading (resharding)
+# ------------------------------------------------------------------------------------------------
+class Reader:
+    """This rank's view of a checkpoint: ``read(p, what, flat)`` gives the part of tensor
+    ``p.name/what`` that ``p`` (its tensor-parallel slice) needs, reading only pieces that
+    overlap it; every piece read is checked against its CRC."""
+
+    def __init__(self, path: str, meta: dict | None = None):
+        self.path = path
+        self.meta = meta if meta is not None else metadata(path)
+
+    def has(self, p, what: str) -> bool:
+        return f"{p.name}/{what}" in self.meta["tensors"]
+
+    def read(self, p, what: str, flat: slice | None = None):
+        """The local (tensor-parallel) array of ``p``'s ``what`` ("param", "exp_avg", ...),
+        flattened and cut to ``flat`` when given; shaped like ``p`` otherwise."""
+        key = f"{p.name}/{what}"
+        if key not in self.meta["tensors"]:
+            raise CheckpointError(f"{self.path}: no tensor {key} in the checkpoint")
+        entry = self.meta["tensors"][key]
+        if tuple(entry["global_shape"]) != tuple(p.global_shape):
+            raise CheckpointError(f"{self.path}: {key} has shape {tuple(entry['global_shape'])}, "
+                                  f"the model's is {tuple(p.global_shape)}")
+        sh = p.sharding
+        spec = None if sh is None else [sh.dim, sh.index, sh.parts, sh.blocks]
+        local_shape = tuple(p.global_shape) if sh is None else sh.local_shape(p.global_shape)
+        want = flat if flat is not None else slice(0, int(np.prod(local_shape)))
+        same = [pc for pc in entry["pieces"] if pc["tp"] == spec]
+        if _covers(same, want, int(np.prod(local_shape))):
+            out = self._assemble_flat(same, want, entry["dtype"], int(np.prod(local_shape)))
+        else:  # another tensor-parallel layout: rebuild the global tensor, take this rank's slice
+            full = self._global(entry)
+            local = full if sh is None else sh.take(full)
+            out = np.ascontiguousarray(local).reshape(-1)[want]
+        return out if flat is not None else out.reshape(local_shape)
+
+    def _assemble_flat(self, pieces, want: slice, dtype: str, size: int):
+        out = np.empty(want.stop - want.start, dtype=np.dtype(dtype))
+        for pc in pieces:
+            lo, hi = pc["flat"] if pc["flat"] is not None else (0, size)
+            a, b = max(lo, want.start), min(hi, want.stop)
+            if a < b:
+                data = self._bytes(pc)  # the whole piece: its CRC covers it
+                out[a - want.start:b - want.start] = np.frombuffer(data, dtype=out.dtype)[a - lo:b - lo]
+        return out
+
+    def _global(self, entry):
+        """The whole global tensor, from every saved tensor-parallel slice."""
+        shape, dtype = tuple(entry["global_shape"]), np.dtype(entry["dtype"])
+        by_spec = {}
+        for pc in entry["pieces"]:
+            by_spec.setdefault(tuple(pc["tp"]) if pc["tp"] is not None else None, []).append(pc)
+        full = np.empty(shape, dtype=dtype)
+        for spec, pieces in by_spec.items():
+            if spec is None:
+                size = int(np.prod(shape))
+                return self._assemble_flat(pieces, slice(0, size), entry["dtype"], size).reshape(shape)
+            from .parallel.tensor import Shard
+
+            sh = Shard(spec[0], spec[1], spec[2], spec[3])
+            local_shape = sh.local_shape(shape)
+            size = int(np.prod(local_shape))
+            local = self._assemble_flat(pieces, slice(0, size), entry["dtype"], size).reshape(local_shape)
+            index = [slice(None)] * len(shape)
+            index[sh.dim] = _host(sh.indices(shape[sh.dim]))
+            full[tuple(index)] = local
+        return full
+
+    def _bytes(self, pc) -> bytes:
+        global bytes_read
+        file = os.path.join(self.path, pc["file"])
+        with open(file, "rb") as f:
+            f.seek(pc["offset"])
+            data = f.read(pc["nbytes"])
+        bytes_read += len(data)
+        if len(data) != pc["nbytes"] or zlib.crc32(data) != pc["crc32"]:
+            raise CheckpointError(f"{file}: damaged (bytes {pc['offset']}..{pc['offset'] + pc['nbytes']} fail "
+                                  "their checksum)")
+        return data
+
+
+def _covers(pieces, want: slice, size: int) -> bool:
+    """Do the flat ranges of ``pieces`` cover ``want``?"""
+    ranges = sorted((pc["flat"][0], pc["flat"][1]) if pc["flat"] is not None else (0, size) for pc in pieces)
+    reach = want.start
+    for lo, hi in ranges:
+        if lo > reach:
+            break
+        reach = max(reach, hi)
+    return reach >= want.stop
+
+
+def load(path: str, strategy) -> dict:
+    """Fill ``strategy``'s parameters and optimizer state (this rank's part, in this run's
+    layout) from checkpoint ``path``; return the checkpoint's metadata (its ``step`` and
+    ``scalars``)."""
+    reader = Reader(path)
+    strategy.load_state(reader)
+    return reader.meta
+
+
+def load_full(path: str) -> tuple[dict, dict]:
+    """``(model config dict, {parameter name: whole array})`` of a checkpoint, gathered from any
+    sharding on one process (for export and generation)."""
+    path = resolve(path)
+    reader = Reader(path)
+    params = {key[:-len("/param")]: reader._global(entry)
+              for key, entry in reader.meta["tensors"].items() if key.endswith("/param")}
+    return reader.meta["model"], params

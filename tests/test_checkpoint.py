@@ -1,0 +1,181 @@
+"""Checkpoints: sharded, atomic, bit-exact to resume, reshardable onto any mesh, damage refused."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from minidist.testing import mpiexec_command, run_mpi, run_train
+
+ARGS = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
+        "--eval-every", "0", "--dtype", "float64", "--warmup", "0", "--quiet", "--steps", "6"]
+BODIES = os.path.join(os.path.dirname(__file__), "mpi", "checkpoint_bodies.py")
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def _train(n, args, tmp_path, name):
+    out = tmp_path / f"{name}.jsonl"
+    r = run_train(n, ARGS + args + ["--metrics-jsonl", str(out)], timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return _losses(out), r
+
+
+def _params(path):
+    from minidist.checkpoint import load_full
+
+    return load_full(str(path))[1]
+
+
+def _rel(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, mesh", [(None, []), (4, ["--dp", "2", "--tp", "2"])], ids=["one-process", "dp2-tp2"])
+def test_resume_is_bit_exact(n, mesh, tmp_path):
+    """A 6-step run checkpointed after step 3, and a run resumed from that checkpoint for steps
+    4-6: the same losses and the same final parameters as the uninterrupted run, bit for bit."""
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    straight, _ = _train(n, mesh + ["--save", str(tmp_path / "a")], tmp_path, "straight")
+    first, _ = _train(n, mesh + ["--save", str(tmp_path / "b"), "--save-every", "3"], tmp_path, "first")
+    assert sorted(os.listdir(tmp_path / "b")) == ["latest", "step-000003", "step-000006"]
+    second, r = _train(n, mesh + ["--save", str(tmp_path / "c"), "--resume", str(tmp_path / "b" / "step-000003")],
+                       tmp_path, "second")
+    assert first[:3] + second == straight
+    a, c = _params(tmp_path / "a"), _params(tmp_path / "c")
+    assert a.keys() == c.keys() and all(np.array_equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_of_dp2_tp2_zero1_resumes_on_other_meshes(tmp_path):
+    """Saved on dp2·tp2 with ZeRO-1, resumed on pp2·dp2, cp2, one process and dp2·tp2 ZeRO-3:
+    the trajectory equals the uninterrupted single-process run to 1e-9."""
+    (tmp_path / "one").mkdir(), (tmp_path / "ck").mkdir()
+    straight, _ = _train(None, ["--save", str(tmp_path / "one")], tmp_path, "straight")
+    saved, _ = _train(4, ["--dp", "2", "--tp", "2", "--zero", "1", "--save", str(tmp_path / "ck"),
+                          "--save-every", "3"], tmp_path, "saved")
+    assert _rel(np.array(saved), np.array(straight)) < 1e-9
+    want = _params(tmp_path / "one")
+    for n, mesh in [(4, ["--pp", "2", "--dp", "2"]), (2, ["--cp", "2"]), (None, []),
+                    (4, ["--dp", "2", "--tp", "2", "--zero", "3"])]:
+        out = tmp_path / "resumed"
+        out.mkdir(exist_ok=True)
+        losses, r = _train(n, mesh + ["--resume", str(tmp_path / "ck" / "step-000003"), "--save", str(out)],
+                           tmp_path, "resumed")
+        assert _rel(np.array(losses), np.array(straight[3:])) < 1e-9, (mesh, losses, straight)
+        got = _params(out)
+        assert max(_rel(got[k], want[k]) for k in want) < 1e-9, mesh
+
+
+@pytest.mark.mpi
+def test_each_rank_reads_only_what_it_needs(tmp_path):
+    """Resharding reads pieces, not the model: on pp2·dp2 each rank reads less than the whole
+    checkpoint, and a rank of the same layout reads exactly what it holds."""
+    (tmp_path / "ck").mkdir()
+    _train(4, ["--dp", "2", "--tp", "2", "--save", str(tmp_path / "ck")], tmp_path, "saved")
+    out = run_mpi(4, BODIES, str(tmp_path / "ck" / "step-000006"), timeout=120).stdout
+    assert out.count("read ok") == 4, out
+
+
+def test_a_flipped_byte_is_refused_naming_the_file(tmp_path):
+    (tmp_path / "ck").mkdir()
+    _train(None, ["--save", str(tmp_path / "ck")], tmp_path, "saved")
+    shard = tmp_path / "ck" / "step-000006" / "rank-00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    r = run_train(None, ARGS + ["--steps", "8", "--resume", str(tmp_path / "ck")], timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert str(shard) in r.stderr and "checksum" in r.stderr, r.stderr
+
+
+def test_a_damaged_latest_names_the_previous_good_one(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    _train(None, ["--save", str(ck), "--save-every", "3"], tmp_path, "saved")
+    shard = ck / "step-000006" / "rank-00000.bin"
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    r = run_train(None, ARGS + ["--resume", str(ck)], timeout=120)
+    assert r.returncode == 2, r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if x.strip()]
+    assert "latest checkpoint" in line and "damaged" in line and str(ck / "step-000003") in line, line
+
+
+def test_a_crashed_save_leaves_the_previous_checkpoint(tmp_path):
+    """A save killed half-way leaves only its temporary directory: latest still points at the
+    previous checkpoint, which resumes; the next save replaces the leftovers."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    _train(None, ["--save", str(ck), "--save-every", "3"], tmp_path, "saved")
+    for name in ("step-000006", "latest"):  # as if the run had been killed saving step 6
+        os.remove(ck / name) if name == "latest" else __import__("shutil").rmtree(ck / name)
+    (ck / "latest").write_text("step-000003\n")
+    tmp = ck / ".tmp-step-000006"
+    tmp.mkdir()
+    (tmp / "rank-00000.bin").write_bytes(b"half a file")
+    assert (ck / "latest").read_text().strip() == "step-000003"
+    losses, _ = _train(None, ["--save", str(ck), "--resume", str(ck)], tmp_path, "resumed")
+    assert len(losses) == 3 and not tmp.exists()
+    assert (ck / "latest").read_text().strip() == "step-000006"
+
+
+@pytest.mark.mpi
+def test_kill_9_of_a_rank_ends_the_job_and_the_latest_checkpoint_loads(tmp_path):
+    """kill -9 of rank 1 while it saves every step: the job ends (no hang) and the latest
+    checkpoint is whole; resuming loses at most --save-every steps."""
+    from minidist.checkpoint import check, resolve
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    cmd = mpiexec_command(2) + [sys.executable, "-m", "minidist.train", *ARGS, "--steps", "100000",
+                                "--save", str(ck), "--save-every", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len([d for d in os.listdir(ck) if d.startswith("step-")]) < 3:
+            time.sleep(0.05)
+        rank1 = subprocess.run(["pgrep", "-f", "-n", "minidist.train"], capture_output=True, text=True).stdout.split()
+        os.kill(int(rank1[0]), signal.SIGKILL)  # the newest rank process
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    path = resolve(str(ck))
+    check(path)
+    r = run_train(None, ARGS + ["--steps", str(int(path[-6:]) + 1), "--resume", str(ck)], timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--save", "/no/such/dir"], "--save /no/such/dir: no such directory"),
+    (["--save-every", "0"], "argument --save-every: expected an integer >= 1, got 0"),
+    (["--save-every", "2"], "--save-every 2 needs --save DIR"),
+    (["--resume", "/no/such/ckpt"], "--resume /no/such/ckpt: no such checkpoint directory"),
+])
+def test_bad_checkpoint_flags_are_one_line_exit_2(args, needle):
+    r = run_train(None, ARGS + args, timeout=60)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_resume_of_another_model_names_the_fields(tmp_path):
+    (tmp_path / "ck").mkdir()
+    _train(None, ["--save", str(tmp_path / "ck")], tmp_path, "saved")
+    (tmp_path / "plain").mkdir()
+    r = run_train(None, ARGS + ["--resume", str(tmp_path / "plain")], timeout=60)
+    assert r.returncode == 2 and "not a checkpoint" in r.stderr, r.stderr
+    bad = [a if a != "16" else "32" for a in ARGS]  # --d-model 32 --seq-len 32
+    r = run_train(None, bad + ["--layers", "3", "--untied", "--resume", str(tmp_path / "ck")], timeout=60)
+    assert r.returncode == 2, r.stderr
+    for field in ("n_layer 2 -> 3", "d_model 16 -> 32", "tie_embeddings True -> False"):
+        assert field in r.stderr, r.stderr
