@@ -129,47 +129,106 @@ def model_differences(meta: dict, model_config) -> list[str]:
 def save(directory: str, step: int, strategy, model_config, extra: dict | None = None) -> str:
     """Write this rank's part of checkpoint ``step`` of ``strategy``'s run into ``directory``
     (collective: every rank calls it); return the checkpoint's path."""
+    pending = _begin(directory, step, strategy, model_config, extra)
+    _write_part(pending["tmp"], pending["rank"], pending["snapshot"], pending["scalars"])
+    return _commit(pending)
+
+
+class AsyncSaver:
+    """``--save-async`` (as PyTorch DCP's ``async_save``): :meth:`save` copies this rank's
+    arrays to host memory at the step boundary and a background thread writes them while
+    training goes on; the checkpoint is renamed into place (and ``latest`` moved) by the next
+    :meth:`save` or by :meth:`wait`, once every rank has written its part.  The thread does no
+    communication: the ranks agree (a barrier) only in the main thread."""
+
+    def __init__(self):
+        self.pending, self.thread = None, None
+        self.blocking_s = 0.0   # time save() and wait() held the training loop
+        self.writing_s = 0.0    # time the background threads spent writing
+
+    def save(self, directory: str, step: int, strategy, model_config, extra: dict | None = None):
+        import threading
+        import time
+
+        self.wait()
+        t0 = time.perf_counter()
+        pending = _begin(directory, step, strategy, model_config, extra)
+
+        def write():
+            w0 = time.perf_counter()
+            _write_part(pending["tmp"], pending["rank"], pending["snapshot"], pending["scalars"])
+            self.writing_s += time.perf_counter() - w0
+
+        self.pending, self.thread = pending, threading.Thread(target=write, name="checkpoint-writer", daemon=True)
+        self.thread.start()
+        self.blocking_s += time.perf_counter() - t0
+
+    def wait(self) -> str | None:
+        """Finish the save in flight (collective); its path, or None when there was none."""
+        import time
+
+        if self.pending is None:
+            return None
+        t0 = time.perf_counter()
+        self.thread.join()
+        path = _commit(self.pending)
+        self.pending = self.thread = None
+        self.blocking_s += time.perf_counter() - t0
+        return path
+
+
+def _begin(directory, step, strategy, model_config, extra) -> dict:
+    """The collective start of a save: rank 0 makes the temporary directory, and every rank
+    copies what it owns to host memory (so training may change the arrays afterwards)."""
     from . import comm
 
     world = comm.world() if strategy.mesh is not None else None
     rank = world.rank if world is not None else 0
-    final, tmp = step_dir(directory, step), os.path.join(directory, f".tmp-step-{step:06d}")
+    tmp = os.path.join(directory, f".tmp-step-{step:06d}")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed half-way before this one
         os.makedirs(tmp)
     _barrier(world)
-    part = _write_part(tmp, rank, strategy)
-    with open(os.path.join(tmp, f"rank-{rank:05d}.json"), "w") as f:
-        json.dump(part, f)
-    _barrier(world)
-    if rank == 0:
-        _finish(directory, tmp, final, step, strategy, model_config, extra or {}, world.size if world else 1)
-    _barrier(world)
-    return final
+    snapshot = [(p.name, tuple(p.global_shape), p.sharding, what, flat, np.array(_host(array), copy=True))
+                for p, what, flat, array in strategy.owned_state()]
+    return {"directory": directory, "tmp": tmp, "final": step_dir(directory, step), "step": step,
+            "rank": rank, "world": world, "snapshot": snapshot, "scalars": strategy.checkpoint_scalars(),
+            "mesh": strategy.mesh_sizes(), "model": dataclasses.asdict(model_config), "extra": extra or {}}
 
 
-def _write_part(tmp: str, rank: int, strategy) -> dict:
-    """Write this rank's owned arrays into one file; return their pieces' descriptions."""
+def _commit(pending) -> str:
+    """The collective end of a save: once every rank's part is written, rank 0 merges the
+    metadata and renames the checkpoint into place."""
+    world = pending["world"]
+    _barrier(world)
+    if pending["rank"] == 0:
+        _finish(pending, world.size if world is not None else 1)
+    _barrier(world)
+    return pending["final"]
+
+
+def _write_part(tmp: str, rank: int, snapshot, scalars) -> None:
+    """Write this rank's owned arrays into one file and the description of their pieces."""
     pieces, offset = [], 0
     name = f"rank-{rank:05d}.bin"
     with open(os.path.join(tmp, name), "wb") as f:
-        for p, what, flat, array in strategy.owned_state():
-            data = np.ascontiguousarray(_host(array)).tobytes()
+        for pname, shape, sh, what, flat, array in snapshot:
+            data = np.ascontiguousarray(array).tobytes()
             f.write(data)
-            sh = p.sharding
-            pieces.append({"tensor": f"{p.name}/{what}", "global_shape": list(p.global_shape),
-                           "dtype": str(np.dtype(_host(array).dtype)), "file": name, "offset": offset,
-                           "nbytes": len(data), "crc32": zlib.crc32(data),
+            pieces.append({"tensor": f"{pname}/{what}", "global_shape": list(shape), "dtype": str(array.dtype),
+                           "file": name, "offset": offset, "nbytes": len(data), "crc32": zlib.crc32(data),
                            "tp": None if sh is None else [sh.dim, sh.index, sh.parts, sh.blocks],
                            "flat": None if flat is None else [flat.start, flat.stop]})
             offset += len(data)
         f.flush()
         os.fsync(f.fileno())
-    return {"file": name, "size": offset, "pieces": pieces, "scalars": strategy.checkpoint_scalars()}
+    with open(os.path.join(tmp, f"rank-{rank:05d}.json"), "w") as f:
+        json.dump({"file": name, "size": offset, "pieces": pieces, "scalars": scalars}, f)
 
 
-def _finish(directory, tmp, final, step, strategy, model_config, extra, world_size):
+def _finish(pending: dict, world_size: int):
     """Rank 0: merge the parts into metadata.json, rename into place, then point ``latest``."""
+    directory, tmp, final = pending["directory"], pending["tmp"], pending["final"]
     files, tensors, scalars = {}, {}, {}
     for part_name in sorted(n for n in os.listdir(tmp) if n.endswith(".json")):
         with open(os.path.join(tmp, part_name)) as f:
@@ -185,8 +244,8 @@ def _finish(directory, tmp, final, step, strategy, model_config, extra, world_si
                 scalars.setdefault(key, {}).update(value)
             else:
                 scalars.setdefault(key, value)
-    meta = {"format": FORMAT, "step": step, "world_size": world_size, "mesh": strategy.mesh_sizes(),
-            "model": dataclasses.asdict(model_config), "scalars": {**scalars, **extra},
+    meta = {"format": FORMAT, "step": pending["step"], "world_size": world_size, "mesh": pending["mesh"],
+            "model": pending["model"], "scalars": {**scalars, **pending["extra"]},
             "files": files, "tensors": tensors}
     with open(os.path.join(tmp, "metadata.json"), "w") as f:
         json.dump(meta, f, indent=1)

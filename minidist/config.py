@@ -113,6 +113,7 @@ class CheckpointConfig:
     save: str | None = None           # a directory: checkpoints go to save/step-NNNNNN, save/latest
     save_every: int | None = None     # None: only at the end of the run
     resume: str | None = None         # a checkpoint directory, or a --save directory (its latest)
+    save_async: bool = False          # write in a background thread while training goes on
 
 
 @dataclass

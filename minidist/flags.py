@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save checkpoints into DIR (an existing directory): DIR/step-NNNNNN, DIR/latest")
     c.add_argument("--save-every", type=POSITIVE, default=None, metavar="K",
                    help="save every K steps (default: only at the end); always at the end")
+    c.add_argument("--save-async", action="store_true",
+                   help="copy the arrays to host memory at the step and write them in a background thread "
+                        "while training goes on (the next save, or the end, waits for it)")
     c.add_argument("--resume", default=None, metavar="PATH",
                    help="continue from a checkpoint: a step-NNNNNN directory, or a --save DIR (its latest); "
                         "the mesh may differ from the one that saved it")
@@ -233,6 +236,8 @@ def _check_checkpoints(cfg: RunConfig) -> None:
     c = cfg.checkpoint
     if c.save_every is not None and c.save is None:
         raise InputError(f"--save-every {c.save_every} needs --save DIR")
+    if c.save_async and c.save is None:
+        raise InputError("--save-async needs --save DIR")
     if c.save is not None:
         if not os.path.isdir(c.save):
             raise InputError(f"--save {c.save}: no such directory (create it first)")

@@ -68,6 +68,10 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
     memory, tracer = PeakMemory(), Tracer(rank=world_rank(), enabled=bool(cfg.report.trace))
     start = resume(cfg, strategy, scaler, report)
     step = start
+    saver = None
+    if cfg.checkpoint.save_async:
+        from .checkpoint import AsyncSaver
+        saver = AsyncSaver()
     try:
         # Steps count 1..N everywhere (progress line, metrics, messages); the sampler and the
         # learning-rate schedule take the 0-based index.  A diverging run's overflow warnings
@@ -80,7 +84,13 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
                     raise FloatingPointError(f"loss became {r['loss']} at step {step}")
                 c = cfg.checkpoint
                 if c.save and (step == o.steps or (c.save_every and step % c.save_every == 0)):
-                    save(cfg, strategy, step, scaler)
+                    save(cfg, strategy, step, scaler, saver)
+        if saver is not None:
+            saver.wait()  # the last checkpoint in place before the run ends
+            if not cfg.report.quiet:
+                hidden = 1 - saver.blocking_s / max(saver.blocking_s + saver.writing_s, 1e-12)
+                report.log(f"asynchronous saving: {saver.writing_s:.2f}s written in the background, "
+                           f"{saver.blocking_s:.2f}s blocking the loop ({100 * hidden:.0f}% of the save time hidden)")
     except KeyboardInterrupt:
         raise Interrupted(step, report.metrics) from None
     finally:
@@ -90,12 +100,15 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
     return report.metrics
 
 
-def save(cfg, strategy, step: int, scaler=None) -> str:
-    """Checkpoint ``step`` into ``--save`` (every rank writes its part; minidist/checkpoint.py)."""
+def save(cfg, strategy, step: int, scaler=None, saver=None):
+    """Checkpoint ``step`` into ``--save`` (every rank writes its part; minidist/checkpoint.py),
+    now or, with ``saver`` (--save-async), in the background."""
     from . import checkpoint
     from .parallel.compose import model_config
 
     extra = {"loss_scale": scaler.scale, "loss_scale_clean_steps": scaler.clean_steps} if scaler else {}
+    if saver is not None:
+        return saver.save(cfg.checkpoint.save, step, strategy, model_config(cfg), extra)
     return checkpoint.save(cfg.checkpoint.save, step, strategy, model_config(cfg), extra)
 
 

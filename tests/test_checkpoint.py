@@ -179,3 +179,21 @@ def test_resume_of_another_model_names_the_fields(tmp_path):
     assert r.returncode == 2, r.stderr
     for field in ("n_layer 2 -> 3", "d_model 16 -> 32", "tie_embeddings True -> False"):
         assert field in r.stderr, r.stderr
+
+
+@pytest.mark.mpi
+def test_asynchronous_saving_writes_the_same_checkpoints(tmp_path):
+    """--save-async copies the arrays at the step and writes them in the background: every
+    checkpoint equals the synchronous one, and the run says how much of the save it hid."""
+    (tmp_path / "sync").mkdir(), (tmp_path / "async").mkdir()
+    _train(2, ["--save", str(tmp_path / "sync"), "--save-every", "2"], tmp_path, "sync")
+    out = tmp_path / "a.jsonl"
+    r = run_train(2, [a for a in ARGS if a != "--quiet"] + ["--save", str(tmp_path / "async"), "--save-every", "2",
+                                                            "--save-async", "--metrics-jsonl", str(out)], timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert "asynchronous saving:" in r.stdout and "% of the save time hidden" in r.stdout, r.stdout
+    names = ["latest", "step-000002", "step-000004", "step-000006"]
+    assert sorted(os.listdir(tmp_path / "async")) == sorted(os.listdir(tmp_path / "sync")) == names
+    for step in names[1:]:
+        a, s = _params(tmp_path / "async" / step), _params(tmp_path / "sync" / step)
+        assert all(np.array_equal(a[k], s[k]) for k in s), step
