@@ -14,18 +14,16 @@ rounds, as tensor cores do: low-precision inputs, fp32 accumulation).
 
 from __future__ import annotations
 
-import os
-
 import numpy as _np
 
-BACKEND = os.environ.get("MINIDIST_BACKEND", "numpy").lower()
+from minidist import env
 
-if BACKEND == "numpy":
-    xp = _np
-elif BACKEND == "cupy":
+BACKEND = env.get("MINIDIST_BACKEND")  # "numpy" or "cupy"; EnvError (a ValueError) for anything else
+
+if BACKEND == "cupy":
     import cupy as xp  # noqa: F401  (optional dependency, imported only when asked for)
 else:
-    raise ValueError(f"MINIDIST_BACKEND={BACKEND!r}: expected 'numpy' or 'cupy'")
+    xp = _np
 
 try:
     import ml_dtypes as _ml_dtypes

@@ -50,10 +50,11 @@ def mpiexec_command(nprocs: int) -> list[str]:
     return cmd
 
 
-def run_train(nprocs: int | None, args: list, timeout: float = 120):
+def run_train(nprocs: int | None, args: list, timeout: float = 120, env: dict | None = None):
     """``python -m minidist.train ARGS`` on ``nprocs`` ranks under mpiexec (None: without mpiexec),
-    one BLAS thread per rank; the CompletedProcess, whatever its exit code (tests check it)."""
-    env = dict(os.environ, **blas_threads(1))
+    one BLAS thread per rank, with the variables of ``env`` added to this process's environment;
+    the CompletedProcess, whatever its exit code (tests check it)."""
+    env = {**os.environ, **(env or {}), **blas_threads(1)}
     launcher = mpiexec_command(nprocs) if nprocs else []
     return subprocess.run(launcher + [sys.executable, "-m", "minidist.train", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -144,14 +145,16 @@ def _collect_dumps(dump_dir: str) -> str:
 
 
 def _arm_hang_dump():
-    dump_dir, after = os.environ.get(_HANG_DIR), os.environ.get(_HANG_AFTER)
+    from minidist import env
+
+    dump_dir, after = env.get(_HANG_DIR), env.get(_HANG_AFTER)
     if not (dump_dir and after):
         return None
     from mpi4py import MPI
 
     f = open(os.path.join(dump_dir, f"rank{MPI.COMM_WORLD.Get_rank()}"), "w")
     # exit=False: a rank that exited first would make mpiexec kill the others before they dump.
-    faulthandler.dump_traceback_later(float(after), exit=False, file=f)
+    faulthandler.dump_traceback_later(after, exit=False, file=f)
     return f
 
 

@@ -57,7 +57,15 @@ arguments, picks the algorithm (reducing.all_reduce_algorithm), and launch.launc
 reducing._all_reduce in the collective's stats scope, which calls e.g.
 algorithms.doubling.recursive_doubling_all_reduce, whose messages go through
 p2p._sendrecv to MPI's Sendrecv; afterwards fast.remember caches the plan for next time.
+
+Every MINIDIST_* variable is checked first (minidist/env.py): a bad value raises its one-line
+EnvError (a ValueError) here, before anything else loads.
 """
+
+from minidist import env as _env
+
+if _env.problem() is not None:
+    raise _env.problem()  # raised here, not deep inside an import: the traceback stays a few lines
 
 from minidist.comm.check import check_enabled, set_check
 from minidist.comm.collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather,

@@ -4,7 +4,9 @@ A distributed program fails badly when one rank raises and the others wait for i
 in a collective.  :func:`abort_on_exception` (installed by ``comm.world()``) turns that into
 a fast failure: the failing rank prints its traceback, gives the other ranks a moment to
 print theirs (ranks often fail together, each seeing the other's bad message), and calls
-``MPI_Abort``, which ends every rank of the job.
+``MPI_Abort``, which ends every rank of the job.  A bad environment variable
+(:class:`minidist.env.EnvError`) is reported as its one line, ``minidist: <message>``: its
+traceback would only say where the variable was read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import sys
 import threading
 import time
 import traceback
+
+from minidist.env import EnvError
 
 ABORT_GRACE_S = 0.5  # how long a failing rank waits for the others' reports before aborting the job
 
@@ -30,10 +34,14 @@ def abort_on_exception():
 
     def _abort(exc_type, exc, tb, where="main thread"):
         rank = _world_rank()
-        lines = traceback.format_exception(exc_type, exc, tb)
+        if issubclass(exc_type, EnvError):
+            report = f"[rank {rank}] minidist: {exc}\n"
+        else:
+            lines = traceback.format_exception(exc_type, exc, tb)
+            report = f"[rank {rank}] uncaught exception in {where}, aborting the job:\n" + "".join(
+                f"[rank {rank}] {ln}" for chunk in lines for ln in chunk.splitlines(True))
         # One write, so that a kill from another rank's abort cannot cut the report in two.
-        sys.stderr.write(f"[rank {rank}] uncaught exception in {where}, aborting the job:\n"
-                         + "".join(f"[rank {rank}] {ln}" for chunk in lines for ln in chunk.splitlines(True)))
+        sys.stderr.write(report)
         sys.stderr.flush()
         sys.stdout.flush()
         # Ranks often fail together (each sees the other's bad message); give them a moment to

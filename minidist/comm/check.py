@@ -16,18 +16,18 @@ Two kinds of mistakes break a collective:
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import numpy as np
 
+from minidist import env
 from minidist.backend import dtype_name
 from minidist.comm import stats
 from minidist.comm.errors import CollectiveMismatchError
 from minidist.comm.p2p import TAG_CHECK
 from minidist.comm.algorithms.bruck import bruck_all_gather
 
-_enabled = os.environ.get("MINIDIST_CHECK_COLLECTIVES", "0").strip().lower() not in ("", "0", "false", "no")
+_enabled = env.get("MINIDIST_CHECK_COLLECTIVES")
 
 MAX_DIMS = 8
 SIGNATURE = np.dtype([("name", "S24"), ("dtype", "S16"), ("op", "S8"), ("root", "<i8"),

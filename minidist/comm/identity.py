@@ -12,10 +12,9 @@ Group.user_comm.  MINIDIST_COLLECTIVE_TAGS=0 turns it off.
 
 from __future__ import annotations
 
-import os
-
 from mpi4py import MPI
 
+from minidist import env
 from minidist.comm import stats
 from minidist.comm.errors import CollectiveMismatchError
 
@@ -40,7 +39,7 @@ _DTYPE_CODE: dict = {}  # dtype object -> code, filled as dtypes come
 
 
 def _tags_wanted() -> bool:
-    if os.environ.get("MINIDIST_COLLECTIVE_TAGS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env.get("MINIDIST_COLLECTIVE_TAGS"):
         return False
     # MPI only promises tags up to 32767; identity tags need IDENT_BASE + 2^19.
     return (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 0) >= IDENT_BASE + (2 << _CODE_BITS)

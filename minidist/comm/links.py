@@ -21,8 +21,9 @@ to :func:`set_nodes`.
 
 from __future__ import annotations
 
-import os
 import time
+
+from minidist import env
 
 SCOPES = ("all", "internode")
 
@@ -117,18 +118,12 @@ def delay(nbytes: int, comm=None, peer=None) -> None:
 
 
 def _from_environment() -> None:
-    lat = os.environ.get("MINIDIST_LINK_LATENCY_US", "").strip()
-    bw = os.environ.get("MINIDIST_LINK_GBPS", "").strip()
-    scope = os.environ.get("MINIDIST_LINK_SCOPE", "").strip() or "all"
-    if scope not in SCOPES:
-        raise ValueError(f"bad simulated link: MINIDIST_LINK_SCOPE={scope!r} (expected one of {', '.join(SCOPES)})")
-    if not (lat or bw):
-        return
-    try:
-        set_link_model(float(lat) if lat else 0.0, float(bw) if bw else None, scope)
-    except ValueError:
-        raise ValueError(f"bad simulated link: MINIDIST_LINK_LATENCY_US={lat!r}, "
-                         f"MINIDIST_LINK_GBPS={bw!r} (expected numbers >= 0 and > 0)") from None
+    """The model of MINIDIST_LINK_LATENCY_US, MINIDIST_LINK_GBPS and MINIDIST_LINK_SCOPE
+    (read and checked by minidist.env: EnvError naming a bad one)."""
+    lat, bw = env.get("MINIDIST_LINK_LATENCY_US"), env.get("MINIDIST_LINK_GBPS")
+    scope = env.get("MINIDIST_LINK_SCOPE")
+    if lat or bw is not None:
+        set_link_model(lat, bw, scope)
 
 
 _from_environment()

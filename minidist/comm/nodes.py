@@ -22,11 +22,10 @@ cached); everything else is arithmetic on its answer.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from mpi4py import MPI
 
+from minidist import env
 from minidist.comm import links
 from minidist.comm.collectives import all_gather
 from minidist.comm.group import world as world_group
@@ -41,17 +40,8 @@ _ids: tuple | None = None  # node_ids()'s answer, once computed
 
 def ranks_per_node() -> int | None:
     """``MINIDIST_RANKS_PER_NODE`` (K: every K consecutive ranks are a pretend node), or None
-    when unset (the real nodes).  The one place that reads the variable."""
-    text = os.environ.get(RANKS_PER_NODE, "").strip()
-    if not text:
-        return None
-    try:
-        k = int(text)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise ValueError(f"{RANKS_PER_NODE}={text!r} must be a positive integer (ranks per pretend node)")
-    return k
+    when unset (the real nodes); read and checked by minidist.env, like every MINIDIST_* variable."""
+    return env.get(RANKS_PER_NODE)  # EnvError (a ValueError) when bad
 
 
 def pretend_node_ids(world_size: int, k: int) -> tuple[int, ...]:

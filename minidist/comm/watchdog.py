@@ -24,33 +24,20 @@ The timeout: ``MINIDIST_TIMEOUT_S`` (seconds, default 300; 0 turns the watchdog 
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 import weakref
 
+from minidist import env
 from minidist.comm import identity, stats
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = env.VARIABLES["MINIDIST_TIMEOUT_S"].default  # 300 s
 POLL_S = 0.5  # how often the thread looks (at most; a quarter of a shorter timeout)
 GRACE_S = 1.5  # after its report, how long a rank waits for the other stuck ranks' reports
 
 
-def _from_environment() -> float:
-    raw = os.environ.get("MINIDIST_TIMEOUT_S", "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError(f"MINIDIST_TIMEOUT_S={raw!r}: expected seconds >= 0 (0 turns the watchdog off)")
-    return value
-
-
-_timeout = _from_environment()
+_timeout = env.get("MINIDIST_TIMEOUT_S")  # DEFAULT_TIMEOUT_S when unset; EnvError when bad
 _groups: weakref.WeakSet = weakref.WeakSet()
 _thread = None
 _lock = threading.Lock()

@@ -34,11 +34,11 @@ docs/perf-notes.md.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import numpy as np
 
+from minidist import env
 from minidist.comm import check, links, reduction, watchdog
 from minidist.comm.algorithms import evengather, pipelined
 from minidist.comm.fast.allreduce import AllReducePlan, PairwiseAllReducePlan
@@ -49,7 +49,7 @@ from minidist.comm.fast.scatter import DirectScatterPlan, HalvingPlan, PairwiseP
 from minidist.comm.group import Group
 from minidist.comm.identity import TAG_COLLECTIVE, describe_tag
 
-_enabled = os.environ.get("MINIDIST_FAST_PATH", "1").strip().lower() not in ("0", "false", "no", "off")
+_enabled = env.get("MINIDIST_FAST_PATH")
 _MAX_PLANS = 256  # per group; a training loop uses a handful of shapes, so this rarely fills
 _groups: weakref.WeakSet = weakref.WeakSet()  # groups holding plans (set_fast_path(False) drops them)
 
