@@ -60,6 +60,8 @@ PARTS = [
          [], ["--quick"], full_s=150, quick_s=4),
     Part("compose", "bench_compose.py", "4D composition on 4 ranks: dp4, dp2·tp2, pp2·tp2, tp2·cp2 vs one rank; "
          "bytes per axis vs the formulas", [], ["--quick"], full_s=120, quick_s=10),
+    Part("checkpoint", "bench_checkpoint.py", "checkpoints at dp2·tp2: sharded vs gathered save and load, "
+         "--save-async's hidden share", [], ["--quick"], full_s=60, quick_s=5),
 ]
 
 

@@ -142,7 +142,7 @@ class AsyncSaver:
     communication: the ranks agree (a barrier) only in the main thread."""
 
     def __init__(self):
-        self.pending, self.thread = None, None
+        self.pending, self.thread, self.finisher = None, None, None
         self.blocking_s = 0.0   # time save() and wait() held the training loop
         self.writing_s = 0.0    # time the background threads spent writing
 
@@ -150,9 +150,9 @@ class AsyncSaver:
         import threading
         import time
 
-        self.wait()
+        self.wait(final=False)
         t0 = time.perf_counter()
-        pending = _begin(directory, step, strategy, model_config, extra)
+        pending = _begin(directory, step, strategy, model_config, extra, shared_tmp=True)
 
         def write():
             w0 = time.perf_counter()
@@ -163,32 +163,59 @@ class AsyncSaver:
         self.thread.start()
         self.blocking_s += time.perf_counter() - t0
 
-    def wait(self) -> str | None:
-        """Finish the save in flight (collective); its path, or None when there was none."""
+    def wait(self, final: bool = True) -> str | None:
+        """Finish the save in flight (collective); its path, or None when there was none.
+
+        Once every rank has written its part (rank 0 watches for their part files: no message
+        is needed), rank 0 merges the metadata and renames the checkpoint into place: in the
+        background when ``final`` is False (a save followed by another), here when it is True
+        (the end of the run, which then waits for every rank)."""
+        import threading
         import time
 
+        self._join_finisher()
         if self.pending is None:
             return None
         t0 = time.perf_counter()
-        self.thread.join()
-        path = _commit(self.pending)
-        self.pending = self.thread = None
+        pending, self.pending = self.pending, None
+        self.thread.join()  # this rank's part is on disk
+        world = pending["world"]
+        if pending["rank"] == 0:  # the others' parts: rank 0's finisher waits for their files
+            size = world.size if world is not None else 1
+            self.finisher = threading.Thread(target=_finish_when_written, args=(pending, size),
+                                             name="checkpoint-finisher", daemon=True)
+            self.finisher.start()
+            if final:
+                self._join_finisher()
+        if final:
+            _barrier(world)  # the checkpoint is in place for every rank
         self.blocking_s += time.perf_counter() - t0
-        return path
+        return pending["final"]
+
+    def _join_finisher(self):
+        if self.finisher is not None:
+            self.finisher.join()
+            self.finisher = None
 
 
-def _begin(directory, step, strategy, model_config, extra) -> dict:
-    """The collective start of a save: rank 0 makes the temporary directory, and every rank
-    copies what it owns to host memory (so training may change the arrays afterwards)."""
+def _begin(directory, step, strategy, model_config, extra, shared_tmp: bool = False) -> dict:
+    """The start of a save: the temporary directory, and every rank's copy of what it owns in
+    host memory (so training may change the arrays afterwards).  Rank 0 clears a directory a
+    killed save left behind and the others wait for it (a barrier); ``shared_tmp`` (the
+    asynchronous saver) skips that wait: every rank makes the directory, each writes only its
+    own files, and rank 0 merges only this world's parts."""
     from . import comm
 
     world = comm.world() if strategy.mesh is not None else None
     rank = world.rank if world is not None else 0
     tmp = os.path.join(directory, f".tmp-step-{step:06d}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save killed half-way before this one
-        os.makedirs(tmp)
-    _barrier(world)
+    if shared_tmp:
+        os.makedirs(tmp, exist_ok=True)
+    else:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save killed half-way before this one
+            os.makedirs(tmp)
+        _barrier(world)
     snapshot = [(p.name, tuple(p.global_shape), p.sharding, what, flat, np.array(_host(array), copy=True))
                 for p, what, flat, array in strategy.owned_state()]
     return {"directory": directory, "tmp": tmp, "final": step_dir(directory, step), "step": step,
@@ -222,15 +249,31 @@ def _write_part(tmp: str, rank: int, snapshot, scalars) -> None:
             offset += len(data)
         f.flush()
         os.fsync(f.fileno())
-    with open(os.path.join(tmp, f"rank-{rank:05d}.json"), "w") as f:
+    part = os.path.join(tmp, f"rank-{rank:05d}.json")
+    with open(part + ".tmp", "w") as f:  # renamed when complete: its existence means "written"
         json.dump({"file": name, "size": offset, "pieces": pieces, "scalars": scalars}, f)
+    os.replace(part + ".tmp", part)
+
+
+def _finish_when_written(pending: dict, world_size: int, poll_s: float = 0.005) -> None:
+    """Rank 0's finisher of an asynchronous save: wait until every rank's part file exists."""
+    import time
+
+    parts = [os.path.join(pending["tmp"], f"rank-{r:05d}.json") for r in range(world_size)]
+    while not all(os.path.exists(p) for p in parts):
+        time.sleep(poll_s)
+    _finish(pending, world_size)
 
 
 def _finish(pending: dict, world_size: int):
     """Rank 0: merge the parts into metadata.json, rename into place, then point ``latest``."""
     directory, tmp, final = pending["directory"], pending["tmp"], pending["final"]
     files, tensors, scalars = {}, {}, {}
-    for part_name in sorted(n for n in os.listdir(tmp) if n.endswith(".json")):
+    parts = [f"rank-{r:05d}" for r in range(world_size)]
+    for name in os.listdir(tmp):  # leftovers of a killed save (by a larger world)
+        if name.split(".")[0] not in parts or name.endswith(".tmp"):
+            os.remove(os.path.join(tmp, name))
+    for part_name in [f"{p}.json" for p in parts if os.path.exists(os.path.join(tmp, f"{p}.json"))]:
         with open(os.path.join(tmp, part_name)) as f:
             part = json.load(f)
         os.remove(os.path.join(tmp, part_name))

@@ -181,3 +181,16 @@ def test_bench_compose_quick(quick_run):
     # each mesh's traffic travels on the groups of its own axes
     assert "tp" in rows["dp2·tp2"]["bytes_sent_last_step"] and "dp" in rows["dp2·tp2"]["bytes_sent_last_step"]
     assert "pp" in rows["pp2·tp2"]["bytes_sent_last_step"] and "cp" in rows["tp2·cp2"]["bytes_sent_last_step"]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_checkpoint_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "checkpoint.json") as f:
+        r = json.load(f)
+    assert r["mesh"] == "dp2·tp2" and len(r["bytes_written_per_rank"]) == 4
+    assert sum(r["bytes_written_per_rank"]) == r["whole_bytes"] > 0  # the same bytes, sharded or gathered
+    for key in ("sharded_save_s", "gathered_save_s", "sharded_load_s", "whole_load_s", "sync_save_s"):
+        assert r[key] > 0, (key, r)
+    assert r["async_blocking_s"] >= 0 and r["hidden_share"] <= 1
