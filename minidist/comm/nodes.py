@@ -62,21 +62,26 @@ def node_ids(world=None) -> tuple[int, ...]:
         raise ValueError(f"node_ids: the group {g.name!r} has {g.size} of the {MPI.COMM_WORLD.Get_size()} ranks; "
                          "it needs the whole world")
     k = ranks_per_node()
-    if k is not None:
-        key = g.world_ranks[g.rank] // k
-    else:
-        # The ranks that can share memory are one node; its lowest world rank names it.
-        local = g.comm.Split_type(MPI.COMM_TYPE_SHARED, key=g.rank)
-        try:
-            lowest = MPI.Group.Translate_ranks(local.Get_group(), [0], MPI.COMM_WORLD.Get_group())[0]
-        finally:
-            local.Free()
-        key = int(lowest)
-    keys = all_gather(np.array([key], dtype=np.int64), g)
+    # Every rank takes the same steps whatever it read, so a disagreement raises instead of hanging.
+    # The real node: the ranks that can share memory; its lowest world rank names it.
+    local = g.comm.Split_type(MPI.COMM_TYPE_SHARED, key=g.rank)
+    try:
+        lowest = int(MPI.Group.Translate_ranks(local.Get_group(), [0], MPI.COMM_WORLD.Get_group())[0])
+    finally:
+        local.Free()
+    me = g.world_ranks[g.rank]
+    # The exchange below needs a layout when the simulated link applies between nodes only: the
+    # pretend one, or one node (these few bytes are not charged) until the real one is known.
+    links.set_nodes(pretend_node_ids(g.size, k) if k is not None else (0,) * g.size)
+    rows = all_gather(np.array([[me // k if k else lowest, k or 0]], dtype=np.int64), g).tolist()
+    if len({row[1] for row in rows}) > 1:
+        said = ", ".join(f"rank {r}: {row[1] or 'unset'}" for r, row in zip(g.world_ranks, rows))
+        raise ValueError(f"the ranks disagree on {RANKS_PER_NODE} ({said}): set it for every rank")
+    keys = [row[0] for row in rows]
     number = {}
-    for k_ in keys.tolist():  # number the nodes in order of first appearance (lowest rank)
+    for k_ in keys:  # number the nodes in order of first appearance (lowest rank)
         number.setdefault(k_, len(number))
-    by_world = dict(zip(g.world_ranks, (number[k_] for k_ in keys.tolist())))
+    by_world = dict(zip(g.world_ranks, (number[k_] for k_ in keys)))
     _ids = tuple(by_world[r] for r in sorted(by_world))
     links.set_nodes(_ids)
     return _ids
