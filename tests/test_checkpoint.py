@@ -136,16 +136,15 @@ def test_kill_9_of_a_rank_ends_the_job_and_the_latest_checkpoint_loads(tmp_path)
     ck = tmp_path / "ck"
     ck.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    cmd = mpiexec_command(2) + [sys.executable, "-m", "minidist.train", *ARGS, "--steps", "100000",
-                                "--save", str(ck), "--save-every", "1"]
+    args = [a for a in ARGS if a not in ("--steps", "6")] + ["--steps", "100000"]
+    cmd = mpiexec_command(2) + [sys.executable, "-m", "minidist.train", *args, "--save", str(ck), "--save-every", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and len([d for d in os.listdir(ck) if d.startswith("step-")]) < 3:
             time.sleep(0.05)
-        rank1 = subprocess.run(["pgrep", "-f", "-n", "minidist.train"], capture_output=True, text=True).stdout.split()
-        os.kill(int(rank1[0]), signal.SIGKILL)  # the newest rank process
+        os.kill(_ranks_of(proc.pid)[-1], signal.SIGKILL)  # one rank of this job
         proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -155,6 +154,21 @@ def test_kill_9_of_a_rank_ends_the_job_and_the_latest_checkpoint_loads(tmp_path)
     check(path)
     r = run_train(None, ARGS + ["--steps", str(int(path[-6:]) + 1), "--resume", str(ck)], timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def _ranks_of(launcher_pid):
+    """The PIDs of the rank processes under an mpiexec (MPICH: mpiexec -> proxy -> ranks)."""
+    def children(pid):
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        return [int(p) for p in out]
+
+    level = children(launcher_pid)
+    for _ in range(3):
+        deeper = [c for p in level for c in children(p)]
+        if not deeper:
+            break
+        level = deeper
+    return sorted(level)
 
 
 @pytest.mark.parametrize("args, needle", [
