@@ -14,6 +14,7 @@ import sys
 
 from .cli_checks import (InputError, available_memory_bytes, check_input_file, check_memory, check_output_files,
                          float_in, int_in, training_memory_bytes)
+from . import env
 from .blas_env import pin_blas_threads
 from .config import ATTENTIONS, CP_IMPLEMENTATIONS, TP_OVERLAPS, RunConfig, from_args
 from .parallel.pipeline.schedules import ORDERS
@@ -188,6 +189,7 @@ def validate(args, parser) -> RunConfig:
 
 
 def _validate(args) -> RunConfig:
+    env.check_all(InputError)  # every MINIDIST_* variable (minidist/env.py), before anything reads one
     if args.d_model % args.heads:
         raise InputError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     if args.block_size is not None and args.seq_len > args.block_size:
