@@ -26,8 +26,12 @@ $(VENV)/.installed: setup.cfg pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# Trains, saves the last step into demo-checkpoint/ and prints a sample of what it learned.
 demo: install
-	$(BIN)/python -m minidist.train --steps 300 --eval-every 100
+	mkdir -p demo-checkpoint
+	$(BIN)/python -m minidist.train --steps 300 --eval-every 100 --save demo-checkpoint
+	@echo "--- a sample from the trained model (python -m minidist.generate demo-checkpoint) ---"
+	$(BIN)/python -m minidist.generate demo-checkpoint --prompt "def " --tokens 200 --seed 0
 
 test: install
 	$(BIN)/python -m pytest -q tests
@@ -45,4 +49,4 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py --out bench-results
 
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache
+	rm -rf $(VENV) bench-results .pytest_cache demo-checkpoint
