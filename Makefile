@@ -9,12 +9,13 @@ export PATH := $(abspath $(BIN)):$(PATH)
 .PHONY: help install demo test test-fast bench clean
 
 help:
-	@echo "make demo       set up .venv (numpy, mpi4py, the mpich wheel with mpiexec) and train a small GPT"
+	@echo "make demo       set up .venv (numpy, mpi4py, the mpich wheel with mpiexec), train a small GPT into"
+	@echo "                demo-checkpoint/ and print a sample of the text it generates"
 	@echo "make test       install what the tests need and run the whole suite (single- and multi-process)"
 	@echo "make test-fast  the suite without the slow tests"
 	@echo "make bench      the benchmarks (installs PyTorch for the comparison); JSON and tables in bench-results/"
 	@echo "make install    only create .venv and install minidist into it"
-	@echo "make clean      remove .venv, bench-results and pytest's cache"
+	@echo "make clean      remove .venv, bench-results, demo-checkpoint and pytest's cache"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

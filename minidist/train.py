@@ -79,7 +79,8 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             for step in range(start + 1, o.steps + 1):
-                r = _one_step(step, cfg, strategy, sampler, val_batches, report, memory, tracer, low, scaler)
+                r = _one_step(step, step == start + 1, cfg, strategy, sampler, val_batches, report, memory, tracer,
+                              low, scaler)
                 if not math.isfinite(r["loss"]) and scaler is None:
                     raise FloatingPointError(f"loss became {r['loss']} at step {step}")
                 c = cfg.checkpoint
@@ -146,14 +147,15 @@ class Interrupted(Exception):
         self.step, self.metrics = step, metrics
 
 
-def _one_step(step, cfg, strategy, sampler, val_batches, report, memory, tracer, low, scaler) -> dict:
-    """Step ``step`` (1-based) of the loop; its metrics record (kept and printed by ``report``)."""
+def _one_step(step, first, cfg, strategy, sampler, val_batches, report, memory, tracer, low, scaler) -> dict:
+    """Step ``step`` (1-based; ``first``: the first of this run, resumed or not) of the loop;
+    its metrics record (kept and printed by ``report``)."""
     from .optim import lr_at
 
     dev, o, world = cfg.device, cfg.optim, report.world
     # Memory is traced on the first step and on each step before a printed one, so the
     # printed step's own tokens/s and MFU do not pay for the tracing.
-    traced = step == 1 or report.logged(step + 1)
+    traced = first or report.logged(step + 1)
     t0, comm0, sent0 = time.perf_counter(), _comm_seconds(world), _bytes_sent(world)
     strategy.optimizer.lr = lr = lr_at(step - 1, o.lr, o.warmup, o.steps, o.min_lr)
     x, y = sampler.batch(step - 1)

@@ -211,3 +211,15 @@ def test_asynchronous_saving_writes_the_same_checkpoints(tmp_path):
     for step in names[1:]:
         a, s = _params(tmp_path / "async" / step), _params(tmp_path / "sync" / step)
         assert all(np.array_equal(a[k], s[k]) for k in s), step
+
+
+def test_a_resumed_run_prints_its_progress(tmp_path):
+    """Without --quiet: the start line, which checkpoint it resumed, and progress from step 4."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    _train(None, ["--save", str(ck), "--save-every", "3"], tmp_path, "saved")
+    loud = [a for a in ARGS if a != "--quiet"]
+    r = run_train(None, loud + ["--steps", "8", "--log-every", "1", "--resume", str(ck / "step-000003")], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {ck / 'step-000003'} (step 3, saved on one process)" in r.stdout, r.stdout
+    assert "step     4/8" in r.stdout and "step     3/8" not in r.stdout, r.stdout
