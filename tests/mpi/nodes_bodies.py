@@ -68,3 +68,19 @@ def internode_link():
     got = comm.sendrecv(x, (g.rank + 1) % g.size, (g.rank - 1) % g.size, g)
     assert (got == (g.rank - 1) % g.size).all()
     print(f"rank {g.rank}: internode link ok inside {inside * 1e3:.2f} ms across {across * 1e3:.1f} ms", flush=True)
+
+
+def internode_link_through_p2p():
+    """The same settings as internode_link, through minidist's own messages (p2p.py passes
+    each message's communicator and destination to links.delay): an exchange with the other
+    rank of one's node is free, one with a rank of the other node pays 20 ms."""
+    g = comm.world()
+    nodes.node_ids()
+    x = np.ones(8)
+    timings = {}
+    for name, partner in [("inside", g.rank ^ 1), ("across", (g.rank + 2) % g.size)]:
+        t0 = time.perf_counter()
+        comm.sendrecv(x, partner, partner, g)
+        timings[name] = time.perf_counter() - t0
+    assert timings["inside"] < 10e-3 <= 20e-3 <= timings["across"], timings
+    print(f"rank {g.rank}: p2p link ok {timings}", flush=True)
