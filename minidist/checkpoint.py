@@ -204,7 +204,7 @@ def _begin(directory, step, strategy, model_config, extra, shared_tmp: bool = Fa
     killed save left behind and the others wait for it (a barrier); ``shared_tmp`` (the
     asynchronous saver) skips that wait: every rank makes the directory, each writes only its
     own files, and rank 0 merges only this world's parts."""
-    from . import comm
+    from minidist import comm
 
     world = comm.world() if strategy.mesh is not None else None
     rank = world.rank if world is not None else 0
@@ -307,7 +307,7 @@ def _finish(pending: dict, world_size: int):
 
 def _barrier(world):
     if world is not None:
-        from . import comm
+        from minidist import comm
         comm.barrier(world)
 
 
