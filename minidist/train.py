@@ -58,7 +58,14 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
     from .report import Reporter, start_line
 
     sampler, val_batches = data if data is not None else load_data(cfg)
-    model, strategy = build(cfg, build_mesh(cfg.parallel))
+    mesh = build_mesh(cfg.parallel)
+    if mesh is not None:  # which ranks share a node (collective); warn of tp or cp groups across nodes
+        from .comm.nodes import layout_warnings
+
+        for line in layout_warnings(mesh):
+            if world_rank() == 0:
+                print(line, file=sys.stderr, flush=True)
+    model, strategy = build(cfg, mesh)
     dev, o, world = cfg.device, cfg.optim, world_size()
     low, scaler = precision(dev.mixed_precision)
     peak = cfg.report.peak_gflops or _measured_peak(cfg, low)
@@ -291,7 +298,10 @@ def main(argv=None):
         formula = expected_step_bytes(cfg) if cfg.parallel.world_size > 1 else {}
         print(summary_table(metrics, time.perf_counter() - t0, formula), flush=True)
         if cfg.parallel.world_size > 1:
+            from .comm.nodes import layout_text
+
             print(grid_text(cfg.parallel), flush=True)
+            print(layout_text(), flush=True)
 
 
 if __name__ == "__main__":

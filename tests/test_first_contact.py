@@ -92,3 +92,18 @@ def test_make_help_lists_the_targets():
     assert r.returncode == 0, r.stderr
     for target in ("demo", "test", "test-fast", "bench", "install", "clean"):
         assert f"make {target} " in r.stdout, r.stdout
+
+
+@pytest.mark.mpi
+def test_the_node_layout_in_the_summary_and_a_warning_for_tp_across_nodes():
+    """MINIDIST_RANKS_PER_NODE=2 on 4 ranks: two pretend nodes; --tp 4 spans both, which rank 0
+    warns about once; the summary ends with the node layout."""
+    args = ["--layers", "1", "--d-model", "16", "--heads", "4", "--seq-len", "16", "--batch-size", "4",
+            "--steps", "1", "--eval-every", "0", "--quiet"]
+    r = run_train(4, args + ["--tp", "4"], timeout=120, env={"MINIDIST_RANKS_PER_NODE": "2"})
+    assert r.returncode == 0, r.stderr
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "tp group [0 1 2 3] spans nodes 0 and 1" in warnings[0], r.stderr
+    assert "nodes: 2 (pretend: MINIDIST_RANKS_PER_NODE=2): node 0: ranks 0-1, node 1: ranks 2-3" in r.stdout, r.stdout
+    r = run_train(4, args + ["--tp", "2"], timeout=120, env={"MINIDIST_RANKS_PER_NODE": "2"})
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr

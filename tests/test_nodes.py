@@ -125,7 +125,6 @@ def test_simulated_link_only_between_pretend_nodes():
 
 
 @pytest.mark.mpi
-@pytest.mark.xfail(reason="until p2p.py passes each message's (comm, destination) to links.delay", strict=False)
 def test_simulated_link_through_p2p_only_between_pretend_nodes():
     env = {nodes.RANKS_PER_NODE: "2", "MINIDIST_LINK_SCOPE": "internode", "MINIDIST_LINK_LATENCY_US": "20000"}
     out = run_mpi(4, f"{BODIES}::internode_link_through_p2p", timeout=90, env=env).stdout

@@ -13,8 +13,9 @@ send and receive only through the functions of this module, so this is the one p
 * applies the optional simulated link (:mod:`minidist.comm.links`);
 * checks that each received message had exactly the expected size, so that ranks calling a
   collective with different shapes get an error instead of a silently wrong answer, and
-  the expected identity (collective, op, dtype, size class: see :func:`identity`), so that
-  ranks calling different collectives get a CollectiveMismatchError naming both calls;
+  the expected identity (collective, op, dtype, size class, algorithm, root: see
+  identity.py), so that ranks calling different collectives, or one with different
+  arguments, get a CollectiveMismatchError naming both calls;
 * notes every blocking wait (what, peer, bytes) for the watchdog (comm/watchdog.py).
 
 One wing bypasses it, on purpose: the cached plans of :mod:`minidist.comm.fast`.  They call
@@ -119,7 +120,7 @@ def _charge(state, sent: int, received: int) -> None:
 def _send(comm, a: np.ndarray, dst: int, tag: int) -> None:
     nbytes = a.nbytes
     if links.enabled:
-        links.delay(nbytes)
+        links.delay(nbytes, comm, dst)
     state = _tls.state
     state.wait = ("send", comm, dst, nbytes)
     try:
@@ -148,7 +149,7 @@ def _recv(comm, out: np.ndarray, src: int, tag: int) -> np.ndarray:
 def _sendrecv(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int) -> np.ndarray:
     """Send ``a`` to ``dst`` while receiving ``out`` from ``src`` (deadlock-free exchange)."""
     if links.enabled:
-        links.delay(a.nbytes)
+        links.delay(a.nbytes, comm, dst)
     state = _tls.state
     wire, rtag = _wire(state, tag)
     status = MPI.Status()
@@ -167,7 +168,7 @@ def _sendrecv(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int
 
 def _isend(comm, a: np.ndarray, dst: int, tag: int):
     if links.enabled:
-        links.delay(a.nbytes)
+        links.delay(a.nbytes, comm, dst)
     state = _tls.state
     _charge(state, a.nbytes, 0)
     return comm.Isend([a, BYTE], dst, _wire(state, tag)[0])
@@ -202,7 +203,7 @@ def _exchange(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int
     CollectiveMismatchError kept on the thread state (``state.mismatch``): the caller goes
     on (so that every rank gets to raise, see evengather.py), and launch raises it at the end."""
     if links.enabled:
-        links.delay(a.nbytes)
+        links.delay(a.nbytes, comm, dst)
     state = _tls.state
     wire, rtag = _wire(state, tag)
     status = MPI.Status() if status is None else status
@@ -255,7 +256,7 @@ def _post_round(comm, recvs, sends, tag: int) -> list:
     sent = 0
     for buf, dest in sends:
         if links.enabled:
-            links.delay(buf.nbytes)
+            links.delay(buf.nbytes, comm, dest)
         reqs.append(comm.Isend([buf, BYTE], dest, wire))
         sent += buf.nbytes
     _charge(state, sent, 0)
