@@ -38,7 +38,8 @@ def _rel(a, b):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n, mesh", [(None, []), (4, ["--dp", "2", "--tp", "2"])], ids=["one-process", "dp2-tp2"])
+@pytest.mark.parametrize("n, mesh", [(None, []), (None, ["--dtype", "float32"]), (4, ["--dp", "2", "--tp", "2"])],
+                         ids=["one-process", "one-process-float32", "dp2-tp2"])
 def test_resume_is_bit_exact(n, mesh, tmp_path):
     """A 6-step run checkpointed after step 3, and a run resumed from that checkpoint for steps
     4-6: the same losses and the same final parameters as the uninterrupted run, bit for bit."""
