@@ -99,7 +99,7 @@ SIZE_MISMATCHES = {
         ("during all_reduce", "all_reduce(op=sum, float64, [2 MiB, 4 MiB))"),
         ("but 800 bytes arrived", "all_reduce(op=sum, float64, [512 B, 1 KiB))")]),
     "out= on one rank only": (4, "all_gather_out_on_one_rank_only", [
-        ("out= on some ranks only",)]),
+        ("out= on some ranks only", "out= picks the all-gather's algorithm")]),
 }
 
 

@@ -1,4 +1,5 @@
-"""Catching wrong calls: local argument checks and the optional cross-rank agreement.
+"""Catching wrong calls: local argument checks, the rooted calls' handshake, and the
+optional cross-rank agreement.
 
 Two kinds of mistakes break a collective:
 
@@ -11,7 +12,12 @@ Two kinds of mistakes break a collective:
   a fixed 128-byte *signature* (op name, dtype, shape, root, ...) with a hand-written Bruck
   all-gather (ceil(log2 N) tiny messages) and every rank raises
   :class:`~minidist.comm.errors.CollectiveMismatchError` listing what each rank called.
-  Without debug mode, the p2p layer still rejects messages of the wrong size.
+  Without debug mode, every message carries its call's identity in its MPI tag
+  (identity.py: checked on arrival by p2p.py), and the p2p layer rejects messages of the
+  wrong size.  A rooted call (broadcast, reduce, scatter, gather) starts with
+  :func:`handshake`: one empty message to the next rank, so that ranks that disagree on the
+  root raise even where the algorithm itself would not receive a message (identity.py says
+  why).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from minidist import env
 from minidist.backend import dtype_name
 from minidist.comm import stats
 from minidist.comm.errors import CollectiveMismatchError
-from minidist.comm.p2p import TAG_CHECK
+from minidist.comm.p2p import TAG_CHECK, TAG_COLLECTIVE, _sendrecv
 from minidist.comm.algorithms.bruck import bruck_all_gather
 
 _enabled = env.get("MINIDIST_CHECK_COLLECTIVES")
@@ -78,6 +84,19 @@ def need_axis0(x, where: str) -> None:
 
 
 # --------------------------------------------------------- cross-rank agreement
+_EMPTY, _NOTHING = np.empty(0, np.uint8), np.empty(0, np.uint8)  # what the handshake sends, and receives
+
+
+def handshake(g) -> None:
+    """A rooted call's first message: rank r sends an empty message to r+1 and receives one
+    from r-1, each carrying the call's identity tag (its root included), so a rank whose
+    left neighbour called with another root (or another call) raises CollectiveMismatchError
+    before any data moves.  The pattern does not depend on the root, so it cannot hang where
+    the ranks disagree on it; it costs one message latency and no bytes."""
+    n, r = g.size, g.rank
+    _sendrecv(g.comm, _EMPTY, (r + 1) % n, _NOTHING, (r - 1) % n, TAG_COLLECTIVE)
+
+
 def signature(name: str, x=None, op: str = "", root: int = -1, extra=None, rule: str = "full"):
     """The record every rank contributes: ``rule`` says which part of the shape must agree
     ("full", "trailing" = all but axis 0, "none")."""

@@ -103,7 +103,7 @@ def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto
     chosen = all_gather_algorithm(g.size, xh, out, algorithm)
     # out's shape is part of the signature: it picks the algorithm, so ranks must agree on it.
     sig = ("all_gather", xh, dict(rule="trailing", extra=None if out is None else out.shape))
-    result = _launch("all_gather", _all_gather, g, xh, sig, async_op, out, chosen)
+    result = _launch("all_gather", _all_gather, g, xh, sig, async_op, out, chosen, algorithm=chosen)
     if algorithm == "auto":
         fast.remember(g, x, out, async_op, call, chosen)
     return result
@@ -180,16 +180,16 @@ def broadcast(x, g, root: int = 0, async_op: bool = False, *, algorithm: str = "
     root = check.check_root(root, g, "broadcast")
     _algorithm(algorithm, ("auto", "binomial", "chain"), "broadcast")
     x = _host(x, "broadcast")
+    if algorithm == "auto":
+        algorithm = "binomial" if x.nbytes <= SMALL_BROADCAST_BYTES else "chain"
     sig = ("broadcast", x, dict(root=root))
-    return _launch("broadcast", _broadcast, g, x, sig, async_op, root, algorithm)
+    return _launch("broadcast", _broadcast, g, x, sig, async_op, root, algorithm, algorithm=algorithm)
 
 
 def _broadcast(g, x, root, algorithm):
     out = x.copy() if g.rank == root else np.empty(x.shape, x.dtype)
     if g.size == 1:
         return out
-    if algorithm == "auto":
-        algorithm = "binomial" if x.nbytes <= SMALL_BROADCAST_BYTES else "chain"
     if algorithm == "binomial":
         trees.binomial_broadcast(g, out.reshape(-1), root)
     else:

@@ -5,6 +5,8 @@ after the cross-rank signature check.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from minidist.backend import from_host, to_host
@@ -28,36 +30,46 @@ def check_group(g, where: str) -> None:
         raise TypeError(f"{where}: expected a comm.Group as the group, got {type(g).__name__}")
 
 
-def launch(name: str, body, g, x, sig, async_op: bool, *args):
+def launch(name: str, body, g, x, sig, async_op: bool, *args, algorithm: str | None = None):
     """Run ``body(g, x, *args)`` here or on the group's progress thread.
 
     ``sig`` = (name, x, keyword arguments of check.signature); the signature is only built
     (and agreed on) in debug mode, keeping the default path cheap for small messages.  Its
-    identity (:func:`identity`) tags every message of the call.
+    identity (:func:`call_identity`, with the ``algorithm`` that runs) tags every message
+    of the call; a rooted call (a ``root`` in ``sig``) first checks it with its ring
+    neighbours (check.handshake), unless the debug mode agreed on everything already.
     """
     stats.note_op(name, g.name, None if x is None else x.shape, None if x is None else x.dtype,
                   "async" if async_op else "")
-    ident = call_identity(*sig)
+    ident = call_identity(*sig, algorithm=algorithm)
+    rooted = "root" in sig[2]
     sig = check.signature(sig[0], sig[1], **sig[2]) if check.check_enabled() else None
     if async_op:
-        return g.submit(name, _run, name, body, x, sig, ident, args)
-    return _run(g, name, body, x, sig, ident, args)
+        return g.submit(name, _run, name, body, x, sig, ident, rooted, args)
+    return _run(g, name, body, x, sig, ident, rooted, args)
 
 
-def call_identity(name, x, kw) -> int | None:
+def call_identity(name, x, kw, algorithm=None) -> int | None:
     """The identity tag (identity.identity) of a call with check.signature's arguments: its
-    name and op, the dtype unless the shape ``rule`` is "none" (scatter: only the root has
-    an array), and the size only where it must agree ("full": not all_gather's or gather's
-    rows, which may differ)."""
+    name, op and root (ppermute: a hash of its pairs), the dtype unless the shape ``rule``
+    is "none" (scatter: only the root has an array), the size only where it must agree
+    ("full": not all_gather's or gather's rows, which may differ), and the ``algorithm``
+    that runs."""
     rule = kw.get("rule", "full")
     dtype = x.dtype if x is not None and rule != "none" else None
-    return identity.identity(name, kw.get("op", ""), dtype, x.nbytes if x is not None and rule == "full" else None)
+    root = kw.get("root")
+    if name == "ppermute":  # the permutation must agree too: a hash of it rides in the root's bits
+        root = zlib.crc32(repr(sorted(kw["extra"])).encode())
+    return identity.identity(name, kw.get("op", ""), dtype, x.nbytes if x is not None and rule == "full" else None,
+                             algorithm, root)
 
 
-def _run(g, name, body, x, sig, ident, args):
+def _run(g, name, body, x, sig, ident, rooted, args):
     with stats.scope(name, ident, g.name):
         if sig is not None:
             check.agree(g, sig)
+        elif rooted and ident is not None and g.size > 1:
+            check.handshake(g)
         result = body(g, x, *args)
     return None if result is None else from_host(result)
 

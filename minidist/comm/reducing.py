@@ -58,7 +58,7 @@ def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str 
     out = _check_out(out, xh, "all_reduce", xh.shape)
     chosen = all_reduce_algorithm(g.size, xh, algorithm)
     sig = ("all_reduce", xh, dict(op=op))
-    result = _launch("all_reduce", _all_reduce, g, xh, sig, async_op, op, chosen, out)
+    result = _launch("all_reduce", _all_reduce, g, xh, sig, async_op, op, chosen, out, algorithm=chosen)
     fast.remember(g, x, out, async_op, call, chosen)
     return result
 
@@ -140,7 +140,7 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: 
     out = _check_out(out, xh, "reduce_scatter", (last - first,) + xh.shape[1:])
     chosen = reduce_scatter_algorithm(g.size, xh.nbytes, algorithm)
     sig = ("reduce_scatter", xh, dict(op=op))
-    result = _launch("reduce_scatter", _reduce_scatter, g, xh, sig, async_op, op, chosen, out)
+    result = _launch("reduce_scatter", _reduce_scatter, g, xh, sig, async_op, op, chosen, out, algorithm=chosen)
     if algorithm == "auto":
         fast.remember(g, x, out, async_op, call, chosen)
     return result
@@ -196,14 +196,15 @@ def reduce(x, g, root: int = 0, op: str = "sum", async_op: bool = False, *, algo
     _algorithm(algorithm, ("auto", "binomial", "chain"), "reduce")
     x = _host(x, "reduce")
     reduction.check_dtype(x.dtype, "reduce")
+    if algorithm == "auto":
+        small = x.size * reduction.accumulator_dtype(x.dtype).itemsize <= SMALL_REDUCE_BYTES
+        algorithm = "binomial" if small else "chain"
     sig = ("reduce", x, dict(op=op, root=root))
-    return _launch("reduce", _reduce, g, x, sig, async_op, root, op, algorithm)
+    return _launch("reduce", _reduce, g, x, sig, async_op, root, op, algorithm, algorithm=algorithm)
 
 
 def _reduce(g, x, root, op, algorithm):
     ufunc, acc_dtype = reduction.UFUNCS[op], reduction.accumulator_dtype(x.dtype)
-    if algorithm == "auto":
-        algorithm = "binomial" if x.size * acc_dtype.itemsize <= SMALL_REDUCE_BYTES else "chain"
     if g.size == 1 or algorithm == "binomial":
         acc = x.reshape(-1).astype(acc_dtype)
         if g.size > 1:

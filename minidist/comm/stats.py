@@ -217,9 +217,9 @@ class scope:
             rec[0] += 1
             rec[3] += elapsed
             mismatch = state.mismatch
-            if mismatch is not None:  # what this call got wrong first (over any error it raised since)
+            if mismatch is not None:  # what this call got wrong first, in place of any error it raised since
                 state.mismatch = None
-                raise mismatch
+                raise mismatch from None  # not chained: the later error was only a consequence
         else:
             state = _tls.state
             state.ident = self.outer_ident

@@ -131,7 +131,7 @@ def describe(holder, note) -> str:
         if nbytes is not None:
             text += f", {'sending' if what == 'send' else 'expecting'} {nbytes} bytes"
         if holder.ident is not None:
-            text += f"; this rank's messages carry {identity.describe_tag(holder.ident)}"
+            text += f"; this rank's messages carry {identity.describe_tag(holder.ident, g and g.size)}"
         return text
     plan = note[0]
     detail = describe_plan(plan, holder) if describe_plan is not None else type(plan).__name__

@@ -102,7 +102,7 @@ def describe(plan, g) -> str:
         text += f", {size} bytes per message"
     tag = getattr(plan, "tag", None)
     if tag is not None and tag != TAG_COLLECTIVE:
-        text += f"; its messages carry {describe_tag(tag)}"
+        text += f"; its messages carry {describe_tag(tag, g.size)}"
     return text
 
 

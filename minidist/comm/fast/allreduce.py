@@ -41,7 +41,8 @@ class AllReducePlan:
         self.status = MPI.Status()
         self.divisor = g.size if op == "avg" and g.size > 1 else None
         self.call = stats.Call("all_reduce", g.name, shape, self.tmp.dtype)  # its recent-ops entry and counters
-        self.tag, self.rtag = tags("all_reduce", op, self.tmp.dtype, self.nbytes)  # the general path's identity
+        # The general path's identity for the same call.
+        self.tag, self.rtag = tags("all_reduce", op, self.tmp.dtype, self.nbytes, "recursive_doubling")
 
     def run(self, g, x, out):
         """The all-reduce of ``x``, or None when ``out`` doesn't fit (the general path then

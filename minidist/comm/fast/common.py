@@ -20,11 +20,12 @@ PLAN_MAX_BYTES = 512 * 1024
 __all__ = ["BYTE", "TAG", "ANY_TAG", "clock", "PLAN_MAX_BYTES", "fail", "result_array", "tags", "mismatch_error"]
 
 
-def tags(name, op, dtype, nbytes=None) -> tuple:
+def tags(name, op, dtype, nbytes=None, algorithm=None) -> tuple:
     """(tag to send with, tag to receive with) of a plan's messages: the call's identity
-    (p2p.identity, the general path's for the same call) and ANY_TAG, the received tag then
-    compared with it; with identity tags off, TAG for both."""
-    ident = identity(name, op, dtype, nbytes)
+    (identity.identity with the general path's arguments for the same call, ``algorithm``
+    the one the plan runs) and ANY_TAG, the received tag then compared with it; with identity
+    tags off, TAG for both."""
+    ident = identity(name, op, dtype, nbytes, algorithm)
     return (TAG, TAG) if ident is None else (ident, ANY_TAG)
 
 

@@ -56,6 +56,7 @@ class DirectGatherPlan(_GatherPlan):
     shows up several times over in the call's time (docs/perf-notes.md, "Held requests")."""
 
     __slots__ = ("buf", "own", "exchange", "bound", "seen", "held")
+    ALGORITHM = "direct"  # and "pair_even": the same messages, the same code
 
     def __init__(self, g, shape, dtype, out):
         super().__init__(g, shape, dtype, out)

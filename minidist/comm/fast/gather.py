@@ -44,6 +44,7 @@ class _GatherPlan:
 
     __slots__ = ("rows", "tail", "row_bytes", "nbytes", "dtype", "status", "comm", "rank", "n", "name", "call",
                  "out_shape", "tag", "rtag")
+    ALGORITHM = None  # set by each plan (EvenGatherPlan: its tags per instance)
 
     def __init__(self, g, shape, dtype, out=None):
         self.out_shape = None if out is None else out.shape
@@ -52,7 +53,8 @@ class _GatherPlan:
         self.nbytes = self.rows * self.row_bytes
         self.status, self.comm, self.rank, self.n, self.name = MPI.Status(), g.comm, g.rank, g.size, g.name
         self.call = stats.Call("all_gather", g.name, shape, self.dtype)  # its recent-ops entry and counters
-        self.tag, self.rtag = tags("all_gather", "", self.dtype)  # no size: row counts may differ by one
+        # No size (row counts may differ by one); the algorithm the general path calls what the plan runs.
+        self.tag, self.rtag = tags("all_gather", "", self.dtype, None, self.ALGORITHM)
 
     def check_tag(self, peer, err=None) -> None:
         """Raise CollectiveMismatchError if the message just received (or truncated: ``err``)
@@ -84,6 +86,7 @@ class PairGatherPlan(_GatherPlan):
     one copy."""
 
     __slots__ = ("peer", "room", "own", "expect")
+    ALGORITHM = "pair"
 
     def __init__(self, g, shape, dtype, out=None):
         super().__init__(g, shape, dtype, out)
@@ -175,6 +178,7 @@ class BruckGatherPlan(_GatherPlan):
     """
 
     __slots__ = ("buf", "own", "record", "rounds", "full_shape", "blocks_shape", "front", "back")
+    ALGORITHM = "bruck"
 
     def __init__(self, g, shape, dtype, out=None):
         super().__init__(g, shape, dtype, out)
@@ -279,6 +283,8 @@ class EvenGatherPlan(_GatherPlan):
 
     def __init__(self, g, shape, dtype, out, algorithm):
         super().__init__(g, shape, dtype, out)
+        chosen = "doubling" if algorithm == "doubling" else "even_ring"  # the general path's name for it
+        self.tag, self.rtag = tags("all_gather", "", self.dtype, None, chosen)
         self.own = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
         self.rounds = evengather.byte_rounds(self.n, self.rank, algorithm, self.nbytes)
         self.sent = sum(shi - slo for _, slo, shi, *_ in self.rounds)

@@ -32,6 +32,7 @@ class _ScatterPlan:
     reduce (ufunc, the divisor of "avg"), and its recent-ops entry and counters."""
 
     __slots__ = ("shape", "one_d", "dtype", "ufunc", "divisor", "status", "call", "tag", "rtag")
+    ALGORITHM = None  # what the general path calls the algorithm the plan runs (in its identity tag)
 
     def __init__(self, g, shape, dtype, op, name="reduce_scatter"):
         first, last = split_bounds(shape[0], g.size)[g.rank]  # in rows, as the general path
@@ -41,7 +42,7 @@ class _ScatterPlan:
         self.divisor = g.size if op == "avg" and g.size > 1 else None
         self.call = stats.Call("reduce_scatter", g.name, shape, self.dtype)
         # The identity of the call whose messages these are (an all-reduce's, for its reduce-scatter half).
-        self.tag, self.rtag = tags(name, op, self.dtype, math.prod(shape) * self.dtype.itemsize)
+        self.tag, self.rtag = tags(name, op, self.dtype, math.prod(shape) * self.dtype.itemsize, self.ALGORITHM)
 
     def result(self, out):
         """common.result_array for this rank's part."""
@@ -72,6 +73,7 @@ class DirectScatterPlan(_ScatterPlan):
     (one array bound at a time, kept alive by the requests; small arrays only)."""
 
     __slots__ = ("src", "exchange", "operands", "expect", "sent", "recv", "bounds", "stage", "bound", "seen", "fit")
+    ALGORITHM = "direct"
 
     def __init__(self, g, shape, dtype, op):
         super().__init__(g, shape, dtype, op)
@@ -156,6 +158,7 @@ class ReduceScatterPlan(_ScatterPlan):
     every step a single Sendrecv (no pipeline chunks: the whole message fits in cache)."""
 
     __slots__ = ("steps", "first", "sent", "recv", "right", "left")
+    ALGORITHM = "pipelined_ring"
 
     def __init__(self, g, shape, dtype, op):
         super().__init__(g, shape, dtype, op)
@@ -225,6 +228,7 @@ class HalvingPlan(_ScatterPlan):
     """
 
     __slots__ = ("first", "rounds", "sent", "recv")
+    ALGORITHM = "halving"
 
     def __init__(self, g, shape, dtype, op):
         super().__init__(g, shape, dtype, op)
@@ -285,6 +289,7 @@ class PairwisePlan(_ScatterPlan):
     (docs/perf-notes.md, "Pairwise plans")."""
 
     __slots__ = ("mine", "steps", "tmp", "tmp_msg", "nbytes", "sent", "recv")
+    ALGORITHM = "pairwise"
 
     def __init__(self, g, shape, dtype, op, name="reduce_scatter"):
         super().__init__(g, shape, dtype, op, name)
