@@ -93,10 +93,6 @@ def test_env_imports_nothing_heavy():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-_FLAGS = (ROOT / "minidist" / "flags.py").read_text()
-
-
-@pytest.mark.skipif("check_all(" not in _FLAGS, reason="minidist/flags.py does not call env.check_all yet")
 @pytest.mark.parametrize("name, value", BAD[:7], ids=IDS[:7])
 def test_training_command_refuses_a_bad_variable_with_one_line_and_exit_code_2(name, value):
     r = run_train(None, TINY, timeout=120, env={name: value})
