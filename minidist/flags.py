@@ -189,7 +189,6 @@ def validate(args, parser) -> RunConfig:
 
 
 def _validate(args) -> RunConfig:
-    env.check_all(InputError)  # every MINIDIST_* variable (minidist/env.py), before anything reads one
     if args.d_model % args.heads:
         raise InputError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     if args.block_size is not None and args.seq_len > args.block_size:
@@ -211,6 +210,7 @@ def _validate(args) -> RunConfig:
             sys.modules["minidist.comm.watchdog"].set_timeout(args.timeout_s)
     if args.backend:
         os.environ["MINIDIST_BACKEND"] = args.backend  # read when minidist.backend is first imported
+    env.check_all(InputError)  # every MINIDIST_* variable (minidist/env.py; the flags above win), before any is read
     try:
         from . import backend  # noqa: F401  (checks MINIDIST_BACKEND, imports cupy if asked)
     except ImportError:
