@@ -252,12 +252,15 @@ def _bytes_sent(world: int) -> dict:
 
 
 def main(argv=None):
+    from . import interrupt
     from .checkpoint import CheckpointError
     from .report import expected_step_bytes, grid_text, summary_table
 
     t0 = time.perf_counter()
     parser = build_parser()
     cfg = validate(parser.parse_args(argv), parser)
+    if cfg.parallel.world_size > 1:  # Ctrl-C: rank 0 acts, the others follow (minidist/interrupt.py)
+        interrupt.install()
     try:
         data = load_data(cfg)
     except (ValueError, OSError) as exc:  # bad input found while loading: no traceback
@@ -287,10 +290,10 @@ def main(argv=None):
                   f"the metrics file holds them)", file=sys.stderr, flush=True)
             if stop.metrics:
                 print(summary_table(stop.metrics, time.perf_counter() - t0), flush=True)
+        if cfg.parallel.world_size > 1:
+            interrupt.stop_everyone()  # the other ranks exit 130, then rank 0
         sys.stdout.flush()
-        # Every rank was interrupted wherever it was, perhaps inside a collective: leave
-        # without MPI's finalisation, which would wait for messages that will never come.
-        os._exit(130)
+        os._exit(130)  # without MPI's finalisation: collectives were left half-way
     if world_rank() == 0 and not metrics:  # resumed at (or past) the last step
         print(f"nothing to train: the checkpoint already ends at or after step {cfg.optim.steps} (--steps)",
               flush=True)
