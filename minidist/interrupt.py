@@ -7,7 +7,9 @@ the launcher would then kill them without a word, reporting a kill (signal 9), n
 only rank 0 acts on Ctrl-C: the other ranks ignore SIGINT and keep training, which lets rank
 0's own wait complete; rank 0 then says what happened, prints its summary and ends the job
 with ``MPI_Abort(130)``, the one way to end every rank with a code the launcher passes on
-(MPICH adds its own line saying that rank 0 called MPI_Abort).
+(MPICH adds its own line saying that rank 0 called MPI_Abort).  With ``--save`` the first
+Ctrl-C is kept for the end of the step (:func:`defer`, :func:`requested`): every rank then
+writes a final checkpoint before the job stops.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import os
 import signal
 import sys
 
+_requested = False  # Ctrl-C seen, to be acted on at the end of the step (a final checkpoint)
+
 
 def install() -> None:
     """Under mpiexec: rank 0 keeps Ctrl-C, the other ranks ignore it."""
@@ -23,6 +27,30 @@ def install() -> None:
 
     if MPI.COMM_WORLD.Get_rank() != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def defer(is_rank0: bool) -> None:
+    """With ``--save``: a first Ctrl-C on rank 0 (or on a single process) only asks for a stop
+    at the end of the step, so that every rank can write a final checkpoint there; a second
+    Ctrl-C stops at once."""
+    def ask(signum, frame):
+        global _requested
+        if _requested:
+            raise KeyboardInterrupt
+        _requested = True
+
+    if is_rank0:
+        signal.signal(signal.SIGINT, ask)
+
+
+def requested(world) -> bool:
+    """Has Ctrl-C been asked for?  Agreed by every rank (one scalar all-reduce over ``world``,
+    None for a single process), so that all of them stop after the same step."""
+    if world is None:
+        return _requested
+    from minidist.parallel.data import any_rank
+
+    return any_rank(_requested, world)
 
 
 def stop_everyone() -> None:

@@ -54,6 +54,8 @@ def load_data(cfg: RunConfig):
 def train(cfg: RunConfig, log=print, data=None) -> list:
     """Run the whole training of the resolved ``cfg``; return the per-step metrics records
     (rank 0 prints and writes them).  Collective: every rank of the mesh calls it."""
+    from . import interrupt
+    from .checkpoint import step_dir
     from .profile import PeakMemory, Tracer
     from .report import Reporter, start_line
 
@@ -74,7 +76,9 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
         report.log(start_line(cfg, len(sampler.data), peak, strategy))
     memory, tracer = PeakMemory(), Tracer(rank=world_rank(), enabled=bool(cfg.report.trace))
     start = resume(cfg, strategy, scaler, report)
-    step = start
+    step = saved = start
+    if cfg.checkpoint.save:
+        interrupt.defer(world_rank() == 0)
     saver = None
     if cfg.checkpoint.save_async:
         from .checkpoint import AsyncSaver
@@ -93,6 +97,13 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
                 c = cfg.checkpoint
                 if c.save and (step == o.steps or (c.save_every and step % c.save_every == 0)):
                     save(cfg, strategy, step, scaler, saver)
+                    saved = step
+                if c.save and interrupt.requested(strategy.world):  # Ctrl-C with --save: stop here
+                    if saver is not None:
+                        saver.wait()
+                    if saved != step:
+                        save(cfg, strategy, step, scaler)
+                    raise Interrupted(step + 1, report.metrics, step_dir(c.save, step))
         if saver is not None:
             saver.wait()  # the last checkpoint in place before the run ends
             if not cfg.report.quiet:
@@ -147,10 +158,12 @@ def resume(cfg, strategy, scaler, report) -> int:
 
 
 class Interrupted(Exception):
-    """Ctrl-C (SIGINT) during step ``step``; ``metrics`` holds the finished steps' records."""
+    """Ctrl-C (SIGINT) during step ``step``; ``metrics`` holds the finished steps' records;
+    ``saved``: the final checkpoint written before stopping (with --save)."""
 
-    def __init__(self, step: int, metrics: list):
-        super().__init__(f"interrupted at step {step}")
+    def __init__(self, step: int, metrics: list, saved: str | None = None):
+        where = f"after step {step - 1}, saved in {saved}" if saved else f"at step {step}"
+        super().__init__(f"interrupted {where}")
         self.step, self.metrics = step, metrics
 
 
@@ -285,13 +298,15 @@ def main(argv=None):
         sys.stdout.flush()
         os._exit(2)
     except Interrupted as stop:  # Ctrl-C: one line, the summary of the finished steps, exit 130
+        if world_rank() != 0:  # rank 0 ends the job (MPI_Abort): leaving first would read as a crash
+            time.sleep(60)
         if world_rank() == 0:
             print(f"{parser.prog}: {stop} ({len(stop.metrics)} step(s) finished; "
                   f"the metrics file holds them)", file=sys.stderr, flush=True)
             if stop.metrics:
                 print(summary_table(stop.metrics, time.perf_counter() - t0), flush=True)
         if cfg.parallel.world_size > 1:
-            interrupt.stop_everyone()  # the other ranks exit 130, then rank 0
+            interrupt.stop_everyone()  # rank 0 ends every rank with MPI_Abort(130)
         sys.stdout.flush()
         os._exit(130)  # without MPI's finalisation: collectives were left half-way
     if world_rank() == 0 and not metrics:  # resumed at (or past) the last step

@@ -224,3 +224,34 @@ def test_a_resumed_run_prints_its_progress(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"resumed from {ck / 'step-000003'} (step 3, saved on one process)" in r.stdout, r.stdout
     assert "step     4/8" in r.stdout and "step     3/8" not in r.stdout, r.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [None, 2])
+def test_ctrl_c_with_save_writes_a_final_checkpoint(tmp_path, ranks):
+    """With --save, Ctrl-C stops after the step in progress, once every rank has saved it: the
+    latest checkpoint is that step's, the metrics file holds every step up to it, exit 130."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    ck.mkdir()
+    args = [a for a in ARGS if a not in ("--steps", "6")] + ["--steps", "100000", "--save", str(ck),
+                                                             "--save-every", "50000", "--metrics-jsonl", str(metrics)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    cmd = (mpiexec_command(ranks) if ranks else []) + [sys.executable, "-m", "minidist.train", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, (proc.returncode, out, err)
+    done = len(metrics.read_text().splitlines())
+    lines = [line for line in err.splitlines() if line.strip() and "MPI_Abort" not in line]
+    assert len(lines) == 1 and f"interrupted after step {done}, saved in {ck / f'step-{done:06d}'}" in lines[0], err
+    assert (ck / "latest").read_text().strip() == f"step-{done:06d}"
+    from minidist.checkpoint import check
+    assert check(str(ck / f"step-{done:06d}"))["step"] == done
