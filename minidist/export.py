@@ -21,7 +21,9 @@ loads:
 safetensors is written here with the standard library and NumPy (no dependency): an 8-byte
 little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets}}`` (plus
 ``__metadata__``), padded with spaces to a multiple of 8 bytes, then the raw little-endian
-bytes of each tensor, end to end.  :func:`read_safetensors` reads such a file back.
+bytes of each tensor, end to end.  :func:`read_safetensors` reads such a file back.  NumPy
+rather than the backend's ``xp`` on purpose: export only moves bytes between files on the host
+(the arrays come from ``checkpoint.load_full``, read from disk), whatever array library trains.
 
 Each output file is written to a temporary file in ``OUTDIR`` and renamed over the old one,
 so an existing export is replaced whole or not at all.  Bad input (a ``DIR`` that is not a

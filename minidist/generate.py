@@ -129,11 +129,13 @@ class KVCache:
 # Sampling
 # ------------------------------------------------------------------------------------------------
 def sample(logits, rng, temperature: float = 1.0, top_k: int | None = None) -> int:
-    """One token from the logits of one position (a host array): argmax when ``temperature``
-    is 0, else a draw from softmax(logits / temperature) over the ``top_k`` largest."""
+    """One token from the logits of one position: argmax when ``temperature`` is 0, else a draw
+    from softmax(logits / temperature) over the ``top_k`` largest.  The 256 logits come to the
+    host (``to_host``: a no-op with NumPy) and are drawn with a seeded NumPy generator, so a
+    seed gives the same text on the CPU and under CuPy; the model's math stays on ``xp``."""
     import numpy as np
 
-    z = np.asarray(logits, dtype=np.float64)
+    z = np.asarray(to_host(logits), dtype=np.float64)
     if temperature == 0:
         return int(np.argmax(z))
     z = z / temperature

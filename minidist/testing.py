@@ -89,7 +89,9 @@ def train_steps(cfg, steps: int, corpus=None):
         strategy.metrics()
     losses.append(strategy.evaluate([sampler.batch(steps)], low))
     sharding = {p.name: p.sharding for p in model.parameters()}
-    return losses, {k: np.array(v) for k, v in strategy.parameters().items()}, sharding
+    from minidist.backend import to_host
+
+    return losses, {k: np.array(to_host(v)) for k, v in strategy.parameters().items()}, sharding
 
 
 def traced_peak_bytes(fn) -> int:
