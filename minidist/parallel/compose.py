@@ -78,7 +78,8 @@ def build(cfg, mesh=None):
     """``(model, strategy)`` for the resolved run configuration ``cfg`` on ``mesh`` (a
     ``comm.Mesh``; None for one process).  Collective over the mesh: every rank calls it."""
     from ..nn import GPT
-    from .strategy import Strategy, data_parallel
+    from .replicas import data_parallel
+    from .strategy import Strategy
     from .tensor import tensor_parallel_layers
 
     p = cfg.parallel
