@@ -96,10 +96,24 @@ def _text(text: str) -> str:
     return text
 
 
+def _kill_point(text: str) -> tuple[int, str, int]:
+    """RANK:POINT:STEP, e.g. ``1:part-written:4``."""
+    rank, point, step = text.split(":")
+    if point not in ("part-written", "renamed") or int(rank) < 0 or int(step) < 1:
+        raise ValueError(text)
+    return int(rank), point, int(step)
+
+
 # ------------------------------------------------------------------------------- table
 VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("MINIDIST_BACKEND", _choice("numpy", "cupy"), "'numpy' or 'cupy'", "numpy",
              "the array backend, read when minidist.backend is first imported (--backend sets it)"),
+    Variable("MINIDIST_OPS_PATH", _choice("auto", "whole", "tuned"), "'auto', 'whole' or 'tuned'", "auto",
+             "how the ops run: whole-array (one matmul per layer; what CuPy runs) or tuned for a CPU's "
+             "caches and BLAS threads; auto: tuned on NumPy, whole on CuPy (minidist/ops/tuning.py)"),
+    Variable("MINIDIST_CUDA_AWARE_MPI", _switch, SWITCH, False,
+             "the MPI library reads GPU memory: point-to-point messages pass CuPy arrays to MPI "
+             "directly instead of staging them through host buffers (docs/gpu.md)"),
     Variable("MINIDIST_TIMEOUT_S", _number(0), "seconds >= 0 (0 turns the watchdog off)", 300.0,
              "a communication wait without progress for this long aborts the job with a report "
              "(--timeout-s, comm.set_timeout)"),
@@ -126,6 +140,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              internal=True),
     Variable("MINIDIST_HANG_AFTER_S", _number(0, above=True), "seconds > 0", None,
              "when each rank dumps its stacks (set by minidist.testing.run_mpi)", internal=True),
+    Variable("MINIDIST_TEST_KILL_IN_SAVE", _kill_point, "RANK:POINT:STEP (POINT: part-written or renamed)", None,
+             "tests of checkpoints: rank RANK kills itself (SIGKILL) at that point of the save of "
+             "step STEP (minidist/checkpoint.py)", internal=True),
 )}
 
 

@@ -13,7 +13,12 @@ Forward keeps P (the attention probabilities, B*H*T*T values; fine at minidist's
 The identity rowsum(dP * P) = rowsum(dO * O) (used by FlashAttention-2, Dao 2023) lets the
 softmax correction be computed on (T, D) arrays instead of (T, T) ones.
 
-Two entry points share the per-slab kernels below:
+The plain form is :func:`_attend` / :func:`_attend_backward`: each line of the formulas is one
+batched array call over every (batch, head) pair at once -- what a GPU wants (a handful of
+big kernels) and what CuPy runs.  On a CPU (``tuning.tuned()``) the same math runs slab by
+slab (one batch element at a time, see below), the slabs spread over the BLAS threads.
+
+Two entry points share these kernels:
 
 * :func:`attention` takes q, k, v laid out (..., H, T, D);
 * :func:`self_attention` takes the fused QKV projection (B, T, 3C) as the GPT block makes
@@ -29,9 +34,10 @@ import math
 
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
+from . import tuning
 from .blas_threads import parallel_for
 from .nn_ops import _softmax_inplace
-from .precision import gemm_operands, to_dtype
+from .precision import compute_dtype, gemm_operands, to_dtype
 
 _MASKS = {}  # (Tq, Tk, dtype) -> additive mask, 0 where allowed and -inf above the diagonal
 
@@ -49,7 +55,36 @@ def causal_mask(tq: int, tk: int, dtype):
     return mask
 
 
-# ------------------------------------------------------------------ per-slab kernels
+# ------------------------------------------------------------------ whole-array kernels
+
+
+def _attend(qs, k, v, mask):
+    """(P, O) for q (already scaled), k, v of shape (..., T, D), as batched products.
+
+    Low-precision operands (mixed precision on CuPy): the products run in that dtype (tensor
+    cores, fp32 accumulation), the scores are widened to float32 for the mask and softmax, and
+    P is rounded back to the operands' dtype for P V.  P is returned in float32 (for backward).
+    """
+    s = xp.matmul(qs, k.swapaxes(-1, -2))
+    s = to_dtype(s, compute_dtype(s.dtype))
+    if mask is not None:
+        s += mask
+    p = _softmax_inplace(s, -1)
+    return p, xp.matmul(to_dtype(p, qs.dtype), v)
+
+
+def _attend_backward(qs, k, v, p, o, do):
+    """(dQ unscaled -- the caller multiplies by the scale --, dK, dV) of :func:`_attend`."""
+    low = qs.dtype
+    dv = xp.matmul(to_dtype(p, low).swapaxes(-1, -2), do)
+    ds = to_dtype(xp.matmul(do, v.swapaxes(-1, -2)), p.dtype)  # dP, in float32 ...
+    ds -= xp.einsum("...i,...i->...", to_dtype(do, p.dtype), to_dtype(o, p.dtype))[..., None]
+    ds *= p  # ... turned into dS = P * (dP - rowsum(dO * O))
+    ds = to_dtype(ds, low)
+    return xp.matmul(ds, k), xp.matmul(ds.swapaxes(-1, -2), qs), dv
+
+
+# ------------------------------------------------------------------ per-slab kernels (CPU tuning)
 # A "slab" is all heads of one batch element: q, k, v, o are (H, T, D) arrays (possibly
 # strided views), p is the (H, Tq, Tk) probability slab.  A slab's scores (256 KB at
 # H=4, T=128) stay in cache through the softmax and the two products around it.
@@ -124,6 +159,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale=None) 
     (Q, K, V), out_dtype = gemm_operands(q.data, k.data, v.data)
     Qs = Q * scale  # scaling Q (T*D values) is cheaper than scaling the scores (T*T)
     lead, Tq, Tk = Q.shape[:-2], Q.shape[-2], K.shape[-2]
+    if not tuning.tuned():  # whole-array: a few batched products
+        P, O = _attend(Qs, K, V, causal_mask(Tq, Tk, compute_dtype(Qs.dtype)) if causal else None)
+
+        def backward(g):
+            dQ, dK, dV = _attend_backward(Qs, K, V, P, O, to_dtype(g, O.dtype))
+            dQ *= scale
+            return to_dtype(dQ, q.dtype), to_dtype(dK, k.dtype), to_dtype(dV, v.dtype)
+
+        return make_tensor(to_dtype(O, out_dtype), (q, k, v), backward)
+    # CPU-tuned: one slab (all heads of one batch element) at a time, on the BLAS threads
     P = xp.empty(lead + (Tq, Tk), dtype=Qs.dtype)  # probabilities, kept for backward
     O = xp.empty(lead + (Tq, V.shape[-1]), dtype=Qs.dtype)
     mask = causal_mask(Tq, Tk, Qs.dtype) if causal else None
@@ -164,6 +209,8 @@ def self_attention(qkv: Tensor, n_head: int, causal: bool = True, scale=None) ->
     H, D = n_head, C // n_head
     scale = _check_scale(D, scale)
     (X,), out_dtype = gemm_operands(qkv.data)
+    if not tuning.tuned():
+        return _self_attention_whole(qkv, X, out_dtype, B, T, H, D, causal, scale)
 
     def heads(a, b, part):
         """Part (0 = Q, 1 = K, 2 = V, or the output for a (B, T, C) array) of batch element
@@ -193,6 +240,27 @@ def self_attention(qkv: Tensor, n_head: int, causal: bool = True, scale=None) ->
             dq *= scale
 
         parallel_for(range(B), slab, scratch=[((H, T, D), X.dtype), ((H, T, T), X.dtype)])
+        return (to_dtype(dX, qkv.dtype),)
+
+    return make_tensor(to_dtype(Y, out_dtype), (qkv,), backward)
+
+
+def _self_attention_whole(qkv, X, out_dtype, B, T, H, D, causal, scale) -> Tensor:
+    """:func:`self_attention` as batched products on the (B, H, T, D) split of ``X``."""
+    C = H * D
+
+    def heads(a, part):  # part (0 = Q, 1 = K, 2 = V) of a (B, T, 3C) array as (B, H, T, D)
+        return a[..., part * C:(part + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3)
+
+    Qs, K, V = heads(X, 0) * scale, heads(X, 1), heads(X, 2)
+    P, O = _attend(Qs, K, V, causal_mask(T, T, compute_dtype(X.dtype)) if causal else None)
+    Y = O.transpose(0, 2, 1, 3).reshape(B, T, C)
+
+    def backward(g):
+        dO = to_dtype(g, O.dtype).reshape(B, T, H, D).transpose(0, 2, 1, 3)
+        dQ, dK, dV = _attend_backward(Qs, K, V, P, O, dO)
+        dQ *= scale
+        dX = xp.stack([d.transpose(0, 2, 1, 3) for d in (dQ, dK, dV)], axis=2).reshape(B, T, 3 * C)
         return (to_dtype(dX, qkv.dtype),)
 
     return make_tensor(to_dtype(Y, out_dtype), (qkv,), backward)

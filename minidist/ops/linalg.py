@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
+from . import tuning
 from .basic import unbroadcast
 from .precision import gemm_operands, to_dtype
 
@@ -67,8 +68,10 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
             g2d = g2d.astype(x2d.dtype)
         gx = (g2d @ W.T).reshape(x.shape) if x.requires_grad else None
         gw = x2d.T @ g2d if w.requires_grad else None
-        # column sums as a GEMV (ones @ g): one BLAS pass, faster than NumPy's sum(axis=0)
-        gb = xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if b is not None and b.requires_grad else None
+        gb = None
+        if b is not None and b.requires_grad:
+            # CPU: column sums as a GEMV (ones @ g), one BLAS pass, faster than NumPy's sum(axis=0)
+            gb = xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if tuning.tuned() else g2d.sum(axis=0)
         return to_dtype(gx, x.dtype), to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
 
     return make_tensor(y, (x, w, b), backward)

@@ -17,13 +17,55 @@ import math
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
 from .basic import check_index, scatter_add_rows
+from . import tuning
 from .blas_threads import parallel_for, row_chunks
+from .fused import elementwise
 from .precision import compute_dtype, to_dtype
 
 _GELU_C = math.sqrt(2.0 / math.pi)  # python float: keeps float32 arrays float32 (NEP 50)
 _GELU_A = 0.044715
 
 
+@elementwise
+def _gelu_forward(x):
+    """(gelu(x), tanh(u)) elementwise; one fused kernel under CuPy."""
+    t = xp.tanh(_GELU_C * x * (1.0 + _GELU_A * x * x))
+    return 0.5 * x * (1.0 + t), t
+
+
+@elementwise
+def _gelu_backward(x, t, g):
+    """g * gelu'(x), from x and the saved t = tanh(u)."""
+    du = _GELU_C * (1.0 + 3.0 * _GELU_A * x * x)
+    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GELU, tanh approximation (Hendrycks & Gimpel 2016; used by GPT-2):
+
+        gelu(x) = 0.5 x (1 + tanh(u)),   u = sqrt(2/pi) (x + 0.044715 x^3)
+
+    Same as ``torch.nn.functional.gelu(x, approximate="tanh")``.  Forward saves tanh(u)
+    so that backward need not recompute it:
+
+        gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+
+    Whole-array: one fused kernel each way under CuPy.  On a CPU (``tuning.tuned()``) the
+    same arithmetic runs in cache-sized blocks over the BLAS threads: :func:`_gelu_blocked`.
+    """
+    if tuning.tuned():
+        return _gelu_blocked(x)
+    cdt = compute_dtype(x.dtype)
+    X = to_dtype(x.data, cdt)
+    y, t = _gelu_forward(X)
+
+    def backward(g):
+        return (to_dtype(_gelu_backward(X, t, to_dtype(g, cdt)), x.dtype),)
+
+    return make_tensor(to_dtype(y, x.dtype), (x,), backward)
+
+
+# ------------------------------------------------------------------ CPU tuning of gelu
 _BLOCK = 1 << 16  # elements per block: a few blocks' temporaries stay in the L2 cache
 
 
@@ -37,16 +79,8 @@ def _blocks(n: int):
     return [slice(start, min(start + _BLOCK, n)) for start in range(0, n, _BLOCK)]
 
 
-def gelu(x: Tensor) -> Tensor:
-    """GELU, tanh approximation (Hendrycks & Gimpel 2016; used by GPT-2):
-
-        gelu(x) = 0.5 x (1 + tanh(u)),   u = sqrt(2/pi) (x + 0.044715 x^3)
-
-    Same as ``torch.nn.functional.gelu(x, approximate="tanh")``.  Forward saves tanh(u)
-    so that backward need not recompute it:
-
-        gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-    """
+def _gelu_blocked(x: Tensor) -> Tensor:
+    """:func:`gelu` for a CPU: in-place passes block by block, blocks spread over threads."""
     cdt = compute_dtype(x.dtype)
     X = xp.ascontiguousarray(to_dtype(x.data, cdt)).reshape(-1)
     t = xp.empty_like(X)  # tanh(u), saved for backward
@@ -113,6 +147,55 @@ def softmax(x: Tensor, axis=-1) -> Tensor:
     return make_tensor(to_dtype(y, x.dtype), (x,), backward)
 
 
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
+    """Layer normalisation over the last axis (Ba et al. 2016), one fused node.
+
+    y = xhat * weight + bias,  xhat = (x - mean) * rstd,  rstd = 1/sqrt(var + eps).
+    Backward (per row, C = features, gh = g * weight):
+        dx = rstd * gh - rstd * mean(gh) - xhat * (rstd * mean(gh * xhat))
+        dweight = sum over rows of g * xhat,   dbias = sum over rows of g
+
+    Whole-array: each line of the formulas is one array expression (a reduction over the
+    last axis, or an elementwise step: one kernel each under CuPy).  On a CPU
+    (``tuning.tuned()``) :func:`_layer_norm_tuned` computes the same in few passes per chunk
+    of rows, on the BLAS threads.
+    """
+    C = x.shape[-1]
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and tuple(p.shape) != (C,):
+            raise ValueError(f"layer_norm {name} shape {tuple(p.shape)} != ({C},)")
+    if tuning.tuned():
+        return _layer_norm_tuned(x, weight, bias, eps)
+    cdt = compute_dtype(x.dtype)
+    X = to_dtype(x.data, cdt).reshape(-1, C)
+    W = None if weight is None else to_dtype(weight.data, cdt)
+    Bias = None if bias is None else to_dtype(bias.data, cdt)
+    xc = X - X.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    xhat = xc * rstd  # saved for backward
+    y = xhat if W is None else xhat * W
+    if Bias is not None:
+        y = y + Bias
+
+    def backward(g):
+        g2d = to_dtype(g, cdt).reshape(-1, C)
+        gw = (g2d * xhat).sum(axis=0) if weight is not None and weight.requires_grad else None
+        gb = g2d.sum(axis=0) if bias is not None and bias.requires_grad else None
+        gx = None
+        if x.requires_grad:
+            gh = g2d if W is None else g2d * W
+            gx = rstd * (gh - gh.mean(axis=-1, keepdims=True) - xhat * (gh * xhat).mean(axis=-1, keepdims=True))
+            gx = to_dtype(gx.reshape(x.shape), x.dtype)
+        return (
+            gx,
+            None if gw is None else to_dtype(gw, weight.dtype),
+            None if gb is None else to_dtype(gb, bias.dtype),
+        )
+
+    return make_tensor(to_dtype(y.reshape(x.shape), x.dtype), (x, weight, bias), backward)
+
+
+# ------------------------------------------------------------------ CPU tuning of layer_norm
 def _row_means(a, C):
     """Mean of each row of a (rows, C) array, shape (rows, 1), as a matrix-vector product.
 
@@ -126,22 +209,12 @@ def _row_dots(a, b):
     return xp.einsum("ni,ni->n", a, b)[:, None]
 
 
-def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
-    """Layer normalisation over the last axis (Ba et al. 2016), one fused node.
-
-    y = xhat * weight + bias,  xhat = (x - mean) * rstd,  rstd = 1/sqrt(var + eps).
-    Backward (per row, C = features, gh = g * weight):
-        dx = rstd * gh - rstd * mean(gh) - xhat * (rstd * mean(gh * xhat))
-        dweight = sum over rows of g * xhat,   dbias = sum over rows of g
-
-    Each NumPy call is one pass over the activation, so the code keeps the passes over
+def _layer_norm_tuned(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    """:func:`layer_norm` for a CPU.  Each NumPy call is one pass over the activation, so the code keeps the passes over
     (rows, C) arrays few and does the per-row arithmetic on (rows, 1) vectors instead.
     Rows are independent: with several BLAS threads, each thread normalises a chunk of rows.
     """
     C = x.shape[-1]
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and tuple(p.shape) != (C,):
-            raise ValueError(f"layer_norm {name} shape {tuple(p.shape)} != ({C},)")
     cdt = compute_dtype(x.dtype)
     X = to_dtype(x.data, cdt).reshape(-1, C)
     W = None if weight is None else to_dtype(weight.data, cdt)
@@ -222,7 +295,8 @@ def cross_entropy(logits: Tensor, targets, ignore_index=None) -> Tensor:
     gradient, rather than NaN).  The loss is float32 (float64 for float64 logits).
 
     loss_i = logsumexp(z_i) - z_i[t_i];   d loss / d z_i = (softmax(z_i) - onehot(t_i)) / n
-    Forward keeps softmax(z), so backward is a single scaled copy of it.
+    Forward keeps softmax(z), so backward is a single scaled copy of it.  Already whole-array
+    (a few passes over the (rows, V) logits), so both ops paths share it.
     """
     V = logits.shape[-1]
     targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
@@ -246,11 +320,13 @@ def cross_entropy(logits: Tensor, targets, ignore_index=None) -> Tensor:
     z /= total[:, None]  # z now holds softmax probabilities, saved for backward
     if keep is not None:
         nll *= keep
-    count = int(keep.sum()) if keep is not None else z.shape[0]
-    loss = xp.asarray(nll.sum() / count if count else 0.0, dtype=cdt)
+    # The count stays an array on the device (no host synchronisation in the step); with
+    # every token ignored the sum is 0 and the count is taken as 1: loss 0, not NaN.
+    count = max(z.shape[0], 1) if keep is None else xp.maximum(keep.sum(), 1)
+    loss = xp.asarray(nll.sum() / (count if keep is None else count.astype(cdt)), dtype=cdt)
 
     def backward(g):
-        scale = float(g) / count if count else 0.0
+        scale = (xp.asarray(g, dtype=xp.float64) / count).astype(cdt)  # an array: no float(g)
         dz = z * scale  # a fresh array: the saved probabilities stay intact (retain_graph)
         dz[rows, t] -= scale
         if keep is not None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 
 from minidist.backend import xp
+from minidist.ops import tuning
+from minidist.ops.fused import adamw_kernel
 
 
 def _scratch(p, scratch):
@@ -55,13 +57,24 @@ def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, wd, scratch=None):
         p <- p - lr * m_hat / (sqrt(v_hat) + eps)
 
     The last line is evaluated as PyTorch does: lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps).
-    Contiguous arrays are updated in cache-sized blocks (see ``_ADAM_BLOCK``).
+    Whole-array (``ops.tuning``): under CuPy one fused kernel (``ops.fused.adamw_kernel``),
+    on NumPy the passes of ``_adamw_block`` over the whole arrays.  CPU-tuned: contiguous
+    arrays are updated in cache-sized blocks (see ``_ADAM_BLOCK``).
     """
     if step < 1:
         raise ValueError(f"AdamW step must count from 1, got {step!r}")
     if g.shape != p.shape:
         raise ValueError(f"AdamW gradient shape {g.shape} != parameter shape {p.shape}")
     hyper = (1.0 - lr * wd, beta1, beta2, eps, 1.0 - beta2**step, lr / (1.0 - beta1**step))
+    if not tuning.tuned():  # whole-array: one fused kernel under CuPy, whole-array passes on NumPy
+        kernel = adamw_kernel()
+        if kernel is None:
+            _adamw_block(p, g, m, v, _scratch(p, scratch), *hyper)
+        else:
+            t = p.dtype.type
+            decay, b1, b2, e, bc2, step_size = hyper
+            kernel(g, t(decay), t(b1), t(b2), t(e), t(1.0 / math.sqrt(bc2)), t(step_size), p, m, v)
+        return
     flats = [_flat_view(a) for a in (p, m, v)]
     if any(f is None for f in flats):  # strided state (rare): one "block", the whole array
         _adamw_block(p, g, m, v, _scratch(p, scratch), *hyper)

@@ -1,0 +1,149 @@
+"""Every op's whole-array path (what CuPy runs) equals its CPU-tuned path (ops/tuning.py).
+
+Values and gradients in float64 to round-off, autocast (bf16) to float32 round-off, and a
+few training steps of a tiny GPT on each path.  Under NumPy both paths run here; with
+MINIDIST_BACKEND=cupy (``make test-gpu``) the same file checks them on the GPU.
+"""
+import numpy as np
+import pytest
+
+from minidist import ops
+from minidist.autograd import Tensor, run_backward
+from minidist.backend import BACKEND, from_host, to_host, xp
+from minidist.ops import tuning
+
+RNG = np.random.default_rng(7)
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape)
+
+
+def run(path, fn, inputs, upstream_seed=3):
+    """Outputs and input gradients of ``fn(*tensors)`` on ops path ``path`` (float64, host)."""
+    with tuning.use(path):
+        tensors = [Tensor(from_host(a), requires_grad=True) if isinstance(a, np.ndarray) and a.dtype.kind == "f"
+                   else a for a in inputs]
+        out = fn(*tensors)
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        rng = np.random.default_rng(upstream_seed)
+        weights = [from_host(rng.standard_normal(o.shape).astype(o.data.dtype)) for o in outs]
+        run_backward(outs, weights)
+    return ([to_host(o.data).astype(np.float64) for o in outs],
+            [to_host(t.grad).astype(np.float64) for t in tensors if isinstance(t, Tensor)])
+
+
+def same(fn, *inputs, rtol=1e-11, atol=1e-12):
+    whole, tuned = run("whole", fn, inputs), run("tuned", fn, inputs)
+    for a, b in zip(whole[0] + whole[1], tuned[0] + tuned[1]):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+    return whole
+
+
+def test_default_path_follows_the_backend():
+    assert tuning.default_path("numpy", "auto") == "tuned"
+    assert tuning.default_path("cupy", "auto") == "whole"
+    assert tuning.default_path("numpy", "whole") == "whole"
+    assert tuning.default_path("cupy", "tuned") == "tuned"
+    with pytest.raises(ValueError, match="'fast'"):
+        tuning.default_path("numpy", "fast")
+    before = tuning.current()
+    with tuning.use("whole"):
+        assert not tuning.tuned()
+    assert tuning.current() == before
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 70000)])  # the second spans two GELU blocks
+def test_gelu(shape):
+    same(ops.gelu, rand(*shape))
+
+
+@pytest.mark.parametrize("affine", [(True, True), (True, False), (False, False)])
+def test_layer_norm(affine):
+    w = rand(8) if affine[0] else None
+    b = rand(8) if affine[1] else None
+    same(lambda x, *p: ops.layer_norm(x, *(list(p) + [None] * (2 - len(p)))), rand(2, 5, 8),
+         *[a for a in (w, b) if a is not None])
+
+
+def test_softmax_and_cross_entropy():
+    same(ops.softmax, rand(4, 6))
+    targets = RNG.integers(0, 7, (3, 5))
+    same(lambda z: ops.cross_entropy(z, from_host(targets)), rand(3, 5, 7))
+    same(lambda z: ops.cross_entropy(z, from_host(targets), ignore_index=2), rand(3, 5, 7))
+    ignored = np.full((2, 3), 4)
+    out, grads = same(lambda z: ops.cross_entropy(z, from_host(ignored), ignore_index=4), rand(2, 3, 7))
+    assert out[0] == 0 and not grads[0].any()  # every token ignored: loss 0, gradient 0
+
+
+def test_linear_and_matmul():
+    same(ops.linear, rand(2, 3, 4), rand(4, 5), rand(5))
+    same(ops.matmul, rand(2, 3, 4), rand(2, 4, 5))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("tq,tk", [(6, 6), (130, 130), (4, 9)])  # 130: two causal query blocks
+def test_attention(causal, tq, tk):
+    if causal and tq != tk:
+        pytest.skip("causal attention is for self-attention shapes here")
+    same(lambda q, k, v: ops.attention(q, k, v, causal=causal), rand(2, 3, tq, 4), rand(2, 3, tk, 4),
+         rand(2, 3, tk, 4))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_self_attention(causal):
+    same(lambda qkv: ops.self_attention(qkv, 2, causal=causal), rand(2, 70, 3 * 8))
+    # and the whole-array path equals attention on the split heads
+    qkv = rand(2, 5, 3 * 8)
+    want, _ = run("tuned", lambda t: ops.blockwise_self_attention(t, 4, causal=causal, block=2), [qkv])
+    got, _ = run("whole", lambda t: ops.self_attention(t, 4, causal=causal), [qkv])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-11, atol=1e-12)
+
+
+def test_autocast_bf16_paths_agree():
+    """Mixed precision on NumPy: both paths round the same inputs to bf16 and compute in fp32."""
+    def fn(qkv, w):
+        with ops.autocast("bfloat16"):
+            return ops.gelu(ops.linear(ops.self_attention(qkv, 2), w))
+
+    same(fn, rand(2, 6, 12).astype(np.float32), rand(4, 4).astype(np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_adamw_update_paths_agree():
+    from minidist.optim.functional import adamw_update
+
+    start, results = (rand(40000), rand(40000), rand(40000), np.abs(rand(40000))), {}
+    for path in ("whole", "tuned"):
+        p, g, m, v = (from_host(a.copy()) for a in start)
+        with tuning.use(path):
+            for step in (1, 2, 3):
+                adamw_update(p, g, m, v, step, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+        results[path] = [to_host(a) for a in (p, m, v)]
+    for a, b in zip(results["whole"], results["tuned"]):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15)
+
+
+def test_training_steps_equal_on_both_paths():
+    from minidist.config import RunConfig
+    from minidist.testing import train_steps
+
+    cfg = RunConfig().replace(model=dict(layers=2, d_model=16, heads=2, dtype="float64"),
+                              data=dict(seq_len=16, batch_size=4)).resolved(1)
+    out = {}
+    for path in ("whole", "tuned"):
+        with tuning.use(path):
+            out[path] = train_steps(cfg, 3)
+    np.testing.assert_allclose(out["whole"][0], out["tuned"][0], rtol=1e-11)
+    for name, a in out["tuned"][1].items():
+        np.testing.assert_allclose(out["whole"][1][name], a, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.skipif(BACKEND != "cupy", reason="the fused CuPy kernels need MINIDIST_BACKEND=cupy")
+def test_fused_kernels_equal_their_plain_functions():
+    from minidist.ops import nn_ops
+
+    x, t, g = (xp.asarray(rand(1000)) for _ in range(3))
+    for fused, args in ((nn_ops._gelu_forward, (x,)), (nn_ops._gelu_backward, (x, xp.tanh(t), g))):
+        got, want = fused(*args), fused.plain(*args)
+        for a, b in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
+            np.testing.assert_allclose(to_host(a), to_host(b), rtol=1e-12, atol=1e-14)
