@@ -257,8 +257,13 @@ class ContextParallel:
         model.token_positions = lambda t: self.positions(t * self.group.size)
 
     def shard(self, x, y):
-        """This rank's tokens of a (B, T) batch of inputs and targets."""
-        pos = self.positions(x.shape[-1])
+        """This rank's tokens of a (B, T) batch of inputs and targets.
+
+        The batch comes from the sampler in host memory while :meth:`positions` lives on the
+        backend's device, so the index goes to the host first: NumPy cannot index with a CuPy
+        array (it would need an implicit device-to-host conversion, which CuPy refuses), while
+        CuPy takes a NumPy index for a device batch.  Either way the batch stays where it was."""
+        pos = to_host(self.positions(x.shape[-1]))
         return x[..., pos], y[..., pos]
 
     def loss(self, model, x, y):
