@@ -249,6 +249,7 @@ def _write_part(tmp: str, rank: int, snapshot, scalars) -> None:
             offset += len(data)
         f.flush()
         os.fsync(f.fileno())
+    _test_kill(rank, "part-written", tmp)
     part = os.path.join(tmp, f"rank-{rank:05d}.json")
     with open(part + ".tmp", "w") as f:  # renamed when complete: its existence means "written"
         json.dump({"file": name, "size": offset, "pieces": pieces, "scalars": scalars}, f)
@@ -297,12 +298,26 @@ def _finish(pending: dict, world_size: int):
     if os.path.exists(final):
         shutil.rmtree(final)  # the same step saved again (a rerun): replace it whole
     os.rename(tmp, final)
+    _test_kill(0, "renamed", final)
     latest_tmp = os.path.join(directory, ".latest.tmp")
     with open(latest_tmp, "w") as f:
         f.write(os.path.basename(final) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(latest_tmp, os.path.join(directory, "latest"))
+
+
+def _test_kill(rank: int, point: str, path: str) -> None:
+    """A test's kill -9 at a chosen point of a save (MINIDIST_TEST_KILL_IN_SAVE=RANK:POINT:STEP):
+    "part-written", when the rank's array file is written but not yet declared complete;
+    "renamed" (rank 0), when the checkpoint is in place but ``latest`` not yet moved to it."""
+    from minidist import env
+
+    want = env.get("MINIDIST_TEST_KILL_IN_SAVE")
+    if want is not None and want == (rank, point, int(path.rsplit("-", 1)[-1])):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _barrier(world):

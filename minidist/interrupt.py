@@ -60,5 +60,8 @@ def stop_everyone() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() > 1:
+        from minidist.comm import sentinel
+
+        sentinel.before_abort()  # its own report names the cause: no sentinel speaks
         MPI.COMM_WORLD.Abort(130)
     os._exit(130)

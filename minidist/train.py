@@ -296,6 +296,9 @@ def main(argv=None):
         if str(exc):
             print(f"{parser.prog}: error: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        from .comm import sentinel
+
+        sentinel.leaving()  # an exit on purpose, not a crash
         os._exit(2)
     except Interrupted as stop:  # Ctrl-C: one line, the summary of the finished steps, exit 130
         if world_rank() != 0:  # rank 0 ends the job (MPI_Abort): leaving first would read as a crash

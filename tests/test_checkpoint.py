@@ -128,48 +128,94 @@ def test_a_crashed_save_leaves_the_previous_checkpoint(tmp_path):
     assert (ck / "latest").read_text().strip() == "step-000006"
 
 
-@pytest.mark.mpi
-def test_kill_9_of_a_rank_ends_the_job_and_the_latest_checkpoint_loads(tmp_path):
-    """kill -9 of rank 1 while it saves every step: the job ends (no hang) and the latest
-    checkpoint is whole; resuming loses at most --save-every steps."""
-    from minidist.checkpoint import check, resolve
-
-    ck = tmp_path / "ck"
-    ck.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+def _run_until_killed(ck, kill, env=None, save_every=1):
+    """Train on 2 ranks with a save every ``save_every`` steps until ``kill(proc)`` ends a
+    rank; the job must end by itself (no hang).  Returns its stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **(env or {}))
     args = [a for a in ARGS if a not in ("--steps", "6")] + ["--steps", "100000"]
-    cmd = mpiexec_command(2) + [sys.executable, "-m", "minidist.train", *args, "--save", str(ck), "--save-every", "1"]
+    cmd = mpiexec_command(2) + [sys.executable, "-m", "minidist.train", *args, "--dp", "2", "--save", str(ck),
+                                "--save-every", str(save_every)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and len([d for d in os.listdir(ck) if d.startswith("step-")]) < 3:
-            time.sleep(0.05)
-        os.kill(_ranks_of(proc.pid)[-1], signal.SIGKILL)  # one rank of this job
-        proc.communicate(timeout=120)
+        kill(proc)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
+    assert proc.returncode != 0, err
+    return err
+
+
+def _resumes_losing_at_most(ck, steps_lost_at_most, killed_at=None):
+    from minidist.checkpoint import check, resolve
+
     path = resolve(str(ck))
     check(path)
-    r = run_train(None, ARGS + ["--steps", str(int(path[-6:]) + 1), "--resume", str(ck)], timeout=120)
+    step = int(path[-6:])
+    if killed_at is not None:
+        assert killed_at - steps_lost_at_most <= step < killed_at, (step, killed_at)
+    r = run_train(None, ARGS + ["--steps", str(step + 1), "--resume", str(ck)], timeout=120)
     assert r.returncode == 0, r.stderr
 
 
-def _ranks_of(launcher_pid):
-    """The PIDs of the rank processes under an mpiexec (MPICH: mpiexec -> proxy -> ranks)."""
-    def children(pid):
-        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-        return [int(p) for p in out]
+@pytest.mark.mpi
+def test_kill_9_of_a_rank_ends_the_job_names_the_rank_and_the_latest_checkpoint_loads(tmp_path):
+    """kill -9 of rank 1 while it saves every step: the job ends (no hang) with a line that
+    names rank 1 (its sentinel's, comm/sentinel.py), and the latest checkpoint is whole;
+    resuming loses at most --save-every steps."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
 
-    level = children(launcher_pid)
-    for _ in range(3):
-        deeper = [c for p in level for c in children(p)]
-        if not deeper:
-            break
-        level = deeper
-    return sorted(level)
+    def kill(proc):
+        deadline = time.time() + 120
+        while time.time() < deadline and len([d for d in os.listdir(ck) if d.startswith("step-")]) < 3:
+            time.sleep(0.05)
+        os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+
+    err = _run_until_killed(ck, kill)
+    named = [ln for ln in err.splitlines() if ln.startswith("minidist: rank")]
+    assert len(named) == 1 and named[0].startswith("minidist: rank 1 (dp1, pid ") and "died" in named[0], err
+    _resumes_losing_at_most(ck, 1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("rank, point", [(1, "part-written"), (0, "renamed")])
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, rank, point):
+    """The test hook stops a rank with SIGKILL inside the save of step 4 (``--save-every 2``):
+    after its array file is written but before it is declared complete, or (rank 0) after the
+    checkpoint is renamed into place but before ``latest`` moves.  Either way ``latest`` still
+    names step 2, which loads and resumes, and the rank is named."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    err = _run_until_killed(ck, lambda proc: None, env={"MINIDIST_TEST_KILL_IN_SAVE": f"{rank}:{point}:4"},
+                            save_every=2)
+    assert f"minidist: rank {rank} (dp{rank}, pid " in err, err
+    assert (ck / "latest").read_text().strip() == "step-000002"
+    assert (ck / "step-000004").exists() == (point == "renamed")
+    _resumes_losing_at_most(ck, 2, killed_at=4)
+
+
+def _rank_pid(launcher_pid, rank):
+    """The PID of rank ``rank`` among the processes under an mpiexec (by its environment:
+    PMI_RANK for MPICH's launcher, OMPI_COMM_WORLD_RANK for Open MPI's)."""
+    todo, found = [launcher_pid], []
+    while todo:
+        pid = todo.pop()
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        todo += [int(p) for p in out]
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"minidist.train" in cmdline and (f"PMI_RANK={rank}".encode() in environ
+                                             or f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ):
+            found.append(pid)
+    assert len(found) == 1, found
+    return found[0]
 
 
 @pytest.mark.parametrize("args, needle", [

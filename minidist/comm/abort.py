@@ -49,6 +49,9 @@ def abort_on_exception():
         time.sleep(ABORT_GRACE_S)
         from mpi4py import MPI
 
+        from minidist.comm import sentinel
+
+        sentinel.before_abort()  # its own report names the cause: no sentinel speaks
         MPI.COMM_WORLD.Abort(1)
 
     def _thread_abort(args):

@@ -23,7 +23,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from minidist.comm import identity, watchdog
+from minidist.comm import identity, sentinel, watchdog
 from minidist.comm.abort import abort_on_exception
 from minidist.comm.progress import ProgressWorker
 
@@ -105,10 +105,12 @@ def world() -> Group:
     """The group of all processes (cached).  Also makes an exception on any rank abort the
     whole MPI job instead of leaving the other ranks waiting forever, and (like any first
     Group) starts the watchdog, which aborts it when a wait makes no progress for
-    MINIDIST_TIMEOUT_S / comm.set_timeout seconds (comm/watchdog.py)."""
+    MINIDIST_TIMEOUT_S / comm.set_timeout seconds (comm/watchdog.py), and this rank's
+    sentinel, which names it if it is killed (comm/sentinel.py)."""
     global _world
     with _world_lock:
         if _world is None:
             abort_on_exception()
+            sentinel.start(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
             _world = Group(MPI.COMM_WORLD, "world")
         return _world

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from itertools import combinations
 
+from minidist.comm import sentinel
 from minidist.comm.group import Group, world as world_group
 
 AXES = ("dp", "pp", "cp", "tp")
@@ -175,6 +176,8 @@ class Mesh:
         self.world = world
         self.rank = world.rank
         self._groups = self._build_groups()
+        if world.size == world_group().size:  # the job's mesh: its sentinel names a killed rank by it
+            sentinel.describe(" ".join(f"{a}{c}" for a, c in self.coords.items() if self.layout.shape[a] > 1))
 
     def _build_groups(self) -> dict:
         groups, by_ranks = {}, {}

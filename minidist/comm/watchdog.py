@@ -159,4 +159,7 @@ def _fire(holder, note, stalled: float, limit: float) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
     time.sleep(GRACE_S)  # the other stuck ranks print theirs
+    from minidist.comm import sentinel
+
+    sentinel.before_abort()  # its own report names the cause: no sentinel speaks
     MPI.COMM_WORLD.Abort(1)
