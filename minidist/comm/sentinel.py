@@ -34,11 +34,12 @@ HOLD_S = 5.0  # how long the sentinel that spoke keeps the lock: the launcher's 
 ACK_S = 2.0  # how long a rank about to abort waits for its sentinel to take the lock
 
 _link = None  # this rank's end of the socket pair; None: no sentinel (one process, or failed)
+_process = None  # the sentinel's Popen, kept so that it is not collected while running
 
 
 def start(rank: int, size: int) -> None:
     """Start this rank's sentinel (once; nothing for a job of one process)."""
-    global _link
+    global _link, _process
     if _link is not None or size <= 1:
         return
     import atexit
@@ -49,9 +50,10 @@ def start(rank: int, size: int) -> None:
     try:
         # A new session: a Ctrl-C of the terminal, or the launcher killing the rank's process
         # group, must not end the sentinel before its rank.
-        subprocess.Popen([sys.executable, "-S", os.path.abspath(__file__), str(theirs.fileno()), str(rank),
-                          str(os.getppid())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, env=env, start_new_session=True)
+        _process = subprocess.Popen(
+            [sys.executable, "-S", os.path.abspath(__file__), str(theirs.fileno()), str(rank), str(os.getppid())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
+            start_new_session=True)
     except OSError:  # no process can be started here: the job runs, unwatched
         mine.close()
         return
