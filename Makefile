@@ -6,13 +6,15 @@ BIN    := $(VENV)/bin
 # Put the venv first so the mpiexec shipped by the mpich wheel is the one used.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help install demo test test-fast bench clean
+.PHONY: help install demo test test-fast test-gpu bench clean
 
 help:
 	@echo "make demo       set up .venv (numpy, mpi4py, the mpich wheel with mpiexec), train a small GPT into"
 	@echo "                demo-checkpoint/ and print a sample of the text it generates"
 	@echo "make test       install what the tests need and run the whole suite (single- and multi-process)"
 	@echo "make test-fast  the suite without the slow tests"
+	@echo "make test-gpu   the equivalence suite and op gradient checks on a CUDA GPU (MINIDIST_BACKEND=cupy,"
+	@echo "                float64); without CuPy or a GPU it says so in one line and exits 0 (docs/gpu.md)"
 	@echo "make bench      the benchmarks (installs PyTorch for the comparison); JSON and tables in bench-results/"
 	@echo "make install    only create .venv and install minidist into it"
 	@echo "make clean      remove .venv, bench-results, demo-checkpoint and pytest's cache"
@@ -39,6 +41,17 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The suite's GPU part: every op (values, gradients, both ops paths) and every parallel axis
+# against one process, in float64 on the GPU.  Install CuPy with pip install -e '.[gpu]'.
+GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_ops.py tests/test_blockwise.py \
+	tests/test_gpt.py tests/test_optim.py tests/test_compose.py tests/test_context.py \
+	tests/test_data_parallel.py tests/test_tensor_parallel.py tests/test_pipeline.py
+
+test-gpu: install
+	@reason="$$($(BIN)/python -c 'from minidist.backend import gpu_unavailable_reason as r; print(r() or "")')"; \
+	if [ -n "$$reason" ]; then echo "make test-gpu: skipped, no GPU to run on: $$reason"; exit 0; fi; \
+	MINIDIST_BACKEND=cupy $(BIN)/python -m pytest -q $(GPU_TESTS)
 
 # The PyTorch comparison needs torch, pinned as in CI (setup.cfg's `torch` extra); where it
 # cannot be installed, run_all.py skips that part and says why.

@@ -5,7 +5,11 @@ imported (``python -m minidist.train --backend cupy`` sets it for you).  Keeping
 here is what lets the same model and parallel code run on a laptop CPU or on GPUs.
 
 MPI messages need host memory (unless the MPI library is CUDA-aware), so this module also
-offers ``to_host``/``from_host`` staging helpers; with NumPy they are free.
+offers ``to_host``/``from_host`` staging helpers (pinned host memory under CuPy); with NumPy
+they are free.  Under CuPy each rank uses the GPU of its node-local rank (``local_rank``,
+``device_for``: ranks may share a GPU), selected when this module is imported.  A missing
+CuPy or GPU is an ImportError whose one line names the wheels to install (docs/gpu.md).
+``CUPY_TF32=1`` (``--tf32``) must be set before this module is imported to take effect.
 
 Low-precision dtypes: NumPy has float16 but no bfloat16; ``ml_dtypes`` supplies one that
 NumPy can store and cast (arithmetic on it is slow, so minidist computes in float32 and
@@ -14,14 +18,78 @@ rounds, as tensor cores do: low-precision inputs, fp32 accumulation).
 
 from __future__ import annotations
 
+import os
+
 import numpy as _np
 
 from minidist import env
 
 BACKEND = env.get("MINIDIST_BACKEND")  # "numpy" or "cupy"; EnvError (a ValueError) for anything else
 
+CUPY_WHEELS = ("pip install cupy-cuda12x (CUDA 12.x) or cupy-cuda13x (CUDA 13.x), whichever matches "
+               "the CUDA version nvidia-smi shows; or pip install -e '.[gpu]' (docs/gpu.md)")
+
+
+def missing_cupy_message(reason) -> str:
+    """The one line for ``--backend cupy`` without a usable CuPy, naming both wheels."""
+    return f"the cupy backend needs CuPy and a CUDA GPU ({reason}): {CUPY_WHEELS}"
+
+
+# Where MPI launchers put a rank's index among the ranks of its node (MPICH's Hydra, Open MPI,
+# MVAPICH, Slurm's srun): read from the environment, so a rank picks its GPU before it
+# allocates anything and before any message (comm/nodes.py finds the same by a collective).
+LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
+                        "SLURM_LOCALID", "LOCAL_RANK")
+
+
+def local_rank(environ=None) -> int:
+    """This process's rank among the ranks of its node, from the launcher (0 when not launched
+    by one, or by one that does not say)."""
+    environ = os.environ if environ is None else environ
+    for name in LOCAL_RANK_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def device_for(local: int, n_devices: int) -> int:
+    """The GPU of node-local rank ``local`` among ``n_devices``: round-robin, so more ranks than
+    GPUs share them (rank 2 of 3 on 2 GPUs shares GPU 0; fine for tests, slow for training)."""
+    if n_devices < 1:
+        raise ValueError(f"no CUDA device visible (device count {n_devices})")
+    return local % n_devices
+
+
+def _import_cupy():
+    """CuPy, with this rank's GPU selected (device_for(local_rank(), device count))."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError(missing_cupy_message(exc)) from None
+    try:
+        cupy.cuda.Device(device_for(local_rank(), cupy.cuda.runtime.getDeviceCount())).use()
+    except Exception as exc:  # CUDARuntimeError without a driver or a GPU
+        raise ImportError(missing_cupy_message(f"{type(exc).__name__}: {exc}")) from None
+    return cupy
+
+
+def gpu_unavailable_reason() -> str | None:
+    """Why the cupy backend cannot run here (one line: no CuPy, or no GPU), or None when it can.
+    Imports CuPy only to look; ``make test-gpu`` asks this first and skips with the reason."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return f"CuPy is not installed ({exc}); {CUPY_WHEELS}"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, no device
+        return f"CuPy finds no CUDA GPU ({type(exc).__name__}: {exc})"
+    return None if n > 0 else "CuPy finds no CUDA GPU (device count 0)"
+
+
 if BACKEND == "cupy":
-    import cupy as xp  # noqa: F401  (optional dependency, imported only when asked for)
+    xp = _import_cupy()  # optional dependency, imported only when asked for
 else:
     xp = _np
 
@@ -65,11 +133,27 @@ def is_low_precision(dt) -> bool:
     return _np.dtype(dt) in (_np.dtype(_np.float16), bfloat16)
 
 
+def on_device(a) -> bool:
+    """True for an array in the backend's device memory (never with NumPy)."""
+    return xp is not _np and isinstance(a, xp.ndarray)
+
+
 def to_host(a):
-    """The array as a host (NumPy) array, for MPI buffers, printing and saving."""
+    """The array as a host (NumPy) array, for MPI buffers, printing and saving.
+
+    Under CuPy the copy lands in *pinned* (page-locked) host memory from CuPy's pinned pool:
+    the GPU's DMA engine reads and writes pinned pages directly, about twice as fast as
+    pageable memory, which the driver must first copy through a pinned bounce buffer of its
+    own.  The pool takes the buffer back when the NumPy array is freed."""
     if xp is _np or isinstance(a, _np.ndarray):
         return a
-    return xp.asnumpy(a)
+    if not isinstance(a, xp.ndarray):
+        return _np.asarray(a)  # a Python scalar or list
+    import cupyx
+
+    out = cupyx.empty_pinned(a.shape, dtype=a.dtype)
+    xp.ascontiguousarray(a).get(out=out)
+    return out
 
 
 def from_host(a):
@@ -77,6 +161,18 @@ def from_host(a):
     if xp is _np:
         return a
     return xp.asarray(a)
+
+
+def device_memory() -> dict | None:
+    """The GPU's name, total bytes and the bytes CuPy's memory pool holds now (None on NumPy)."""
+    if xp is _np:
+        return None
+    dev = xp.cuda.Device()
+    props = xp.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"]
+    return {"device": dev.id, "name": name.decode() if isinstance(name, bytes) else str(name),
+            "total_bytes": int(props["totalGlobalMem"]),
+            "pool_used_bytes": int(xp.get_default_memory_pool().used_bytes())}
 
 
 def synchronize():

@@ -64,6 +64,7 @@ class DeviceConfig:
     checkpoint_activations: bool = False
     mixed_precision: str = "none"     # none | bf16 | fp16
     backend: str | None = None        # numpy | cupy; None: $MINIDIST_BACKEND
+    tf32: bool = False                # CuPy: float32 matmuls on TF32 tensor cores (CUPY_TF32=1)
 
 
 @dataclass

@@ -102,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="dtype of the weights; float64 for exactness checks")
     t.add_argument("--backend", choices=["numpy", "cupy"], default=None,
-                   help="array backend (default: $MINIDIST_BACKEND, else numpy)")
+                   help="array backend (default: $MINIDIST_BACKEND, else numpy); cupy: docs/gpu.md")
+    t.add_argument("--tf32", action="store_true",
+                   help="CuPy: float32 matmuls on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation; "
+                        "off by default, as in PyTorch); no effect on NumPy")
     dp = p.add_argument_group("data parallelism (run under mpiexec -n N)")
     dp.add_argument("--dp", type=POSITIVE, default=None, metavar="N",
                     help="data-parallel ranks (default: the world size over the other mesh axes)")
@@ -210,13 +213,18 @@ def _validate(args) -> RunConfig:
             sys.modules["minidist.comm.watchdog"].set_timeout(args.timeout_s)
     if args.backend:
         os.environ["MINIDIST_BACKEND"] = args.backend  # read when minidist.backend is first imported
+    if args.tf32:
+        os.environ["CUPY_TF32"] = "1"  # CuPy reads it when it is imported (by minidist.backend, next)
     env.check_all(InputError)  # every MINIDIST_* variable (minidist/env.py; the flags above win), before any is read
     try:
         from . import backend  # noqa: F401  (checks MINIDIST_BACKEND, imports cupy if asked)
-    except ImportError:
-        raise InputError("the cupy backend needs the cupy package (pip install cupy-cuda12x)") from None
+    except ImportError as exc:  # one line naming both CuPy wheels (backend.missing_cupy_message)
+        raise InputError(str(exc)) from None
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    if args.tf32 and backend.BACKEND == "numpy" and world_rank() == 0:
+        print("note: --tf32 has no effect on the numpy backend (TF32 is a GPU tensor-core format)",
+              file=sys.stderr)
     from .parallel.compose import problems
 
     given, world = from_args(args), world_size()
