@@ -25,6 +25,9 @@ class Reporter:
         m, d = cfg.model, cfg.data
         self.tokens_per_step = d.batch_size * d.seq_len
         self.flops_per_step = model_flops_per_token(m.layers, m.d_model, d.seq_len, 256) * self.tokens_per_step
+        recomputes = cfg.device.checkpoint_activations or cfg.parallel.zero == 3  # ZeRO-3 recomputes each block
+        self.hardware_flops_per_step = self.flops_per_step + self.tokens_per_step * recompute_flops_per_token(
+            m.layers, m.d_model, d.seq_len, recomputes)
         self.peak = peak_gflops
         self.metrics: list[dict] = []
         path = cfg.report.metrics_jsonl
@@ -37,15 +40,17 @@ class Reporter:
         steps, every = self.cfg.optim.steps, self.cfg.report.log_every
         return 1 <= step <= steps and ((step - 1) % every == 0 or step == steps)
 
-    def record(self, step, loss, lr, update, step_time, comm_s, peak_bytes, traced, sent=None) -> dict:
+    def record(self, step, loss, lr, update, step_time, comm_s, peak_bytes, traced, sent=None, held=None) -> dict:
         """The metrics record of step ``step`` (1..steps, as the progress line counts;
         ``update``: what the optimizer half filled in; ``sent``: the bytes this rank sent in
-        the step on each group of the mesh)."""
+        the step on each group of the mesh; ``held``: strategy.memory_bytes() at the step's
+        start, which with ``peak_bytes`` gives the peak memory and its parts)."""
         update = dict(update)
         state = update.pop("state_mb", None)
+        capacity = step_time * self.peak * 1e9 * self.world
         r = {"step": step, "loss": loss, "lr": lr, **update, "step_time_s": step_time,
              "tokens_per_s": self.tokens_per_step / step_time,
-             "mfu": self.flops_per_step / step_time / (self.peak * 1e9 * self.world)}
+             "mfu": self.flops_per_step / capacity, "hfu": self.hardware_flops_per_step / capacity}
         r.update(self.strategy.metrics())  # the pipeline's bubble and activation memory (collective)
         if self.world > 1:
             r.update(mesh=self.mesh, comm_s=comm_s, comm_exposed_s=self.strategy.comm_wait_s,
@@ -55,6 +60,10 @@ class Reporter:
             r["state_mb"] = state  # params, grads, optimizer
             if self.world > 1:
                 r["rank_peak_mem_mb"] = _per_rank(peak_bytes / 2**20)
+            if held is not None and state is not None:
+                r["mem_parts_mb"] = memory_parts(held, peak_bytes, state)
+                if self.world > 1:
+                    r["rank_mem_parts_mb"] = _per_rank_parts(r["mem_parts_mb"])
         return r
 
     def add(self, r: dict, peak_bytes: int):
@@ -112,6 +121,39 @@ def mesh_label(p) -> str:
     return label
 
 
+def recompute_flops_per_token(n_layer: int, d_model: int, seq_len: int, recomputes: bool) -> int:
+    """FLOPs per token that activation checkpointing adds (PaLM, Chowdhery et al. 2022,
+    appendix B: hardware FLOPs count them, model FLOPs do not): one more forward of every
+    block, 2·(12·C² + 2·T·C) per layer (profile.model_flops_per_token's forward of the
+    blocks; the head is not recomputed).  0 without recompute."""
+    return n_layer * (24 * d_model * d_model + 4 * seq_len * d_model) if recomputes else 0
+
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
+
+
+def memory_parts(held: dict, peak_bytes: int, state_mb: dict) -> dict:
+    """Peak memory of the step (MiB) and its parts, from counted arrays: ``held`` (bytes of
+    parameters, gradients and optimizer state at the step's start) plus ``peak_bytes`` (the
+    most allocated on top during forward and backward) is the peak; ``state_mb`` (MiB held
+    after backward) gives parameters, gradients and optimizer state; activations are the
+    peak minus those three (with the step's temporaries and message buffers)."""
+    peak = (sum(held.values()) + (peak_bytes or 0)) / 2**20
+    parts = {k: float(state_mb[k]) for k in ("params", "grads", "optimizer")}
+    parts["activations"] = max(peak - sum(parts.values()), 0.0)
+    return {"peak": peak, **parts}
+
+
+def _per_rank_parts(parts: dict) -> list:
+    """Every rank's ``mem_parts_mb`` (one all-gather of 5 numbers)."""
+    from . import comm
+    from .backend import to_host, xp
+
+    keys = ("peak",) + MEMORY_PARTS
+    rows = to_host(comm.all_gather(xp.asarray([[parts[k] for k in keys]], dtype=xp.float64), comm.world()))
+    return [{k: float(v) for k, v in zip(keys, row)} for row in rows]
+
+
 def _per_rank(value: float) -> list:
     """``value`` of every rank, in rank order (a tiny all-gather over the world)."""
     from . import comm
@@ -158,9 +200,11 @@ def summary_table(metrics: list, wall_s: float, expected_bytes: dict | None = No
         ("final validation loss", f"{vals[-1]['val_loss']:.4f} (after step {vals[-1]['step']})" if vals
          else "not evaluated (--eval-every 0)"),
         ("tokens/s", f"{tokens_per_s:,.0f}"),
-        ("MFU", f"{100 * mfu:.1f}%"),
+        ("MFU", f"{100 * mfu:.1f}%" + (f" (HFU {100 * sum(r['hfu'] * r['step_time_s'] for r in timed) / step_s:.1f}%)"
+                                        if all("hfu" in r for r in timed) else "")),
         ("peak memory of a step", f"{max(peaks):,.0f} MiB" if peaks else "not measured"),
     ]
+    rows += _breakdown_rows(timed)
     rows += _pipeline_rows(timed)
     rows.append(("wall time", f"{_duration(wall_s)} ({_duration(sum(r['step_time_s'] for r in metrics))} in steps)"))
     expected = expected_bytes or {}
@@ -178,6 +222,41 @@ def summary_table(metrics: list, wall_s: float, expected_bytes: dict | None = No
     width = max(len(name) for name, _ in rows)
     rule = "-" * (width + 3 + max(len(value) for _, value in rows))
     return "\n".join(["summary", rule] + [f"{name:<{width}} | {value}" for name, value in rows] + [rule])
+
+
+def mean_breakdown(timed: list) -> dict | None:
+    """The mean over ``timed`` of the records' ``time_s`` (the step's time by parts, with
+    --trace; None without): compute, comm per group, bubble, optimizer, other."""
+    parts = [r["time_s"] for r in timed if "time_s" in r]
+    if not parts:
+        return None
+    n = len(parts)
+    out = {k: sum(p[k] for p in parts) / n for k in ("compute", "bubble", "optimizer", "other")}
+    groups = sorted({g for p in parts for g in p["comm"]})
+    out["comm"] = {g: sum(p["comm"].get(g, 0.0) for p in parts) / n for g in groups}
+    return out
+
+
+def _breakdown_rows(timed: list) -> list:
+    """``time per step (rank 0)``: the mean breakdown, in ms and % of the step (with --trace);
+    the largest rank's memory parts at the peak."""
+    rows = []
+    b = mean_breakdown(timed)
+    if b is not None:
+        total = sum(v for k, v in b.items() if k != "comm") + sum(b["comm"].values())
+        pieces = [("compute", b["compute"])] + [(f"comm {g}", v) for g, v in b["comm"].items()] + \
+                 [("bubble", b["bubble"]), ("optimizer", b["optimizer"]), ("other", b["other"])]
+        rows.append(("time per step (rank 0)", ", ".join(f"{name} {1e3 * v:.1f} ms ({100 * v / total:.0f}%)"
+                                                         for name, v in pieces if v > 0 or name == "compute")))
+    parts = [r for r in timed if "mem_parts_mb" in r]
+    if parts:
+        last = parts[-1]
+        ranks = last.get("rank_mem_parts_mb", [last["mem_parts_mb"]])
+        top = max(range(len(ranks)), key=lambda i: ranks[i]["peak"])
+        p = ranks[top]
+        rows.append((f"peak memory, rank {top}", f"{p['peak']:.1f} MiB = " + " + ".join(
+            f"{p[k]:.1f} {k}" for k in MEMORY_PARTS) + " (MiB)"))
+    return rows
 
 
 def _bytes_text(sent: dict, expected: dict) -> str:

@@ -56,7 +56,8 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
     (rank 0 prints and writes them).  Collective: every rank of the mesh calls it."""
     from . import interrupt
     from .checkpoint import step_dir
-    from .profile import PeakMemory, Tracer
+    from . import trace
+    from .profile import PeakMemory
     from .report import Reporter, start_line
 
     sampler, val_batches = data if data is not None else load_data(cfg)
@@ -74,7 +75,13 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
     report = Reporter(cfg, strategy, world, world_rank() == 0, log, peak)
     if not cfg.report.quiet:
         report.log(start_line(cfg, len(sampler.data), peak, strategy))
-    memory, tracer = PeakMemory(), Tracer(rank=world_rank(), enabled=bool(cfg.report.trace))
+    memory, tracer = PeakMemory(), None
+    if cfg.report.trace:  # spans on every rank, clocks aligned with rank 0 (minidist/trace.py)
+        from . import comm
+
+        tracer = trace.Tracer(world_rank(), trace.rank_label(cfg.parallel.mesh_sizes(), world_rank()))
+        trace.start(tracer, comm.world() if world > 1 else None)
+        tracer.wrap_blocks(model)
     start = resume(cfg, strategy, scaler, report)
     step = saved = start
     if cfg.checkpoint.save:
@@ -104,6 +111,9 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
                     if saved != step:
                         save(cfg, strategy, step, scaler)
                     raise Interrupted(step + 1, report.metrics, step_dir(c.save, step))
+        if tracer is not None:  # every rank sends its spans to rank 0, which writes the one file
+            trace.stop()
+            tracer.save(cfg.report.trace, comm.world() if world > 1 else None)
         if saver is not None:
             saver.wait()  # the last checkpoint in place before the run ends
             if not cfg.report.quiet:
@@ -114,8 +124,7 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
         raise Interrupted(step, report.metrics) from None
     finally:
         report.close()
-        if cfg.report.trace and world_rank() == 0:
-            tracer.save(cfg.report.trace)
+        trace.stop()
     return report.metrics
 
 
@@ -176,16 +185,29 @@ def _one_step(step, first, cfg, strategy, sampler, val_batches, report, memory, 
     # Memory is traced on the first step and on each step before a printed one, so the
     # printed step's own tokens/s and MFU do not pay for the tracing.
     traced = first or report.logged(step + 1)
-    t0, comm0, sent0 = time.perf_counter(), _comm_seconds(world), _bytes_sent(world)
+    clock = tracer.clock if tracer is not None else time.perf_counter
+    held = strategy.memory_bytes() if traced else None  # params and optimizer state, before the step's arrays
+    first_event = len(tracer.events) if tracer is not None else 0
+    t0, comm0, sent0 = clock(), _comm_seconds(world), _bytes_sent(world)
     strategy.optimizer.lr = lr = lr_at(step - 1, o.lr, o.warmup, o.steps, o.min_lr)
     x, y = sampler.batch(step - 1)
-    with tracer.span("forward_backward", step=step), memory.measure(traced):
+    t1 = clock()
+    with memory.measure(traced):
         loss = strategy.forward_backward(x, y, dev.grad_accum, low, scaler.scale if scaler else 1.0)
-    with tracer.span("optimizer", step=step):
-        done = update(strategy, scaler, o.clip_grad)
+    t2 = clock()
+    done = update(strategy, scaler, o.clip_grad)
+    t3 = clock()
+    if tracer is not None:
+        tracer.add("compute", "forward_backward", "step", t1, t2, {"step": step})
+        tracer.add("compute", "optimizer", "optimizer", t2, t3, {"step": step})
+        tracer.add("compute", f"step {step}", "step", t0, t3, {"step": step})
     sent = {g: n - sent0.get(g, 0) for g, n in _bytes_sent(world).items() if n != sent0.get(g, 0)}
-    r = report.record(step, loss, lr, done, time.perf_counter() - t0, _comm_seconds(world) - comm0,
-                      memory.last_bytes, traced, sent)
+    r = report.record(step, loss, lr, done, t3 - t0, _comm_seconds(world) - comm0,
+                      memory.last_bytes, traced, sent, held=held)
+    if tracer is not None:  # the step's time by parts, from the main thread's spans
+        from .trace import breakdown
+
+        r["time_s"] = breakdown(tracer.events, t0, t3, first_event)
     if cfg.report.eval_every and (step % cfg.report.eval_every == 0 or step == o.steps):
         r["val_loss"] = strategy.evaluate(val_batches, low)
     report.add(r, memory.last_bytes)

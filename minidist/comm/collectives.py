@@ -245,3 +245,21 @@ def barrier(g, async_op: bool = False):
 
 __all__ = ["all_reduce", "reduce_scatter", "reduce", "all_gather", "broadcast", "scatter",
            "gather", "all_to_all", "ppermute", "barrier"]
+
+
+# ------------------------------------------------------------------------------- tracing
+_untraced = {name: globals()[name] for name in __all__}
+
+
+def trace_calls(wrap) -> None:
+    """Time every public collective (minidist/trace.py): ``wrap(name, fn)`` gives the traced
+    function, installed here and in ``minidist.comm`` (where callers find them: ``comm.X``);
+    ``trace_calls(None)`` puts the plain functions back.  Swapped only while a tracer runs, so
+    an untraced call costs nothing more than before."""
+    import sys
+
+    package = sys.modules["minidist.comm"]  # the package that re-exports these (loaded: it loads this module)
+    for name, fn in _untraced.items():
+        f = fn if wrap is None else wrap(name, fn)
+        globals()[name] = f
+        setattr(package, name, f)

@@ -52,6 +52,9 @@ __all__ = ["TAG_CHECK", "TAG_COLLECTIVE", "TAG_META", "TAG_RESERVED"]  # and the
 ANY_TAG = MPI.ANY_TAG
 BYTE = MPI.BYTE
 _tls = stats._tls
+trace = None
+"""The running tracer (minidist/trace.py), or None: every helper below times its message
+for the timeline only when it is set (one module-level None check before and after)."""
 
 
 # ----------------------------------------------------------------------------- buffers
@@ -59,7 +62,10 @@ _tls = stats._tls
 # C-contiguous and on the host), so every dtype travels the same way and nothing is pickled.
 
 def _host_contiguous(x) -> np.ndarray:
+    t0 = trace.clock() if trace is not None else 0.0
     h = to_host(x)
+    if t0 and h is not x and trace is not None:  # a device array staged through host memory
+        trace.staging("to_host", h.nbytes, t0)
     if not isinstance(h, np.ndarray):
         raise TypeError(f"expected an array, got {type(x).__name__}")
     if h.dtype.hasobject:
@@ -119,6 +125,7 @@ def _charge(state, sent: int, received: int) -> None:
 # the byte accounting.
 def _send(comm, a: np.ndarray, dst: int, tag: int) -> None:
     nbytes = a.nbytes
+    t0 = trace.clock() if trace is not None else 0.0
     if links.enabled:
         links.delay(nbytes, comm, dst)
     state = _tls.state
@@ -128,9 +135,12 @@ def _send(comm, a: np.ndarray, dst: int, tag: int) -> None:
     finally:
         state.wait = None
     _charge(state, nbytes, 0)
+    if t0 and trace is not None:
+        trace.message("send", dst, nbytes, 0, t0)
 
 
 def _recv(comm, out: np.ndarray, src: int, tag: int) -> np.ndarray:
+    t0 = trace.clock() if trace is not None else 0.0
     state = _tls.state
     wire, rtag = _wire(state, tag)
     status = MPI.Status()
@@ -143,11 +153,14 @@ def _recv(comm, out: np.ndarray, src: int, tag: int) -> np.ndarray:
         state.wait = None
     _check_status(comm, status, src, tag, out.nbytes, wire if rtag == ANY_TAG else None)
     _charge(state, 0, out.nbytes)
+    if t0 and trace is not None:
+        trace.message("recv", src, 0, out.nbytes, t0)
     return out
 
 
 def _sendrecv(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int) -> np.ndarray:
     """Send ``a`` to ``dst`` while receiving ``out`` from ``src`` (deadlock-free exchange)."""
+    t0 = trace.clock() if trace is not None else 0.0
     if links.enabled:
         links.delay(a.nbytes, comm, dst)
     state = _tls.state
@@ -163,25 +176,36 @@ def _sendrecv(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int
     if status.Get_count(BYTE) != out.nbytes or (rtag == ANY_TAG and status.Get_tag() != wire):
         _check_status(comm, status, src, tag, out.nbytes, wire if rtag == ANY_TAG else None)
     _charge(state, a.nbytes, out.nbytes)
+    if t0 and trace is not None:
+        trace.message("sendrecv", (dst, src), a.nbytes, out.nbytes, t0)
     return out
 
 
 def _isend(comm, a: np.ndarray, dst: int, tag: int):
+    t0 = trace.clock() if trace is not None else 0.0
     if links.enabled:
         links.delay(a.nbytes, comm, dst)
     state = _tls.state
     _charge(state, a.nbytes, 0)
-    return comm.Isend([a, BYTE], dst, _wire(state, tag)[0])
+    req = comm.Isend([a, BYTE], dst, _wire(state, tag)[0])
+    if t0 and trace is not None:  # its bytes count when posted, as in the counters
+        trace.message("isend", dst, a.nbytes, 0, t0)
+    return req
 
 
 def _irecv(comm, out: np.ndarray, src: int, tag: int):
+    t0 = trace.clock() if trace is not None else 0.0
     state = _tls.state
     _charge(state, 0, out.nbytes)
-    return comm.Irecv([out, BYTE], src, _wire(state, tag)[1])
+    req = comm.Irecv([out, BYTE], src, _wire(state, tag)[1])
+    if t0 and trace is not None:
+        trace.message("irecv", src, 0, out.nbytes, t0)
+    return req
 
 
 def _wait_recv(comm, req, src: int, tag: int, nbytes: int) -> None:
     """Complete a receive posted by :func:`_irecv`, checking the message's size and identity."""
+    t0 = trace.clock() if trace is not None else 0.0
     state = _tls.state
     wire, rtag = _wire(state, tag)
     status = MPI.Status()
@@ -193,6 +217,8 @@ def _wait_recv(comm, req, src: int, tag: int, nbytes: int) -> None:
     finally:
         state.wait = None
     _check_status(comm, status, src, tag, nbytes, wire if rtag == ANY_TAG else None)
+    if t0 and trace is not None:
+        trace.message("wait recv", src, 0, 0, t0)
 
 
 def _exchange(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int, status=None):
@@ -202,6 +228,7 @@ def _exchange(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int
     A message of another collective is reported like one of the wrong size, and its
     CollectiveMismatchError kept on the thread state (``state.mismatch``): the caller goes
     on (so that every rank gets to raise, see evengather.py), and launch raises it at the end."""
+    t0 = trace.clock() if trace is not None else 0.0
     if links.enabled:
         links.delay(a.nbytes, comm, dst)
     state = _tls.state
@@ -226,17 +253,22 @@ def _exchange(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int
         _charge(state, a.nbytes, got)
         return f"{got} bytes of another call"  # a text: never the expected count
     _charge(state, a.nbytes, got)
+    if t0 and trace is not None:
+        trace.message("sendrecv", (dst, src), a.nbytes, got, t0)
     return got
 
 
 def _waitall(requests) -> None:
     """Complete sends (or receives whose size the caller does not check)."""
+    t0 = trace.clock() if trace is not None else 0.0
     state = _tls.state
     state.wait = ("waitall", None, None, None)
     try:
         MPI.Request.Waitall(requests)
     finally:
         state.wait = None
+    if t0 and trace is not None:
+        trace.message("wait", None, 0, 0, t0)
 
 
 # ------------------------------------------------------ one round of many messages at once
@@ -249,6 +281,7 @@ class _Round(list):
 def _post_round(comm, recvs, sends, tag: int) -> list:
     """Post a round: an Irecv per (buffer, source), then an Isend per (buffer, dest).
     Complete it with :func:`_wait_round`."""
+    t0 = trace.clock() if trace is not None else 0.0
     state = _tls.state
     wire, rtag = _wire(state, tag)
     reqs = _Round(comm.Irecv([buf, BYTE], src, rtag) for buf, src in recvs)
@@ -260,6 +293,8 @@ def _post_round(comm, recvs, sends, tag: int) -> list:
         reqs.append(comm.Isend([buf, BYTE], dest, wire))
         sent += buf.nbytes
     _charge(state, sent, 0)
+    if t0 and trace is not None:
+        trace.message("post round", [dest for _, dest in sends], sent, 0, t0)
     return reqs
 
 
@@ -267,6 +302,7 @@ def _wait_round(reqs, nrecv: int) -> list:
     """Wait for a whole round; the byte count of each of the first ``nrecv`` requests (the
     receives), or the text "more than K" for one that got more than its K-byte buffer.
     A message of another collective raises CollectiveMismatchError (once all are done)."""
+    t0 = trace.clock() if trace is not None else 0.0
     statuses = [MPI.Status() for _ in reqs]
     state = _tls.state
     state.wait = ("round", getattr(reqs, "comm", None), getattr(reqs, "sources", None), None)
@@ -285,6 +321,8 @@ def _wait_round(reqs, nrecv: int) -> list:
             if tag != wire:
                 raise mismatch_error(reqs.comm, reqs.sources[i], wire, tag, counts[i])
     _charge(state, 0, sum(c for c in counts if type(c) is int))
+    if t0 and trace is not None:
+        trace.message("wait round", getattr(reqs, "sources", None), 0, sum(c for c in counts if type(c) is int), t0)
     return counts
 
 
@@ -323,6 +361,14 @@ def _persistent_round(comm, recvs, sends, tag: int, rtag: int | None = None) -> 
     return reqs + [comm.Send_init([buf, BYTE], dest, tag) for buf, dest in sends]
 
 
+def _stage_in(out, buf: np.ndarray) -> None:
+    """Copy a received host buffer into ``out`` (a device array), a span on the timeline."""
+    t0 = trace.clock() if trace is not None else 0.0
+    out[...] = from_host(buf)
+    if t0 and trace is not None:
+        trace.staging("from_host", buf.nbytes, t0)
+
+
 # ----------------------------------------------------------- public, group-relative API
 def _check_peer(peer, group, what: str) -> int:
     if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < group.size:
@@ -353,7 +399,7 @@ def recv_into(out, src: int, group, tag: int = 0):
     with stats.scope("recv", None, group.name):
         _recv(group.user_comm, buf, src, tag)
     if not direct:
-        out[...] = from_host(buf)
+        _stage_in(out, buf)
     return out
 
 
@@ -374,7 +420,7 @@ def sendrecv(x, dst: int, src: int, group, out=None, tag: int = 0):
     with stats.scope("sendrecv", None, group.name):
         _sendrecv(group.user_comm, sendbuf, dst, buf, src, tag)
     if not direct:
-        target[...] = from_host(buf)
+        _stage_in(target, buf)
     return target
 
 
@@ -386,6 +432,7 @@ class Request:
         self._comm, self._req, self._keep = comm, req, keep
         self._out, self._staged, self._src, self._tag = out, staged, src, tag
         self._done = False
+        self.group = None  # the group's name: the wait is charged there (a timeline names its axis)
 
     def is_completed(self) -> bool:
         # Get_status tests without freeing the request (Test would free it, and wait() would
@@ -396,14 +443,14 @@ class Request:
 
     def wait(self):
         if not self._done:
-            with stats.scope("wait"):
+            with stats.scope("wait", None, self.group):
                 if self._out is None:
                     _waitall([self._req])
                 else:
                     buf = self._staged if self._staged is not None else self._out
                     _wait_recv(self._comm, self._req, self._src, self._tag, buf.nbytes)
             if self._staged is not None:
-                self._out[...] = from_host(self._staged)
+                _stage_in(self._out, self._staged)
             self._done, self._keep = True, None
         return self._out
 
@@ -414,7 +461,9 @@ def isend(x, dst: int, group, tag: int = 0) -> Request:
     buf = _host_contiguous(x)
     with stats.scope("isend", None, group.name):
         req = _isend(group.user_comm, buf, dst, tag)
-    return Request(group.user_comm, req, keep=buf)
+    request = Request(group.user_comm, req, keep=buf)
+    request.group = group.name
+    return request
 
 
 def irecv(out, src: int, group, tag: int = 0) -> Request:
@@ -424,4 +473,6 @@ def irecv(out, src: int, group, tag: int = 0) -> Request:
     staged = None if direct else np.empty(out.shape, out.dtype)
     with stats.scope("irecv", None, group.name):
         req = _irecv(group.user_comm, out if direct else staged, src, tag)
-    return Request(group.user_comm, req, keep=None, out=out, staged=staged, src=src, tag=tag)
+    request = Request(group.user_comm, req, keep=None, out=out, staged=staged, src=src, tag=tag)
+    request.group = group.name
+    return request

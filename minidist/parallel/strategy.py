@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from .. import ops
+from .. import ops, trace
 from ..autograd import no_grad
 from ..backend import from_host
 from ..data import shard
@@ -80,15 +80,20 @@ class Strategy:
     def forward_backward(self, x, y, grad_accum: int = 1, low_dtype=None, loss_scale: float = 1.0) -> float:
         """Accumulate into the gradients the gradient of the global batch's mean loss (times
         ``loss_scale``), reduced over the data-parallel group; return that loss."""
-        local = 0.0
-        for xs, ys, share, last in self.micro_batches(x, y, grad_accum):
+        local, tr = 0.0, trace.active  # tr: the timeline's spans of each microbatch (minidist/trace.py)
+        for m, (xs, ys, share, last) in enumerate(self.micro_batches(x, y, grad_accum)):
             if self.pipeline is not None:
                 local += self._pipeline_pass(xs, ys, share, last, low_dtype, loss_scale)
                 continue
             with self.data.micro_step(last):
+                t0 = tr.clock() if tr is not None else 0.0
                 with ops.autocast(low_dtype):
                     loss = self.model(from_host(xs), from_host(ys))
+                t1 = tr.clock() if tr is not None else 0.0
                 (loss * (share * loss_scale)).backward()
+                if tr is not None:
+                    tr.add("compute", f"F{m}", "compute", t0, t1, {"op": "forward", "microbatch": m})
+                    tr.add("compute", f"B{m}", "compute", t1, tr.clock(), {"op": "backward", "microbatch": m})
             local += share * loss.item()
         return self.reduce_loss(local)
 
