@@ -28,6 +28,10 @@ entirely above the diagonal are skipped (about half of them).
 The two kernels :func:`forward_tiles` and :func:`backward_tiles` take the global position of
 the first query and of the first key, so ring attention (``minidist.parallel.context``) reuses
 them on the chunks of the sequence that meet on one rank.
+
+This batched-matmul form (every (batch, head) pair in each product) is also the GPU path: no
+fused FlashAttention kernel is written here.  With low-precision operands (mixed precision on
+CuPy) the products run in that dtype and the running state, softmax and gradients in float32.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import math
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
 from .basic import reshape, split, transpose
-from .precision import gemm_operands, to_dtype
+from .precision import compute_dtype, gemm_operands, to_dtype
 
 SKIP = "skip"  # a tile where no query sees any key
 
@@ -93,9 +97,9 @@ def forward_tiles(qs, k, v, q0, k0, state, block, causal=True) -> int:
     computed (the work), for the load-balance counts of ring attention.
     """
     m, l, acc = state
-    work = 0
-    for rows, cols, mask in tiles(qs.shape[-2], k.shape[-2], q0, k0, block, causal, qs.dtype):
-        s = xp.matmul(qs[..., rows, :], k[..., cols, :].swapaxes(-1, -2))
+    work, cdt = 0, m.dtype  # the state's dtype: float32 when the operands are low precision
+    for rows, cols, mask in tiles(qs.shape[-2], k.shape[-2], q0, k0, block, causal, cdt):
+        s = to_dtype(xp.matmul(qs[..., rows, :], k[..., cols, :].swapaxes(-1, -2)), cdt)
         if mask is not None:
             s += mask
         _online_softmax_step(s, v[..., cols, :], m[..., rows, :], l[..., rows, :], acc[..., rows, :])
@@ -113,7 +117,7 @@ def _online_softmax_step(s, v, m, l, acc):
     l *= alpha
     l += p.sum(axis=-1, keepdims=True)
     acc *= alpha
-    acc += xp.matmul(p, v)
+    acc += xp.matmul(to_dtype(p, v.dtype), v)  # low-precision operands: P rounded for the product
     m[...] = m_new
 
 
@@ -131,17 +135,19 @@ def backward_tiles(qs, k, v, q0, k0, do, lse, delta, dq, dk, dv, block, causal=T
     ``delta`` = rowsum(dO * O) of the query rows (FlashAttention-2's identity
     rowsum(dP * P) = rowsum(dO * O), so no T x T array is needed for the softmax backward).
     """
-    for rows, cols, mask in tiles(qs.shape[-2], k.shape[-2], q0, k0, block, causal, qs.dtype):
-        q_i, do_i = qs[..., rows, :], do[..., rows, :]
-        s = xp.matmul(q_i, k[..., cols, :].swapaxes(-1, -2))
+    low, cdt = qs.dtype, lse.dtype  # operands' dtype, and float32 when that is low precision
+    for rows, cols, mask in tiles(qs.shape[-2], k.shape[-2], q0, k0, block, causal, cdt):
+        q_i, do_i = qs[..., rows, :], to_dtype(do[..., rows, :], low)
+        s = to_dtype(xp.matmul(q_i, k[..., cols, :].swapaxes(-1, -2)), cdt)
         if mask is not None:
             s += mask
         s -= lse[..., rows, :]
         p = xp.exp(s, out=s)
-        dv[..., cols, :] += xp.matmul(p.swapaxes(-1, -2), do_i)
-        ds = xp.matmul(do_i, v[..., cols, :].swapaxes(-1, -2))  # dP ...
+        dv[..., cols, :] += xp.matmul(to_dtype(p, low).swapaxes(-1, -2), do_i)
+        ds = to_dtype(xp.matmul(do_i, v[..., cols, :].swapaxes(-1, -2)), cdt)  # dP ...
         ds -= delta[..., rows, :]
         ds *= p  # ... turned into dS
+        ds = to_dtype(ds, low)
         dq[..., rows, :] += xp.matmul(ds, k[..., cols, :])
         dk[..., cols, :] += xp.matmul(ds.swapaxes(-1, -2), q_i)
 
@@ -167,13 +173,14 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, block: int = 128, causa
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     (Q, K, V), out_dtype = gemm_operands(q.data, k.data, v.data)
     Qs = Q * scale
-    state = new_state(Q.shape[:-2], Q.shape[-2], V.shape[-1], Qs.dtype)
+    cdt = compute_dtype(Qs.dtype)  # running state and gradients: float32 for low-precision operands
+    state = new_state(Q.shape[:-2], Q.shape[-2], V.shape[-1], cdt)
     forward_tiles(Qs, K, V, 0, 0, state, block, causal)
     O, lse = finish(state)
 
     def backward(g):
         dO = to_dtype(g, O.dtype)
-        dQ, dK, dV = xp.zeros_like(Qs), xp.zeros_like(Qs, shape=K.shape), xp.zeros_like(Qs, shape=V.shape)
+        dQ, dK, dV = xp.zeros(Qs.shape, cdt), xp.zeros(K.shape, cdt), xp.zeros(V.shape, cdt)
         backward_tiles(Qs, K, V, 0, 0, dO, lse, rowsum_dot(dO, O), dQ, dK, dV, block, causal)
         dQ *= scale
         return to_dtype(dQ, q.dtype), to_dtype(dK, k.dtype), to_dtype(dV, v.dtype)

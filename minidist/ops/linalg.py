@@ -4,7 +4,8 @@ For C = A @ B the chain rule gives dA = dC @ B^T and dB = A^T @ dC.  ``linear`` 
 all leading dimensions of its input so that the forward pass and each gradient is ONE
 large GEMM (BLAS is far more efficient on one (B*T, in) x (in, out) product than on B
 small ones).  Under :func:`~minidist.ops.precision.autocast` the inputs are rounded to the
-low dtype and the products are computed in float32 (see precision.py).
+low dtype and the products are computed in float32 (NumPy) or in the low dtype with float32
+accumulation (CuPy's tensor cores; see precision.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from ..autograd import Tensor, make_tensor
 from ..backend import xp
 from . import tuning
 from .basic import unbroadcast
-from .precision import gemm_operands, to_dtype
+from .precision import compute_dtype, gemm_operands, to_dtype
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -71,7 +72,8 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         gb = None
         if b is not None and b.requires_grad:
             # CPU: column sums as a GEMV (ones @ g), one BLAS pass, faster than NumPy's sum(axis=0)
-            gb = xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if tuning.tuned() else g2d.sum(axis=0)
+            gb = (xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if tuning.tuned()
+                  else g2d.sum(axis=0, dtype=compute_dtype(g2d.dtype)))  # low precision: a float32 sum
         return to_dtype(gx, x.dtype), to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
 
     return make_tensor(y, (x, w, b), backward)

@@ -10,15 +10,22 @@ input's own dtype, so an fp32 master weight receives an fp32 gradient.
 
 Ops that are numerically delicate (softmax, layer_norm, cross_entropy) always compute
 internally in float32 when handed low-precision input; see :func:`compute_dtype`.
+
+On CuPy the products really run in the low dtype: cuBLAS multiplies float16/bfloat16 inputs
+on the tensor cores and accumulates in float32, the point of mixed precision (the emulation
+would be slower than float32).  Where this CuPy cannot multiply bfloat16 matrices (its
+bfloat16 support comes through ml_dtypes and is partial), :func:`native_low` finds out once
+with a tiny product, says so in one line on stderr, and bfloat16 falls back to the emulation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 from ..autograd import Tensor, make_tensor
-from ..backend import dtype as _dtype_of, is_low_precision, xp
+from ..backend import BACKEND, dtype as _dtype_of, dtype_name, is_low_precision, xp
 
 _state = threading.local()
 FLOAT32 = xp.dtype(xp.float32)
@@ -58,12 +65,35 @@ def is_float(dt) -> bool:
     return xp.dtype(dt).kind == "f" or is_low_precision(dt)
 
 
+_native = {}  # low dtype -> whether the backend multiplies it natively (probed once)
+
+
+def native_low(dt) -> bool:
+    """True when the backend runs matrix products in the low dtype ``dt`` itself: never on
+    NumPy (no fast float16/bfloat16 GEMM: products are emulated in float32), on CuPy when a
+    2x2 product in ``dt`` works."""
+    dt = xp.dtype(dt)
+    if BACKEND == "numpy":
+        return False
+    if dt not in _native:
+        try:
+            a = xp.ones((2, 2), dtype=dt)
+            xp.matmul(a, a)
+            _native[dt] = True
+        except Exception as exc:  # noqa: BLE001 - any failure means: not supported here
+            _native[dt] = False
+            print(f"note: this CuPy cannot multiply {dtype_name(dt)} matrices ({type(exc).__name__}); "
+                  f"{dtype_name(dt)} matmuls run in float32 on {dtype_name(dt)}-rounded inputs", file=sys.stderr)
+    return _native[dt]
+
+
 def gemm_operands(*arrays):
     """Prepare the inputs of a matrix-product op (matmul, linear, attention).
 
     Returns ``(operands, out_dtype)``.  Under autocast every float input is rounded to the
     autocast dtype and the output has that dtype.  Low-precision inputs are widened to
-    float32 for the arithmetic (fp32 accumulation).  Outside autocast with fp32/fp64
+    float32 for the arithmetic (fp32 accumulation) unless the backend multiplies them
+    natively (:func:`native_low`: CuPy's tensor cores).  Outside autocast with fp32/fp64
     inputs the arrays are returned untouched (no copies).  ``None`` entries pass through.
     """
     low = get_autocast_dtype()
@@ -79,7 +109,7 @@ def gemm_operands(*arrays):
             continue
         if low is not None and is_float(a.dtype) and a.dtype != low:
             a = a.astype(low)  # the rounding that autocast is about
-        if is_low_precision(a.dtype):
+        if is_low_precision(a.dtype) and not native_low(a.dtype):
             a = a.astype(FLOAT32)
         ops.append(a)
     return ops, xp.dtype(out_dtype)

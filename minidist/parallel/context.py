@@ -37,7 +37,7 @@ from ..autograd import Tensor, make_tensor
 from ..backend import from_host, to_host, xp
 from ..comm import functional as F
 from ..ops import blockwise as bw
-from ..ops.precision import gemm_operands, to_dtype
+from ..ops.precision import compute_dtype, gemm_operands, to_dtype
 from ..config import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
 
 
@@ -131,7 +131,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, zigzag: bool = True, 
     Qs = Q * scale
     KV = xp.stack([K, V])  # one message per step carries both
 
-    state = bw.new_state(Q.shape[:-2], Q.shape[-2], V.shape[-1], Qs.dtype)
+    cdt = compute_dtype(Qs.dtype)  # state and gradients in float32 when the operands are low precision
+    state = bw.new_state(Q.shape[:-2], Q.shape[-2], V.shape[-1], cdt)
     kv, scores = KV, 0
     for step in range(n):
         src = (r - step) % n  # whose keys we hold now
@@ -149,12 +150,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, zigzag: bool = True, 
     def backward(g):
         dO = to_dtype(g, O.dtype)
         delta = bw.rowsum_dot(dO, O)
-        dQ = xp.zeros_like(Qs)
+        dQ = xp.zeros(Qs.shape, cdt)
         kv, travelling = KV, None  # travelling: the gradient of the block we hold, on its way home
         for step in range(n):
             src = (r - step) % n
             pending = _send(kv, group) if step + 1 < n else None
-            dkv = xp.zeros_like(kv)
+            dkv = xp.zeros(kv.shape, cdt)
             for rows, cols, qa, kb in _pairs(my_starts, chunk_starts(src, n, seq_len, zigzag)[0], c):
                 bw.backward_tiles(Qs[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], qa, kb,
                                   dO[..., rows, :], lse[..., rows, :], delta[..., rows, :], dQ[..., rows, :],
