@@ -47,15 +47,14 @@ class DynamicLossScaler:
         makes it non-finite.  Keep gradients in float32 (master gradients) here: dividing an
         fp16 gradient in place would flush its small entries to zero again.
         """
-        found_inf = False
+        sums = []  # each gradient's float64 sum, kept on the device: one synchronisation below
         inv_scale = 1.0 / self.scale
         for p in params:
             if p.grad is None:
                 continue
-            if not bool(xp.isfinite(xp.sum(p.grad, dtype=xp.float64))):
-                found_inf = True
+            sums.append(xp.sum(p.grad, dtype=xp.float64))
             p.grad *= inv_scale
-        return found_inf
+        return bool(sums) and not bool(xp.isfinite(xp.stack(sums)).all())
 
     def update(self, found_inf: bool):
         """Back off after an overflow; grow after ``growth_interval`` clean steps in a row."""

@@ -36,7 +36,7 @@ from .. import ops, trace
 from ..autograd import no_grad
 from ..backend import from_host
 from ..data import shard
-from ..optim.clip import clip_coefficient, scale_grads, sum_of_squares
+from ..optim.clip import clip_coefficient, scale_grads, total_sum_of_squares
 from .data import any_rank, reduce_sum
 # The data-parallel parts a Strategy holds (parallel/replicas.py), importable from here too.
 from .replicas import (Bucketed, DataParallel, FullyShardedDataParallel, OneReplica, Zero12,  # noqa: F401
@@ -142,7 +142,7 @@ class Strategy:
         embedding on the first stage only -- and one sum over the world gives the norm."""
         sq = 0.0
         if self.data.counts_in_norm:
-            sq = sum(sum_of_squares(g) for p, g in self.data.grad_segments() if self._counted(p))
+            sq = total_sum_of_squares(g for p, g in self.data.grad_segments() if self._counted(p))  # one sync
         if self.world is not None:
             sq = reduce_sum(sq, self.world)
         total = math.sqrt(sq)
