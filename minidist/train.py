@@ -246,13 +246,13 @@ def update(strategy, scaler, clip_grad) -> dict:
 
 
 def _measured_peak(cfg, low) -> float:
-    """This machine's GEMM rate (GFLOP/s) at the model's size.  A shared machine's load lowers
-    it (and so raises MFU): pass --peak-gflops for numbers comparable across runs."""
-    from .profile import measure_peak_gflops
+    """The peak GFLOP/s for MFU: a known GPU's datasheet rate for the matmul dtype, else this
+    machine's GEMM rate at the model's size (profile.peak_gflops).  A shared machine's load
+    lowers the measured rate (and so raises MFU): pass --peak-gflops for comparable numbers."""
+    from .profile import peak_gflops
 
     tokens = cfg.data.batch_size * cfg.data.seq_len // cfg.device.grad_accum // cfg.parallel.dp
-    return measure_peak_gflops(cfg.model.d_model, tokens, "float32" if low is not None else cfg.model.dtype,
-                               seconds=1.0)
+    return peak_gflops(cfg.model.d_model, tokens, cfg.model.dtype, low, seconds=1.0)[0]
 
 
 def _comm_seconds(world: int) -> float:
