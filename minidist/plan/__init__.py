@@ -1,0 +1,24 @@
+"""A cost model and mesh planner: which mesh for a model on a cluster, and why.
+
+From a model's shape, a global batch, a number of devices and a machine, the planner
+predicts a training step's time by parts (compute; tp, cp, pp, dp communication; the
+pipeline bubble; the optimizer), the memory per device and the MFU, from first principles
+and a few stated efficiency assumptions, for one mesh or every mesh; ``--validate`` checks
+it against real minidist runs on this machine.  Modules, one idea each:
+
+* :mod:`.model`: parameters, FLOPs and activation bytes of a transformer's shape;
+* :mod:`.machine`: the machines (presets; this machine measured by ``--calibrate``);
+* :mod:`.cost`: the step's time, memory and MFU on one mesh, and why a mesh is infeasible;
+* :mod:`.search`: every mesh enumerated, the feasible ones ranked;
+* :mod:`.validate`: predicted vs measured on real runs here.
+
+    python -m minidist.plan --preset llama3-405b --machine h100-nvlink-ib --gpus 8192 \\
+        --seq-len 8192 --global-batch-tokens 16777216 [--mesh tp=8,cp=1,pp=16,dp=64 | --top 5] [--json]
+
+docs/planner.md explains the model and where it is too simple.
+"""
+
+from .cost import Estimate, Plan, estimate, problems  # noqa: F401
+from .machine import Machine, load  # noqa: F401
+from .model import PRESETS, ModelSpec, model_flops_per_token, num_params  # noqa: F401
+from .search import search  # noqa: F401

@@ -1,0 +1,356 @@
+"""The cost of one training step on a mesh, from first principles: time by parts, memory
+per device, MFU.
+
+The step is priced the way the seeds draw it (a pipeline of microbatches, each running its
+stage's blocks with tensor- and context-parallel communication inside, then the
+data-parallel reduction and the optimizer):
+
+* **compute** of a microbatch on one stage: matmul FLOPs at ``gemm_eff`` of peak, attention
+  FLOPs at ``attn_eff``, element-wise traffic (each saved activation written and read once
+  forward, twice backward) at the memory bandwidth, plus the machine's fixed costs; backward
+  = 2 x forward; activation checkpointing adds one forward (and its tp communication);
+* **tp** (Megatron-LM, Shoeybi et al. 2019): two all-reduces per block forward and two
+  backward of the microbatch's activations (with sequence parallelism the same bytes as an
+  all-gather plus a reduce-scatter), on the link that t consecutive ranks share; a ring sends
+  2(N-1)/N of the buffer per all-reduce and (N-1)/N per all-gather or reduce-scatter, in
+  2(N-1) resp. N-1 latency-bound steps; not overlapped;
+* **cp** (Ring Attention, Liu et al. 2023; Llama 3's all-gather of K and V): every rank
+  receives the other (C-1)/C of the sequence's keys and values per block forward, and twice
+  that backward; hidden behind the attention's own compute where the machine overlaps;
+* **pp**: the schedule's bubble, (P-1)/(V M + P-1) of the pipeline's time (gpipe and 1F1B:
+  V = 1; interleaved 1F1B, Narayanan et al. 2021: V chunks per rank), the same formula as
+  minidist.parallel.pipeline.schedules.theoretical_bubble; activations between stages cross
+  the link between neighbouring stages; the messages of the fill and the drain are exposed,
+  the steady state's overlap with compute (``overlap``);
+* **dp** (ZeRO, Rajbhandari et al. 2020): stage 0 all-reduces the gradients, 1 and 2
+  reduce-scatter them and all-gather the updated parameters, 3 gathers the parameters for
+  each microbatch's forward and backward and reduce-scatters its gradients; the reduction
+  overlaps with one microbatch's backward and the gather with one forward (stage 3: with
+  each microbatch's compute);
+* **optimizer**: AdamW reads and writes its state once, memory-bound (sharded by ZeRO >= 1);
+
+and **memory** per device: ZeRO's formulas for parameters, gradients and optimizer state
+(mixed precision: 2 + 2 + 12 bytes per parameter; stage 1 divides the 12, stage 2 also the
+gradients, stage 3 everything by the data-parallel degree), the activations the schedule
+keeps in flight on the first stage (1F1B: P microbatches; GPipe: all M; interleaved: P (1 +
+(P-1)/(P V)), Narayanan et al.), each block's input only with checkpointing, and the logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from .machine import Machine
+from .model import (ModelSpec, activation_bytes_per_token, attention_flops, block_matmul_flops, block_params,
+                    embedding_params, head_flops, model_flops_per_token)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A mesh (tp innermost, then cp, pp, dp) and the step's settings."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1             # interleaved: model chunks per rank
+    checkpoint: bool = False     # full activation checkpointing (recompute each block)
+    sequence_parallel: bool = True
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def mesh(self) -> str:
+        return f"tp={self.tp},cp={self.cp},pp={self.pp},dp={self.dp}"
+
+    def label(self) -> str:
+        s = f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp} ZeRO-{self.zero} M={self.microbatches}"
+        if self.pp > 1:
+            s += f" {self.schedule}" + (f" V={self.virtual}" if self.schedule == "interleaved" else "")
+        return s + (" ckpt" if self.checkpoint else "")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes of what a step holds and moves: the activations and parameters as computed, the
+    gradients as reduced, the optimizer state per parameter (mixed precision AdamW: fp32
+    master weights, m and v: 12 bytes)."""
+
+    name: str
+    act: int
+    param: int
+    grad: int
+    optim: int
+    compute: str            # the Machine.peak key of the matmuls
+
+
+MIXED_BF16 = Precision("bf16", act=2, param=2, grad=2, optim=12, compute="bf16")
+FLOAT32 = Precision("float32", act=4, param=4, grad=4, optim=8, compute="float32")
+FLOAT64 = Precision("float64", act=8, param=8, grad=8, optim=16, compute="float64")
+PRECISIONS = {p.name: p for p in (MIXED_BF16, FLOAT32, FLOAT64)}
+
+
+@dataclass
+class Estimate:
+    plan: Plan
+    step_s: float
+    mfu: float
+    hfu: float
+    mem_bytes: float
+    time: dict = field(default_factory=dict)    # seconds by part: compute, tp, cp, pp, bubble, dp, optimizer, fixed
+    memory: dict = field(default_factory=dict)  # bytes by part: params, grads, optimizer, activations, logits
+    limit: str = ""                             # the largest term after compute
+    fits: bool = True
+
+    def as_dict(self) -> dict:
+        p = self.plan
+        return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "zero": p.zero, "microbatches": p.microbatches,
+                "schedule": p.schedule, "virtual_stages": p.virtual, "checkpoint_activations": p.checkpoint,
+                "sequence_parallel": p.sequence_parallel, "step_s": self.step_s, "mfu": self.mfu, "hfu": self.hfu,
+                "mem_gb": self.mem_bytes / 1e9, "fits": self.fits, "limit": self.limit,
+                "time_s": dict(self.time), "memory_gb": {k: v / 1e9 for k, v in self.memory.items()}}
+
+
+# ------------------------------------------------------------------------- the collectives
+
+
+def ring_all_reduce(nbytes: float, n: int, link, eff: float) -> float:
+    """Ring all-reduce (Patarasuk & Yuan 2009): 2(N-1)/N x bytes per rank in 2(N-1) steps."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / (link.bw * eff) + 2 * (n - 1) * link.latency
+
+
+def ring_gather(nbytes: float, n: int, link, eff: float) -> float:
+    """Ring all-gather or reduce-scatter of a ``nbytes`` whole: (N-1)/N x bytes in N-1 steps."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / (link.bw * eff) + (n - 1) * link.latency
+
+
+def message(nbytes: float, link, eff: float) -> float:
+    return nbytes / (link.bw * eff) + link.latency
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """Idle share of the pipeline (as parallel.pipeline.schedules.theoretical_bubble)."""
+    v = virtual if schedule == "interleaved" else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+# ------------------------------------------------------------------------- the feasibility
+
+
+def problems(model: ModelSpec, plan: Plan, devices: int, global_batch_tokens: int) -> list[str]:
+    """Why ``plan`` cannot run ``model`` (one line each; [] when it can), before any cost."""
+    out = []
+    p, seq = plan, model.seq_len
+    if p.devices != devices:
+        out.append(f"mesh {p.mesh()} has {p.devices} devices, not --gpus {devices}")
+    if model.heads % p.tp or model.kv % p.tp:
+        out.append(f"tp={p.tp} does not divide the {model.heads} heads and {model.kv} key/value heads")
+    if seq % (2 * p.cp if p.cp > 1 else 1):
+        out.append(f"cp={p.cp}: the sequence of {seq} tokens does not split into 2 x {p.cp} equal chunks")
+    if p.pp > model.layers:
+        out.append(f"pp={p.pp} exceeds the {model.layers} layers")
+    if global_batch_tokens % seq:
+        out.append(f"the global batch of {global_batch_tokens} tokens is not a whole number of {seq}-token sequences")
+    else:
+        seqs = global_batch_tokens // seq
+        if seqs % p.dp:
+            out.append(f"dp={p.dp} does not divide the {seqs} sequences of the global batch")
+        elif (seqs // p.dp) % p.microbatches:
+            out.append(f"{p.microbatches} microbatches do not split the {seqs // p.dp} sequences of a replica")
+    if p.schedule not in SCHEDULES:
+        out.append(f"schedule {p.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if p.schedule == "interleaved" and p.pp > 1:
+        if p.virtual < 2:
+            out.append("the interleaved schedule needs at least 2 virtual stages")
+        elif p.virtual > math.ceil(model.layers / p.pp):
+            out.append(f"{p.virtual} virtual stages exceed the {math.ceil(model.layers / p.pp)} blocks of a stage "
+                       f"(pp={p.pp}, {model.layers} layers)")
+        elif p.microbatches % p.pp:
+            out.append(f"the interleaved schedule needs the microbatches ({p.microbatches}) a multiple of pp={p.pp}")
+    if p.zero not in (0, 1, 2, 3):
+        out.append(f"ZeRO stage {p.zero} is not 0, 1, 2 or 3")
+    return out
+
+
+# ------------------------------------------------------------------------- the estimate
+
+
+def stage_blocks(layers: int, pp: int) -> list[int]:
+    """Blocks of each stage, cut at whole blocks: when they do not divide evenly the first and
+    the last stage take one block fewer first (they also hold the embedding and the head;
+    Llama 3 cut its 126 blocks over 16 stages this way)."""
+    base, extra = divmod(layers, pp)
+    if not extra:
+        return [base] * pp
+    short = pp - extra                     # stages with ``base`` blocks; the others ``base + 1``
+    order = [0, pp - 1] + list(range(1, pp - 1)) if pp > 1 else [0]
+    fewer = set(order[:short])
+    return [base if r in fewer else base + 1 for r in range(pp)]
+
+
+def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens: int,
+             precision: Precision = MIXED_BF16, minidist: bool = False) -> Estimate:
+    """Time by parts, memory per device and MFU of one step (``problems`` must be empty).
+
+    ``minidist``: price minidist's own implementation (tracemalloc-counted arrays, no
+    sequence parallelism, plain attention) instead of a fused GPU implementation."""
+    m, p, mc, pr = model, plan, machine, precision
+    seq = m.seq_len
+    world = p.devices
+    share = min(1.0, mc.cores / world) if mc.cores else 1.0   # ranks sharing the CPU's cores
+    seqs_mb = global_batch_tokens // seq // p.dp // p.microbatches   # sequences per microbatch
+    n = seqs_mb * seq / p.cp                                          # tokens per microbatch on a rank
+    blocks = stage_blocks(m.layers, p.pp)
+    Ls = max(blocks)
+    M, V = p.microbatches, (p.virtual if p.schedule == "interleaved" and p.pp > 1 else 1)
+    sp = p.sequence_parallel and p.tp > 1 and not minidist
+    peak = mc.peak[pr.compute] * share
+
+    # --- compute of one microbatch on the busiest stage, forward
+    act_tok = activation_bytes_per_token(m, pr.act) if not minidist else minidist_block_values(m, seq) * pr.act
+    at_block = attention_flops(m, seq, executed=True) * n / p.tp / (peak * mc.attn_eff)
+    t_block = (block_matmul_flops(m) * n / p.tp / (peak * mc.gemm_eff) + at_block
+               + 2 * act_tok * n / p.tp / (mc.mem_bw * share)       # element-wise: each saved value written, read
+               + mc.block_mb_s / 3 / share)                         # forward's third of the fixed costs
+    t_head = head_flops(m) * n / p.tp / (peak * mc.gemm_eff) + 4 * n * m.vocab / p.tp * 4 / (mc.mem_bw * share)
+    # The busiest stage sets the pace: the last one also runs the head.
+    t_f = max(b * t_block + (t_head if r == p.pp - 1 else 0.0) for r, b in enumerate(blocks))
+    at = Ls * at_block
+    t_b = 2 * t_f
+    t_r = t_f if p.checkpoint else 0.0
+
+    # --- tensor parallel: 2 all-reduces (or all-gather + reduce-scatter) per block forward, 2 backward
+    tp_link = mc.link_for(p.tp)
+    act_msg = n * m.d_model * pr.act
+    per_block = ring_all_reduce(act_msg, p.tp, tp_link, mc.link_eff)
+    tp_mb = Ls * per_block * (2 + 2 + (2 if p.checkpoint else 0))
+
+    # --- context parallel: keys and values of the other chunks, forward; twice that backward
+    cp_link = mc.link_for(p.tp * p.cp)
+    kv_bytes = seqs_mb * seq * 2 * m.d_kv / p.tp * pr.act
+    cp_comm = Ls * 3 * ring_gather(kv_bytes, p.cp, cp_link, mc.link_eff) if p.cp > 1 else 0.0
+    cp_mb = cp_comm  # exposed: the keys and values are gathered before the attention that needs them (Llama 3)
+
+    t_mb = t_f + t_b + t_r + tp_mb + cp_mb
+    compute = M * (t_f + t_b + t_r)
+
+    # --- pipeline: the bubble, and the activations between neighbouring stages
+    pp_link = mc.link_for(p.tp * p.cp * 2)
+    pp_msg = message(act_msg / (p.tp if sp else 1), pp_link, mc.link_eff) if p.pp > 1 else 0.0
+    pp_exposed = 2 * (p.pp - 1) * pp_msg + (1 - mc.overlap) * 2 * V * M * pp_msg
+    bubble = (p.pp - 1) / V * t_mb if p.pp > 1 else 0.0
+
+    # --- data parallel (ZeRO) over the dp x cp ranks that hold the same parameters
+    psi = _stage_params(m, p)                                    # parameters of this rank
+    nd = p.dp * p.cp
+    dp_link = mc.link_for(world)
+    if p.zero == 0:
+        dp_comm = ring_all_reduce(psi * pr.grad, nd, dp_link, mc.link_eff)
+    elif p.zero in (1, 2):
+        dp_comm = ring_gather(psi * pr.grad, nd, dp_link, mc.link_eff) + ring_gather(psi * pr.param, nd, dp_link,
+                                                                                       mc.link_eff)
+    else:  # one gather or reduce-scatter per block (FSDP's unit), each paying the ring's latency
+        per_block = block_params(m) / p.tp
+        dp_comm = M * Ls * (2 * ring_gather(per_block * pr.param, nd, dp_link, mc.link_eff)
+                            + ring_gather(per_block * pr.grad, nd, dp_link, mc.link_eff))
+    window = (M * (t_f + t_b + t_r)) if p.zero == 3 else (t_f + t_b)
+    dp_exposed = max(0.0, dp_comm - mc.overlap * window)
+
+    # --- optimizer: AdamW touches the gradient, the state and the weights once (memory-bound)
+    upd = psi / (nd if p.zero >= 1 else 1)
+    optimizer = upd * (pr.grad + 2 * pr.optim + pr.param) / (mc.mem_bw * share)
+    fixed = (Ls * mc.block_step_s + mc.step_overhead) / share
+    scalars = 3 * 2 * math.ceil(math.log2(world)) * mc.link_for(world).latency if world > 1 else 0.0
+
+    time = {"compute": compute, "tp": M * tp_mb, "cp": M * cp_mb, "pp": pp_exposed, "bubble": bubble,
+            "dp": dp_exposed, "optimizer": optimizer, "fixed": fixed + scalars}
+    step = sum(time.values())
+
+    mflops = model_flops_per_token(m, seq) * global_batch_tokens
+    hflops = mflops + (m.layers * (block_matmul_flops(m) + attention_flops(m, seq, executed=True)) * global_batch_tokens
+                       if p.checkpoint else 0.0)
+    total_peak = mc.peak[pr.compute] * (world if not mc.cores else min(world, mc.cores))
+    memory = memory_parts(m, p, pr, global_batch_tokens, minidist=minidist)
+    mem = sum(memory.values())
+    others = {k: v for k, v in time.items() if k != "compute"}
+    limit = max(others, key=others.get)
+    return Estimate(p, step, mflops / (step * total_peak), hflops / (step * total_peak), mem, time, memory,
+                    limit, fits=mem <= mc.mem_bytes * mc.mem_usable)
+
+
+def _stage_params(m: ModelSpec, p: Plan, stage: int | None = None) -> float:
+    """Parameters one rank of ``stage`` holds (default: the largest): its blocks, and the
+    embedding on the first stage, the head (or the tied table again) and final norm on the last."""
+    blocks = stage_blocks(m.layers, p.pp)
+    stages = range(p.pp) if stage is None else [stage]
+    table = m.vocab * m.d_model
+    rest = embedding_params(m) - table - (0 if m.tied else table)   # positions, final norm
+    out = []
+    for r in stages:
+        emb = 0.0
+        if r == 0:
+            emb += table + rest
+        if r == p.pp - 1 and (p.pp > 1 or not m.tied):  # the head (untied), or the tied table's copy
+            emb += table
+        out.append((blocks[r] * block_params(m) + emb) / p.tp)
+    return max(out)
+
+
+def minidist_block_values(m: ModelSpec, seq: int) -> float:
+    """Values minidist's NumPy block keeps live per token (counted with tracemalloc, see
+    cli_checks.training_memory_bytes): about 24 arrays of width d, and plain attention's H x T
+    scores per query token."""
+    return 24 * m.d_model + (0 if m.causal_skip else m.heads * seq)
+
+
+def in_flight(p: Plan, stage: int = 0) -> float:
+    """Microbatches whose activations ``stage`` holds at its peak: GPipe all M; 1F1B P - r
+    (Narayanan et al. 2021); interleaved a share (P-1)/(P V) more for the chunks in warm-up."""
+    if p.pp == 1:
+        return 1.0
+    if p.schedule == "gpipe":
+        return float(p.microbatches)
+    k = min(p.microbatches, p.pp - stage)
+    return k * (1 + (p.pp - 1) / (p.pp * p.virtual)) if p.schedule == "interleaved" else float(k)
+
+
+def memory_parts(m: ModelSpec, p: Plan, pr: Precision, global_batch_tokens: int, minidist: bool = False) -> dict:
+    """Bytes one device of the fullest stage holds at its peak, by part (ZeRO's formulas for
+    the state; the activations its schedule keeps in flight; the logits on the last stage)."""
+    seq = m.seq_len
+    n = global_batch_tokens // seq // p.dp // p.microbatches * seq / p.cp
+    blocks = stage_blocks(m.layers, p.pp)
+    sp = p.sequence_parallel and p.tp > 1 and not minidist
+    per_tok = minidist_block_values(m, seq) * pr.act if minidist else activation_bytes_per_token(m, pr.act)
+    # Without sequence parallelism the norms' inputs and outputs (4 d per token) are replicated on every tp rank.
+    block = per_tok * n / p.tp + (0 if sp or minidist else 4 * m.d_model * pr.act * n * (1 - 1 / p.tp))
+    block_input = m.d_model * pr.act * n / (p.tp if sp else 1)
+    nd = p.dp * p.cp
+    best = None
+    for r in range(p.pp):
+        psi = _stage_params(m, p, r)
+        parts = {"params": psi * pr.param / (nd if p.zero == 3 else 1),
+                 "grads": psi * pr.grad / (nd if p.zero >= 2 else 1),
+                 "optimizer": psi * pr.optim / (nd if p.zero >= 1 else 1)}
+        if p.checkpoint:
+            parts["activations"] = blocks[r] * block_input * in_flight(p, r) + block
+        else:
+            parts["activations"] = blocks[r] * block * in_flight(p, r)
+        # float32 logits and their gradient (minidist keeps about 8 such arrays: softmax, its gradient, copies)
+        parts["logits"] = (8 if minidist else 2) * n * m.vocab / p.tp * 4 if r == p.pp - 1 else 0.0
+        if p.zero == 3:
+            parts["gathered"] = 2 * block_params(m) / p.tp * pr.param  # the block in use and the next one
+        if best is None or sum(parts.values()) > sum(best.values()):
+            best = parts
+    return best

@@ -1,0 +1,97 @@
+"""Every mesh for a model on a number of devices, priced, the feasible ones ranked.
+
+A mesh is (tp, cp, pp, dp) with tp x cp x pp x dp = the device count, tp dividing the
+attention heads and the key/value heads, cp splitting the sequence into 2 x cp chunks (the
+zig-zag layout's balance), pp at most the layers, dp dividing the global batch's sequences.
+For each mesh the planner tries the step's settings -- ZeRO stage 0-3, the microbatch size
+(1, 2, 4, 8 sequences), the 1F1B schedule or the interleaved one with V = 2, 4, ... up to
+the blocks of a stage, activation checkpointing off and on -- and keeps the fastest that fits
+in memory.  GPipe is not tried: it has 1F1B's bubble and holds all M microbatches' activations.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .cost import MIXED_BF16, Estimate, Plan, estimate, problems, stage_blocks
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(model, devices: int, global_batch_tokens: int):
+    """Every (tp, cp, pp, dp) whose product is ``devices`` and that the model allows."""
+    seqs = global_batch_tokens // model.seq_len
+    for tp in divisors(devices):
+        if model.heads % tp or model.kv % tp:
+            continue
+        for cp in divisors(devices // tp):
+            if cp > 1 and model.seq_len % (2 * cp):
+                continue
+            for pp in divisors(devices // (tp * cp)):
+                dp = devices // (tp * cp * pp)
+                if pp <= model.layers and seqs % dp == 0:
+                    yield tp, cp, pp, dp
+
+
+def settings(model, tp, cp, pp, dp, global_batch_tokens: int, zeros=(0, 1, 2, 3), checkpoint=(False, True)):
+    """The step settings tried for one mesh."""
+    per_replica = global_batch_tokens // model.seq_len // dp
+    sizes = [b for b in (1, 2, 4, 8) if per_replica % b == 0]
+    schedules = [("1f1b", 1)]
+    if pp > 1:
+        most = max(stage_blocks(model.layers, pp))
+        v = 2
+        while v <= most:
+            schedules.append(("interleaved", v))
+            v *= 2
+    for b in sizes:
+        M = per_replica // b
+        for sched, v in schedules:
+            if sched == "interleaved" and M % pp:
+                continue
+            for z in zeros:
+                for ck in checkpoint:
+                    yield Plan(tp, cp, pp, dp, z, M, sched, v, ck)
+
+
+def best_for_mesh(model, machine, mesh, global_batch_tokens: int, precision=MIXED_BF16,
+                  minidist: bool = False) -> tuple[Estimate | None, Estimate | None]:
+    """(the fastest setting that fits, the one that needs the least memory) of a mesh."""
+    fastest = leanest = None
+    for plan in settings(model, *mesh, global_batch_tokens):
+        if problems(model, plan, plan.devices, global_batch_tokens):
+            continue
+        e = estimate(model, machine, plan, global_batch_tokens, precision, minidist)
+        if e.fits and (fastest is None or e.step_s < fastest.step_s):
+            fastest = e
+        if leanest is None or e.mem_bytes < leanest.mem_bytes:
+            leanest = e
+    return fastest, leanest
+
+
+def search(model, machine, devices: int, global_batch_tokens: int, precision=MIXED_BF16, minidist: bool = False):
+    """(ranked feasible estimates, one per mesh, fastest first; the meshes that fit nowhere,
+    each with its leanest setting)."""
+    ranked, infeasible = [], []
+    for mesh in meshes(model, devices, global_batch_tokens):
+        fastest, leanest = best_for_mesh(model, machine, mesh, global_batch_tokens, precision, minidist)
+        if fastest is not None:
+            ranked.append(fastest)
+        elif leanest is not None:
+            infeasible.append(leanest)
+    ranked.sort(key=lambda e: e.step_s)
+    return ranked, infeasible
+
+
+def rank_of(ranked, tp, cp, pp, dp) -> int | None:
+    """1-based rank of a mesh in a ranking (None when absent)."""
+    for i, e in enumerate(ranked, 1):
+        p = e.plan
+        if (p.tp, p.cp, p.pp, p.dp) == (tp, cp, pp, dp):
+            return i
+    return None
+
+
+_ = math
