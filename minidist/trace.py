@@ -64,6 +64,7 @@ class Tracer:
         self.main = threading.get_ident()
         self.in_call = False  # the main thread runs a traced collective: its messages are details
         self.counted = None  # comm.stats' bytes (sent, received) between start() and stop(), to check the spans
+        self.meta: dict = {}  # about the run (mesh, schedule): rank 0's goes into the file's otherData
 
     # ------------------------------------------------------------------- recording
     def add(self, track: str, name: str, cat: str, t0: float, t1: float, args=None) -> None:
@@ -123,7 +124,7 @@ class Tracer:
         alone) to ``path`` on rank 0.  Collective over ``world``: point-to-point only."""
         mine = self.payload()
         if world is None or world.size == 1:
-            write_trace(path, [mine], self.origin + self.offset)
+            write_trace(path, [mine], self.origin + self.offset, self.meta)
             return
         import numpy as np
 
@@ -138,7 +139,7 @@ class Tracer:
         for r in range(1, world.size):
             n = comm.recv((1,), np.int64, r, world, tag=LENGTH_TAG)
             payloads.append(json.loads(comm.recv((int(n[0]),), np.uint8, r, world, tag=EVENTS_TAG).tobytes()))
-        write_trace(path, payloads, self.origin + self.offset)
+        write_trace(path, payloads, self.origin + self.offset, self.meta)
 
 
 def _args(name, a):
@@ -189,7 +190,7 @@ def _algorithm_name(name, n, x_meta, out_meta, algorithm) -> str:
         return algorithm
 
 
-def write_trace(path: str, payloads: list, origin: float) -> None:
+def write_trace(path: str, payloads: list, origin: float, meta: dict | None = None) -> None:
     """The Chrome-trace JSON of every rank's payload, times in µs from ``origin`` (rank 0's
     clock); metadata events name each process (rank) and thread (track)."""
     events, offsets, counted = [], {}, {}
@@ -217,7 +218,7 @@ def write_trace(path: str, payloads: list, origin: float) -> None:
             events.append(e)
     doc = {"traceEvents": events, "displayTimeUnit": "ms",
            "otherData": {"clock_offset_s": offsets, "clock": "perf_counter, aligned to rank 0 (Cristian)",
-                         "bytes_counted": counted}}
+                         "bytes_counted": counted, "run": meta or {}}}
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(doc, f)

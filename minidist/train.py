@@ -80,6 +80,9 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
         from . import comm
 
         tracer = trace.Tracer(world_rank(), trace.rank_label(cfg.parallel.mesh_sizes(), world_rank()))
+        p = cfg.parallel  # what minidist.plot needs to simulate the run's pipeline schedule
+        tracer.meta = {"mesh": p.mesh_sizes(), "schedule": p.schedule, "microbatches": p.microbatches,
+                       "virtual_stages": p.virtual_stages, "steps": cfg.optim.steps}
         trace.start(tracer, comm.world() if world > 1 else None)
         tracer.wrap_blocks(model)
     start = resume(cfg, strategy, scaler, report)

@@ -1,0 +1,56 @@
+"""``python -m minidist.plot``: a merged trace drawn as a PNG (skipped without matplotlib).
+
+The traces are written by a real --trace run: one process, and a 2-rank pipeline whose
+figure gets the measured chart next to the schedule's simulated one."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minidist.testing import run_train
+
+TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "8", "--steps", "2",
+        "--eval-every", "0", "--peak-gflops", "10"]
+
+
+def plot(*args):
+    return subprocess.run([sys.executable, "-m", "minidist.plot", *args], capture_output=True, text=True, timeout=120)
+
+
+def png(path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def matplotlib():
+    return pytest.importorskip("matplotlib", reason="minidist.plot needs matplotlib (pip install 'minidist[plot]')")
+
+
+@pytest.mark.mpi
+def test_pipeline_trace_draws_measured_and_simulated_charts(tmp_path, matplotlib):
+    trace = tmp_path / "trace.json"
+    proc = run_train(2, ["--pp", "2", "--microbatches", "4", *TINY, "--trace", str(trace)], timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "timeline.png"
+    res = plot(str(trace), "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    assert png(out)
+    assert "pipeline bubble" in res.stdout and "simulated" in res.stdout
+    res = plot(str(trace), "-o", str(tmp_path / "all.png"), "--step", "all")
+    assert res.returncode == 0 and png(tmp_path / "all.png"), res.stderr
+
+
+def test_one_process_trace_and_bad_input(tmp_path, matplotlib):
+    trace = tmp_path / "trace.json"
+    proc = run_train(None, [*TINY, "--trace", str(trace)], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = plot(str(trace), "-o", str(tmp_path / "one.png"), "--step", "1")
+    assert res.returncode == 0 and png(tmp_path / "one.png"), res.stderr
+    res = plot(str(trace), "-o", str(tmp_path / "x.png"), "--step", "9")  # no such step: one line, exit 2
+    assert res.returncode == 2 and "steps 1..2" in res.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"not": "a trace"}))
+    res = plot(str(bad), "-o", str(tmp_path / "y.png"))
+    assert res.returncode == 2 and "not a Chrome trace" in res.stderr
