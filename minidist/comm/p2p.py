@@ -40,7 +40,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from minidist.backend import from_host, to_host, xp
+from minidist import env
+from minidist.backend import BACKEND, from_host, on_device, synchronize, to_host, xp
 from minidist.comm import links, stats
 from minidist.comm.errors import CommError
 # The kinds of message (TAG_*) are re-exported: the algorithms name their messages by them.
@@ -61,7 +62,21 @@ for the timeline only when it is set (one module-level None check before and aft
 # Messages are described as ``[array, MPI.BYTE]``: the array's raw bytes (it must be
 # C-contiguous and on the host), so every dtype travels the same way and nothing is pickled.
 
+# With a CUDA-aware MPI (MINIDIST_CUDA_AWARE_MPI=1) the user-facing send/recv calls below hand
+# CuPy arrays to MPI as they are (mpi4py reads __cuda_array_interface__), after the stream's
+# queued work is done; the collectives' algorithms still stage through host memory.
+CUDA_AWARE = BACKEND == "cupy" and env.get("MINIDIST_CUDA_AWARE_MPI")
+
+
+def _direct(a) -> bool:
+    """``a`` can be an MPI buffer as it is: contiguous, and on the host or CUDA-aware."""
+    return a.flags.c_contiguous and (CUDA_AWARE or not on_device(a))
+
+
 def _host_contiguous(x) -> np.ndarray:
+    if CUDA_AWARE and on_device(x):
+        synchronize()  # the kernels that wrote x must finish before MPI reads it
+        return xp.ascontiguousarray(x)
     t0 = trace.clock() if trace is not None else 0.0
     h = to_host(x)
     if t0 and h is not x and trace is not None:  # a device array staged through host memory
@@ -393,8 +408,7 @@ def send(x, dst: int, group, tag: int = 0) -> None:
 def recv_into(out, src: int, group, tag: int = 0):
     """Blocking receive into the preallocated array ``out`` (its size must match exactly)."""
     src, tag = _check_peer(src, group, "src"), _check_tag(tag)
-    host = to_host(out)
-    direct = isinstance(host, np.ndarray) and host is out and out.flags.c_contiguous
+    direct = _direct(out)
     buf = out if direct else np.empty(out.shape, out.dtype)
     with stats.scope("recv", None, group.name):
         _recv(group.user_comm, buf, src, tag)
@@ -414,8 +428,7 @@ def sendrecv(x, dst: int, src: int, group, out=None, tag: int = 0):
     tag = _check_tag(tag)
     sendbuf = _host_contiguous(x)
     target = out if out is not None else xp.empty(x.shape, x.dtype)
-    host = to_host(target)
-    direct = host is target and target.flags.c_contiguous
+    direct = _direct(target)
     buf = target if direct else np.empty(target.shape, target.dtype)
     with stats.scope("sendrecv", None, group.name):
         _sendrecv(group.user_comm, sendbuf, dst, buf, src, tag)
@@ -469,7 +482,7 @@ def isend(x, dst: int, group, tag: int = 0) -> Request:
 def irecv(out, src: int, group, tag: int = 0) -> Request:
     """Start receiving into ``out`` from ``src``; ``wait()`` returns ``out``."""
     src, tag = _check_peer(src, group, "src"), _check_tag(tag)
-    direct = to_host(out) is out and out.flags.c_contiguous
+    direct = _direct(out)
     staged = None if direct else np.empty(out.shape, out.dtype)
     with stats.scope("irecv", None, group.name):
         req = _irecv(group.user_comm, out if direct else staged, src, tag)
