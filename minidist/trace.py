@@ -100,9 +100,11 @@ class Tracer:
         """Time each transformer block's forward (``model.block_runner``; backward runs in
         the autograd graph, inside the microbatch's backward span)."""
         index = {id(b): i for i, b in enumerate(model.h) if b is not None}
-        inner, clock, events = model.block_runner, self.clock, self.events
+        inner, clock, events, tracer = model.block_runner, self.clock, self.events, self
 
         def runner(block, x):
+            if active is not tracer:  # tracing stopped (or toggled off between steps, as the benchmark does)
+                return inner(block, x)
             t0 = clock()
             y = inner(block, x)
             events.append(("compute", f"block {index.get(id(block), '?')}", "compute", t0, clock(), None))
@@ -336,9 +338,16 @@ class _TracedHandle:
 def start(tracer: Tracer, world=None) -> Tracer:
     """Align ``tracer``'s clock with rank 0's and install the hooks (collective over
     ``world`` when given, the communication layer's hooks only then)."""
-    global active
     if world is not None and world.size > 1:
         tracer.offset = clock_offset(world, tracer.clock)
+    return install(tracer, world is not None and world.size > 1)
+
+
+def install(tracer: Tracer, comm_hooks: bool = True) -> Tracer:
+    """Make ``tracer`` the running one: spans from the loop, the pipeline and the blocks,
+    and with ``comm_hooks`` every collective and message (undone by :func:`stop`)."""
+    global active
+    if comm_hooks:
         from minidist.comm import collectives, p2p
 
         collectives.trace_calls(lambda name, fn: _wrap_collective(tracer, name, fn))
