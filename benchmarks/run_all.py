@@ -11,7 +11,8 @@ part runs, its own output comes through indented, with a progress line every
 output, and the exit status is 1.  A part whose requirement is missing (PyTorch for the
 model comparison, an mpiexec for the collectives) is skipped with a one-line reason.
 Each part's duration is written to DIR/run_all.json and is the expectation printed by the
-next run into the same DIR.
+next run into the same DIR.  At the end, benchmarks/report.py gathers every part's headline
+ratios, with the machine they were measured on, into DIR/REPORT.md (and DIR/report.png).
 """
 
 from __future__ import annotations
@@ -194,6 +195,11 @@ def main(argv=None):
         print(f"failed: {part.name} ({part.script}, exit status {rc}); the last lines of its output:", flush=True)
         for line in tail:
             print("    " + line, flush=True)
+    sys.path.insert(0, HERE)
+    import report  # benchmarks/report.py: the machine and every part's ratios in one page
+
+    for path in report.write(args.out):
+        print(f"report: {_short(path)}", flush=True)
     if failed:
         sys.exit(1)
 

@@ -52,6 +52,23 @@ def test_run_all_quick_says_what_it_runs(quick_run):
     assert all(durations[name] > 0 for name in parts if name != "model")
 
 
+def test_run_all_writes_one_report(quick_run):
+    """REPORT.md: the machine at the top, then a section per benchmark whose figures are
+    numbers read from its JSON (no part unreadable)."""
+    out, stdout = quick_run
+    assert "report: " in stdout
+    text = (out / "REPORT.md").read_text()
+    assert text.index("## The machine") < text.index("CPU: ") < text.index("MPI: ")
+    for name in ("collectives.json", "model_step.json", "ddp.json", "pipeline.json", "compose.json",
+                 "checkpoint.json", "context.json", "tensor_parallel.json"):
+        if (out / name).exists():
+            section = text.split(f"(`{name}`)", 1)[1].split("\n## ", 1)[0]
+            rows = [r for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
+            assert rows and all("could not be read" not in r and "unreadable" not in r for r in rows), section
+            assert any(r.split("|")[2].strip().replace(".", "").replace("-", "").replace(",", "").isdigit()
+                       for r in rows), section
+
+
 def test_run_all_shows_a_failing_part_and_progress(tmp_path, capsys):
     run_all = _import("run_all")
     rc, seconds, tail = run_all.run_part(
