@@ -238,7 +238,7 @@ def mean_breakdown(timed: list) -> dict | None:
 
 
 def _breakdown_rows(timed: list) -> list:
-    """``time per step (rank 0)``: the mean breakdown, in ms and % of the step (with --trace);
+    """``time by part (rank 0)``: the mean breakdown, in ms and % of the step (with --trace);
     the largest rank's memory parts at the peak."""
     rows = []
     b = mean_breakdown(timed)
@@ -246,7 +246,7 @@ def _breakdown_rows(timed: list) -> list:
         total = sum(v for k, v in b.items() if k != "comm") + sum(b["comm"].values())
         pieces = [("compute", b["compute"])] + [(f"comm {g}", v) for g, v in b["comm"].items()] + \
                  [("bubble", b["bubble"]), ("optimizer", b["optimizer"]), ("other", b["other"])]
-        rows.append(("time per step (rank 0)", ", ".join(f"{name} {1e3 * v:.1f} ms ({100 * v / total:.0f}%)"
+        rows.append(("time by part (rank 0)", ", ".join(f"{name} {1e3 * v:.1f} ms ({100 * v / total:.0f}%)"
                                                          for name, v in pieces if v > 0 or name == "compute")))
     parts = [r for r in timed if "mem_parts_mb" in r]
     if parts:

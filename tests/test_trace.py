@@ -77,7 +77,7 @@ def run(tmp_path, nprocs, *mesh):
     trace_path, metrics = str(tmp_path / "trace.json"), str(tmp_path / "m.jsonl")
     proc = run_train(nprocs, [*mesh, *TINY, "--trace", trace_path, "--metrics-jsonl", metrics], timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "time per step (rank 0)" in proc.stdout
+    assert "time by part (rank 0)" in proc.stdout
     return json.load(open(trace_path)), metrics, proc.stdout
 
 
