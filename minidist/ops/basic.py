@@ -17,6 +17,7 @@ import builtins
 
 from ..autograd import Tensor, make_tensor
 from ..backend import to_host, xp
+from . import tuning
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -295,7 +296,8 @@ def check_index(idx, n, what="index"):
 def scatter_add_rows(idx, g, num_rows, dtype):
     """zeros((num_rows, *row_shape)) with the rows of ``g`` added at ``idx`` (repeats add up).
 
-    Sort-and-segment-sum: sorting the indices groups the repeats, ``add.reduceat`` sums
+    Whole-array: ``add.at``, one scatter-add (atomic adds on a GPU).  CPU-tuned:
+    sort-and-segment-sum: sorting the indices groups the repeats, ``add.reduceat`` sums
     each group in one vectorised pass, and each distinct row is then written once.  (It
     is several times faster than ``np.add.at``, which handles one row at a time.)
     """
@@ -304,7 +306,7 @@ def scatter_add_rows(idx, g, num_rows, dtype):
     flat = idx.reshape(-1)
     if flat.size == 0:
         return out
-    if not hasattr(xp.add, "reduceat"):  # backends without reduceat: plain scatter-add
+    if not tuning.tuned() or not hasattr(xp.add, "reduceat"):  # the plain scatter-add (atomics on a GPU)
         xp.add.at(out, flat, g.reshape((-1,) + row_shape))
         return out
     order = xp.argsort(flat, kind="stable")

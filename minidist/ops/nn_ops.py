@@ -147,6 +147,19 @@ def softmax(x: Tensor, axis=-1) -> Tensor:
     return make_tensor(to_dtype(y, x.dtype), (x,), backward)
 
 
+@elementwise
+def _ln_affine(xc, rstd, w, b):
+    """(xhat, y) = (xc * rstd, xhat * w + b)."""
+    xhat = xc * rstd
+    return xhat, xhat * w + b
+
+
+@elementwise
+def _ln_input_grad(gh, xhat, rstd, mean_gh, mean_ghx):
+    """dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)), the means given per row."""
+    return rstd * (gh - mean_gh - xhat * mean_ghx)
+
+
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
     """Layer normalisation over the last axis (Ba et al. 2016), one fused node.
 
@@ -172,10 +185,13 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     Bias = None if bias is None else to_dtype(bias.data, cdt)
     xc = X - X.mean(axis=-1, keepdims=True)
     rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
-    xhat = xc * rstd  # saved for backward
-    y = xhat if W is None else xhat * W
-    if Bias is not None:
-        y = y + Bias
+    if W is not None and Bias is not None:
+        xhat, y = _ln_affine(xc, rstd, W, Bias)  # one fused kernel under CuPy
+    else:
+        xhat = xc * rstd  # saved for backward
+        y = xhat if W is None else xhat * W
+        if Bias is not None:
+            y = y + Bias
 
     def backward(g):
         g2d = to_dtype(g, cdt).reshape(-1, C)
@@ -184,7 +200,8 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
         gx = None
         if x.requires_grad:
             gh = g2d if W is None else g2d * W
-            gx = rstd * (gh - gh.mean(axis=-1, keepdims=True) - xhat * (gh * xhat).mean(axis=-1, keepdims=True))
+            gx = _ln_input_grad(gh, xhat, rstd, gh.mean(axis=-1, keepdims=True),
+                                (gh * xhat).mean(axis=-1, keepdims=True))
             gx = to_dtype(gx.reshape(x.shape), x.dtype)
         return (
             gx,
