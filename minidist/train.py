@@ -212,7 +212,10 @@ def _one_step(step, first, cfg, strategy, sampler, val_batches, report, memory, 
 
         r["time_s"] = breakdown(tracer.events, t0, t3, first_event)
     if cfg.report.eval_every and (step % cfg.report.eval_every == 0 or step == o.steps):
+        t4 = clock()
         r["val_loss"] = strategy.evaluate(val_batches, low)
+        if tracer is not None:
+            tracer.add("compute", "evaluate", "eval", t4, clock(), {"step": step})
     report.add(r, memory.last_bytes)
     return r
 
