@@ -3,14 +3,15 @@
     python benchmarks/bench_trace.py [--out DIR] [--quick] [--reps 20]
 
 On 2 ranks, for each mesh (dp2, pp2 with 4 microbatches, tp2; --quick: tp2 only, the one
-with the most collectives per step), a GPT of the benchmark's width is built once and its
-steps alternate: an untraced step (no hook installed: minidist/trace.py's hooks are swapped
-in only while a tracer runs), then a traced one (every span of ``--trace``: microbatches,
-blocks, pipeline actions and idle waits, each collective and message, and the step's
-breakdown computed from them, as minidist.train does).  Interleaving puts both arms under
-the same load of a shared machine.  The step time is the slowest rank's (the step ends when
-its last rank does); the result is the ratio of the medians, against the target of at most
-10% slower (docs/tracing.md), plus the one-off cost of merging the trace on rank 0.
+with the most collectives per step), a GPT (4 layers of width 128, batch 16x64; --quick:
+2x64, 8x32) is built once and its steps alternate, A B B A ..., so that neither arm always
+runs first and both see the same load of a shared machine: an untraced step (no hook
+installed: minidist/trace.py's hooks are swapped in only while a tracer runs) and a traced
+one (every span of ``--trace``: microbatches, blocks, pipeline actions and idle waits, each
+collective and message, and the step's breakdown computed from them, as minidist.train
+does).  The step time is the slowest rank's (the step ends when its last rank does); the
+result is the ratio of the medians, against the target of at most 10% slower
+(docs/tracing.md), plus the one-off cost of merging the trace on rank 0.
 Writes tracing.json under --out.
 """
 
@@ -82,9 +83,9 @@ def worker(out_path: str, quick: bool, reps: int, meshes: list) -> None:
             step(k, False)
             step(k, True)
         rows = {"untraced_s": [], "traced_s": []}
-        for rep in range(reps):
-            rows["untraced_s"].append(step(10 + 2 * rep, False))
-            rows["traced_s"].append(step(11 + 2 * rep, True))
+        for rep in range(reps):  # A B B A ...: neither arm always runs first
+            for traced in ((False, True) if rep % 2 == 0 else (True, False)):
+                rows["traced_s" if traced else "untraced_s"].append(step(10 + 2 * rep + traced, traced))
         path = os.path.join(tempfile.gettempdir(), f"minidist-bench-trace-{os.getpid()}.json") if world.rank == 0 else None
         t0 = time.perf_counter()
         tracer.save(path, world)
