@@ -1,11 +1,14 @@
 """Per-rank timelines (minidist/trace.py) and the step breakdown.
 
-Under real mpiexec: ``--trace`` on --dp 2, --pp 2 and --tp 2 runs of a tiny GPT (3 steps)
+Under real mpiexec: ``--trace`` on --dp 2, --pp 2, --tp 2 and (4 ranks) --dp 2 --tp 2 --zero 1
+runs of a tiny GPT (3 steps)
 writes one merged Chrome trace: valid JSON, one process track per rank named by its mesh
 coordinates, only complete events, spans of one thread track disjoint or nested, the bytes
 on the message spans equal to comm.stats' counters of each rank, and each record's time
 breakdown summing to its step time.  Clocks: ranks whose tracer clocks are skewed by 1000 s
-each line up again after the Cristian offsets.  The breakdown itself on hand-made spans.
+each line up again after the Cristian offsets, and stopping removes every hook.  HFU over MFU
+with activation checkpointing is the recomputed forward's share.  The breakdown itself on
+hand-made spans.
 """
 import collections
 import json
@@ -127,12 +130,29 @@ def test_tp2_trace_names_collectives_their_axis_and_algorithm(tmp_path):
     assert "tp" in check_records(metrics)[-1]["time_s"]["comm"]
 
 
-def test_one_process_trace(tmp_path):
-    doc, metrics, _ = run(tmp_path, None)
+@pytest.mark.mpi
+def test_dp2_tp2_names_both_axes_and_counts_every_byte(tmp_path):
+    doc, metrics, _ = run(tmp_path, 4, "--dp", "2", "--tp", "2", "--zero", "1")
+    names, _ = check_trace(doc, 4)
+    assert names == {0: "rank 0 (dp0 tp0)", 1: "rank 1 (dp0 tp1)", 2: "rank 2 (dp1 tp0)", 3: "rank 3 (dp1 tp1)"}
+    groups = {e["args"].get("group") for e in spans(doc) if e["cat"] in ("collective", "p2p", "wait")}
+    assert {"dp", "tp"} <= groups
+    assert {"dp", "tp"} <= set(check_records(metrics)[-1]["time_s"]["comm"])
+
+
+def test_one_process_trace_and_hfu_with_recompute(tmp_path):
+    from minidist.profile import model_flops_per_token
+    from minidist.report import recompute_flops_per_token
+
+    doc, metrics, _ = run(tmp_path, None, "--checkpoint-activations")
     names, _ = check_trace(doc, 1)
     assert names == {0: "rank 0"}
     records = check_records(metrics)
     assert records[-1]["time_s"]["comm"] == {}
+    # HFU counts the recomputed forward of every block (PaLM appendix B): here 2 layers, C=16, T=8
+    ratio = 1 + recompute_flops_per_token(2, 16, 8, True) / model_flops_per_token(2, 16, 8, 256)
+    assert all(r["hfu"] / r["mfu"] == pytest.approx(ratio) for r in records)
+    assert recompute_flops_per_token(2, 16, 8, True) == 2 * (24 * 16 * 16 + 4 * 8 * 16)
 
 
 @pytest.mark.mpi
