@@ -208,7 +208,9 @@ def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens
     m, p, mc, pr = model, plan, machine, precision
     seq = m.seq_len
     world = p.devices
-    share = min(1.0, mc.cores / world) if mc.cores else 1.0   # ranks sharing the CPU's cores
+    share = min(1.0, mc.cores / (world + mc.load)) if mc.cores else 1.0   # ranks sharing the CPU's cores
+    # minidist's ZeRO-3 recomputes every block in backward (parallel/fsdp.py): checkpointing by construction.
+    ckpt = p.checkpoint or (minidist and p.zero == 3)
     seqs_mb = global_batch_tokens // seq // p.dp // p.microbatches   # sequences per microbatch
     n = seqs_mb * seq / p.cp                                          # tokens per microbatch on a rank
     blocks = stage_blocks(m.layers, p.pp)
@@ -223,23 +225,25 @@ def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens
     t_block = (block_matmul_flops(m) * n / p.tp / (peak * mc.gemm_eff) + at_block
                + 2 * act_tok * n / p.tp / (mc.mem_bw * share)       # element-wise: each saved value written, read
                + mc.block_mb_s / 3 / share)                         # forward's third of the fixed costs
-    t_head = head_flops(m) * n / p.tp / (peak * mc.gemm_eff) + 4 * n * m.vocab / p.tp * 4 / (mc.mem_bw * share)
+    t_head = (head_flops(m) * n / p.tp / (peak * mc.gemm_eff) + 4 * n * m.vocab / p.tp * 4 / (mc.mem_bw * share)
+              + mc.mb_overhead_s / 3 / share)
     # The busiest stage sets the pace: the last one also runs the head.
     t_f = max(b * t_block + (t_head if r == p.pp - 1 else 0.0) for r, b in enumerate(blocks))
     at = Ls * at_block
     t_b = 2 * t_f
-    t_r = t_f if p.checkpoint else 0.0
+    t_r = t_f if ckpt else 0.0
 
     # --- tensor parallel: 2 all-reduces (or all-gather + reduce-scatter) per block forward, 2 backward
     tp_link = mc.link_for(p.tp)
     act_msg = n * m.d_model * pr.act
     per_block = ring_all_reduce(act_msg, p.tp, tp_link, mc.link_eff)
-    tp_mb = Ls * per_block * (2 + 2 + (2 if p.checkpoint else 0))
+    tp_mb = Ls * (per_block + mc.coll_overhead_s / share) * (2 + 2 + (2 if ckpt else 0)) if p.tp > 1 else 0.0
 
     # --- context parallel: keys and values of the other chunks, forward; twice that backward
     cp_link = mc.link_for(p.tp * p.cp)
     kv_bytes = seqs_mb * seq * 2 * m.d_kv / p.tp * pr.act
-    cp_comm = Ls * 3 * ring_gather(kv_bytes, p.cp, cp_link, mc.link_eff) if p.cp > 1 else 0.0
+    cp_comm = Ls * 3 * (ring_gather(kv_bytes, p.cp, cp_link, mc.link_eff)
+                        + (p.cp - 1) * mc.coll_overhead_s / share) if p.cp > 1 else 0.0
     cp_mb = cp_comm  # exposed: the keys and values are gathered before the attention that needs them (Llama 3)
 
     t_mb = t_f + t_b + t_r + tp_mb + cp_mb
@@ -247,7 +251,8 @@ def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens
 
     # --- pipeline: the bubble, and the activations between neighbouring stages
     pp_link = mc.link_for(p.tp * p.cp * 2)
-    pp_msg = message(act_msg / (p.tp if sp else 1), pp_link, mc.link_eff) if p.pp > 1 else 0.0
+    pp_msg = (message(act_msg / (p.tp if sp else 1), pp_link, mc.link_eff) + mc.coll_overhead_s / share
+              if p.pp > 1 else 0.0)
     pp_exposed = 2 * (p.pp - 1) * pp_msg + (1 - mc.overlap) * 2 * V * M * pp_msg
     bubble = (p.pp - 1) / V * t_mb if p.pp > 1 else 0.0
 
@@ -264,7 +269,11 @@ def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens
         per_block = block_params(m) / p.tp
         dp_comm = M * Ls * (2 * ring_gather(per_block * pr.param, nd, dp_link, mc.link_eff)
                             + ring_gather(per_block * pr.grad, nd, dp_link, mc.link_eff))
+    calls = (3 * M * Ls + 3) if p.zero == 3 else (1 if p.zero == 0 else 2) * (Ls + 1)  # per block (FSDP) / bucket
+    dp_comm += calls * mc.coll_overhead_s if nd > 1 else 0.0
     window = (M * (t_f + t_b + t_r)) if p.zero == 3 else (t_f + t_b)
+    if mc.cores:  # on a CPU every message of a rank's reduction takes its share of the cores too
+        dp_comm /= share
     dp_exposed = max(0.0, dp_comm - mc.overlap * window)
 
     # --- optimizer: AdamW touches the gradient, the state and the weights once (memory-bound)
@@ -273,13 +282,20 @@ def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens
     fixed = (Ls * mc.block_step_s + mc.step_overhead) / share
     scalars = 3 * 2 * math.ceil(math.log2(world)) * mc.link_for(world).latency if world > 1 else 0.0
 
+    # On an oversubscribed CPU a sync point waits for a descheduled partner: probability 1 - share, one slice.
+    if mc.cores and world > 1:
+        syncs = M * Ls * ((4 + (2 if ckpt else 0)) * (p.tp > 1) + 3 * (p.cp - 1)) + (2 * V * M if p.pp > 1 else 0) \
+            + (calls if nd > 1 else 0) + 3
+        wait = syncs * (1 - share) * mc.sync_slice_s
+    else:
+        syncs, wait = 0, 0.0
     time = {"compute": compute, "tp": M * tp_mb, "cp": M * cp_mb, "pp": pp_exposed, "bubble": bubble,
-            "dp": dp_exposed, "optimizer": optimizer, "fixed": fixed + scalars}
+            "dp": dp_exposed, "optimizer": optimizer, "fixed": fixed + scalars, "sync": wait}
     step = sum(time.values())
 
     mflops = model_flops_per_token(m, seq) * global_batch_tokens
     hflops = mflops + (m.layers * (block_matmul_flops(m) + attention_flops(m, seq, executed=True)) * global_batch_tokens
-                       if p.checkpoint else 0.0)
+                       if ckpt else 0.0)
     total_peak = mc.peak[pr.compute] * (world if not mc.cores else min(world, mc.cores))
     memory = memory_parts(m, p, pr, global_batch_tokens, minidist=minidist)
     mem = sum(memory.values())
@@ -307,6 +323,9 @@ def _stage_params(m: ModelSpec, p: Plan, stage: int | None = None) -> float:
     return max(out)
 
 
+MINIDIST_REPLICATED = 12  # of minidist's 24 d-wide arrays per token, those every tp rank holds whole
+
+
 def minidist_block_values(m: ModelSpec, seq: int) -> float:
     """Values minidist's NumPy block keeps live per token (counted with tracemalloc, see
     cli_checks.training_memory_bytes): about 24 arrays of width d, and plain attention's H x T
@@ -332,9 +351,13 @@ def memory_parts(m: ModelSpec, p: Plan, pr: Precision, global_batch_tokens: int,
     n = global_batch_tokens // seq // p.dp // p.microbatches * seq / p.cp
     blocks = stage_blocks(m.layers, p.pp)
     sp = p.sequence_parallel and p.tp > 1 and not minidist
-    per_tok = minidist_block_values(m, seq) * pr.act if minidist else activation_bytes_per_token(m, pr.act)
-    # Without sequence parallelism the norms' inputs and outputs (4 d per token) are replicated on every tp rank.
-    block = per_tok * n / p.tp + (0 if sp or minidist else 4 * m.d_model * pr.act * n * (1 - 1 / p.tp))
+    if minidist:  # half of its 24 arrays lie outside the tp-split layers (norms, residual, gathered outputs)
+        split = (minidist_block_values(m, seq) - MINIDIST_REPLICATED * m.d_model) * pr.act
+        block = split * n / p.tp + MINIDIST_REPLICATED * m.d_model * pr.act * n
+    else:  # without sequence parallelism the norms' inputs and outputs (4 d per token) are on every tp rank
+        per_tok = activation_bytes_per_token(m, pr.act)
+        block = per_tok * n / p.tp + (0 if sp else 4 * m.d_model * pr.act * n * (1 - 1 / p.tp))
+    ckpt = p.checkpoint or (minidist and p.zero == 3)
     block_input = m.d_model * pr.act * n / (p.tp if sp else 1)
     nd = p.dp * p.cp
     best = None
@@ -343,7 +366,7 @@ def memory_parts(m: ModelSpec, p: Plan, pr: Precision, global_batch_tokens: int,
         parts = {"params": psi * pr.param / (nd if p.zero == 3 else 1),
                  "grads": psi * pr.grad / (nd if p.zero >= 2 else 1),
                  "optimizer": psi * pr.optim / (nd if p.zero >= 1 else 1)}
-        if p.checkpoint:
+        if ckpt:
             parts["activations"] = blocks[r] * block_input * in_flight(p, r) + block
         else:
             parts["activations"] = blocks[r] * block * in_flight(p, r)

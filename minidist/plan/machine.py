@@ -57,8 +57,12 @@ class Machine:
     overlap: float = 1.0          # share of the overlappable communication hidden behind compute
     block_mb_s: float = 0.0       # fixed seconds per block and microbatch (launches; Python + NumPy calls)
     block_step_s: float = 0.0     # fixed seconds per block and step (the optimizer's per-tensor calls)
+    mb_overhead_s: float = 0.0    # fixed seconds per microbatch outside the blocks (embedding, head, loss)
     step_overhead: float = 0.0    # fixed seconds per step outside the blocks (loss, bookkeeping)
     cores: int = 0                # CPU: the cores ranks share (0: a device per rank)
+    load: float = 0.0             # CPU: other runnable processes sharing the cores (a shared machine's load)
+    coll_overhead_s: float = 0.0  # fixed seconds per collective call (minidist's Python around its messages)
+    sync_slice_s: float = 0.0     # CPU: mean off-CPU stretch of a descheduled partner, paid at a sync point
     notes: dict = field(default_factory=dict)
 
     def link_for(self, span: int) -> Link:
@@ -140,27 +144,80 @@ def _best(fn, seconds: float = 0.3, reps_min: int = 3) -> float:
     return best
 
 
+def _median_time(fn, seconds: float) -> float:
+    fn()
+    times, end = [], time.perf_counter() + seconds
+    while len(times) < 5 or time.perf_counter() < end:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def gemm_rate(dtype: str = "float32", seconds: float = 0.3) -> float:
+    """FLOP/s of the products a small GPT's step makes (activations times a weight, forward
+    and both backward forms, each allocating its result as minidist's ops do); the best
+    time: what one core does when nothing else runs (a shared machine's load is measured
+    separately, while the runs it slows run)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rates = []
+    for n, d in ((1024, 128), (512, 256)):
+        a = rng.standard_normal((n, d)).astype(dtype)
+        w = rng.standard_normal((d, 4 * d)).astype(dtype)
+        g = rng.standard_normal((n, 4 * d)).astype(dtype)
+        flops = 2 * n * d * 4 * d
+        for fn in (lambda: a @ w, lambda: g @ w.T, lambda: a.T @ g):
+            rates.append(flops / _best(fn, seconds / 6))
+    return sorted(rates)[len(rates) // 2]
+
+
 def measure_compute() -> dict:
     """GEMM rates (float32, float64) and element-wise bandwidth of one core.  Run in a process
     with one BLAS thread (as every rank of minidist's runs here has)."""
     import numpy as np
 
-    rng = np.random.default_rng(0)
-    peak = {}
-    for dtype in ("float32", "float64"):
-        rates = []
-        for m, k, n in ((2048, 128, 512), (1024, 256, 1024), (512, 512, 512)):  # model-shaped products
-            a = rng.standard_normal((m, k)).astype(dtype)
-            b = rng.standard_normal((k, n)).astype(dtype)
-            out = np.empty((m, n), dtype)
-            rates.append(2 * m * k * n / _best(lambda: np.matmul(a, b, out=out)))
-        peak[dtype] = sorted(rates)[1]
-    x = rng.standard_normal(1 << 19).astype("float32")  # 2 MiB: the size of a small model's activations
-    y, out = np.empty_like(x), np.empty_like(x)
-    mem_bw = 3 * x.nbytes / _best(lambda: np.add(x, y, out=out))  # two reads and a write
+    peak = {dtype: gemm_rate(dtype) for dtype in ("float32", "float64")}
+    x = np.random.default_rng(0).standard_normal(1 << 19).astype("float32")  # 2 MiB, a small model's activations
+    y = x.copy()
+    mem_bw = 3 * x.nbytes / _best(lambda: x + y, 0.2)  # two reads and a write, result allocated
     tiny = np.ones(4, "float32")
-    op = _best(lambda: np.add(tiny, tiny), seconds=0.1)
+    op = _best(lambda: np.add(tiny, tiny), 0.1)
     return {"peak": peak, "mem_bw": mem_bw, "numpy_op_s": op}
+
+
+def busy_seconds() -> float:
+    """CPU seconds all processes of this machine have run so far (/proc/stat; 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def others_load(busy: float, ours: float, wall: float, ranks: int, cores: int) -> float:
+    """Other runnable processes while ours ran, from the CPU seconds everyone used (``busy``)
+    and ours used (``ours``) over ``wall`` seconds: if L others and our W ranks share C cores
+    fairly, the others take b = C L / (L + W) cores, so L = W b / (C - b)."""
+    b = min(max(0.0, (busy - ours) / max(wall, 1e-9)), cores * 0.95)
+    return ranks * b / (cores - b)
+
+
+def current_load(machine: Machine) -> float:
+    """Other runnable processes sharing the cores now, from the GEMM rate one more process
+    gets (a 1-thread probe in a fresh process): with L of them on C cores it gets C / (L + 1)
+    of a core, so L = C / share - 1 (0 when it gets a whole core)."""
+    from ..blas_env import blas_threads
+
+    env = dict(os.environ, **blas_threads(1))
+    code = "import minidist.plan.machine as m; print(m.gemm_rate('float32', 0.3))"
+    now = float(subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True, text=True,
+                               timeout=120).stdout)
+    share = min(1.0, now / machine.peak["float32"])
+    return max(0.0, machine.cores / share - 1) if share < 0.95 else 0.0
 
 
 def _p2p_probe(out_path: str) -> None:
@@ -189,32 +246,142 @@ def _p2p_probe(out_path: str) -> None:
     latency = pingpong(8, 200)
     big = 8 << 20
     bw = big / max(1e-9, pingpong(big, 20) - latency)
+    from .. import comm as mcomm  # minidist's own all-reduce of one scalar: the fixed cost of a collective call
+
+    g, x = mcomm.world(), np.ones(1)
+    times = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        mcomm.all_reduce(x, g)
+        times.append(time.perf_counter() - t0)
+    coll = max(0.0, sorted(times)[len(times) // 2] - 2 * latency)
     if comm.rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"latency": latency, "bw": bw}, f)
+            json.dump({"latency": latency, "bw": bw, "coll_overhead_s": coll}, f)
 
 
-def _step_probe(layers: int, steps: int = 8, grad_accum: int = 1) -> float:
-    """Median seconds of an untraced training step of a tiny model (one process, one BLAS
-    thread): what minidist's operations cost when the arithmetic is nothing."""
+def _step_probe(layers: int, grad_accum: int = 1, steps: int = 12) -> float:
+    """The fastest untraced training step of a tiny model (one process, one BLAS thread): what
+    minidist's operations cost when the arithmetic is nothing (the fastest: a shared
+    machine's load only ever adds)."""
     fd, path = tempfile.mkstemp(suffix=".jsonl")
     os.close(fd)
     from ..blas_env import blas_threads
 
     env = dict(os.environ, **blas_threads(1))
     cmd = [sys.executable, "-m", "minidist.train", "--layers", str(layers), "--d-model", "8", "--heads", "2",
-           "--seq-len", "8", "--batch-size", "2", "--grad-accum", str(grad_accum), "--steps", str(steps), "--eval-every", "0", "--log-every",
-           "1000", "--quiet", "--warmup", "1", "--metrics-jsonl", path]
+           "--seq-len", "8", "--batch-size", "2", "--grad-accum", str(grad_accum), "--steps", str(steps),
+           "--eval-every", "0", "--log-every", str(steps + 1), "--quiet", "--warmup", "1", "--peak-gflops", "1",
+           "--metrics-jsonl", path]
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
     with open(path) as f:
         rows = [json.loads(line) for line in f]
     os.unlink(path)
-    times = sorted(r["step_time_s"] for r in rows[1:-1])  # untraced steps
-    return times[len(times) // 2]
+    return min(r["step_time_s"] for r in rows[1:] if "peak_mem_mb" not in r)  # untraced steps
+
+
+def fixed_costs(repeats: int = 2) -> dict:
+    """minidist's fixed costs from four tiny runs, t(L blocks, A microbatches) =
+    L (A a + b) + A c + d: a per block and microbatch, b per block and step, c per
+    microbatch outside the blocks, d per step (each probe the best of ``repeats``: a shared
+    machine's load only ever adds)."""
+    t = {(L, A): min(_step_probe(L, A) for _ in range(repeats)) for L in (1, 3) for A in (1, 2)}
+    a = max(0.0, ((t[3, 2] - t[1, 2]) - (t[3, 1] - t[1, 1])) / 2)
+    b = max(0.0, (t[3, 1] - t[1, 1]) / 2 - a)
+    c = max(0.0, (t[1, 2] - t[1, 1]) - a)
+    d = max(0.0, t[1, 1] - a - b - c)
+    return {"block_mb_s": a, "block_step_s": b, "mb_overhead_s": c, "step_overhead": d}
+
+
+PROBE_SHAPE = dict(layers=2, d_model=64, heads=4, seq_len=32, batch_size=16)  # not one of --validate's shapes
+
+
+def _with_elementwise_rate(machine: Machine, log=print) -> Machine:
+    """``machine`` with the rate of minidist's element-wise work (norms, GELU, softmax, the
+    residual and bias adds, their backward, each allocating its result) measured from one real
+    single-process step of a small model: the step's time less what the model prices for its
+    matmuls and fixed costs, over the activation bytes the model says it moves."""
+    from dataclasses import replace
+
+    from .validate import predict_parts, run
+
+    meas = run(PROBE_SHAPE, {}, steps=10)
+    loaded = replace(machine, load=meas["load"])
+    without = predict_parts(replace(loaded, mem_bw=1e30), PROBE_SHAPE, {})["step_s"]
+    per_byte = predict_parts(replace(loaded, mem_bw=1.0), PROBE_SHAPE, {})["step_s"] - without
+    rest = meas["step_s"] - without
+    if rest <= 0:
+        log("  element-wise work: hidden in the noise of the probe; the copy bandwidth stays")
+        return machine
+    rate = per_byte / rest
+    log(f"  minidist's element-wise work: {rate / 1e9:.2f} GB/s of activations (a real {PROBE_SHAPE['layers']}-block "
+        f"d{PROBE_SHAPE['d_model']} step, {meas['step_s'] * 1e3:.1f} ms, background load {meas['load']:.1f})")
+    return replace(machine, mem_bw=rate, notes={**machine.notes, "copy_bw": machine.mem_bw})
+
+
+def _sync_probe(out_path: str, reps: int = 60) -> None:
+    """Under mpiexec -n 3 on fewer cores: the extra seconds per synchronisation (a scalar
+    all-reduce) between stretches of ~2 ms of arithmetic, over the same loop without it."""
+    import numpy as np
+
+    from .. import comm
+
+    g = comm.world()
+    a = np.ones((256, 256), np.float32)
+    work = max(1, int(2e-3 * 100e9 / (2 * 256**3)))
+
+    def loop(sync: bool) -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for _ in range(work):
+                a @ a
+            if sync:
+                comm.all_reduce(np.ones(1), g)
+        return time.perf_counter() - t0
+
+    loop(True)
+    alone = min(loop(False) for _ in range(2))
+    synced = min(loop(True) for _ in range(2))
+    extra = max(0.0, (synced - alone) / reps)
+    mine = comm.all_gather(np.array([extra]), g)
+    if g.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"extra_s": float(np.mean(mine))}, f)
+
+
+def measure_sync(cores: int, log=print) -> float:
+    """The scheduler's slice as a synchronisation sees it: with W ranks and L other processes
+    on C cores a rank runs C / (W + L) of the time, and waits at each sync point for a
+    descheduled partner with probability 1 - C / (W + L), for one slice on average."""
+    from ..blas_env import blas_threads
+    from ..testing import mpiexec_command
+
+    env = dict(os.environ, **blas_threads(1))
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    ranks = cores + 1
+    before, t0 = busy_seconds(), time.perf_counter()
+    import resource
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    code = f"import minidist.plan.machine as m; m._sync_probe({out!r})"
+    subprocess.run(mpiexec_command(ranks) + [sys.executable, "-c", code], check=True, env=env, capture_output=True,
+                   timeout=300)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    ours = (after.ru_utime + after.ru_stime) - (kids.ru_utime + kids.ru_stime)
+    load = others_load(busy_seconds() - before, ours, time.perf_counter() - t0, ranks, cores)
+    with open(out) as f:
+        extra = json.load(f)["extra_s"]
+    os.unlink(out)
+    idle = 1 - min(1.0, cores / (ranks + load))
+    slice_s = extra / idle if idle > 0 else 0.0
+    log(f"  a sync point on {ranks} ranks over {cores} cores costs {extra * 1e3:.2f} ms: a descheduled partner's "
+        f"slice {slice_s * 1e3:.2f} ms")
+    return slice_s
 
 
 def calibrate(path: str | None = None, log=print) -> Machine:
-    """Measure this machine (about 20 s) and write it to ``path`` (default: the calibration
+    """Measure this machine (about 40 s) and write it to ``path`` (default: the calibration
     file); returns it."""
     from ..blas_env import blas_threads
     from ..testing import mpiexec_command
@@ -233,13 +400,12 @@ def calibrate(path: str | None = None, log=print) -> Machine:
     with open(out) as f:
         p2p = json.load(f)
     os.unlink(out)
-    log(f"  point-to-point between two local ranks: {p2p['latency'] * 1e6:.1f} us, {p2p['bw'] / 1e9:.2f} GB/s")
-    one, three, accum = _step_probe(1), _step_probe(3), _step_probe(3, grad_accum=2)
-    block_mb = max(0.0, (accum - three) / 3)          # one more microbatch through 3 blocks
-    block_step = max(0.0, (three - one) / 2 - block_mb)
-    base = max(0.0, one - block_mb - block_step)
-    log(f"  minidist's fixed cost of a tiny step: {block_mb * 1e3:.2f} ms per block and microbatch, "
-        f"{block_step * 1e3:.2f} ms per block and step, {base * 1e3:.2f} ms outside the blocks")
+    log(f"  point-to-point between two local ranks: {p2p['latency'] * 1e6:.1f} us, {p2p['bw'] / 1e9:.2f} GB/s; "
+        f"a collective call's own cost {p2p['coll_overhead_s'] * 1e6:.0f} us")
+    fixed = fixed_costs()
+    log(f"  minidist's fixed costs (tiny steps): {fixed['block_mb_s'] * 1e3:.2f} ms per block and microbatch, "
+        f"{fixed['block_step_s'] * 1e3:.2f} ms per block and step, {fixed['mb_overhead_s'] * 1e3:.2f} ms per "
+        f"microbatch and {fixed['step_overhead'] * 1e3:.2f} ms per step outside the blocks")
     cores = os.cpu_count() or 1
     from .. import cli_checks
 
@@ -247,9 +413,10 @@ def calibrate(path: str | None = None, log=print) -> Machine:
         name="this-machine", peak=compute["peak"], mem_bytes=float(cli_checks.available_memory_bytes() or 8e9),
         mem_bw=compute["mem_bw"], links=(Link("shared memory", INF, p2p["bw"], p2p["latency"]),),
         gemm_eff=1.0, attn_eff=1.0, link_eff=1.0, mem_usable=0.8,
-        overlap=0.0, block_mb_s=block_mb, block_step_s=block_step, step_overhead=base, cores=cores,
+        overlap=0.0, **fixed, cores=cores, coll_overhead_s=p2p["coll_overhead_s"], sync_slice_s=measure_sync(cores, log),
         notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0],
                "numpy_op_s": compute["numpy_op_s"]})
+    machine = _with_elementwise_rate(machine, log)
     path = calibration_path(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

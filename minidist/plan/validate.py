@@ -1,0 +1,156 @@
+"""``python -m minidist.plan --validate``: the cost model against real minidist runs here.
+
+Each configuration trains a small GPT for a few steps under ``mpiexec`` (one BLAS thread per
+rank, as every minidist launcher pins it) with ``--metrics-jsonl``; the measured step time is
+the median of the untraced steps (the first step pays warm-up and the first and last steps
+run under tracemalloc), the measured peak memory the largest rank's tracemalloc high-water
+mark of the last step (minidist.profile.PeakMemory).  The prediction prices the same mesh on
+the calibrated ``this-machine`` with minidist's own implementation (float32 NumPy arrays, no
+sequence parallelism, plain attention); ranks beyond the cores share them.
+
+What tracemalloc sees is what a step *allocates*: the weights and the optimizer state exist
+before the step (after the first one) and are not in it; the gradients, the activations, the
+logits, the messages' buffers and the update's temporaries are.  The predicted peak is the
+same parts of :func:`minidist.plan.cost.memory_parts`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+from .cost import FLOAT32, Plan, estimate
+from .machine import busy_seconds, calibrate, calibration_path, load, others_load
+from .model import ModelSpec
+
+# Small enough that all of them take 2-4 minutes on 2 cores, large enough that the
+# arithmetic shows.  (name, mesh and settings, shape)
+SHAPE = dict(layers=4, d_model=128, heads=4, seq_len=64, batch_size=16)
+CONFIGS = [
+    ("1 rank", {}, {}),
+    ("dp2 ZeRO-0", dict(dp=2, zero=0), {}),
+    ("dp2 ZeRO-1", dict(dp=2, zero=1), {}),
+    ("dp2 ZeRO-2", dict(dp=2, zero=2), {}),
+    ("dp2 ZeRO-3", dict(dp=2, zero=3), {}),
+    ("tp2", dict(tp=2), {}),
+    ("pp2 1F1B M=4", dict(pp=2, microbatches=4, schedule="1f1b"), {}),
+    ("cp2 ring", dict(cp=2), {}),
+    ("dp2 tp2", dict(dp=2, tp=2, zero=1), {}),
+    ("pp2 tp2 M=4", dict(pp=2, tp=2, microbatches=4, schedule="1f1b"), {}),
+    ("dp2 cp2", dict(dp=2, cp=2, zero=1), {}),
+    ("1 rank, 2 layers d256", {}, dict(layers=2, d_model=256)),
+]
+
+
+def plan_of(mesh: dict) -> Plan:
+    return Plan(tp=mesh.get("tp", 1), cp=mesh.get("cp", 1), pp=mesh.get("pp", 1), dp=mesh.get("dp", 1),
+                zero=mesh.get("zero", 0), microbatches=mesh.get("microbatches", 1),
+                schedule=mesh.get("schedule", "1f1b"), sequence_parallel=False)
+
+
+def model_of(shape: dict) -> ModelSpec:
+    return ModelSpec("validation", shape["layers"], shape["d_model"], shape["heads"], 256, shape["seq_len"])
+
+
+def predict_parts(machine, shape: dict, mesh: dict) -> dict:
+    return predict(machine, shape, mesh)
+
+
+def predict(machine, shape: dict, mesh: dict) -> dict:
+    """Predicted step seconds and step peak bytes (what tracemalloc sees) on this machine."""
+    plan = plan_of(mesh)
+    tokens = shape["batch_size"] * shape["seq_len"]
+    e = estimate(model_of(shape), machine, plan, tokens, FLOAT32, minidist=True)
+    transient = {k: v for k, v in e.memory.items() if k not in ("params", "optimizer")}
+    return {"step_s": e.step_s, "peak_bytes": sum(transient.values()), "time": e.time, "memory": transient}
+
+
+def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
+    """Train ``steps`` steps for real; the measured step seconds and peak bytes."""
+    from ..blas_env import blas_threads
+    from ..testing import mpiexec_command
+
+    ranks = mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("pp", 1) * mesh.get("dp", 1)
+    fd, path = tempfile.mkstemp(suffix=".jsonl")
+    os.close(fd)
+    args = ["--layers", str(shape["layers"]), "--d-model", str(shape["d_model"]), "--heads", str(shape["heads"]),
+            "--seq-len", str(shape["seq_len"]), "--batch-size", str(shape["batch_size"]), "--steps", str(steps),
+            "--warmup", "1", "--eval-every", "0", "--log-every", str(steps + 1), "--quiet", "--metrics-jsonl", path,
+            "--peak-gflops", "1"]
+    flags = {"dp": "--dp", "tp": "--tp", "pp": "--pp", "cp": "--cp", "zero": "--zero", "microbatches": "--microbatches",
+             "schedule": "--schedule"}
+    for key, flag in flags.items():
+        if key in mesh:
+            args += [flag, str(mesh[key])]
+    launcher = mpiexec_command(ranks) if ranks > 1 else []
+    env = dict(os.environ, **blas_threads(1))
+    import resource
+
+    before, kids, t0 = busy_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    proc = subprocess.run(launcher + [sys.executable, "-m", "minidist.train", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    ours = (after.ru_utime + after.ru_stime) - (kids.ru_utime + kids.ru_stime)
+    load = others_load(busy_seconds() - before, ours, wall, ranks, os.cpu_count() or 1)
+    if proc.returncode:
+        os.unlink(path)
+        raise RuntimeError(f"minidist.train {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    os.unlink(path)
+    untraced = [r["step_time_s"] for r in rows[1:] if "peak_mem_mb" not in r]
+    last = [r for r in rows if "peak_mem_mb" in r][-1]  # the last traced step (not the first: it allocates the state)
+    peak_mb = max(last.get("rank_peak_mem_mb") or [last["peak_mem_mb"]])
+    return {"step_s": statistics.median(untraced), "peak_bytes": peak_mb * 2**20, "steps": len(rows), "load": load}
+
+
+def validate(machine, steps: int = 8, log=print) -> dict:
+    rows = []
+    log(f"{'configuration':<24} {'ranks':>5} {'step ms pred':>12} {'meas':>8} {'err':>6}   "
+        f"{'peak MiB pred':>13} {'meas':>8} {'err':>6}")
+    for name, mesh, change in CONFIGS:
+        shape = {**SHAPE, **change}
+        meas = run(shape, mesh, steps)
+        load = meas["load"]  # the machine as it was: other processes' share of the cores during the run
+        pred = predict(replace(machine, load=load), shape, mesh)
+        t_err = (pred["step_s"] - meas["step_s"]) / meas["step_s"]
+        m_err = (pred["peak_bytes"] - meas["peak_bytes"]) / meas["peak_bytes"]
+        ranks = plan_of(mesh).devices
+        rows.append({"name": name, "mesh": mesh, "shape": shape, "ranks": ranks, "background_load": load,
+                     "step_s_predicted": pred["step_s"], "step_s_measured": meas["step_s"], "step_error": t_err,
+                     "peak_mb_predicted": pred["peak_bytes"] / 2**20, "peak_mb_measured": meas["peak_bytes"] / 2**20,
+                     "peak_error": m_err, "time_parts_s": pred["time"],
+                     "memory_parts_mb": {k: v / 2**20 for k, v in pred["memory"].items()}})
+        log(f"{name:<24} {ranks:>5} {1e3 * pred['step_s']:>12.1f} {1e3 * meas['step_s']:>8.1f} {100 * t_err:>+5.0f}%   "
+            f"{pred['peak_bytes'] / 2**20:>13.2f} {meas['peak_bytes'] / 2**20:>8.2f} {100 * m_err:>+5.0f}%   "
+            f"load {load:.1f}")
+    med_t = statistics.median(abs(r["step_error"]) for r in rows)
+    med_m = statistics.median(abs(r["peak_error"]) for r in rows)
+    log(f"median |predicted - measured| / measured: step time {100 * med_t:.1f}% (target <= 20%), "
+        f"peak memory {100 * med_m:.1f}% (target <= 10%), over {len(rows)} configurations")
+    return {"machine": machine.to_json(), "cores": os.cpu_count(), "steps": steps, "configurations": rows,
+            "median_step_error": med_t, "median_peak_error": med_m,
+            "targets": {"median_step_error": 0.20, "median_peak_error": 0.10}}
+
+
+def main(args) -> int:
+    path = calibration_path(args.calibration)
+    if args.calibrate or not os.path.isfile(path):
+        print("calibrating this machine:")
+        machine = calibrate(path)
+    else:
+        machine = load("this-machine", args.calibration)
+        print(f"this machine as calibrated at {machine.notes.get('measured', '?')} ({path})")
+    t0 = time.perf_counter()
+    result = validate(machine, steps=6 if args.quick else 8)
+    result["wall_s"] = time.perf_counter() - t0
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0

@@ -1,0 +1,225 @@
+"""The cost model and mesh planner (minidist/plan): formulas against hand-computed cases and
+the real code, the bubble against the schedule simulator, infeasible meshes, the search,
+the Llama 3 405B rows, and the command line.  No MPI: the planner is arithmetic."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minidist.parallel.pipeline.schedules import make_schedule, simulate, theoretical_bubble
+from minidist.plan.cost import FLOAT32, FLOAT64, MIXED_BF16, Plan, bubble_fraction, estimate, memory_parts, problems, \
+    stage_blocks
+from minidist.plan.machine import PRESETS as MACHINES, Machine, Link, load, others_load
+from minidist.plan.model import PRESETS, ModelSpec, block_matmul_flops, model_flops_per_token, num_params
+from minidist.plan.search import meshes, rank_of, search
+
+H100 = MACHINES["h100-nvlink-ib"]
+LLAMA = PRESETS["llama3-405b"]
+GBS = 16 * 2**20
+
+
+def tiny_gpt(layers=2, d=16, heads=2, seq=8) -> ModelSpec:
+    return ModelSpec("tiny", layers, d, heads, 256, seq)
+
+
+# ------------------------------------------------------------------ formulas, by hand and against the code
+
+
+def test_flops_per_token_by_hand():
+    # L=2, d=4, T=8, V=16: forward per layer 24 d^2 + 4 T d = 384 + 128; head 2 d V = 128.
+    m = ModelSpec("hand", 2, 4, 2, 16, 8)
+    assert model_flops_per_token(m) == 3 * (2 * (384 + 128) + 128)
+    # Llama: QKV with 8 of 128 heads for K and V, SwiGLU's three matrices, causal half of the scores.
+    assert block_matmul_flops(LLAMA) == 2 * (2 * 16384**2 + 2 * 16384 * 1024 + 3 * 16384 * 53248)
+    per_token = model_flops_per_token(LLAMA)
+    dense = 6 * (126 * (2 * 16384**2 + 2 * 16384 * 1024 + 3 * 16384 * 53248) + 16384 * 128256)
+    assert per_token == dense + 3 * 126 * 2 * 8192 * 16384
+
+
+def test_flops_equal_minidist_profile_for_its_gpt():
+    from minidist.profile import model_flops_per_token as profile_flops
+
+    for layers, d, seq in ((2, 16, 8), (12, 768, 1024), (4, 256, 128)):
+        assert model_flops_per_token(ModelSpec("g", layers, d, 4, 256, seq)) == profile_flops(layers, d, seq, 256)
+
+
+def test_parameter_counts_equal_the_real_model_and_the_published_sizes():
+    from minidist.nn import GPT, GPTConfig
+
+    for layers, d, heads, seq in ((2, 16, 2, 8), (3, 32, 4, 16)):
+        model = GPT(GPTConfig(seq_len=seq, n_layer=layers, n_head=heads, d_model=d, dtype="float32"))
+        assert num_params(ModelSpec("g", layers, d, heads, 256, seq)) == sum(p.data.size for p in model.parameters())
+    assert abs(num_params(LLAMA) / 405e9 - 1) < 0.01
+    assert abs(num_params(PRESETS["llama3-70b"]) / 70.6e9 - 1) < 0.01
+    assert abs(num_params(PRESETS["gpt3-175b"]) / 175e9 - 1) < 0.01
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("dp", [2, 3])
+def test_zero_memory_equals_the_bytes_minidist_holds(zero, dp):
+    """The planner's parameters, gradients and optimizer state per rank against
+    parallel/zero.py's memory_formula, which tests/mpi/data_parallel_bodies.py checks equal
+    to the bytes the real DDP/ZeRO/FSDP code holds (same tiny float64 AdamW model)."""
+    from minidist.parallel.zero import memory_formula
+
+    m = tiny_gpt(layers=4, d=16, heads=2, seq=8)
+    numel = num_params(m)
+    parts = memory_parts(m, Plan(dp=dp, zero=zero), FLOAT64, dp * 8 * 2, minidist=True)
+    want = memory_formula(zero, numel, numel / dp, 8, 2)
+    for key in ("params", "grads", "optimizer"):
+        assert parts[key] == pytest.approx(want[key], rel=1e-12), key
+
+
+def test_memory_by_hand_for_mixed_precision_zero():
+    m = PRESETS["minidist-gpt"]
+    psi = num_params(m)
+    for zero, per_param in ((0, 16), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)):
+        p = memory_parts(m, Plan(dp=8, zero=zero), MIXED_BF16, 8 * 1024)
+        assert p["params"] + p["grads"] + p["optimizer"] == pytest.approx(per_param * psi, rel=1e-12)
+
+
+def test_activations_halve_with_tp_and_sequence_parallel_and_shrink_with_checkpointing():
+    m = LLAMA
+    one = memory_parts(m, Plan(tp=1, pp=1, dp=1, microbatches=2048), MIXED_BF16, GBS)["activations"]
+    tp2 = memory_parts(m, Plan(tp=2, pp=1, dp=1, microbatches=2048), MIXED_BF16, GBS)["activations"]
+    ck = memory_parts(m, Plan(tp=1, pp=1, dp=1, microbatches=2048, checkpoint=True), MIXED_BF16, GBS)["activations"]
+    assert tp2 == pytest.approx(one / 2)
+    tokens = GBS // 2048  # one sequence per microbatch: each block keeps only its input (bf16), one block everything
+    assert ck == pytest.approx(126 * 16384 * 2 * tokens + one / 126)
+    assert ck < one / 10
+
+
+def test_stages_are_cut_at_whole_blocks_first_and_last_lighter():
+    assert stage_blocks(126, 16) == [7] + [8] * 14 + [7]
+    assert stage_blocks(8, 4) == [2, 2, 2, 2]
+    assert sum(stage_blocks(13, 5)) == 13
+
+
+# ------------------------------------------------------------------ the bubble against the simulator
+
+
+@pytest.mark.parametrize("name,P,M,V", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1),
+                                        ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 2), ("gpipe", 8, 8, 1)])
+def test_bubble_equals_the_schedule_simulator(name, P, M, V):
+    sim = simulate(make_schedule(name, P, M, V))
+    assert bubble_fraction(name, P, M, V) == pytest.approx(sim.mean_bubble, abs=1e-9)
+    assert bubble_fraction(name, P, M, V) == pytest.approx(theoretical_bubble(name, P, M, V))
+
+
+def test_the_estimated_pipeline_time_is_the_simulated_makespan():
+    """With free communication and no other terms, the compute plus the bubble is the
+    simulator's makespan for the same per-microbatch forward and backward times."""
+    m = tiny_gpt(layers=4, d=64, heads=4, seq=64)
+    bare = Machine("bare", {"float32": 1e9}, 1e12, 1e30, (Link("free", float("inf"), 1e30, 0.0),))
+    for sched, V in (("1f1b", 1), ("interleaved", 2)):
+        e = estimate(m, bare, Plan(pp=2, microbatches=4, schedule=sched, virtual=V, zero=0), 4 * 64, FLOAT32)
+        t_f = e.time["compute"] / 4 / 3  # per microbatch, forward; backward is 2 x
+        sim = simulate(make_schedule(sched, 2, 4, V), t_forward=t_f, t_backward=2 * t_f)
+        assert e.time["compute"] + e.time["bubble"] == pytest.approx(sim.makespan, rel=1e-9)
+
+
+# ------------------------------------------------------------------ feasibility and the search
+
+
+def test_an_infeasible_mesh_is_rejected_with_its_reason():
+    m = LLAMA
+    assert any("tp=16 does not divide" in x for x in problems(m, Plan(tp=16, pp=8, dp=64), 8192, GBS))
+    assert any("8192 devices" not in x and "not --gpus" in x for x in problems(m, Plan(tp=8, pp=8, dp=8), 8192, GBS))
+    assert any("does not divide the 2048 sequences" in x for x in problems(m, Plan(tp=1, dp=8192), 8192, GBS))
+    e = estimate(m, H100, Plan(tp=8, pp=1, dp=1024, zero=0, microbatches=2), GBS)
+    assert not e.fits and e.mem_bytes > 16 * num_params(m) / 8  # 16 bytes per parameter, an eighth per tp rank
+
+
+def test_the_cli_rejects_an_infeasible_mesh_in_one_line_with_exit_2():
+    for mesh, needle in (("tp=16,cp=1,pp=8,dp=64", "tp=16 does not divide the 128 heads"),
+                         ("tp=8,cp=1,pp=1,dp=1024", "needs"), ("tp=8,pp=16", "not --gpus 8192")):
+        r = subprocess.run([sys.executable, "-m", "minidist.plan", "--preset", "llama3-405b", "--gpus", "8192",
+                            "--mesh", mesh, "--zero", "0"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (mesh, r.stdout, r.stderr)
+        assert r.stderr.count("\n") == 1 and needle in r.stderr and "infeasible" in r.stderr, r.stderr
+
+
+def test_enumeration_yields_only_meshes_whose_product_is_the_device_count():
+    for devices in (8, 12, 64, 8192):
+        found = list(meshes(LLAMA, devices, GBS))
+        assert found
+        for tp, cp, pp, dp in found:
+            assert tp * cp * pp * dp == devices
+            assert LLAMA.heads % tp == 0 and LLAMA.kv % tp == 0
+            assert pp <= LLAMA.layers and (GBS // LLAMA.seq_len) % dp == 0
+    assert len(set(meshes(LLAMA, 64, GBS))) == len(list(meshes(LLAMA, 64, GBS)))
+
+
+def test_search_ranks_feasible_meshes_fastest_first():
+    ranked, _ = search(PRESETS["minidist-gpt"], H100, 16, 64 * 1024)
+    assert ranked and all(e.fits for e in ranked)
+    assert [e.step_s for e in ranked] == sorted(e.step_s for e in ranked)
+    assert all(e.plan.devices == 16 for e in ranked)
+
+
+# ------------------------------------------------------------------ checked against the world: Llama 3 405B
+
+LLAMA_ROWS = [  # (devices, seq, mesh (tp, cp, pp, dp), published MFU) -- Dubey et al. 2024, table 4
+    (8192, 8192, (8, 1, 16, 64), 0.43),
+    (16384, 8192, (8, 1, 16, 128), 0.41),
+    (16384, 131072, (8, 16, 16, 8), 0.38),
+]
+
+
+@pytest.mark.parametrize("devices,seq,mesh,published", LLAMA_ROWS)
+def test_llama3_405b_rows(devices, seq, mesh, published):
+    model = LLAMA.with_(seq_len=seq)
+    ranked, _ = search(model, H100, devices, GBS)
+    place = rank_of(ranked, *mesh)
+    assert place is not None and place <= 5, (place, [e.plan.label() for e in ranked[:6]])
+    mfu = ranked[place - 1].mfu
+    assert abs(mfu - published) <= 0.05, (mfu, published)
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, "-m", "minidist.plan", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_json_of_one_mesh_parses_with_the_promised_fields():
+    r = _plan("--preset", "llama3-405b", "--machine", "h100-nvlink-ib", "--gpus", "8192", "--seq-len", "8192",
+              "--global-batch-tokens", "16777216", "--mesh", "tp=8,cp=1,pp=16,dp=64", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("tp", "cp", "pp", "dp", "zero", "microbatches", "step_s", "mfu", "mem_gb"):
+        assert key in out
+    assert (out["tp"], out["cp"], out["pp"], out["dp"]) == (8, 1, 16, 64)
+    assert 0 < out["mfu"] < 1 and out["mem_gb"] < 80 * 1.074
+
+
+def test_cli_top_k_json_and_table():
+    r = _plan("--preset", "minidist-gpt", "--gpus", "16", "--top", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    top = json.loads(r.stdout)["top"]
+    assert len(top) == 3 and all(t["tp"] * t["cp"] * t["pp"] * t["dp"] == 16 for t in top)
+    r = _plan("--layers", "4", "--d-model", "64", "--heads", "4", "--vocab", "256", "--seq-len", "64", "--gpus", "4",
+              "--global-batch-tokens", "1024", "--top", "2")
+    assert r.returncode == 0 and "limited by" in r.stdout, r.stdout + r.stderr
+
+
+def test_this_machine_without_calibration_is_one_clear_line(tmp_path):
+    with pytest.raises(ValueError, match="--calibrate"):
+        load("this-machine", str(tmp_path / "none.json"))
+    r = _plan("--preset", "minidist-gpt", "--gpus", "2", "--machine", "this-machine", "--calibration",
+              str(tmp_path / "none.json"))
+    assert r.returncode == 2 and "--calibrate" in r.stderr
+
+
+def test_machine_json_round_trips(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(H100.to_json()))
+    assert load(str(path)) == H100
+
+
+def test_background_load_from_cpu_seconds():
+    # Others used 1 of 2 cores while our 2 ranks ran: they are 2 runnable processes (fair share).
+    assert others_load(busy=3.0, ours=2.0, wall=1.0, ranks=2, cores=2) == pytest.approx(2.0)
+    assert others_load(busy=2.0, ours=2.0, wall=1.0, ranks=2, cores=2) == 0.0
