@@ -65,6 +65,7 @@ class Tracer:
         self.in_call = False  # the main thread runs a traced collective: its messages are details
         self.counted = None  # comm.stats' bytes (sent, received) between start() and stop(), to check the spans
         self.meta: dict = {}  # about the run (mesh, schedule): rank 0's goes into the file's otherData
+        self.tls = None  # comm.stats' thread-local state, set when the comm hooks are installed
 
     # ------------------------------------------------------------------- recording
     def add(self, track: str, name: str, cat: str, t0: float, t1: float, args=None) -> None:
@@ -82,9 +83,7 @@ class Tracer:
     def message(self, kind: str, peer, sent: int, received: int, t0: float) -> None:
         """A point-to-point message (or a wait for one) that ended now; called by comm.p2p."""
         t1 = self.clock()
-        from minidist.comm.stats import _tls
-
-        st = _tls.state
+        st = self.tls.state  # this thread's comm.stats state: the running collective, its group
         if threading.get_ident() == self.main:
             track, cat = "comm", "message" if self.in_call else "p2p"
         else:
@@ -349,7 +348,9 @@ def install(tracer: Tracer, comm_hooks: bool = True) -> Tracer:
     global active
     if comm_hooks:
         from minidist.comm import collectives, p2p
+        from minidist.comm.stats import _tls
 
+        tracer.tls = _tls
         collectives.trace_calls(lambda name, fn: _wrap_collective(tracer, name, fn))
         p2p.trace = tracer
         tracer.counted = _bytes_counted()
