@@ -100,3 +100,15 @@ def test_to_host_and_back():
     h = backend.to_host(a[:, 1:])  # a strided view
     assert isinstance(h, np.ndarray) and h.tolist() == [[1.0, 2.0], [4.0, 5.0]]
     assert backend.on_device(a) == (backend.BACKEND == "cupy")
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="a GPU is present: bench_gpu.py measures for real")
+def test_bench_gpu_skips_with_its_reason(tmp_path):
+    import json
+
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("bench_gpu.py: skipped: ")
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["skipped"] and "title" in result

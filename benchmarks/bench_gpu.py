@@ -1,0 +1,235 @@
+"""A GPT training step on one GPU: minidist (CuPy) vs PyTorch, fp32 and mixed precision.
+
+Model (the issue's, nanoGPT's GPT-2 small shapes with minidist's byte vocabulary): d_model 768,
+12 layers, 12 heads, seq 1024, batch 8, AdamW; a step is forward, backward and the update.
+Both frameworks run in this one process on the same GPU with the same weights, alternating
+step by step, each step timed to the end of its GPU work.  Reports tokens/s, the ratio
+minidist / PyTorch and MFU against the GPU's datasheet peak for the matmul dtype
+(minidist.profile.GPU_PEAK_TFLOPS): float32 (no TF32 unless --tf32, as PyTorch's default)
+and bfloat16 (minidist --mixed-precision bf16 vs PyTorch's bf16 autocast).  Then one line per
+parallel mode on 2 ranks sharing the GPU (mpiexec, a smaller model): tokens/s of each.
+
+Targets (checked by reading the table, not by a test): minidist fp32 >= 0.8x PyTorch fp32,
+mixed precision >= 0.5x PyTorch bf16.
+
+Where there is no GPU (or no CuPy, or no PyTorch with CUDA) it prints the reason and writes
+{"skipped": reason} to DIR/gpu.json.  ``--cpu-smoke`` runs the same code on the CPU with a
+tiny model (NumPy and PyTorch on the CPU), to check the script itself; its numbers mean nothing.
+
+    python benchmarks/bench_gpu.py [--steps 10] [--warmup 3] [--quick] [--no-parallel] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPE = dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, batch=8)
+QUICK = dict(n_layer=4, n_head=8, d_model=512, seq_len=512, batch=8)
+SMOKE = dict(n_layer=2, n_head=2, d_model=32, seq_len=32, batch=2)
+PARALLEL_SHAPE = dict(layers=4, d_model=256, heads=4, seq_len=256, batch=8)
+PARALLEL_MODES = [
+    ("dp 2 (DDP)", ["--dp", "2"]),
+    ("dp 2, ZeRO-1", ["--dp", "2", "--zero", "1"]),
+    ("dp 2, ZeRO-2", ["--dp", "2", "--zero", "2"]),
+    ("dp 2, ZeRO-3 (FSDP)", ["--dp", "2", "--zero", "3"]),
+    ("tp 2", ["--tp", "2"]),
+    ("tp 2, sequence parallel", ["--tp", "2", "--sequence-parallel"]),
+    ("pp 2, 1F1B", ["--pp", "2"]),
+    ("cp 2, ring", ["--cp", "2", "--cp-impl", "ring"]),
+    ("cp 2, Ulysses", ["--cp", "2", "--cp-impl", "ulysses"]),
+]
+
+
+def skip_reason(smoke: bool) -> str | None:
+    """Why this benchmark cannot run here, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed (pip install -e '.[torch]')"
+    if smoke:
+        return None
+    from minidist.backend import gpu_unavailable_reason
+
+    reason = gpu_unavailable_reason()
+    if reason:
+        return reason
+    if not torch.cuda.is_available():
+        return "PyTorch has no CUDA here (a CPU-only build?), so there is nothing to compare with"
+    return None
+
+
+def measure(shape: dict, steps: int, warmup: int, smoke: bool) -> dict:
+    """Tokens/s and MFU of both frameworks, fp32 and bf16, alternating step by step."""
+    import numpy as np
+    import torch
+
+    from minidist import backend
+    from minidist.backend import synchronize, to_host
+    from minidist.nn import GPT, GPTConfig
+    from minidist.optim import AdamW
+    from minidist.parallel.strategy import OneReplica, Strategy
+    from minidist.profile import gpu_peak_gflops, measure_peak_gflops, model_flops_per_token
+    from minidist.torch_reference import TorchGPT
+    from minidist.train import precision, update
+
+    dev = "cpu" if smoke else "cuda"
+    s = shape
+    tokens = s["batch"] * s["seq_len"]
+    flops = model_flops_per_token(s["n_layer"], s["d_model"], s["seq_len"], 256) * tokens
+    info = backend.device_memory() or {"name": "CPU", "total_bytes": None}
+    tf32 = os.environ.get("CUPY_TF32") == "1"
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, 256, size=(s["batch"], s["seq_len"] + 1))
+    x, y = seq[:, :-1], seq[:, 1:]
+    tx, ty = torch.tensor(x, device=dev), torch.tensor(y, device=dev)
+    out = {"device": info["name"], "device_total_bytes": info["total_bytes"], "shape": s, "tf32": tf32,
+           "modes": {}}
+    for mode, low_name in (("fp32", "none"), ("bf16", "bf16")):
+        model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"],
+                              d_model=s["d_model"], dtype="float32"))
+        strategy = Strategy(model, OneReplica(model, AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                                                           betas=(0.9, 0.95), eps=1e-8)))
+        low, scaler = precision(low_name)
+        state = {k: to_host(v) for k, v in model.state_dict().items()}
+        ref = TorchGPT(state, s["n_head"], torch.float32).to(dev)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+        def step_minidist():
+            loss = strategy.forward_backward(x, y, 1, low, scaler.scale if scaler else 1.0)
+            update(strategy, scaler, 1.0)
+            synchronize()
+            return loss
+
+        def step_torch():
+            ref_opt.zero_grad(set_to_none=True)
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=low is not None):
+                loss = ref(tx, ty)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # as minidist's update clips at 1.0
+            ref_opt.step()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            return float(loss.detach())
+
+        times, losses = {"minidist": [], "torch": []}, {"minidist": [], "torch": []}
+        for rep in range(warmup + steps):
+            for name, fn in (("minidist", step_minidist), ("torch", step_torch)):
+                t0 = time.perf_counter()
+                losses[name].append(float(fn()))
+                if rep >= warmup:
+                    times[name].append(time.perf_counter() - t0)
+        mm_dtype = "bfloat16" if low is not None else "float32"
+        peak = gpu_peak_gflops(info["name"], mm_dtype, tf32) if not smoke else None
+        if peak is None:  # unknown GPU or the CPU smoke run: a measured GEMM (float32)
+            peak = measure_peak_gflops(s["d_model"], tokens, "float32", seconds=0.5)
+        r = {"peak_gflops": peak, "matmul_dtype": mm_dtype}
+        for name, ts in times.items():
+            med = float(np.median(ts))
+            r[name] = {"step_s": med, "tokens_per_s": tokens / med, "mfu": flops / med / (peak * 1e9),
+                       "first_loss": losses[name][0], "last_loss": losses[name][-1]}
+        r["ratio"] = r["minidist"]["tokens_per_s"] / r["torch"]["tokens_per_s"]
+        r["target"] = 0.8 if mode == "fp32" else 0.5
+        out["modes"][mode] = r
+        del strategy, model, ref, ref_opt
+    return out
+
+
+def parallel_lines(smoke: bool, steps: int) -> list[dict]:
+    """Tokens/s of each parallel mode on 2 ranks sharing the GPU (the training command)."""
+    p = PARALLEL_SHAPE if not smoke else dict(layers=2, d_model=32, heads=4, seq_len=32, batch=4)
+    rows = []
+    base = [sys.executable, "-m", "minidist.train", "--backend", "numpy" if smoke else "cupy",
+            "--layers", str(p["layers"]), "--d-model", str(p["d_model"]), "--heads", str(p["heads"]),
+            "--seq-len", str(p["seq_len"]), "--batch-size", str(p["batch"]), "--steps", str(steps),
+            "--eval-every", "0", "--quiet"]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    for label, flags in PARALLEL_MODES:
+        with tempfile.TemporaryDirectory() as tmp:
+            jsonl = os.path.join(tmp, "m.jsonl")
+            cmd = ["mpiexec", "-n", "2", *base, *flags, "--metrics-jsonl", jsonl]
+            try:
+                r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+            except subprocess.TimeoutExpired:
+                rows.append({"mode": label, "error": "timed out after 300 s"})
+                continue
+            if r.returncode:
+                tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["?"]
+                rows.append({"mode": label, "error": f"exit {r.returncode}: {tail[0][:200]}"})
+                continue
+            with open(jsonl) as f:
+                recs = [json.loads(line) for line in f if line.strip()]
+        timed = [x for x in recs if x["step"] > 2] or recs
+        tps = sorted(x["tokens_per_s"] for x in timed)[len(timed) // 2]
+        rows.append({"mode": label, "tokens_per_s": tps, "last_loss": recs[-1]["loss"]})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per framework and mode")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (CuPy compiles kernels then)")
+    ap.add_argument("--quick", action="store_true", help="a smaller GPT (4 x 512, seq 512) and 3 timed steps")
+    ap.add_argument("--no-parallel", action="store_true", help="skip the 2-rank parallel modes")
+    ap.add_argument("--tf32", action="store_true", help="minidist's float32 matmuls on TF32 (PyTorch's too)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="check the script on the CPU with a tiny model")
+    ap.add_argument("--out", default=None, help="directory for gpu.json")
+    args = ap.parse_args()
+
+    def write(result):
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gpu.json"), "w") as f:
+                json.dump(result, f, indent=2)
+
+    title = "GPT training step on one GPU, minidist (CuPy) vs PyTorch"
+    reason = skip_reason(args.cpu_smoke)
+    if reason:
+        print(f"bench_gpu.py: skipped: {reason}")
+        write({"title": title, "skipped": reason})
+        return
+    if not args.cpu_smoke:
+        os.environ["MINIDIST_BACKEND"] = "cupy"  # before minidist.backend is imported
+        if args.tf32:
+            os.environ["CUPY_TF32"] = "1"
+            import torch
+
+            torch.backends.cuda.matmul.allow_tf32 = True
+    shape = SMOKE if args.cpu_smoke else QUICK if args.quick else SHAPE
+    steps = 2 if args.cpu_smoke else 3 if args.quick else args.steps
+    result = measure(shape, steps, 1 if args.cpu_smoke else args.warmup, args.cpu_smoke)
+    result["title"] = title
+    print(f"{title}: {result['device']}, {shape}, median of {steps} steps")
+    print(f"{'mode':<6} {'minidist tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'target':>7} "
+          f"{'MFU md':>7} {'MFU pt':>7}")
+    summary = []
+    for mode, r in result["modes"].items():
+        print(f"{mode:<6} {r['minidist']['tokens_per_s']:>15,.0f} {r['torch']['tokens_per_s']:>12,.0f} "
+              f"{r['ratio']:>6.2f} {r['target']:>6.1f}x {100 * r['minidist']['mfu']:>6.1f}% "
+              f"{100 * r['torch']['mfu']:>6.1f}%")
+        summary.append({"figure": f"minidist / PyTorch tokens/s, {mode}", "value": r["ratio"],
+                        "note": f"target >= {r['target']}; MFU {100 * r['minidist']['mfu']:.1f}% vs "
+                                f"{100 * r['torch']['mfu']:.1f}%"})
+    if not args.no_parallel:
+        rows = parallel_lines(args.cpu_smoke, 3 if args.cpu_smoke or args.quick else 8)
+        result["parallel"] = {"shape": PARALLEL_SHAPE, "ranks": 2, "rows": rows}
+        print("2 ranks sharing the GPU (the training command, "
+              f"{PARALLEL_SHAPE if not args.cpu_smoke else 'tiny'}):")
+        for row in rows:
+            what = f"{row['tokens_per_s']:>12,.0f} tok/s" if "tokens_per_s" in row else row["error"]
+            print(f"  {row['mode']:<26} {what}")
+    result["summary"] = summary
+    if args.cpu_smoke:
+        result["note"] = "CPU smoke run of the script: not a measurement"
+    write(result)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    main()
