@@ -18,6 +18,7 @@ Start reading at ``algorithms/ring.py``.  The modules, from the wire up:
   links.py          optional simulated latency/bandwidth per message
   stats.py          per-collective counters and the recent-ops log
   errors.py         CommError, CollectiveMismatchError
+  sentinel.py       a small process per rank names the rank if it dies without a word (kill -9)
   abort.py          one rank's uncaught exception aborts the whole job (comm.world() installs it)
   identity.py       each collective message's tag names its call: mismatched calls raise, naming both
   watchdog.py       a wait without progress for MINIDIST_TIMEOUT_S (set_timeout) aborts the job, with a report
