@@ -19,6 +19,9 @@ such ops on all its threads too).  With one BLAS thread everything runs inline, 
 
 The BLAS thread count is read and limited through ``threadpoolctl`` when it is installed;
 without it (or with a non-NumPy backend) the items simply run one after another.
+
+This is CPU tuning: only the CPU-tuned path of the ops calls it (``ops/tuning.py`` decides
+which path runs; on CuPy the ops run whole-array and never cut their work into items).
 """
 
 from __future__ import annotations
