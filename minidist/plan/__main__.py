@@ -119,6 +119,8 @@ def main(argv=None) -> int:
         cpu = bool(machine.cores)
         precision = PRECISIONS[args.precision or ("float32" if cpu else "bf16")]
         minidist = (args.impl or ("minidist" if cpu else "fused")) == "minidist"
+        if not args.preset:  # a model given by its shape runs FlashAttention-like kernels unless it is minidist's
+            model = model.with_(causal_skip=not minidist)
         if args.mesh:
             return _one_mesh(args, model, machine, tokens, precision, minidist)
         return _search(args, model, machine, tokens, precision, minidist)
