@@ -156,7 +156,7 @@ class PeakMemory:
         class _Peak(cupy.cuda.MemoryHook):
             name = "minidist_peak"
 
-            def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
+            def malloc_postprocess(self, **kwargs):  # device_id, size, mem_size, mem_ptr, pmem_id
                 used = pool.used_bytes()
                 if used > high[0]:
                     high[0] = used
