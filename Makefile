@@ -42,10 +42,10 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-# The suite's GPU part: every op (values, gradients, both ops paths) and every parallel axis
-# against one process, in float64 on the GPU.  Install CuPy with pip install -e '.[gpu]'.
-GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_ops.py tests/test_blockwise.py \
-	tests/test_gpt.py tests/test_optim.py tests/test_compose.py tests/test_context.py \
+# The suite's GPU part: every op's gradient against finite differences and its two paths
+# against each other (test_ops_paths.py moves its arrays to the device and back), and every
+# parallel axis against one process, in float64 on the GPU.  pip install -e '.[gpu]' first.
+GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_compose.py tests/test_context.py \
 	tests/test_data_parallel.py tests/test_tensor_parallel.py tests/test_pipeline.py
 
 test-gpu: install

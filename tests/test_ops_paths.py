@@ -138,6 +138,43 @@ def test_training_steps_equal_on_both_paths():
         np.testing.assert_allclose(out["whole"][1][name], a, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
+def finite_difference_check(fn, *inputs, eps=1e-6, rtol=1e-5, atol=1e-7):
+    """Backward of sum(out * R) against central differences, every input, on the current
+    ops path and backend (arrays go to the device and back: this runs under CuPy too)."""
+    outs, grads = run(tuning.current(), fn, inputs)
+    weights = np.random.default_rng(3).standard_normal(outs[0].shape)
+
+    def objective(values):
+        t = [Tensor(from_host(v)) for v in values]
+        return float((to_host(fn(*t).data) * weights).sum())
+
+    for i, (a, g) in enumerate(zip(inputs, grads)):
+        num = np.zeros(a.size)
+        for j in range(a.size):
+            vals = [v.copy() for v in inputs]
+            vals[i].reshape(-1)[j] += eps
+            up = objective(vals)
+            vals[i].reshape(-1)[j] -= 2 * eps
+            num[j] = (up - objective(vals)) / (2 * eps)
+        np.testing.assert_allclose(g.reshape(-1), num, rtol=rtol, atol=atol, err_msg=f"input {i}")
+
+
+@pytest.mark.parametrize("path", ["whole", "tuned"])
+def test_gradients_against_finite_differences(path):
+    """The op gradient checks of the suite's GPU run (make test-gpu): float64, both paths."""
+    targets = RNG.integers(0, 5, (2, 3))
+    with tuning.use(path):
+        finite_difference_check(ops.gelu, rand(2, 3))
+        finite_difference_check(lambda x, w, b: ops.layer_norm(x, w, b), rand(2, 4), rand(4), rand(4))
+        finite_difference_check(ops.softmax, rand(2, 4))
+        finite_difference_check(lambda z: ops.cross_entropy(z, from_host(targets)), rand(2, 3, 5))
+        finite_difference_check(ops.linear, rand(2, 3), rand(3, 2), rand(2))
+        finite_difference_check(lambda q, k, v: ops.attention(q, k, v), rand(1, 2, 3, 2), rand(1, 2, 3, 2),
+                                rand(1, 2, 3, 2))
+        finite_difference_check(lambda qkv: ops.self_attention(qkv, 2), rand(1, 3, 6))
+        finite_difference_check(lambda qkv: ops.blockwise_self_attention(qkv, 2, block=2), rand(1, 3, 6))
+
+
 @pytest.mark.skipif(BACKEND != "cupy", reason="the fused CuPy kernels need MINIDIST_BACKEND=cupy")
 def test_fused_kernels_equal_their_plain_functions():
     from minidist.ops import nn_ops
