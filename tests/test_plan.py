@@ -91,8 +91,8 @@ def test_activations_halve_with_tp_and_sequence_parallel_and_shrink_with_checkpo
 
 
 def test_stages_are_cut_at_whole_blocks_first_and_last_lighter():
-    assert stage_blocks(126, 16) == [7] + [8] * 14 + [7]
-    assert stage_blocks(8, 4) == [2, 2, 2, 2]
+    assert stage_blocks(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert stage_blocks(8, 4) == (2, 2, 2, 2)
     assert sum(stage_blocks(13, 5)) == 13
 
 

@@ -38,6 +38,7 @@ keeps in flight on the first stage (1F1B: P microbatches; GPipe: all M; interlea
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -186,17 +187,18 @@ def problems(model: ModelSpec, plan: Plan, devices: int, global_batch_tokens: in
 # ------------------------------------------------------------------------- the estimate
 
 
-def stage_blocks(layers: int, pp: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def stage_blocks(layers: int, pp: int) -> tuple:
     """Blocks of each stage, cut at whole blocks: when they do not divide evenly the first and
     the last stage take one block fewer first (they also hold the embedding and the head;
     Llama 3 cut its 126 blocks over 16 stages this way)."""
     base, extra = divmod(layers, pp)
     if not extra:
-        return [base] * pp
+        return (base,) * pp
     short = pp - extra                     # stages with ``base`` blocks; the others ``base + 1``
     order = [0, pp - 1] + list(range(1, pp - 1)) if pp > 1 else [0]
     fewer = set(order[:short])
-    return [base if r in fewer else base + 1 for r in range(pp)]
+    return tuple(base if r in fewer else base + 1 for r in range(pp))
 
 
 def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens: int,
@@ -309,7 +311,7 @@ def _stage_params(m: ModelSpec, p: Plan, stage: int | None = None) -> float:
     """Parameters one rank of ``stage`` holds (default: the largest): its blocks, and the
     embedding on the first stage, the head (or the tied table again) and final norm on the last."""
     blocks = stage_blocks(m.layers, p.pp)
-    stages = range(p.pp) if stage is None else [stage]
+    stages = sorted({0, blocks.index(max(blocks)), p.pp - 1}) if stage is None else [stage]  # the candidates
     table = m.vocab * m.d_model
     rest = embedding_params(m) - table - (0 if m.tied else table)   # positions, final norm
     out = []
@@ -361,7 +363,9 @@ def memory_parts(m: ModelSpec, p: Plan, pr: Precision, global_batch_tokens: int,
     block_input = m.d_model * pr.act * n / (p.tp if sp else 1)
     nd = p.dp * p.cp
     best = None
-    for r in range(p.pp):
+    # The fullest stage is the first (most microbatches in flight), the first with the most
+    # blocks (the in-flight count falls with the stage), or the last (the head and the logits).
+    for r in sorted({0, blocks.index(max(blocks)), p.pp - 1}):
         psi = _stage_params(m, p, r)
         parts = {"params": psi * pr.param / (nd if p.zero == 3 else 1),
                  "grads": psi * pr.grad / (nd if p.zero >= 2 else 1),

@@ -21,6 +21,7 @@ can price a 405-billion-parameter model as easily as minidist's own byte-level G
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, replace
 
 
@@ -77,6 +78,7 @@ PRESETS = {
 }
 
 
+@functools.lru_cache(maxsize=256)
 def block_params(m: ModelSpec) -> int:
     """Parameters of one transformer block."""
     d, f = m.d_model, m.f

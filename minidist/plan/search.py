@@ -60,10 +60,16 @@ def best_for_mesh(model, machine, mesh, global_batch_tokens: int, precision=MIXE
                   minidist: bool = False) -> tuple[Estimate | None, Estimate | None]:
     """(the fastest setting that fits, the one that needs the least memory) of a mesh."""
     fastest = leanest = None
+    fitted = set()  # settings that fit without checkpointing: recomputing would only be slower
     for plan in settings(model, *mesh, global_batch_tokens):
+        key = (plan.zero, plan.microbatches, plan.schedule, plan.virtual)
+        if plan.checkpoint and key in fitted:
+            continue
         if problems(model, plan, plan.devices, global_batch_tokens):
             continue
         e = estimate(model, machine, plan, global_batch_tokens, precision, minidist)
+        if e.fits and not plan.checkpoint:
+            fitted.add(key)
         if e.fits and (fastest is None or e.step_s < fastest.step_s):
             fastest = e
         if leanest is None or e.mem_bytes < leanest.mem_bytes:
