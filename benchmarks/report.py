@@ -167,7 +167,14 @@ def _checkpoint(d):
             ("--save-async: share of the save hidden behind training", d.get("hidden_share"), "target >= 0.8")]
 
 
+def _tracing(d):
+    return [(f"traced / untraced step time - 1, {mesh}", r["overhead"],
+             f"{r['spans_per_traced_step']:.0f} spans per step; target <= {d.get('target', 0.1):.2f}")
+            for mesh, r in d.get("meshes", {}).items()]
+
+
 READERS = {
+    "tracing.json": ("tracing overhead", _tracing),
     "collectives.json": ("collectives vs MPI's built-ins", _collectives),
     "model_step.json": ("a training step vs PyTorch", _model),
     "ddp.json": ("data parallelism vs PyTorch DDP", _ddp),

@@ -61,6 +61,8 @@ PARTS = [
          [], ["--quick"], full_s=150, quick_s=4),
     Part("compose", "bench_compose.py", "4D composition on 4 ranks: dp4, dp2·tp2, pp2·tp2, tp2·cp2 vs one rank; "
          "bytes per axis vs the formulas", [], ["--quick"], full_s=120, quick_s=10),
+    Part("tracing", "bench_trace.py", "tracing overhead: a traced vs an untraced step on dp2, pp2, tp2",
+         [], ["--quick"], full_s=40, quick_s=5),
     Part("checkpoint", "bench_checkpoint.py", "checkpoints at dp2·tp2: sharded vs gathered save and load, "
          "--save-async's hidden share", [], ["--quick"], full_s=60, quick_s=5),
 ]
@@ -70,7 +72,7 @@ def missing_requirement(part: Part) -> str | None:
     """Why ``part`` cannot run here (one line), or None."""
     if part.name == "model" and importlib.util.find_spec("torch") is None:
         return "PyTorch is not installed (pip install -e '.[torch]'; `make bench` tries that first)"
-    if part.name in ("collectives", "ddp", "tensor", "context", "pipeline"):
+    if part.name in ("collectives", "ddp", "tensor", "context", "pipeline", "tracing"):
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py is not installed (make install)"
         local = os.path.join(os.path.dirname(sys.executable), "mpiexec")

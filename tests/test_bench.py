@@ -60,7 +60,7 @@ def test_run_all_writes_one_report(quick_run):
     text = (out / "REPORT.md").read_text()
     assert text.index("## The machine") < text.index("CPU: ") < text.index("MPI: ")
     for name in ("collectives.json", "model_step.json", "ddp.json", "pipeline.json", "compose.json",
-                 "checkpoint.json", "context.json", "tensor_parallel.json"):
+                 "checkpoint.json", "context.json", "tensor_parallel.json", "tracing.json"):
         if (out / name).exists():
             section = text.split(f"(`{name}`)", 1)[1].split("\n## ", 1)[0]
             rows = [r for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
@@ -211,3 +211,15 @@ def test_bench_checkpoint_quick(quick_run):
     for key in ("sharded_save_s", "gathered_save_s", "sharded_load_s", "whole_load_s", "sync_save_s"):
         assert r[key] > 0, (key, r)
     assert r["async_blocking_s"] >= 0 and r["hidden_share"] <= 1
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_trace_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "tracing.json") as f:
+        r = json.load(f)
+    assert r["meshes"] and r["target"] == 0.1
+    for mesh, row in r["meshes"].items():
+        assert row["untraced_s"] > 0 and row["traced_s"] > 0 and row["spans_per_traced_step"] > 0, (mesh, row)
+        assert row["overhead"] == pytest.approx(row["traced_s"] / row["untraced_s"] - 1)
