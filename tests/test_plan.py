@@ -223,3 +223,26 @@ def test_background_load_from_cpu_seconds():
     # Others used 1 of 2 cores while our 2 ranks ran: they are 2 runnable processes (fair share).
     assert others_load(busy=3.0, ours=2.0, wall=1.0, ranks=2, cores=2) == pytest.approx(2.0)
     assert others_load(busy=2.0, ours=2.0, wall=1.0, ranks=2, cores=2) == 0.0
+
+
+# ------------------------------------------------------------------ this machine
+
+
+def test_validation_predicts_every_configuration_and_measures_one_real_run():
+    """The validation's pieces without its minutes: every configuration priced on a made-up
+    calibration, and one real single-process run measured (step time, tracemalloc peak)."""
+    from minidist.plan.validate import CONFIGS, SHAPE, plan_of, predict, run
+
+    cpu = Machine("cpu", {"float32": 50e9, "float64": 25e9}, 8e9, 10e9, (Link("shm", float("inf"), 5e9, 2e-6),),
+                  mem_usable=0.8, overlap=0.0, block_mb_s=3e-4, cores=2, sync_slice_s=1e-3)
+    assert len(CONFIGS) >= 8
+    axes = set()
+    for _, mesh, change in CONFIGS:
+        p = predict(cpu, {**SHAPE, **change}, mesh)
+        assert p["step_s"] > 0 and p["peak_bytes"] > 0
+        plan = plan_of(mesh)
+        axes |= {a for a in ("tp", "cp", "pp", "dp") if getattr(plan, a) > 1} | {f"zero{plan.zero}"}
+    assert {"tp", "cp", "pp", "dp", "zero1", "zero2", "zero3"} <= axes
+    tiny = dict(layers=1, d_model=16, heads=2, seq_len=16, batch_size=4)
+    meas = run(tiny, {}, steps=4)
+    assert meas["step_s"] > 0 and meas["peak_bytes"] > 0 and meas["load"] >= 0
