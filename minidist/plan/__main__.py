@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from ..cli_checks import int_in
 from .cost import PRECISIONS, SCHEDULES, estimate, problems
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--schedule", choices=SCHEDULES, default=None)
     s.add_argument("--virtual-stages", type=POS, default=None, metavar="V")
     s.add_argument("--checkpoint-activations", choices=["on", "off"], default=None)
+    s.add_argument("--sequence-parallel", choices=["on", "off"], default="on",
+                   help="Korthikanti et al.'s sequence parallelism with tp (priced for fused kernels only)")
     s.add_argument("--top", type=POS, default=5, metavar="K", help="meshes to print when searching")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     v = p.add_argument_group("this machine")
@@ -150,10 +153,13 @@ def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
     checks = [x for x in checks if args.schedule == "interleaved" or "interleaved" not in x]
     if checks:
         raise ValueError(f"mesh {args.mesh} is infeasible: {checks[0]}")
+    if args.schedule == "interleaved" and mesh["pp"] == 1:
+        raise ValueError(f"mesh {args.mesh} is infeasible: the interleaved schedule needs pp > 1")
     candidates = [p for p in settings(model, mesh["tp"], mesh["cp"], mesh["pp"], mesh["dp"], tokens)
                   if _wanted(args, p) and not problems(model, p, devices, tokens)]
     if args.microbatches is not None or args.schedule == "gpipe":
         candidates += [p for p in _explicit(args, mesh, model, tokens) if not problems(model, p, devices, tokens)]
+    candidates = [replace(p, sequence_parallel=args.sequence_parallel == "on") for p in candidates]
     if not candidates:
         raise ValueError(f"mesh {args.mesh} is infeasible: no setting matches the flags given")
     ests = [estimate(model, machine, p, tokens, precision, minidist) for p in candidates]
