@@ -177,10 +177,25 @@ def test_gradients_against_finite_differences(path):
 
 @pytest.mark.skipif(BACKEND != "cupy", reason="the fused CuPy kernels need MINIDIST_BACKEND=cupy")
 def test_fused_kernels_equal_their_plain_functions():
-    from minidist.ops import nn_ops
+    from minidist.ops import attention, nn_ops
+    from minidist.ops.fused import adamw_kernel
+    from minidist.optim.functional import _adamw_block
 
-    x, t, g = (xp.asarray(rand(1000)) for _ in range(3))
-    for fused, args in ((nn_ops._gelu_forward, (x,)), (nn_ops._gelu_backward, (x, xp.tanh(t), g))):
+    x, t, g = (xp.asarray(rand(40, 25)) for _ in range(3))
+    row, col = xp.asarray(rand(40, 1)), xp.asarray(rand(25))
+    cases = [(nn_ops._gelu_forward, (x,)), (nn_ops._gelu_backward, (x, xp.tanh(t), g)),
+             (nn_ops._ln_affine, (x, xp.abs(row), col, col)), (nn_ops._ln_input_grad, (x, t, xp.abs(row), row, row)),
+             (attention._exp_shifted, (x, row)), (attention._softmax_grad, (x, row, t))]
+    for fused, args in cases:
         got, want = fused(*args), fused.plain(*args)
         for a, b in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
-            np.testing.assert_allclose(to_host(a), to_host(b), rtol=1e-12, atol=1e-14)
+            np.testing.assert_allclose(to_host(a), to_host(b), rtol=1e-12, atol=1e-14, err_msg=repr(fused))
+    # AdamW: the kernel against the array passes it replaces
+    p, m, v = (xp.asarray(a) for a in (rand(1000), rand(1000), np.abs(rand(1000))))
+    q, n, w = p.copy(), m.copy(), v.copy()
+    hyper = (1 - 1e-3, 0.9, 0.95, 1e-8, 1 - 0.95 ** 3, 1e-2 / (1 - 0.9 ** 3))
+    _adamw_block(q, g.reshape(-1)[:1000], n, w, xp.empty_like(q), *hyper)
+    decay, b1, b2, eps, bc2, step = hyper
+    adamw_kernel()(g.reshape(-1)[:1000], decay, b1, b2, eps, 1 / bc2 ** 0.5, step, p, m, v)
+    for a, b in ((p, q), (m, n), (v, w)):
+        np.testing.assert_allclose(to_host(a), to_host(b), rtol=1e-12, atol=1e-14)

@@ -36,6 +36,7 @@ from ..autograd import Tensor, make_tensor
 from ..backend import xp
 from . import tuning
 from .blas_threads import parallel_for
+from .fused import elementwise
 from .nn_ops import _softmax_inplace
 from .precision import compute_dtype, gemm_operands, to_dtype
 
@@ -69,18 +70,30 @@ def _attend(qs, k, v, mask):
     s = to_dtype(s, compute_dtype(s.dtype))
     if mask is not None:
         s += mask
-    p = _softmax_inplace(s, -1)
+    p = _exp_shifted(s, s.max(axis=-1, keepdims=True))  # softmax: exp(s - rowmax) / rowsum
+    p /= p.sum(axis=-1, keepdims=True)
     return p, xp.matmul(to_dtype(p, qs.dtype), v)
+
+
+@elementwise
+def _exp_shifted(s, m):
+    """exp(s - m): one pass over the T x T scores under CuPy (two as separate ops)."""
+    return xp.exp(s - m)
+
+
+@elementwise
+def _softmax_grad(dp, delta, p):
+    """dS = P * (dP - delta), delta = rowsum(dO * O): one pass under CuPy."""
+    return p * (dp - delta)
 
 
 def _attend_backward(qs, k, v, p, o, do):
     """(dQ unscaled -- the caller multiplies by the scale --, dK, dV) of :func:`_attend`."""
     low = qs.dtype
     dv = xp.matmul(to_dtype(p, low).swapaxes(-1, -2), do)
-    ds = to_dtype(xp.matmul(do, v.swapaxes(-1, -2)), p.dtype)  # dP, in float32 ...
-    ds -= xp.einsum("...i,...i->...", to_dtype(do, p.dtype), to_dtype(o, p.dtype))[..., None]
-    ds *= p  # ... turned into dS = P * (dP - rowsum(dO * O))
-    ds = to_dtype(ds, low)
+    dp = to_dtype(xp.matmul(do, v.swapaxes(-1, -2)), p.dtype)  # dP, in float32
+    delta = xp.einsum("...i,...i->...", to_dtype(do, p.dtype), to_dtype(o, p.dtype))[..., None]
+    ds = to_dtype(_softmax_grad(dp, delta, p), low)
     return xp.matmul(ds, k), xp.matmul(ds.swapaxes(-1, -2), qs), dv
 
 
