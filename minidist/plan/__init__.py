@@ -18,7 +18,10 @@ it against real minidist runs on this machine.  Modules, one idea each:
 docs/planner.md explains the model and where it is too simple.
 """
 
-from .cost import Estimate, Plan, estimate, problems  # noqa: F401
-from .machine import Machine, load  # noqa: F401
-from .model import PRESETS, ModelSpec, model_flops_per_token, num_params  # noqa: F401
-from .search import search  # noqa: F401
+from .cost import Estimate, Plan, estimate, problems
+from .machine import Machine, load
+from .model import PRESETS, ModelSpec, model_flops_per_token, num_params
+from .search import search
+
+__all__ = ["Estimate", "Plan", "estimate", "problems", "Machine", "load", "PRESETS", "ModelSpec",
+           "model_flops_per_token", "num_params", "search"]

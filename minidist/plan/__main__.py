@@ -11,7 +11,7 @@ from ..cli_checks import int_in
 from .cost import PRECISIONS, SCHEDULES, estimate, problems
 from .machine import PRESETS as MACHINES, calibrate, calibration_path, load
 from .model import PRESETS as MODELS, ModelSpec, num_params
-from .search import best_for_mesh, search, settings
+from .search import search, settings
 
 # The global batch each preset was trained with (Llama 3: 16M tokens; GPT-3 175B: 3.2M).
 DEFAULT_BATCH = {"llama3-405b": 16 * 2**20, "llama3-70b": 16 * 2**20, "gpt3-175b": 1536 * 2048,

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .machine import Machine
 from .model import (ModelSpec, activation_bytes_per_token, attention_flops, block_matmul_flops, block_params,
@@ -231,7 +231,6 @@ def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens
               + mc.mb_overhead_s / 3 / share)
     # The busiest stage sets the pace: the last one also runs the head.
     t_f = max(b * t_block + (t_head if r == p.pp - 1 else 0.0) for r, b in enumerate(blocks))
-    at = Ls * at_block
     t_b = 2 * t_f
     t_r = t_f if ckpt else 0.0
 

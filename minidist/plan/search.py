@@ -11,8 +11,6 @@ in memory.  GPipe is not tried: it has 1F1B's bubble and holds all M microbatche
 
 from __future__ import annotations
 
-import math
-
 from .cost import MIXED_BF16, Estimate, Plan, estimate, problems, stage_blocks
 
 
@@ -100,4 +98,3 @@ def rank_of(ranked, tp, cp, pp, dp) -> int | None:
     return None
 
 
-_ = math
