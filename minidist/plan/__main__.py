@@ -188,7 +188,7 @@ def _explicit(args, mesh, model, tokens):
 
 
 def _describe(model, machine, tokens, e, devices) -> str:
-    lines = [f"{model.name}: {num_params(model) / 1e9:.2f}B parameters, seq {model.seq_len}, "
+    lines = [f"{model.name}: {_count(num_params(model))} parameters, seq {model.seq_len}, "
              f"{tokens:,} tokens per step, on {devices} x {machine.name}",
              f"plan: {e.plan.label()}",
              f"step {e.step_s:.3f} s   MFU {100 * e.mfu:.1f}%   HFU {100 * e.hfu:.1f}%   memory {e.mem_bytes / 1e9:.1f} GB "
@@ -196,6 +196,10 @@ def _describe(model, machine, tokens, e, devices) -> str:
              "time by part (s):  " + "  ".join(f"{k} {v:.3g}" for k, v in e.time.items()),
              "memory by part (GB): " + "  ".join(f"{k} {v / 1e9:.3g}" for k, v in e.memory.items())]
     return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def _search(args, model, machine, tokens, precision, minidist) -> int:
@@ -206,7 +210,7 @@ def _search(args, model, machine, tokens, precision, minidist) -> int:
                           "global_batch_tokens": tokens, "meshes_feasible": len(ranked),
                           "meshes_infeasible": len(infeasible), "top": [e.as_dict() for e in top]}))
         return 0
-    print(f"{model.name}: {num_params(model) / 1e9:.2f}B parameters, seq {model.seq_len}, {tokens:,} tokens per step, "
+    print(f"{model.name}: {_count(num_params(model))} parameters, seq {model.seq_len}, {tokens:,} tokens per step, "
           f"on {args.gpus} x {machine.name}: {len(ranked)} meshes fit, {len(infeasible)} do not")
     if not top:
         print("no mesh fits in memory")
