@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--machine", default="h100-nvlink-ib",
                    help=f"{', '.join(MACHINES)}, this-machine (after --calibrate), or a machine JSON file")
     r.add_argument("--calibration", default=None, metavar="FILE",
-                   help=f"this machine's calibration file (default: $MINIDIST_PLAN_MACHINE, else {calibration_path()})")
+                   help=f"this machine's calibration file, written by --calibrate, read by --machine this-machine "
+                        f"(default: {calibration_path()})")
     r.add_argument("--gpus", type=POS, default=None, metavar="N", help="devices (ranks)")
     r.add_argument("--global-batch-tokens", type=POS, default=None, metavar="N",
                    help="tokens per optimizer step (default: the preset's published batch)")

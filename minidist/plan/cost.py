@@ -324,7 +324,7 @@ def _stage_params(m: ModelSpec, p: Plan, stage: int | None = None) -> float:
     return max(out)
 
 
-MINIDIST_REPLICATED = 12  # of minidist's 24 d-wide arrays per token, those every tp rank holds whole
+REPLICATED_ARRAYS = 12  # of minidist's 24 d-wide arrays per token, those every tp rank holds whole
 
 
 def minidist_block_values(m: ModelSpec, seq: int) -> float:
@@ -353,8 +353,8 @@ def memory_parts(m: ModelSpec, p: Plan, pr: Precision, global_batch_tokens: int,
     blocks = stage_blocks(m.layers, p.pp)
     sp = p.sequence_parallel and p.tp > 1 and not minidist
     if minidist:  # half of its 24 arrays lie outside the tp-split layers (norms, residual, gathered outputs)
-        split = (minidist_block_values(m, seq) - MINIDIST_REPLICATED * m.d_model) * pr.act
-        block = split * n / p.tp + MINIDIST_REPLICATED * m.d_model * pr.act * n
+        split = (minidist_block_values(m, seq) - REPLICATED_ARRAYS * m.d_model) * pr.act
+        block = split * n / p.tp + REPLICATED_ARRAYS * m.d_model * pr.act * n
     else:  # without sequence parallelism the norms' inputs and outputs (4 d per token) are on every tp rank
         per_tok = activation_bytes_per_token(m, pr.act)
         block = per_tok * n / p.tp + (0 if sp else 4 * m.d_model * pr.act * n * (1 - 1 / p.tp))

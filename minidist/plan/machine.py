@@ -110,7 +110,7 @@ DEFAULT_CALIBRATION = os.path.join(os.path.expanduser("~"), ".cache", "minidist"
 
 
 def calibration_path(path: str | None = None) -> str:
-    return path or os.environ.get("MINIDIST_PLAN_MACHINE") or DEFAULT_CALIBRATION
+    return path or DEFAULT_CALIBRATION
 
 
 def load(name_or_path: str, calibration: str | None = None) -> Machine:
