@@ -133,6 +133,23 @@ def load(name_or_path: str, calibration: str | None = None) -> Machine:
 # ------------------------------------------------------------------ measuring this machine
 
 
+def mpiexec(ranks: int) -> list:
+    """``mpiexec -n N`` for the MPI next to this Python (the mpich wheel) or on PATH, with
+    Open MPI's --oversubscribe (the calibration and the validation run more ranks than cores).
+    The library's own copy of the test helper's launcher (minidist.testing is for tests)."""
+    import shutil
+
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    exe = local if os.path.exists(local) else shutil.which("mpiexec")
+    if exe is None:
+        raise ValueError("no mpiexec found: run make install (it installs the mpich wheel)")
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        version = ""
+    return [exe, "-n", str(ranks)] + (["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else [])
+
+
 def _best(fn, seconds: float = 0.3, reps_min: int = 3) -> float:
     fn()
     best, n, end = INF, 0, time.perf_counter() + seconds
@@ -354,7 +371,6 @@ def measure_sync(cores: int, log=print) -> float:
     on C cores a rank runs C / (W + L) of the time, and waits at each sync point for a
     descheduled partner with probability 1 - C / (W + L), for one slice on average."""
     from ..blas_env import blas_threads
-    from ..testing import mpiexec_command
 
     env = dict(os.environ, **blas_threads(1))
     fd, out = tempfile.mkstemp(suffix=".json")
@@ -365,7 +381,7 @@ def measure_sync(cores: int, log=print) -> float:
 
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     code = f"import minidist.plan.machine as m; m._sync_probe({out!r})"
-    subprocess.run(mpiexec_command(ranks) + [sys.executable, "-c", code], check=True, env=env, capture_output=True,
+    subprocess.run(mpiexec(ranks) + [sys.executable, "-c", code], check=True, env=env, capture_output=True,
                    timeout=300)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     ours = (after.ru_utime + after.ru_stime) - (kids.ru_utime + kids.ru_stime)
@@ -384,7 +400,6 @@ def calibrate(path: str | None = None, log=print) -> Machine:
     """Measure this machine (about 40 s) and write it to ``path`` (default: the calibration
     file); returns it."""
     from ..blas_env import blas_threads
-    from ..testing import mpiexec_command
 
     env = dict(os.environ, **blas_threads(1))
     code = "import json, minidist.plan.machine as m; print(json.dumps(m.measure_compute()))"
@@ -395,7 +410,7 @@ def calibrate(path: str | None = None, log=print) -> Machine:
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     code = f"import minidist.plan.machine as m; m._p2p_probe({out!r})"
-    subprocess.run(mpiexec_command(2) + [sys.executable, "-c", code], check=True, env=env, capture_output=True,
+    subprocess.run(mpiexec(2) + [sys.executable, "-c", code], check=True, env=env, capture_output=True,
                    timeout=300)
     with open(out) as f:
         p2p = json.load(f)

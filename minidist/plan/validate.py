@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 
 from .cost import FLOAT32, Plan, estimate
-from .machine import busy_seconds, calibrate, calibration_path, load, others_load
+from .machine import busy_seconds, calibrate, calibration_path, load, mpiexec, others_load
 from .model import ModelSpec
 
 # Small enough that all of them take 2-4 minutes on 2 cores, large enough that the
@@ -74,7 +74,6 @@ def predict(machine, shape: dict, mesh: dict) -> dict:
 def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
     """Train ``steps`` steps for real; the measured step seconds and peak bytes."""
     from ..blas_env import blas_threads
-    from ..testing import mpiexec_command
 
     ranks = mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("pp", 1) * mesh.get("dp", 1)
     fd, path = tempfile.mkstemp(suffix=".jsonl")
@@ -88,7 +87,7 @@ def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
     for key, flag in flags.items():
         if key in mesh:
             args += [flag, str(mesh[key])]
-    launcher = mpiexec_command(ranks) if ranks > 1 else []
+    launcher = mpiexec(ranks) if ranks > 1 else []
     env = dict(os.environ, **blas_threads(1))
     import resource
 
