@@ -63,6 +63,9 @@ PARTS = [
          "bytes per axis vs the formulas", [], ["--quick"], full_s=120, quick_s=10),
     Part("tracing", "bench_trace.py", "tracing overhead: a traced vs an untraced step on dp2, pp2, tp2",
          [], ["--quick"], full_s=40, quick_s=5),
+    # Where there is no GPU (or no CuPy) it writes gpu.json with the reason and stops in a second.
+    Part("gpu", "bench_gpu.py", "a GPT step on one GPU: minidist (CuPy) vs PyTorch, fp32 and mixed precision, "
+         "then 2 ranks sharing the GPU per parallel mode", [], ["--quick", "--no-parallel"], full_s=240, quick_s=60),
     Part("checkpoint", "bench_checkpoint.py", "checkpoints at dp2·tp2: sharded vs gathered save and load, "
          "--save-async's hidden share", [], ["--quick"], full_s=60, quick_s=5),
 ]
