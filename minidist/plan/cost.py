@@ -201,109 +201,167 @@ def stage_blocks(layers: int, pp: int) -> tuple:
     return tuple(base if r in fewer else base + 1 for r in range(pp))
 
 
+@dataclass(frozen=True)
+class Step:
+    """What every term of a step's price needs: the model, the machine, the plan, the
+    precision, and the quantities derived from them once."""
+
+    m: ModelSpec
+    mc: Machine
+    p: Plan
+    pr: Precision
+    minidist: bool      # price minidist's NumPy implementation instead of fused GPU kernels
+    share: float        # the share of a core each rank gets (1 on a device per rank)
+    n: float            # tokens of one microbatch on one rank
+    seqs_mb: int        # sequences per microbatch
+    blocks: tuple       # blocks of each pipeline stage
+    V: int              # model chunks per rank (interleaved), else 1
+    ckpt: bool          # forward recomputed in backward
+    sp: bool            # sequence parallelism (fused kernels with tp only)
+
+    @property
+    def Ls(self) -> int:
+        return max(self.blocks)
+
+    @property
+    def nd(self) -> int:
+        """Ranks holding the same parameters: the data-parallel reduction group (dp x cp)."""
+        return self.p.dp * self.p.cp
+
+    @staticmethod
+    def of(m, mc, p, pr, global_batch_tokens, minidist) -> "Step":
+        share = min(1.0, mc.cores / (p.devices + mc.load)) if mc.cores else 1.0
+        seqs_mb = global_batch_tokens // m.seq_len // p.dp // p.microbatches
+        return Step(m, mc, p, pr, minidist, share, seqs_mb * m.seq_len / p.cp, seqs_mb, stage_blocks(m.layers, p.pp),
+                    p.virtual if p.schedule == "interleaved" and p.pp > 1 else 1,
+                    # minidist's ZeRO-3 recomputes every block in backward (parallel/fsdp.py)
+                    p.checkpoint or (minidist and p.zero == 3),
+                    p.sequence_parallel and p.tp > 1 and not minidist)
+
+
+def forward_time(s: Step) -> float:
+    """Seconds of one microbatch's forward on the busiest stage (the last one adds the head):
+    per block, the matmul FLOPs at ``gemm_eff`` of peak, the attention FLOPs at ``attn_eff``,
+    each saved activation written and read once at the memory bandwidth, and a third of the
+    machine's fixed cost per block and microbatch (backward is the other two thirds)."""
+    m, mc, p, n, sh = s.m, s.mc, s.p, s.n, s.share
+    peak = mc.peak[s.pr.compute] * sh
+    act = minidist_block_values(m, m.seq_len) * s.pr.act if s.minidist else activation_bytes_per_token(m, s.pr.act)
+    block = (block_matmul_flops(m) * n / p.tp / (peak * mc.gemm_eff)
+             + attention_flops(m, m.seq_len, executed=True) * n / p.tp / (peak * mc.attn_eff)
+             + 2 * act * n / p.tp / (mc.mem_bw * sh) + mc.block_mb_s / 3 / sh)
+    head = (head_flops(m) * n / p.tp / (peak * mc.gemm_eff) + 4 * n * m.vocab / p.tp * 4 / (mc.mem_bw * sh)
+            + mc.mb_overhead_s / 3 / sh)
+    return max(b * block + (head if r == p.pp - 1 else 0.0) for r, b in enumerate(s.blocks))
+
+
+def tp_time(s: Step) -> float:
+    """Seconds of one microbatch's tensor-parallel communication (Megatron-LM, Shoeybi et al.
+    2019): per block two all-reduces of the activations forward and two backward (two more
+    with recompute); sequence parallelism's all-gather + reduce-scatter move the same bytes."""
+    if s.p.tp == 1:
+        return 0.0
+    msg = s.n * s.m.d_model * s.pr.act
+    each = ring_all_reduce(msg, s.p.tp, s.mc.link_for(s.p.tp), s.mc.link_eff) + s.mc.coll_overhead_s / s.share
+    return s.Ls * each * (4 + (2 if s.ckpt else 0))
+
+
+def cp_time(s: Step) -> float:
+    """Seconds of one microbatch's context-parallel exchange (Ring Attention, Liu et al. 2023;
+    Llama 3's all-gather): every rank receives the other (C-1)/C of the sequence's keys and
+    values per block forward, twice that backward; exposed (gathered before the attention)."""
+    p = s.p
+    if p.cp == 1:
+        return 0.0
+    kv = s.seqs_mb * s.m.seq_len * 2 * s.m.d_kv / p.tp * s.pr.act
+    step = ring_gather(kv, p.cp, s.mc.link_for(p.tp * p.cp), s.mc.link_eff) + (p.cp - 1) * s.mc.coll_overhead_s / s.share
+    return s.Ls * 3 * step
+
+
+def pp_message_time(s: Step) -> float:
+    """Seconds of one activation (or gradient) message between neighbouring stages."""
+    if s.p.pp == 1:
+        return 0.0
+    nbytes = s.n * s.m.d_model * s.pr.act / (s.p.tp if s.sp else 1)
+    return message(nbytes, s.mc.link_for(s.p.tp * s.p.cp * 2), s.mc.link_eff) + s.mc.coll_overhead_s / s.share
+
+
+def dp_calls(s: Step) -> int:
+    """Collective calls of the data-parallel reduction per step: ZeRO-3 three per block and
+    microbatch (gather, gather again, reduce-scatter), else one or two per block's bucket."""
+    if s.p.zero == 3:
+        return 3 * s.p.microbatches * s.Ls + 3
+    return (1 if s.p.zero == 0 else 2) * (s.Ls + 1)
+
+
+def dp_time(s: Step, psi: float) -> float:
+    """Seconds of the data-parallel reduction of ``psi`` parameters per rank (ZeRO,
+    Rajbhandari et al. 2020), before any overlap: stage 0 all-reduces the gradients (ring:
+    2(N-1)/N of them), 1 and 2 reduce-scatter them and all-gather the parameters ((N-1)/N
+    each), 3 gathers each block twice per microbatch and reduce-scatters its gradients."""
+    p, pr, mc, nd = s.p, s.pr, s.mc, s.nd
+    if nd == 1:
+        return 0.0
+    link = mc.link_for(p.devices)
+    if p.zero == 0:
+        t = ring_all_reduce(psi * pr.grad, nd, link, mc.link_eff)
+    elif p.zero in (1, 2):
+        t = ring_gather(psi * pr.grad, nd, link, mc.link_eff) + ring_gather(psi * pr.param, nd, link, mc.link_eff)
+    else:  # one collective per block (FSDP's unit), each paying the ring's latency
+        per_block = block_params(s.m) / p.tp
+        t = p.microbatches * s.Ls * (2 * ring_gather(per_block * pr.param, nd, link, mc.link_eff)
+                                     + ring_gather(per_block * pr.grad, nd, link, mc.link_eff))
+    t += dp_calls(s) * mc.coll_overhead_s
+    return t / s.share if mc.cores else t  # on a CPU the messages take the rank's share of a core too
+
+
+def sync_wait(s: Step) -> float:
+    """On ranks sharing cores: each sync point (a collective, a pipeline message) finds its
+    partner descheduled with probability 1 - share and waits a scheduler slice for it."""
+    p = s.p
+    if not s.mc.cores or p.devices == 1:
+        return 0.0
+    M = p.microbatches
+    syncs = (M * s.Ls * ((4 + (2 if s.ckpt else 0)) * (p.tp > 1) + 3 * (p.cp - 1))
+             + (2 * s.V * M if p.pp > 1 else 0) + (dp_calls(s) if s.nd > 1 else 0) + 3)
+    return syncs * (1 - s.share) * s.mc.sync_slice_s
+
+
 def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens: int,
              precision: Precision = MIXED_BF16, minidist: bool = False) -> Estimate:
     """Time by parts, memory per device and MFU of one step (``problems`` must be empty).
 
     ``minidist``: price minidist's own implementation (tracemalloc-counted arrays, no
     sequence parallelism, plain attention) instead of a fused GPU implementation."""
-    m, p, mc, pr = model, plan, machine, precision
-    seq = m.seq_len
-    world = p.devices
-    share = min(1.0, mc.cores / (world + mc.load)) if mc.cores else 1.0   # ranks sharing the CPU's cores
-    # minidist's ZeRO-3 recomputes every block in backward (parallel/fsdp.py): checkpointing by construction.
-    ckpt = p.checkpoint or (minidist and p.zero == 3)
-    seqs_mb = global_batch_tokens // seq // p.dp // p.microbatches   # sequences per microbatch
-    n = seqs_mb * seq / p.cp                                          # tokens per microbatch on a rank
-    blocks = stage_blocks(m.layers, p.pp)
-    Ls = max(blocks)
-    M, V = p.microbatches, (p.virtual if p.schedule == "interleaved" and p.pp > 1 else 1)
-    sp = p.sequence_parallel and p.tp > 1 and not minidist
-    peak = mc.peak[pr.compute] * share
-
-    # --- compute of one microbatch on the busiest stage, forward
-    act_tok = activation_bytes_per_token(m, pr.act) if not minidist else minidist_block_values(m, seq) * pr.act
-    at_block = attention_flops(m, seq, executed=True) * n / p.tp / (peak * mc.attn_eff)
-    t_block = (block_matmul_flops(m) * n / p.tp / (peak * mc.gemm_eff) + at_block
-               + 2 * act_tok * n / p.tp / (mc.mem_bw * share)       # element-wise: each saved value written, read
-               + mc.block_mb_s / 3 / share)                         # forward's third of the fixed costs
-    t_head = (head_flops(m) * n / p.tp / (peak * mc.gemm_eff) + 4 * n * m.vocab / p.tp * 4 / (mc.mem_bw * share)
-              + mc.mb_overhead_s / 3 / share)
-    # The busiest stage sets the pace: the last one also runs the head.
-    t_f = max(b * t_block + (t_head if r == p.pp - 1 else 0.0) for r, b in enumerate(blocks))
-    t_b = 2 * t_f
-    t_r = t_f if ckpt else 0.0
-
-    # --- tensor parallel: 2 all-reduces (or all-gather + reduce-scatter) per block forward, 2 backward
-    tp_link = mc.link_for(p.tp)
-    act_msg = n * m.d_model * pr.act
-    per_block = ring_all_reduce(act_msg, p.tp, tp_link, mc.link_eff)
-    tp_mb = Ls * (per_block + mc.coll_overhead_s / share) * (2 + 2 + (2 if ckpt else 0)) if p.tp > 1 else 0.0
-
-    # --- context parallel: keys and values of the other chunks, forward; twice that backward
-    cp_link = mc.link_for(p.tp * p.cp)
-    kv_bytes = seqs_mb * seq * 2 * m.d_kv / p.tp * pr.act
-    cp_comm = Ls * 3 * (ring_gather(kv_bytes, p.cp, cp_link, mc.link_eff)
-                        + (p.cp - 1) * mc.coll_overhead_s / share) if p.cp > 1 else 0.0
-    cp_mb = cp_comm  # exposed: the keys and values are gathered before the attention that needs them (Llama 3)
-
-    t_mb = t_f + t_b + t_r + tp_mb + cp_mb
-    compute = M * (t_f + t_b + t_r)
-
-    # --- pipeline: the bubble, and the activations between neighbouring stages
-    pp_link = mc.link_for(p.tp * p.cp * 2)
-    pp_msg = (message(act_msg / (p.tp if sp else 1), pp_link, mc.link_eff) + mc.coll_overhead_s / share
-              if p.pp > 1 else 0.0)
-    pp_exposed = 2 * (p.pp - 1) * pp_msg + (1 - mc.overlap) * 2 * V * M * pp_msg
-    bubble = (p.pp - 1) / V * t_mb if p.pp > 1 else 0.0
-
-    # --- data parallel (ZeRO) over the dp x cp ranks that hold the same parameters
-    psi = _stage_params(m, p)                                    # parameters of this rank
-    nd = p.dp * p.cp
-    dp_link = mc.link_for(world)
-    if p.zero == 0:
-        dp_comm = ring_all_reduce(psi * pr.grad, nd, dp_link, mc.link_eff)
-    elif p.zero in (1, 2):
-        dp_comm = ring_gather(psi * pr.grad, nd, dp_link, mc.link_eff) + ring_gather(psi * pr.param, nd, dp_link,
-                                                                                       mc.link_eff)
-    else:  # one gather or reduce-scatter per block (FSDP's unit), each paying the ring's latency
-        per_block = block_params(m) / p.tp
-        dp_comm = M * Ls * (2 * ring_gather(per_block * pr.param, nd, dp_link, mc.link_eff)
-                            + ring_gather(per_block * pr.grad, nd, dp_link, mc.link_eff))
-    calls = (3 * M * Ls + 3) if p.zero == 3 else (1 if p.zero == 0 else 2) * (Ls + 1)  # per block (FSDP) / bucket
-    dp_comm += calls * mc.coll_overhead_s if nd > 1 else 0.0
-    window = (M * (t_f + t_b + t_r)) if p.zero == 3 else (t_f + t_b)
-    if mc.cores:  # on a CPU every message of a rank's reduction takes its share of the cores too
-        dp_comm /= share
-    dp_exposed = max(0.0, dp_comm - mc.overlap * window)
-
-    # --- optimizer: AdamW touches the gradient, the state and the weights once (memory-bound)
-    upd = psi / (nd if p.zero >= 1 else 1)
-    optimizer = upd * (pr.grad + 2 * pr.optim + pr.param) / (mc.mem_bw * share)
-    fixed = (Ls * mc.block_step_s + mc.step_overhead) / share
-    scalars = 3 * 2 * math.ceil(math.log2(world)) * mc.link_for(world).latency if world > 1 else 0.0
-
-    # On an oversubscribed CPU a sync point waits for a descheduled partner: probability 1 - share, one slice.
-    if mc.cores and world > 1:
-        syncs = M * Ls * ((4 + (2 if ckpt else 0)) * (p.tp > 1) + 3 * (p.cp - 1)) + (2 * V * M if p.pp > 1 else 0) \
-            + (calls if nd > 1 else 0) + 3
-        wait = syncs * (1 - share) * mc.sync_slice_s
-    else:
-        syncs, wait = 0, 0.0
-    time = {"compute": compute, "tp": M * tp_mb, "cp": M * cp_mb, "pp": pp_exposed, "bubble": bubble,
-            "dp": dp_exposed, "optimizer": optimizer, "fixed": fixed + scalars, "sync": wait}
+    s = Step.of(model, machine, plan, precision, global_batch_tokens, minidist)
+    m, p, mc, M = model, plan, machine, plan.microbatches
+    t_f = forward_time(s)
+    work = t_f * (3 + (1 if s.ckpt else 0))                      # backward = 2 x forward, + recompute
+    t_mb = work + tp_time(s) + cp_time(s)                          # one microbatch on the busiest stage
+    msg = pp_message_time(s)
+    # the fill and drain's messages are exposed; the steady state's where the machine cannot overlap
+    pp_exposed = 2 * (p.pp - 1) * msg + (1 - mc.overlap) * 2 * s.V * M * msg
+    bubble = (p.pp - 1) / s.V * t_mb                               # = share (P-1)/(V M + P-1) of the pipeline
+    psi = _stage_params(m, p)
+    window = M * work if p.zero == 3 else t_f * 3                  # what the reduction hides behind
+    dp_exposed = max(0.0, dp_time(s, psi) - mc.overlap * window)
+    upd = psi / (s.nd if p.zero >= 1 else 1)                       # AdamW: read gradient and state, write both
+    optimizer = upd * (precision.grad + 2 * precision.optim + precision.param) / (mc.mem_bw * s.share)
+    fixed = (s.Ls * mc.block_step_s + mc.step_overhead) / s.share
+    scalars = 3 * 2 * math.ceil(math.log2(p.devices)) * mc.link_for(p.devices).latency if p.devices > 1 else 0.0
+    time = {"compute": M * work, "tp": M * tp_time(s), "cp": M * cp_time(s), "pp": pp_exposed, "bubble": bubble,
+            "dp": dp_exposed, "optimizer": optimizer, "fixed": fixed + scalars, "sync": sync_wait(s)}
     step = sum(time.values())
 
-    mflops = model_flops_per_token(m, seq) * global_batch_tokens
-    hflops = mflops + (m.layers * (block_matmul_flops(m) + attention_flops(m, seq, executed=True)) * global_batch_tokens
-                       if ckpt else 0.0)
-    total_peak = mc.peak[pr.compute] * (world if not mc.cores else min(world, mc.cores))
-    memory = memory_parts(m, p, pr, global_batch_tokens, minidist=minidist)
+    mflops = model_flops_per_token(m, m.seq_len) * global_batch_tokens
+    hflops = mflops + (m.layers * (block_matmul_flops(m) + attention_flops(m, m.seq_len, executed=True))
+                       * global_batch_tokens if s.ckpt else 0.0)
+    total_peak = mc.peak[precision.compute] * (min(p.devices, mc.cores) if mc.cores else p.devices)
+    memory = memory_parts(m, p, precision, global_batch_tokens, minidist=minidist)
     mem = sum(memory.values())
     others = {k: v for k, v in time.items() if k != "compute"}
-    limit = max(others, key=others.get)
     return Estimate(p, step, mflops / (step * total_peak), hflops / (step * total_peak), mem, time, memory,
-                    limit, fits=mem <= mc.mem_bytes * mc.mem_usable)
+                    max(others, key=others.get), fits=mem <= mc.mem_bytes * mc.mem_usable)
 
 
 def _stage_params(m: ModelSpec, p: Plan, stage: int | None = None) -> float:
