@@ -69,8 +69,10 @@ def main():
     from minidist.plan.machine import calibrate
     from minidist.plan.validate import CONFIGS, validate
 
+    import tempfile
+
     t0 = time.perf_counter()
-    out = args.out or "."
+    out = args.out or tempfile.mkdtemp(prefix="bench-plan-")  # the calibration lands beside plan.json, or nowhere
     os.makedirs(out, exist_ok=True)
     print(f"this machine: {cpu_name()}, {os.cpu_count()} cores; calibrating:")
     machine = calibrate(os.path.join(out, "plan-machine.json"))
