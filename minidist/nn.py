@@ -308,10 +308,9 @@ class GPT(Module):
     # -- the pieces a pipeline stage runs ----------------------------------------------------
     def embed(self, ids) -> Tensor:
         """Token + position embeddings of an int array ``ids`` (B, T), at ``token_positions``."""
-        positions = self.token_positions(ids.shape[-1])
-        if positions.shape[-1] and int(positions.max()) >= self.config.seq_len:
-            raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds the position table "
-                             f"({self.config.seq_len})")
+        positions, length = self.token_positions(ids.shape[-1])
+        if length > self.config.seq_len:  # checked on the host: no device-to-host sync per forward
+            raise ValueError(f"sequence length {length} exceeds the position table ({self.config.seq_len})")
         x = self.wte(ids) + self.wpe(positions)
         low = ops.get_autocast_dtype()
         return ops.cast(x, low) if low is not None else x  # mixed precision: low-precision activations
@@ -338,10 +337,10 @@ class GPT(Module):
         return self.layers.cross_entropy(logits, targets)
 
     def token_positions(self, T: int):
-        """The places in their sequences of the T tokens of each row this rank embeds: 0..T-1
-        (context parallelism replaces this hook by its slice of the sequence:
-        ``model.token_positions = ...``)."""
-        return xp.arange(T)
+        """The places in their sequences of the T tokens of each row this rank embeds, 0..T-1,
+        and the length of the whole sequences (context parallelism replaces this hook by its
+        slice of sequences cp times longer: ``model.token_positions = ...``)."""
+        return xp.arange(T), T
 
     def forward(self, ids, targets=None):
         """Logits for ``ids``, or the mean cross-entropy if ``targets`` are given."""

@@ -255,7 +255,7 @@ class ContextParallel:
         rank's slice of the sequence (the model then takes this rank's tokens, see :meth:`shard`)."""
         for block in model.h:
             block.attn.attention = self.attention_function()
-        model.token_positions = lambda t: self.positions(t * self.group.size)
+        model.token_positions = lambda t: (self.positions(t * self.group.size), t * self.group.size)
 
     def shard(self, x, y):
         """This rank's tokens of a (B, T) batch of inputs and targets.

@@ -364,7 +364,7 @@ def vocab_parallel_cross_entropy(logits, targets, group):
     loss = xp.asarray(nll.sum() / n, dtype=cdt)
 
     def backward(g):
-        scale = float(g) / n
+        scale = xp.asarray(g, dtype=z.dtype) / n  # stays on the device: no host sync
         dz = z * scale
         dz[rows[mine], local[mine]] -= scale
         return (to_dtype(dz.reshape(logits.shape), logits.dtype),)
