@@ -1,4 +1,4 @@
-"""Measuring a training step: model FLOPs, MFU, peak memory and a Chrome/Perfetto trace.
+"""Measuring a training step: model FLOPs, MFU and peak memory (the timeline: minidist/trace.py).
 
 **MFU** (model FLOPs utilisation; Chowdhery et al. 2022, PaLM, appendix B) is the FLOPs the
 model *needs* for a step divided by what the hardware could do in the step's wall time:
@@ -24,7 +24,6 @@ memory pool hands out during the step (a memory hook, :class:`PeakMemory`), and
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import tracemalloc
@@ -166,31 +165,3 @@ class PeakMemory:
                 yield
         finally:
             self.last_bytes = high[0] - base
-
-
-class Tracer:
-    """Records named spans as Chrome trace events (open the JSON in Perfetto or chrome://tracing)."""
-
-    def __init__(self, rank: int = 0, enabled: bool = True):
-        self.rank, self.enabled, self.events = rank, enabled, []
-        self._t0 = time.perf_counter()
-
-    @contextlib.contextmanager
-    def span(self, name: str, **args):
-        if not self.enabled:
-            yield
-            return
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            end = time.perf_counter()
-            self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": 0,
-                                "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6,
-                                "args": args})
-
-    def save(self, path: str):
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"traceEvents": self.events, "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, path)  # atomic: a reader never sees half a file

@@ -95,17 +95,14 @@ def train_steps(cfg, steps: int, corpus=None):
 
 
 def traced_peak_bytes(fn) -> int:
-    """Peak bytes Python's allocator traced while ``fn()`` ran, above what was live before."""
-    import tracemalloc
+    """Peak bytes allocated while ``fn()`` ran, above what was live before: Python's
+    allocator as tracemalloc sees it on NumPy, CuPy's memory pool on a GPU (profile.PeakMemory)."""
+    from minidist.profile import PeakMemory
 
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
+    memory = PeakMemory()
+    with memory.measure():
         fn()
-        return tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+    return memory.last_bytes
 
 
 def run_mpi(nprocs: int, target: str, *args: str, timeout: float = 120, env: dict | None = None):
