@@ -31,6 +31,10 @@ def _fmt(value) -> str:
     return f"{value:.2f}" if abs(value) < 100 else f"{value:,.0f}"
 
 
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|")  # a table cell's own bars must not end it
+
+
 def machine() -> list[str]:
     """What the figures were measured on, one line each."""
     lines = []
@@ -173,7 +177,24 @@ def _tracing(d):
             for mesh, r in d.get("meshes", {}).items()]
 
 
+def _plan(d):
+    v = d.get("validation", {})
+    n = len(v.get("configurations", []))
+    rows = [(f"planner here: median relative error of the predicted step time, {n} runs", v.get("median_step_error"),
+             "target <= 0.20"),
+            (f"planner here: median relative error of the predicted peak memory, {n} runs", v.get("median_peak_error"),
+             "target <= 0.10")]
+    for r in d.get("llama3_405b", []):
+        m = r["mesh"]
+        rows.append((f"Llama 3 405B, {r['devices']:,} GPUs, seq {r['seq_len']:,}: predicted / published MFU",
+                     r["predicted_mfu"] / r["published_mfu"],
+                     f"TP{m['tp']} CP{m['cp']} PP{m['pp']} DP{m['dp']}: {100 * r['predicted_mfu']:.1f}% vs "
+                     f"{100 * r['published_mfu']:.0f}%, place {r['rank']} of {r['meshes_ranked']}"))
+    return rows
+
+
 READERS = {
+    "plan.json": ("the planner vs real runs and Llama 3", _plan),
     "tracing.json": ("tracing overhead", _tracing),
     "collectives.json": ("collectives vs MPI's built-ins", _collectives),
     "model_step.json": ("a training step vs PyTorch", _model),
@@ -223,7 +244,7 @@ def markdown(out: str) -> str:
     parts += [f"- {ln}" for ln in machine()]
     for name, title, rows in sections(out):
         parts += ["", f"## {title} (`{name}`)", "", "| figure | value | note |", "| --- | ---: | --- |"]
-        parts += [f"| {fig} | {_fmt(v)} | {note} |" for fig, v, note in rows]
+        parts += [f"| {_cell(fig)} | {_fmt(v)} | {_cell(note)} |" for fig, v, note in rows]
     return "\n".join(parts) + "\n"
 
 

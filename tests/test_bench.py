@@ -60,7 +60,7 @@ def test_run_all_writes_one_report(quick_run):
     text = (out / "REPORT.md").read_text()
     assert text.index("## The machine") < text.index("CPU: ") < text.index("MPI: ")
     for name in ("collectives.json", "model_step.json", "ddp.json", "pipeline.json", "compose.json",
-                 "checkpoint.json", "context.json", "tensor_parallel.json", "tracing.json"):
+                 "checkpoint.json", "context.json", "tensor_parallel.json", "tracing.json", "plan.json"):
         if (out / name).exists():
             section = text.split(f"(`{name}`)", 1)[1].split("\n## ", 1)[0]
             rows = [r for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
@@ -223,3 +223,16 @@ def test_bench_trace_quick(quick_run):
     for mesh, row in r["meshes"].items():
         assert row["untraced_s"] > 0 and row["traced_s"] > 0 and row["spans_per_traced_step"] > 0, (mesh, row)
         assert row["overhead"] == pytest.approx(row["traced_s"] / row["untraced_s"] - 1)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_plan_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "plan.json") as f:
+        r = json.load(f)
+    runs = r["validation"]["configurations"]
+    assert runs and all(c["step_s_measured"] > 0 and c["peak_mb_measured"] > 0 for c in runs)
+    assert 0 <= r["validation"]["median_step_error"] and 0 <= r["validation"]["median_peak_error"]
+    assert len(r["llama3_405b"]) == 3 and all(abs(x["predicted_mfu"] - x["published_mfu"]) <= 0.05
+                                              for x in r["llama3_405b"])
