@@ -204,6 +204,7 @@ def summary_table(metrics: list, wall_s: float, expected_bytes: dict | None = No
                                         if all("hfu" in r for r in timed) else "")),
         ("peak memory of a step", f"{max(peaks):,.0f} MiB" if peaks else "not measured"),
     ]
+    rows += _device_rows()
     rows += _breakdown_rows(timed)
     rows += _pipeline_rows(timed)
     rows.append(("wall time", f"{_duration(wall_s)} ({_duration(sum(r['step_time_s'] for r in metrics))} in steps)"))
@@ -235,6 +236,18 @@ def mean_breakdown(timed: list) -> dict | None:
     groups = sorted({g for p in parts for g in p["comm"]})
     out["comm"] = {g: sum(p["comm"].get(g, 0.0) for p in parts) / n for g in groups}
     return out
+
+
+def _device_rows() -> list:
+    """On a GPU: which one, its memory, and what CuPy's pool holds (the step's peak above is
+    the pool's high-water mark during a step)."""
+    from .backend import device_memory
+
+    dev = device_memory()
+    if dev is None:
+        return []
+    return [("device", f"GPU {dev['device']}: {dev['name']}, {dev['total_bytes'] / 2**30:.1f} GiB; "
+                       f"CuPy's memory pool holds {dev['pool_used_bytes'] / 2**20:,.0f} MiB at the end")]
 
 
 def _breakdown_rows(timed: list) -> list:

@@ -112,3 +112,15 @@ def test_bench_gpu_skips_with_its_reason(tmp_path):
     assert r.stdout.startswith("bench_gpu.py: skipped: ")
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert result["skipped"] and "title" in result
+
+
+def test_the_summary_names_the_gpu_and_its_memory(monkeypatch):
+    """On a GPU the summary gains a 'device' row (the name, total memory, what the pool holds);
+    on NumPy it has none."""
+    from minidist import backend, report
+
+    assert report._device_rows() == []
+    monkeypatch.setattr(backend, "device_memory", lambda: {"device": 1, "name": "NVIDIA H100 80GB HBM3",
+                                                           "total_bytes": 80 * 2**30, "pool_used_bytes": 3 * 2**20})
+    (row,) = report._device_rows()
+    assert row == ("device", "GPU 1: NVIDIA H100 80GB HBM3, 80.0 GiB; CuPy's memory pool holds 3 MiB at the end")
