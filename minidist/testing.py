@@ -25,6 +25,7 @@ import sys
 import tempfile
 
 from minidist.blas_env import blas_thread_env, blas_threads
+from minidist.launcher import mpiexec_command  # noqa: F401 (the tests and benchmarks import it from here)
 
 _HANG_DIR = "MINIDIST_HANG_DIR"
 _HANG_AFTER = "MINIDIST_HANG_AFTER_S"
@@ -32,22 +33,6 @@ _HANG_AFTER = "MINIDIST_HANG_AFTER_S"
 
 class MPIJobFailed(AssertionError):
     """An mpiexec job exited non-zero or timed out; the message holds every rank's output."""
-
-
-def mpiexec_command(nprocs: int) -> list[str]:
-    """``mpiexec -n N`` for the MPI next to this Python (the ``mpich`` wheel) or on PATH."""
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    exe = local if os.path.exists(local) else shutil.which("mpiexec")
-    if exe is None:
-        raise RuntimeError("no mpiexec found: run `make install` (it installs the mpich wheel)")
-    cmd = [exe, "-n", str(nprocs)]
-    try:
-        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        version = ""
-    if "Open MPI" in version or "OpenRTE" in version:
-        cmd.insert(1, "--oversubscribe")  # Open MPI refuses more ranks than cores otherwise
-    return cmd
 
 
 def run_train(nprocs: int | None, args: list, timeout: float = 120, env: dict | None = None):

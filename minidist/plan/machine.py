@@ -134,20 +134,13 @@ def load(name_or_path: str, calibration: str | None = None) -> Machine:
 
 
 def mpiexec(ranks: int) -> list:
-    """``mpiexec -n N`` for the MPI next to this Python (the mpich wheel) or on PATH, with
-    Open MPI's --oversubscribe (the calibration and the validation run more ranks than cores).
-    The library's own copy of the test helper's launcher (minidist.testing is for tests)."""
-    import shutil
+    """``mpiexec -n N`` for this Python's MPI (minidist/launcher.py); ValueError if there is none."""
+    from minidist.launcher import mpiexec_command
 
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    exe = local if os.path.exists(local) else shutil.which("mpiexec")
-    if exe is None:
-        raise ValueError("no mpiexec found: run make install (it installs the mpich wheel)")
     try:
-        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        version = ""
-    return [exe, "-n", str(ranks)] + (["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else [])
+        return mpiexec_command(ranks)
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _best(fn, seconds: float = 0.3, reps_min: int = 3) -> float:
