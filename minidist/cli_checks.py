@@ -166,7 +166,8 @@ def training_memory_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int,
                           batch_size: int, grad_accum: int = 1, dtype: str = "float32",
                           mixed_precision: str = "none", checkpoint_activations: bool = False,
                           optimizer: str = "adamw", tied: bool = True, vocab_size: int = 256,
-                          data_bytes: int = 0, eval_batches: int = 0, score_values: int | None = None) -> dict:
+                          data_bytes: int = 0, eval_batches: int = 0, score_values: int | None = None,
+                          tp: int = 1, sequence_parallel: bool = False) -> dict:
     """Estimated peak bytes of a training step, by part (``total`` sums them).
 
     Fitted to :mod:`tracemalloc` peaks of real two-step runs (1-8 layers, d_model 32-1024,
@@ -180,7 +181,9 @@ def training_memory_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int,
     float32.  ``data_bytes`` of corpus are held twice while loading; ``eval_batches`` fixed
     validation batches are int64 inputs and targets.  ``score_values``: the attention scores a
     block keeps per sequence (default ``n_head * seq_len**2``, plain attention's; blockwise and
-    context-parallel attention keep fewer, see ``flags.score_values``).
+    context-parallel attention keep fewer, see ``flags.score_values``).  Tensor parallelism
+    (``tp``) splits 14 of a block's 24 arrays (the heads' and the MLP's hidden ones) and the
+    logits' vocabulary; sequence parallelism splits the other 10 too (Korthikanti et al. 2022).
     """
     item = NUMPY_BYTES[dtype]
     act_item = item if mixed_precision == "none" else 5  # measured: 1.25 x float32
@@ -189,11 +192,12 @@ def training_memory_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int,
     micro = -(-batch_size // grad_accum)       # the largest micro-batch
     tokens = micro * seq_len
     scores = n_head * seq_len * seq_len if score_values is None else score_values
-    block = 24 * tokens * d_model + micro * scores
+    block = (10 / (tp if sequence_parallel else 1) + 14 / tp) * tokens * d_model + micro * scores
     stored = (n_layer * tokens * d_model + block) if checkpoint_activations else n_layer * block
     parts = {
         "weights, gradients and optimizer state": params * item * (2 + states),
-        "activations": (stored + 8 * tokens * vocab_size + max(4 * d_model * d_model, vocab_size * d_model)) * act_item,
+        "activations": int((stored + 8 * tokens * vocab_size / tp + max(4 * d_model * d_model, vocab_size * d_model))
+                           * act_item),
         "data": 2 * data_bytes + eval_batches * batch_size * 2 * seq_len * 8,
     }
     parts["total"] = sum(parts.values())
@@ -241,11 +245,14 @@ ADVICE = {
 
 
 def check_memory(estimate: dict, available: int | None) -> None:
-    """Refuse a run whose estimated peak exceeds the available memory, naming the largest part."""
+    """Refuse a run whose estimated peak (of every rank on this machine: flags.memory_estimate)
+    exceeds the available memory, naming the largest part."""
     if available is None or estimate["total"] <= available:
         return
-    parts = {name: n for name, n in estimate.items() if name != "total"}
+    parts = {name: n for name, n in estimate.items() if name in ADVICE}
     largest = max(parts, key=parts.get)
     shown = ", ".join(f"{name} {_gib(n)}" for name, n in parts.items() if n)
-    raise InputError(f"this run needs about {_gib(estimate['total'])} of memory ({estimate['total']:,} bytes: "
+    ranks = estimate.get("ranks", 1)
+    who = f" on the {ranks} ranks this machine holds ({_gib(estimate['per_rank'])} each)" if ranks > 1 else ""
+    raise InputError(f"this run needs about {_gib(estimate['total'])} of memory{who} ({estimate['total']:,} bytes: "
                      f"{shown}) but {_gib(max(available, 0))} is available; {ADVICE[largest]}")

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from minidist.testing import run_train
+
 TRAIN = [sys.executable, "-m", "minidist.train"]
 TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--peak-gflops", "10", "--eval-batches", "1"]
@@ -220,3 +222,63 @@ def test_timeout_flag_reaches_the_communication_watchdog(monkeypatch):
         assert watchdog.timeout() == 7.0
     finally:
         watchdog.set_timeout(before)
+
+
+def _estimate(argv, world):
+    from minidist.config import from_args
+    from minidist.flags import build_parser, memory_estimate
+
+    return memory_estimate(from_args(build_parser().parse_args(argv)).resolved(world))
+
+
+_SMALL = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "64", "--batch-size", "16",
+          "--eval-every", "0", "--quiet"]
+
+
+def test_the_memory_estimate_follows_the_mesh_and_counts_this_machines_ranks(monkeypatch):
+    """One rank's share shrinks with each axis that splits the model or the batch, ZeRO's
+    stages shard what they say, and the check counts every rank that shares this machine."""
+    from minidist.cli_checks import training_memory_bytes
+
+    monkeypatch.setenv("MPI_LOCALNRANKS", "4")
+    one = _estimate(_SMALL, 1)
+    assert one["ranks"] == 1 and one["total"] == one["per_rank"] == training_memory_bytes(
+        4, 128, 4, 64, 64, 16, data_bytes=one["data"] // 2)["total"]  # block size = seq len
+    key = "weights, gradients and optimizer state"
+    for argv, world in [(["--dp", "4"], 4), (["--tp", "4"], 4), (["--pp", "2", "--dp", "2"], 4), (["--cp", "2"], 2),
+                        (["--dp", "2", "--zero", "3"], 2)]:
+        e = _estimate(_SMALL + argv, world)
+        assert e["ranks"] == world and e["total"] == world * e["per_rank"], argv
+        assert e["per_rank"] - e["data"] / world < one["per_rank"] - one["data"], argv
+    w = one[key]  # AdamW: weights, gradients and 2 states = 4 equal shares
+    shares = {z: _estimate(_SMALL + ["--dp", "2", "--zero", str(z)], 2)[key] / 2 for z in range(4)}
+    assert [round(4 * shares[z] / w, 2) for z in range(4)] == [4.0, 3.0, 2.5, 2.0]
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")  # two machines of 2 ranks: each counts its own
+    assert _estimate(_SMALL + ["--dp", "4"], 4)["ranks"] == 2
+
+
+def test_a_run_too_big_for_this_machine_names_its_ranks():
+    from minidist.cli_checks import InputError, check_memory
+
+    e = {"weights, gradients and optimizer state": 3 * 2**30, "activations": 5 * 2**30, "data": 0,
+         "total": 8 * 2**30, "ranks": 4, "per_rank": 2 * 2**30}
+    with pytest.raises(InputError, match=r"needs about 8.0 GiB of memory on the 4 ranks this machine holds "
+                                         r"\(2.0 GiB each\).*activations.*--batch-size"):
+        check_memory(e, 6 * 2**30)
+    check_memory(e, 9 * 2**30)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("argv, world", [(["--dp", "2", "--tp", "2", "--zero", "1"], 4),
+                                         (["--pp", "2", "--schedule", "gpipe", "--microbatches", "4"], 2)])
+def test_the_memory_estimate_of_a_mesh_is_near_each_ranks_measured_peak(tmp_path, argv, world):
+    """Per rank, without the corpus loading (not part of a step): within -25 %..+60 % of the
+    largest peak any rank measured (its held arrays plus the step's high-water mark)."""
+    e = _estimate(_SMALL + argv, world)
+    estimate = e["per_rank"] - e["data"] / e["ranks"]
+    metrics = tmp_path / "m.jsonl"
+    r = run_train(world, _SMALL + argv + ["--steps", "2", "--metrics-jsonl", str(metrics)], timeout=180)
+    assert r.returncode == 0, r.stderr
+    rec = [json.loads(x) for x in metrics.read_text().splitlines() if "mem_parts_mb" in x][-1]
+    peak = max(p["peak"] for p in rec["rank_mem_parts_mb"]) * 2**20
+    assert 0.75 < estimate / peak < 1.6, (estimate, peak)
