@@ -113,10 +113,9 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
                         saver.wait()
                     if saved != step:
                         save(cfg, strategy, step, scaler)
+                    _save_trace(tracer, cfg, world)  # every rank stops here together: the spans so far
                     raise Interrupted(step + 1, report.metrics, step_dir(c.save, step))
-        if tracer is not None:  # every rank sends its spans to rank 0, which writes the one file
-            trace.stop()
-            tracer.save(cfg.report.trace, comm.world() if world > 1 else None)
+        _save_trace(tracer, cfg, world)
         if saver is not None:
             saver.wait()  # the last checkpoint in place before the run ends
             if not cfg.report.quiet:
@@ -124,11 +123,27 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
                 report.log(f"asynchronous saving: {saver.writing_s:.2f}s written in the background, "
                            f"{saver.blocking_s:.2f}s blocking the loop ({100 * hidden:.0f}% of the save time hidden)")
     except KeyboardInterrupt:
+        if world == 1:  # one process: keep the spans of the finished steps (under mpiexec rank 0 aborts the job)
+            _save_trace(tracer, cfg, world)
         raise Interrupted(step, report.metrics) from None
     finally:
         report.close()
         trace.stop()
     return report.metrics
+
+
+def _save_trace(tracer, cfg, world: int) -> None:
+    """Every rank sends its spans to rank 0, which writes the one file (minidist/trace.py)."""
+    from . import trace
+
+    if tracer is not None:
+        trace.stop()
+        if world > 1:
+            from . import comm
+
+            tracer.save(cfg.report.trace, comm.world())
+        else:
+            tracer.save(cfg.report.trace, None)
 
 
 def save(cfg, strategy, step: int, scaler=None, saver=None):

@@ -276,11 +276,13 @@ def test_a_resumed_run_prints_its_progress(tmp_path):
 @pytest.mark.parametrize("ranks", [None, 2])
 def test_ctrl_c_with_save_writes_a_final_checkpoint(tmp_path, ranks):
     """With --save, Ctrl-C stops after the step in progress, once every rank has saved it: the
-    latest checkpoint is that step's, the metrics file holds every step up to it, exit 130."""
-    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    latest checkpoint is that step's, the metrics file holds every step up to it, the trace
+    every rank's spans of those steps, exit 130."""
+    ck, metrics, trace_file = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "trace.json"
     ck.mkdir()
     args = [a for a in ARGS if a not in ("--steps", "6")] + ["--steps", "100000", "--save", str(ck),
-                                                             "--save-every", "50000", "--metrics-jsonl", str(metrics)]
+                                                             "--save-every", "50000", "--metrics-jsonl", str(metrics),
+                                                             "--trace", str(trace_file)]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     cmd = (mpiexec_command(ranks) if ranks else []) + [sys.executable, "-m", "minidist.train", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -301,3 +303,7 @@ def test_ctrl_c_with_save_writes_a_final_checkpoint(tmp_path, ranks):
     assert (ck / "latest").read_text().strip() == f"step-{done:06d}"
     from minidist.checkpoint import check
     assert check(str(ck / f"step-{done:06d}"))["step"] == done
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == set(range(ranks or 1))
+    steps = {e["name"] for e in events if e.get("ph") == "X" and e["name"].startswith("step ")}
+    assert steps == {f"step {k}" for k in range(1, done + 1)}, steps
