@@ -156,6 +156,26 @@ def to_host(a):
     return out
 
 
+_host_reads: dict[str, int] = {}
+
+
+def host_read(x, why: str):
+    """``x``, a value the algorithm needs on the host (the loss, the overflow check, the
+    clipping norm, an index range check), brought there and counted under ``why``.
+
+    On a GPU each such read waits for the device's queued work (a synchronisation), which
+    stalls the launch queue; a step should make only the reads its algorithm needs.  The
+    counts (:func:`host_reads`) go into each step's metrics record on either backend, so a
+    read that creeps into a step's path shows up in a CPU test too."""
+    _host_reads[why] = _host_reads.get(why, 0) + 1
+    return to_host(x)
+
+
+def host_reads() -> dict[str, int]:
+    """How many :func:`host_read` calls there were so far, by reason (a copy)."""
+    return dict(_host_reads)
+
+
 def from_host(a):
     """A host array moved to the backend's device (a no-op with NumPy)."""
     if xp is _np:

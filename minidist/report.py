@@ -205,6 +205,9 @@ def summary_table(metrics: list, wall_s: float, expected_bytes: dict | None = No
         ("peak memory of a step", f"{max(peaks):,.0f} MiB" if peaks else "not measured"),
     ]
     rows += _device_rows()
+    if timed and "host_reads" in timed[-1]:  # each one waits for the device on a GPU
+        reads = timed[-1]["host_reads"]
+        rows.append(("host reads in a step", ", ".join(f"{why} {n}" for why, n in sorted(reads.items())) or "none"))
     rows += _breakdown_rows(timed)
     rows += _pipeline_rows(timed)
     rows.append(("wall time", f"{_duration(wall_s)} ({_duration(sum(r['step_time_s'] for r in metrics))} in steps)"))

@@ -197,6 +197,7 @@ class Interrupted(Exception):
 def _one_step(step, first, cfg, strategy, sampler, val_batches, report, memory, tracer, low, scaler) -> dict:
     """Step ``step`` (1-based; ``first``: the first of this run, resumed or not) of the loop;
     its metrics record (kept and printed by ``report``)."""
+    from .backend import host_reads
     from .optim import lr_at
 
     dev, o, world = cfg.device, cfg.optim, report.world
@@ -206,7 +207,7 @@ def _one_step(step, first, cfg, strategy, sampler, val_batches, report, memory, 
     clock = tracer.clock if tracer is not None else time.perf_counter
     held = strategy.memory_bytes() if traced else None  # params and optimizer state, before the step's arrays
     first_event = len(tracer.events) if tracer is not None else 0
-    t0, comm0, sent0 = clock(), _comm_seconds(world), _bytes_sent(world)
+    t0, comm0, sent0, reads0 = clock(), _comm_seconds(world), _bytes_sent(world), host_reads()
     strategy.optimizer.lr = lr = lr_at(step - 1, o.lr, o.warmup, o.steps, o.min_lr)
     x, y = sampler.batch(step - 1)
     t1 = clock()
@@ -222,6 +223,8 @@ def _one_step(step, first, cfg, strategy, sampler, val_batches, report, memory, 
     sent = {g: n - sent0.get(g, 0) for g, n in _bytes_sent(world).items() if n != sent0.get(g, 0)}
     r = report.record(step, loss, lr, done, t3 - t0, _comm_seconds(world) - comm0,
                       memory.last_bytes, traced, sent, held=held)
+    # The values this step brought to the host (each one a synchronisation on a GPU)
+    r["host_reads"] = {k: n - reads0.get(k, 0) for k, n in host_reads().items() if n != reads0.get(k, 0)}
     if tracer is not None:  # the step's time by parts, from the main thread's spans
         from .trace import breakdown
 

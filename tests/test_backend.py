@@ -124,3 +124,27 @@ def test_the_summary_names_the_gpu_and_its_memory(monkeypatch):
                                                            "total_bytes": 80 * 2**30, "pool_used_bytes": 3 * 2**20})
     (row,) = report._device_rows()
     assert row == ("device", "GPU 1: NVIDIA H100 80GB HBM3, 80.0 GiB; CuPy's memory pool holds 3 MiB at the end")
+
+
+@pytest.mark.parametrize("extra, want", [
+    ([], {"loss": 2, "index range": 6}),
+    (["--clip-grad", "1"], {"loss": 2, "index range": 6, "gradient norm": 1}),
+    (["--mixed-precision", "fp16", "--clip-grad", "1"], {"loss": 2, "index range": 6, "gradient norm": 1,
+                                                        "overflow check": 1}),
+])
+def test_each_step_counts_the_values_it_brings_to_the_host(tmp_path, extra, want):
+    """Every value a step reads on the host (a synchronisation on a GPU) goes through
+    backend.host_read and is counted in the step's record: per microbatch the loss and three
+    index-range checks (token ids, positions, targets), per step the gradient norm when
+    clipping and the overflow check with loss scaling; nothing else."""
+    import json
+
+    from minidist.testing import run_train
+
+    metrics = tmp_path / "m.jsonl"
+    r = run_train(None, ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
+                         "--grad-accum", "2", "--steps", "2", "--eval-every", "0", "--clip-grad", "0", "--quiet",
+                         "--metrics-jsonl", str(metrics), *extra], timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [row["host_reads"] for row in rows] == [want, want]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import builtins
 
 from ..autograd import Tensor, make_tensor
-from ..backend import to_host, xp
+from ..backend import host_read, xp
 from . import tuning
 
 # ----------------------------------------------------------------------------- helpers
@@ -286,7 +286,7 @@ def check_index(idx, n, what="index"):
     if idx.dtype.kind not in "iu":
         raise TypeError(f"{what} must be an integer array, got dtype {idx.dtype}")
     if idx.size:
-        lo, hi = (int(v) for v in to_host(xp.stack([idx.min(), idx.max()])))  # one host transfer
+        lo, hi = (int(v) for v in host_read(xp.stack([idx.min(), idx.max()]), "index range"))  # one transfer
         if lo < 0 or hi >= n:
             bad = lo if lo < 0 else hi
             raise IndexError(f"{what} value {bad} out of range [0, {n})")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from minidist.backend import xp
+from minidist.backend import host_read, xp
 
 
 def grad_norm_sq(params) -> float:
@@ -46,7 +46,7 @@ def total_sum_of_squares(arrays) -> float:
     for a in arrays:
         s = _squares(a)
         total = s if total is None else total + s
-    return 0.0 if total is None else float(total)
+    return 0.0 if total is None else float(host_read(total, "gradient norm"))
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -20,7 +20,7 @@ bfloat16 has float32's exponent range and needs no loss scaling.
 
 from __future__ import annotations
 
-from minidist.backend import xp
+from minidist.backend import host_read, xp
 
 
 class DynamicLossScaler:
@@ -54,7 +54,7 @@ class DynamicLossScaler:
                 continue
             sums.append(xp.sum(p.grad, dtype=xp.float64))
             p.grad *= inv_scale
-        return bool(sums) and not bool(xp.isfinite(xp.stack(sums)).all())
+        return bool(sums) and not bool(host_read(xp.isfinite(xp.stack(sums)).all(), "overflow check"))
 
     def update(self, found_inf: bool):
         """Back off after an overflow; grow after ``growth_interval`` clean steps in a row."""

@@ -34,7 +34,7 @@ import math
 
 from .. import ops, trace
 from ..autograd import no_grad
-from ..backend import from_host
+from ..backend import from_host, host_read
 from ..data import shard
 from ..optim.clip import clip_coefficient, scale_grads, total_sum_of_squares
 from .data import any_rank, reduce_sum
@@ -94,7 +94,7 @@ class Strategy:
                 if tr is not None:
                     tr.add("compute", f"F{m}", "compute", t0, t1, {"op": "forward", "microbatch": m})
                     tr.add("compute", f"B{m}", "compute", t1, tr.clock(), {"op": "backward", "microbatch": m})
-            local += share * loss.item()
+            local += share * float(host_read(loss.data, "loss"))
         return self.reduce_loss(local)
 
     def _pipeline_pass(self, xs, ys, share, last, low_dtype, loss_scale) -> float:
@@ -123,7 +123,7 @@ class Strategy:
                     if self.pipeline is not None:
                         loss = self.pipeline.evaluate(xs, ys, low_dtype)
                     else:
-                        loss = self.model(from_host(xs), from_host(ys)).item()
+                        loss = float(host_read(self.model(from_host(xs), from_host(ys)).data, "validation loss"))
                     total += share * loss
         return self.reduce_loss(total) / len(batches)
 

@@ -38,7 +38,7 @@ import time
 
 from minidist import comm, ops, trace
 from minidist.autograd import Parameter, Tensor, no_grad
-from minidist.backend import dtype as backend_dtype, from_host, xp
+from minidist.backend import dtype as backend_dtype, from_host, host_read, xp
 from minidist.data import shard
 from minidist.parallel.pipeline.schedules import (BACKWARD, FORWARD, Action, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
                                                   layer_range, make_schedule, message_tag, model_stage,
@@ -216,7 +216,7 @@ class PipelineRuntime:
             out = self.model.run_blocks(h, self.blocks[c])
             if s == self.S - 1:
                 loss = self.model.loss(self.model.head(out), from_host(self._y[m]))
-                self._losses[m] = self._share[m] * loss.item()
+                self._losses[m] = self._share[m] * float(host_read(loss.data, "loss"))
                 out = loss * (self._share[m] * self._scale)
         held = graph_activation_bytes(out)
         self._saved[(m, c)] = (x_in, out, held)
@@ -329,7 +329,7 @@ class PipelineRuntime:
                         h = Tensor(comm.recv(self._activation_shape(x), dtype, prev, self.group, tag=EVAL_TAG))
                 h = self.model.run_blocks(h, self.blocks[c])
                 if s == self.S - 1:
-                    loss = float(self.model.loss(self.model.head(h), from_host(y)).item())
+                    loss = float(host_read(self.model.loss(self.model.head(h), from_host(y)).data, "validation loss"))
                 elif stage_location(s + 1, self.P)[0] != self.rank:
                     comm.send(h.data, stage_location(s + 1, self.P)[0], self.group, tag=EVAL_TAG)
         total = xp.asarray([loss if self.is_last else 0.0], dtype=xp.float64)
