@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 
 
@@ -211,12 +210,21 @@ def _summary_rows(d):
     return [(r["figure"], r.get("value"), r.get("note", "")) for r in d.get("summary", [])]
 
 
-def sections(out: str) -> list[tuple[str, str, list]]:
+def sections(out: str, since: float | None = None) -> list[tuple[str, str, list]]:
     """(file, title, rows) for every result file in ``out``: known ones through their reader,
-    others through their ``summary``; a file that says it was skipped gives its reason."""
+    others through their ``summary``; a file that says it was skipped gives its reason, and
+    one written before ``since`` (a part that did not run this time) is named, not shown."""
+    import time
+
     found = []
     for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
         if not name.endswith(".json") or name == "run_all.json":
+            continue
+        written = os.path.getmtime(os.path.join(out, name))
+        if since is not None and written < since:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(written))
+            found.append((name, READERS.get(name, (name[:-5],))[0],
+                          [("not run this time", None, f"the file is from an earlier run ({when}): not shown")]))
             continue
         try:
             with open(os.path.join(out, name)) as f:
@@ -237,18 +245,18 @@ def sections(out: str) -> list[tuple[str, str, list]]:
     return found
 
 
-def markdown(out: str) -> str:
+def markdown(out: str, since: float | None = None) -> str:
     parts = ["# minidist benchmark report", "",
              "Every figure is a ratio measured within one run of its benchmark; the JSON beside this "
              "file holds every sample.", "", "## The machine", ""]
     parts += [f"- {ln}" for ln in machine()]
-    for name, title, rows in sections(out):
+    for name, title, rows in sections(out, since):
         parts += ["", f"## {title} (`{name}`)", "", "| figure | value | note |", "| --- | ---: | --- |"]
         parts += [f"| {_cell(fig)} | {_fmt(v)} | {_cell(note)} |" for fig, v, note in rows]
     return "\n".join(parts) + "\n"
 
 
-def plot(out: str, path: str) -> bool:
+def plot(out: str, path: str, since: float | None = None) -> bool:
     """A bar chart of every numeric figure, one panel per benchmark; False without matplotlib."""
     try:
         import matplotlib
@@ -258,7 +266,7 @@ def plot(out: str, path: str) -> bool:
     except ImportError:
         return False
     panels = [(title, [(fig, v) for fig, v, _ in rows if isinstance(v, (int, float))])
-              for _, title, rows in sections(out)]
+              for _, title, rows in sections(out, since)]
     panels = [p for p in panels if p[1]]
     if not panels:
         return False
@@ -278,12 +286,13 @@ def plot(out: str, path: str) -> bool:
     return True
 
 
-def write(out: str) -> list[str]:
-    """Write REPORT.md (and report.png when matplotlib is there) into ``out``; their paths."""
+def write(out: str, since: float | None = None) -> list[str]:
+    """Write REPORT.md (and report.png when matplotlib is there) into ``out``; their paths.
+    ``since``: when this run of the benchmarks began (older results are only named)."""
     written = [os.path.join(out, "REPORT.md")]
     with open(written[0], "w") as f:
-        f.write(markdown(out))
-    if plot(out, os.path.join(out, "report.png")):
+        f.write(markdown(out, since))
+    if plot(out, os.path.join(out, "report.png"), since):
         written.append(os.path.join(out, "report.png"))
     return written
 

@@ -233,7 +233,8 @@ def _validate(args) -> RunConfig:
         raise InputError(found[0])
     cfg = given.resolved(world)
     _check_checkpoints(cfg)
-    check_memory(memory_estimate(cfg), available_memory_bytes())
+    if backend.BACKEND == "numpy":  # on a GPU the arrays live in device memory (CuPy's pool reports it)
+        check_memory(memory_estimate(cfg), available_memory_bytes())
     return cfg
 
 
@@ -308,7 +309,7 @@ def memory_estimate(cfg: RunConfig) -> dict:
                                 eval_batches=cfg.report.eval_batches if cfg.report.eval_every else 0,
                                 score_values=score_values(cfg), tp=p.tp, sequence_parallel=p.sequence_parallel)
     states = 2 if cfg.optim.optimizer == "adamw" else 1
-    shard = p.hsdp_shard or p.dp  # ZeRO's partition: the dp group, or HSDP's shard group
+    shard = p.hsdp_shard or p.dp * p.cp  # ZeRO's partition: the data-parallel (dp x cp) group, or HSDP's
     weights, grads, state = (1 / p.tp,) * 3
     if p.zero >= 1:
         state /= shard
@@ -327,7 +328,8 @@ def memory_estimate(cfg: RunConfig) -> dict:
 
 def local_ranks(world: int) -> int:
     """How many of the job's ranks share this machine (the launcher says; else all of them)."""
-    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"):
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
+                 "LOCAL_WORLD_SIZE"):
         if os.environ.get(name, "").isdigit():
             return min(world, int(os.environ[name]))
     return world

@@ -344,7 +344,7 @@ def main(argv=None):
         sys.stdout.flush()
         from .comm import sentinel
 
-        sentinel.leaving()  # an exit on purpose, not a crash
+        sentinel.before_abort()  # an exit on purpose, not a crash: the ranks the launcher ends are not blamed
         os._exit(2)
     except Interrupted as stop:  # Ctrl-C: one line, the summary of the finished steps, exit 130
         if world_rank() != 0:  # rank 0 ends the job (MPI_Abort): leaving first would read as a crash

@@ -98,6 +98,22 @@ def test_a_flipped_byte_is_refused_naming_the_file(tmp_path):
     assert str(shard) in r.stderr and "checksum" in r.stderr, r.stderr
 
 
+@pytest.mark.mpi
+def test_a_flipped_byte_found_by_one_rank_ends_the_job_without_blaming_another(tmp_path):
+    """On tp2 only rank 1 reads its own shard: it names the file and exits; the launcher then
+    ends rank 0, whose sentinel must not report it as a rank that died without a word."""
+    (tmp_path / "ck").mkdir()
+    _train(2, ["--tp", "2", "--save", str(tmp_path / "ck")], tmp_path, "saved")
+    shard = tmp_path / "ck" / "step-000006" / "rank-00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    r = run_train(2, ARGS + ["--tp", "2", "--steps", "8", "--resume", str(tmp_path / "ck")], timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert str(shard) in r.stderr and "checksum" in r.stderr, r.stderr
+    assert "died without a report" not in r.stderr, r.stderr
+
+
 def test_a_damaged_latest_names_the_previous_good_one(tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()

@@ -253,6 +253,8 @@ def test_the_memory_estimate_follows_the_mesh_and_counts_this_machines_ranks(mon
     w = one[key]  # AdamW: weights, gradients and 2 states = 4 equal shares
     shares = {z: _estimate(_SMALL + ["--dp", "2", "--zero", str(z)], 2)[key] / 2 for z in range(4)}
     assert [round(4 * shares[z] / w, 2) for z in range(4)] == [4.0, 3.0, 2.5, 2.0]
+    # ZeRO shards over the data-parallel group, dp x cp: ZeRO-1 on dp2 x cp2 splits the states 4 ways
+    assert round(4 * _estimate(_SMALL + ["--dp", "2", "--cp", "2", "--zero", "1"], 4)[key] / 4 / w, 2) == 2.5
     monkeypatch.setenv("MPI_LOCALNRANKS", "2")  # two machines of 2 ranks: each counts its own
     assert _estimate(_SMALL + ["--dp", "4"], 4)["ranks"] == 2
 

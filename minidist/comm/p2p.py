@@ -77,10 +77,11 @@ def _host_contiguous(x) -> np.ndarray:
     if CUDA_AWARE and on_device(x):
         synchronize()  # the kernels that wrote x must finish before MPI reads it
         return xp.ascontiguousarray(x)
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     h = to_host(x)
-    if t0 and h is not x and trace is not None:  # a device array staged through host memory
-        trace.staging("to_host", h.nbytes, t0)
+    if t0 and h is not x and tr is not None:  # a device array staged through host memory
+        tr.staging("to_host", h.nbytes, t0)
     if not isinstance(h, np.ndarray):
         raise TypeError(f"expected an array, got {type(x).__name__}")
     if h.dtype.hasobject:
@@ -140,7 +141,8 @@ def _charge(state, sent: int, received: int) -> None:
 # the byte accounting.
 def _send(comm, a: np.ndarray, dst: int, tag: int) -> None:
     nbytes = a.nbytes
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     if links.enabled:
         links.delay(nbytes, comm, dst)
     state = _tls.state
@@ -150,12 +152,13 @@ def _send(comm, a: np.ndarray, dst: int, tag: int) -> None:
     finally:
         state.wait = None
     _charge(state, nbytes, 0)
-    if t0 and trace is not None:
-        trace.message("send", dst, nbytes, 0, t0)
+    if t0 and tr is not None:
+        tr.message("send", dst, nbytes, 0, t0)
 
 
 def _recv(comm, out: np.ndarray, src: int, tag: int) -> np.ndarray:
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     state = _tls.state
     wire, rtag = _wire(state, tag)
     status = MPI.Status()
@@ -168,14 +171,15 @@ def _recv(comm, out: np.ndarray, src: int, tag: int) -> np.ndarray:
         state.wait = None
     _check_status(comm, status, src, tag, out.nbytes, wire if rtag == ANY_TAG else None)
     _charge(state, 0, out.nbytes)
-    if t0 and trace is not None:
-        trace.message("recv", src, 0, out.nbytes, t0)
+    if t0 and tr is not None:
+        tr.message("recv", src, 0, out.nbytes, t0)
     return out
 
 
 def _sendrecv(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int) -> np.ndarray:
     """Send ``a`` to ``dst`` while receiving ``out`` from ``src`` (deadlock-free exchange)."""
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     if links.enabled:
         links.delay(a.nbytes, comm, dst)
     state = _tls.state
@@ -191,36 +195,39 @@ def _sendrecv(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int
     if status.Get_count(BYTE) != out.nbytes or (rtag == ANY_TAG and status.Get_tag() != wire):
         _check_status(comm, status, src, tag, out.nbytes, wire if rtag == ANY_TAG else None)
     _charge(state, a.nbytes, out.nbytes)
-    if t0 and trace is not None:
-        trace.message("sendrecv", (dst, src), a.nbytes, out.nbytes, t0)
+    if t0 and tr is not None:
+        tr.message("sendrecv", (dst, src), a.nbytes, out.nbytes, t0)
     return out
 
 
 def _isend(comm, a: np.ndarray, dst: int, tag: int):
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     if links.enabled:
         links.delay(a.nbytes, comm, dst)
     state = _tls.state
     _charge(state, a.nbytes, 0)
     req = comm.Isend([a, BYTE], dst, _wire(state, tag)[0])
-    if t0 and trace is not None:  # its bytes count when posted, as in the counters
-        trace.message("isend", dst, a.nbytes, 0, t0)
+    if t0 and tr is not None:  # its bytes count when posted, as in the counters
+        tr.message("isend", dst, a.nbytes, 0, t0)
     return req
 
 
 def _irecv(comm, out: np.ndarray, src: int, tag: int):
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     state = _tls.state
     _charge(state, 0, out.nbytes)
     req = comm.Irecv([out, BYTE], src, _wire(state, tag)[1])
-    if t0 and trace is not None:
-        trace.message("irecv", src, 0, out.nbytes, t0)
+    if t0 and tr is not None:
+        tr.message("irecv", src, 0, out.nbytes, t0)
     return req
 
 
 def _wait_recv(comm, req, src: int, tag: int, nbytes: int) -> None:
     """Complete a receive posted by :func:`_irecv`, checking the message's size and identity."""
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     state = _tls.state
     wire, rtag = _wire(state, tag)
     status = MPI.Status()
@@ -232,8 +239,8 @@ def _wait_recv(comm, req, src: int, tag: int, nbytes: int) -> None:
     finally:
         state.wait = None
     _check_status(comm, status, src, tag, nbytes, wire if rtag == ANY_TAG else None)
-    if t0 and trace is not None:
-        trace.message("wait recv", src, 0, 0, t0)
+    if t0 and tr is not None:
+        tr.message("wait recv", src, 0, 0, t0)
 
 
 def _exchange(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int, status=None):
@@ -243,7 +250,8 @@ def _exchange(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int
     A message of another collective is reported like one of the wrong size, and its
     CollectiveMismatchError kept on the thread state (``state.mismatch``): the caller goes
     on (so that every rank gets to raise, see evengather.py), and launch raises it at the end."""
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     if links.enabled:
         links.delay(a.nbytes, comm, dst)
     state = _tls.state
@@ -268,22 +276,23 @@ def _exchange(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int
         _charge(state, a.nbytes, got)
         return f"{got} bytes of another call"  # a text: never the expected count
     _charge(state, a.nbytes, got)
-    if t0 and trace is not None:
-        trace.message("sendrecv", (dst, src), a.nbytes, got, t0)
+    if t0 and tr is not None:
+        tr.message("sendrecv", (dst, src), a.nbytes, got, t0)
     return got
 
 
 def _waitall(requests) -> None:
     """Complete sends (or receives whose size the caller does not check)."""
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     state = _tls.state
     state.wait = ("waitall", None, None, None)
     try:
         MPI.Request.Waitall(requests)
     finally:
         state.wait = None
-    if t0 and trace is not None:
-        trace.message("wait", None, 0, 0, t0)
+    if t0 and tr is not None:
+        tr.message("wait", None, 0, 0, t0)
 
 
 # ------------------------------------------------------ one round of many messages at once
@@ -296,7 +305,8 @@ class _Round(list):
 def _post_round(comm, recvs, sends, tag: int) -> list:
     """Post a round: an Irecv per (buffer, source), then an Isend per (buffer, dest).
     Complete it with :func:`_wait_round`."""
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     state = _tls.state
     wire, rtag = _wire(state, tag)
     reqs = _Round(comm.Irecv([buf, BYTE], src, rtag) for buf, src in recvs)
@@ -308,8 +318,8 @@ def _post_round(comm, recvs, sends, tag: int) -> list:
         reqs.append(comm.Isend([buf, BYTE], dest, wire))
         sent += buf.nbytes
     _charge(state, sent, 0)
-    if t0 and trace is not None:
-        trace.message("post round", [dest for _, dest in sends], sent, 0, t0)
+    if t0 and tr is not None:
+        tr.message("post round", [dest for _, dest in sends], sent, 0, t0)
     return reqs
 
 
@@ -317,7 +327,8 @@ def _wait_round(reqs, nrecv: int) -> list:
     """Wait for a whole round; the byte count of each of the first ``nrecv`` requests (the
     receives), or the text "more than K" for one that got more than its K-byte buffer.
     A message of another collective raises CollectiveMismatchError (once all are done)."""
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     statuses = [MPI.Status() for _ in reqs]
     state = _tls.state
     state.wait = ("round", getattr(reqs, "comm", None), getattr(reqs, "sources", None), None)
@@ -336,8 +347,8 @@ def _wait_round(reqs, nrecv: int) -> list:
             if tag != wire:
                 raise mismatch_error(reqs.comm, reqs.sources[i], wire, tag, counts[i])
     _charge(state, 0, sum(c for c in counts if type(c) is int))
-    if t0 and trace is not None:
-        trace.message("wait round", getattr(reqs, "sources", None), 0, sum(c for c in counts if type(c) is int), t0)
+    if t0 and tr is not None:
+        tr.message("wait round", getattr(reqs, "sources", None), 0, sum(c for c in counts if type(c) is int), t0)
     return counts
 
 
@@ -378,10 +389,11 @@ def _persistent_round(comm, recvs, sends, tag: int, rtag: int | None = None) -> 
 
 def _stage_in(out, buf: np.ndarray) -> None:
     """Copy a received host buffer into ``out`` (a device array), a span on the timeline."""
-    t0 = trace.clock() if trace is not None else 0.0
+    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
+    t0 = tr.clock() if tr is not None else 0.0
     out[...] = from_host(buf)
-    if t0 and trace is not None:
-        trace.staging("from_host", buf.nbytes, t0)
+    if t0 and tr is not None:
+        tr.staging("from_host", buf.nbytes, t0)
 
 
 # ----------------------------------------------------------- public, group-relative API

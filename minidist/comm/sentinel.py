@@ -75,7 +75,8 @@ def describe(where: str) -> None:
 
 
 def before_abort() -> None:
-    """This rank is about to end the job after its own report: the sentinels stay quiet.
+    """This rank is about to end the job after its own report (an abort, or an exit with an
+    error every rank reaches): the sentinels of this machine stay quiet.
     Waits (briefly) until its sentinel holds the lock, so that the ranks the abort kills
     cannot speak first."""
     if _tell(b"abort\n"):
@@ -138,8 +139,13 @@ def _watch(fd: int, rank: int, launcher_pid: int, rank_pid: int) -> None:
                 where = rest
             elif word == "abort":
                 held = _lock(launcher_pid)
-                link.sendall(b"k")
-                time.sleep(HOLD_S if held else 0)
+                try:
+                    link.sendall(b"k")
+                except OSError:  # the rank stopped waiting (a loaded machine): it aborts anyway
+                    pass
+                if held:
+                    os.close(2)  # the launcher may wait for this output to close before it returns
+                    time.sleep(HOLD_S)
                 return
     # The rank is gone without a word.
     if not _alive(launcher_pid):
@@ -149,8 +155,8 @@ def _watch(fd: int, rank: int, launcher_pid: int, rank_pid: int) -> None:
         return  # another rank died (or aborted) first: that one is the cause
     place = f"{where}, " if where else ""
     sys.stderr.write(f"minidist: rank {rank} ({place}pid {rank_pid}) died without a report: killed by a "
-                     f"signal (kill -9, the out-of-memory killer) or crashed outside Python; the launcher "
-                     f"ends the other ranks\n")
+                     f"signal (kill -9, the out-of-memory killer, or the launcher ending the job after a "
+                     f"failure on another machine) or crashed outside Python\n")
     sys.stderr.flush()
     os.close(2)  # the launcher may wait for this output to close before it returns
     time.sleep(HOLD_S)
