@@ -46,6 +46,9 @@ active = None
 
 CLOCK_TAG, LENGTH_TAG, EVENTS_TAG = 29990, 29991, 29992  # below comm's reserved tags and the pipeline's
 MAIN_TRACKS = ("compute", "comm")
+MAX_EVENTS = 400_000
+"""Spans one rank keeps (about 60 MB of tuples; a merged file Perfetto still opens): past
+it, whole steps after the first are dropped, oldest first (:meth:`Tracer.step_done`)."""
 COMM_CATS = ("collective", "p2p", "wait", "message")
 
 
@@ -56,9 +59,11 @@ class Tracer:
     ``label``: the process track's name (``rank 5 (dp1 pp0 tp1)``).  ``clock`` may be given
     (the tests skew it per rank to check the alignment)."""
 
-    def __init__(self, rank: int = 0, label: str | None = None, clock=time.perf_counter):
+    def __init__(self, rank: int = 0, label: str | None = None, clock=time.perf_counter,
+                 max_events: int = MAX_EVENTS):
         self.rank, self.label, self.clock = rank, label or f"rank {rank}", clock
         self.events: list = []
+        self.max_events, self.step_starts, self.dropped_steps = max_events, [], 0
         self.offset = 0.0
         self.origin = clock()
         self.main = threading.get_ident()
@@ -111,12 +116,30 @@ class Tracer:
 
         model.block_runner = runner
 
+    def step_done(self, first: int) -> None:
+        """A training step's spans began at ``events[first]`` and have ended.  Past
+        ``max_events``, the steps after the first are dropped, oldest first, down to half the
+        limit: a long run keeps its first step (start-up effects) and its latest ones in
+        bounded memory, and the file says how many steps it left out."""
+        starts = self.step_starts
+        starts.append(first)
+        if len(self.events) <= self.max_events or len(starts) < 3:
+            return
+        k = 2  # drop events[starts[1]:starts[k]]: the steps 2..k, with what ran between them
+        while k < len(starts) - 1 and len(self.events) - (starts[k] - starts[1]) > self.max_events // 2:
+            k += 1
+        removed = starts[k] - starts[1]
+        del self.events[starts[1]:starts[k]]  # one list operation: progress threads' appends are safe
+        self.dropped_steps += k - 1
+        starts[1:] = [s - removed for s in starts[k:]]
+
     # ------------------------------------------------------------- saving, merging
     def payload(self) -> dict:
         """This rank's events as JSON-ready lists ``[track, name, cat, t0, t1, args]`` on
         rank 0's clock (seconds)."""
         off = self.offset
         return {"rank": self.rank, "label": self.label, "offset": off, "counted": self.counted,
+                "dropped_steps": self.dropped_steps,
                 "events": [[tr, name, cat, t0 + off, t1 + off, _args(name, a)]
                            for tr, name, cat, t0, t1, a in list(self.events)]}
 
@@ -194,12 +217,14 @@ def _algorithm_name(name, n, x_meta, out_meta, algorithm) -> str:
 def write_trace(path: str, payloads: list, origin: float, meta: dict | None = None) -> None:
     """The Chrome-trace JSON of every rank's payload, times in µs from ``origin`` (rank 0's
     clock); metadata events name each process (rank) and thread (track)."""
-    events, offsets, counted = [], {}, {}
+    events, offsets, counted, dropped = [], {}, {}, {}
     for p in sorted(payloads, key=lambda p: p["rank"]):
         pid = p["rank"]
         offsets[str(pid)] = p["offset"]
-        if p.get("counted"):
+        if p.get("counted") and not p.get("dropped_steps"):  # the spans' bytes are whole: checkable
             counted[str(pid)] = p["counted"]
+        if p.get("dropped_steps"):
+            dropped[str(pid)] = p["dropped_steps"]
         tracks = {t: i for i, t in enumerate(MAIN_TRACKS)}
         for tr, *_ in p["events"]:
             tracks.setdefault(tr, len(tracks))
@@ -219,7 +244,7 @@ def write_trace(path: str, payloads: list, origin: float, meta: dict | None = No
             events.append(e)
     doc = {"traceEvents": events, "displayTimeUnit": "ms",
            "otherData": {"clock_offset_s": offsets, "clock": "perf_counter, aligned to rank 0 (Cristian)",
-                         "bytes_counted": counted, "run": meta or {}}}
+                         "bytes_counted": counted, "run": meta or {}, "dropped_steps": dropped}}
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(doc, f)

@@ -229,6 +229,7 @@ def _one_step(step, first, cfg, strategy, sampler, val_batches, report, memory, 
         from .trace import breakdown
 
         r["time_s"] = breakdown(tracer.events, t0, t3, first_event)
+        tracer.step_done(first_event)  # a long run keeps its first and latest steps (trace.MAX_EVENTS)
     if cfg.report.eval_every and (step % cfg.report.eval_every == 0 or step == o.steps):
         t4 = clock()
         r["val_loss"] = strategy.evaluate(val_batches, low)

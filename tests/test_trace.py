@@ -191,3 +191,25 @@ def test_breakdown_parts_sum_to_the_step():
 def test_rank_label_names_the_axes_of_size_above_one():
     assert trace.rank_label({"dp": 2, "pp": 2, "cp": 1, "tp": 2}, 5) == "rank 5 (dp1 pp0 tp1)"
     assert trace.rank_label({"dp": 1, "pp": 1, "cp": 1, "tp": 1}, 0) == "rank 0"
+
+
+def test_a_long_run_keeps_its_first_and_latest_steps_in_bounded_memory():
+    """Past max_events the steps after the first are dropped, oldest first, down to half the
+    limit; the first step and the latest ones stay whole, and the file says how many went."""
+    from minidist import trace
+
+    tr = trace.Tracer(0, max_events=100)
+    tr.add("compute", "start-up", "compute", 0.0, 0.1)
+    for step in range(1, 51):
+        first = len(tr.events)
+        for i in range(10):
+            tr.add("compute", f"step {step}" if i == 0 else "F0", "compute", step, step + 0.5)
+        tr.step_done(first)
+        assert len(tr.events) <= 100 + 10
+    names = [e[1] for e in tr.events if e[1].startswith("step ")]
+    kept = [int(n.split()[1]) for n in names]
+    assert tr.events[0][1] == "start-up" and kept[0] == 1 and kept[-1] == 50
+    assert kept[1:] == list(range(kept[1], 51)), kept  # the latest steps, contiguous
+    assert tr.dropped_steps == 50 - len(kept) and len(tr.events) == 1 + 10 * len(kept)
+    p = tr.payload()
+    assert p["dropped_steps"] == tr.dropped_steps
