@@ -126,9 +126,9 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
 
 def replay(schedule, timelines) -> float:
     """The bubble the schedule would have with the compute times measured in this step and
-    free, instant messages (schedules.simulate with measured costs), mean over ranks: what
+    free, instant messages (simulate.simulate with measured costs), mean over ranks: what
     the measured bubble would be without any communication or runtime overhead."""
-    from minidist.parallel.pipeline.schedules import simulate
+    from minidist.parallel.pipeline.simulate import simulate
 
     seconds = {(r, a.op, a.microbatch, a.chunk): end - start
                for r, row in enumerate(timelines) for start, end, a in row}

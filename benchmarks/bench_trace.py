@@ -37,6 +37,7 @@ def worker(out_path: str, quick: bool, reps: int, meshes: list) -> None:
     import numpy as np
 
     from minidist import comm, trace
+    from minidist.breakdown import breakdown
     from minidist.config import RunConfig
     from minidist.data import Sampler
     from minidist.parallel.compose import build, build_mesh
@@ -74,7 +75,7 @@ def worker(out_path: str, quick: bool, reps: int, meshes: list) -> None:
                 tracer.add("compute", "forward_backward", "step", t1, t2, {"step": k})
                 tracer.add("compute", "optimizer", "optimizer", t2, t3, {"step": k})
                 tracer.add("compute", f"step {k}", "step", t0, t3, {"step": k})
-                trace.breakdown(tracer.events, t0, t3, first)
+                breakdown(tracer.events, t0, t3, first)
                 t3 = clock()
                 trace.stop()
             return _max_over(t3 - t0, world)

@@ -32,6 +32,7 @@ from minidist import comm  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
 from minidist.optim import AdamW  # noqa: E402
 from minidist.parallel.pipeline import schedules as S  # noqa: E402
+from minidist.parallel.pipeline.simulate import chart, measured_chart, simulate  # noqa: E402
 from minidist.parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 
 SCHEDULES = [("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looping", 2)]
@@ -76,14 +77,14 @@ def main():
         if g.rank != 0:
             continue
         sched = S.make_schedule(name, P, M, V)
-        sim = S.simulate(sched)
+        sim = simulate(sched)
         measured = float(np.mean([s["bubble"] for s in stats]))
         theory = S.theoretical_bubble(name, P, M, V)
         print(f"== {name}" + (f" (V={V} chunks per rank)" if V > 1 else ""))
         print("simulated:")
-        print("\n".join(S.chart(sched, S.simulate(sched, t_forward=V, t_backward=2 * V)).splitlines()[1:-1]))
+        print("\n".join(chart(sched, simulate(sched, t_forward=V, t_backward=2 * V)).splitlines()[1:-1]))
         print("measured (F/B: forward/backward, lower case: second chunk, '.': idle):")
-        print(S.measured_chart(timelines, stats[0]["span_s"]))
+        print(measured_chart(timelines, stats[0]["span_s"]))
         peaks = [int(s["peak_activation_bytes"]) for s in stats]
         flights = [int(s["peak_in_flight"]) for s in stats]
         print(f"bubble: measured {100 * measured:.1f}%  theory {100 * theory:.1f}%  (simulated "

@@ -27,8 +27,8 @@ trips it keeps the one with the smallest RTT, whose error is at most RTT/2.  Ran
 every rank sends its events, already on rank 0's clock, as JSON bytes in two point-to-point
 messages (a length, then the bytes): no MPI collective, no pickle.
 
-The step breakdown (:func:`breakdown`) reads the main thread's spans of a step and splits
-its wall time into compute, exposed communication per mesh axis, pipeline bubble,
+The step breakdown (minidist/breakdown.py) reads the main thread's spans of a step and
+splits its wall time into compute, exposed communication per mesh axis, pipeline bubble,
 optimizer and other, which sum to the step time.
 """
 
@@ -416,64 +416,3 @@ def rank_label(mesh_sizes: dict, rank: int) -> str:
         return f"rank {rank}"
     coords = MeshLayout(**mesh_sizes).coords(rank)
     return f"rank {rank} (" + " ".join(f"{a}{coords[a]}" for a in coords if mesh_sizes[a] > 1) + ")"
-
-
-# --------------------------------------------------------------------- step breakdown
-_CLASS = {"compute": "compute", "optimizer": "optimizer", "bubble": "bubble", "staging": "comm"}
-
-
-def breakdown(events, t0: float, t1: float, first: int = 0) -> dict:
-    """Split the main thread's time between ``t0`` and ``t1`` (a step) into parts that sum
-    to ``t1 - t0``: ``compute`` (forward, backward, pipeline actions), ``comm`` (a dict:
-    the main thread waiting in communication, per group, e.g. {"dp": s, "tp": s}),
-    ``bubble`` (a pipeline stage waiting for its input, messages inside included),
-    ``optimizer`` and ``other`` (everything else: batch sampling, loss reduction, Python).
-
-    Each instant counts for the innermost span covering it (the spans of one thread nest):
-    the exclusive time of each span, from ``events[first:]``."""
-    spans = sorted(((s, e, name, cat, a) for tr, name, cat, s, e, a in events[first:]
-                    if tr in MAIN_TRACKS and s >= t0 and e <= t1 and cat != "step"),
-                   key=lambda v: (v[0], -v[1]))
-    parts = {"compute": 0.0, "comm": {}, "bubble": 0.0, "optimizer": 0.0, "other": 0.0}
-    stack = []  # [end, class, group, children's time]
-
-    def close(item):
-        end, cls, group, start, child = item
-        own = (end - start) - child
-        if cls == "comm":
-            parts["comm"][group] = parts["comm"].get(group, 0.0) + own
-        else:
-            parts[cls] += own
-        if stack:
-            stack[-1][4] += end - start
-
-    covered = 0.0
-    for s, e, name, cat, a in spans:
-        while stack and stack[-1][0] <= s:
-            close(stack.pop())
-        if stack and e > stack[-1][0]:
-            e = stack[-1][0]  # clipped into its parent (clock rounding)
-        inside_bubble = any(item[1] == "bubble" for item in stack)
-        if cat in COMM_CATS:
-            cls = "bubble" if inside_bubble else "comm"
-        else:
-            cls = "bubble" if inside_bubble else _CLASS.get(cat, "other")
-        if not stack:
-            covered += e - s
-        stack.append([e, cls, _group_of(a), s, 0.0])
-    while stack:
-        close(stack.pop())
-    parts["other"] += (t1 - t0) - covered
-    return parts
-
-
-def _group_of(a) -> str:
-    if isinstance(a, tuple):
-        if a[0] == "msg":
-            st, grec = a[2], a[3]
-            return next((g for g, rec in st.groups.copy().items() if rec is grec), "p2p")
-        if a[0] in ("call", "wait"):
-            return a[1] or "?"
-    if isinstance(a, dict) and "group" in a:
-        return a["group"]
-    return "?"

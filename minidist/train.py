@@ -226,7 +226,7 @@ def _one_step(step, first, cfg, strategy, sampler, val_batches, report, memory, 
     # The values this step brought to the host (each one a synchronisation on a GPU)
     r["host_reads"] = {k: n - reads0.get(k, 0) for k, n in host_reads().items() if n != reads0.get(k, 0)}
     if tracer is not None:  # the step's time by parts, from the main thread's spans
-        from .trace import breakdown
+        from .breakdown import breakdown
 
         r["time_s"] = breakdown(tracer.events, t0, t3, first_event)
         tracer.step_done(first_event)  # a long run keeps its first and latest steps (trace.MAX_EVENTS)

@@ -2,7 +2,8 @@
 import pytest
 
 from minidist.parallel.pipeline import schedules as S
-from minidist.parallel.pipeline.schedules import Action, Deadlock, make_schedule, simulate
+from minidist.parallel.pipeline.schedules import Action, make_schedule
+from minidist.parallel.pipeline.simulate import Deadlock, _message_key, simulate
 
 
 def _valid_configs():
@@ -51,9 +52,9 @@ def test_every_send_has_exactly_one_matching_receive():
         for rank, actions in enumerate(sched.actions):
             for a in actions:
                 if a.op in (S.SEND_ACT, S.SEND_GRAD):
-                    sends.append((rank, a.peer, S._message_key(a, rank, P)))
+                    sends.append((rank, a.peer, _message_key(a, rank, P)))
                 elif a.op in (S.RECV_ACT, S.RECV_GRAD):
-                    recvs.append((a.peer, rank, S._message_key(a, rank, P)))
+                    recvs.append((a.peer, rank, _message_key(a, rank, P)))
         assert sorted(sends) == sorted(recvs), (name, P, M, V)
         assert len(set(sends)) == len(sends)
         # every stage boundary crossed by every microbatch, both ways, when ranks differ

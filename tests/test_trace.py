@@ -17,6 +17,7 @@ import os
 import pytest
 
 from minidist import trace
+from minidist.breakdown import breakdown
 from minidist.testing import run_mpi, run_train
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "trace_bodies.py")
@@ -96,7 +97,7 @@ def test_dp2_trace_shows_async_gradient_reduction_on_its_own_track(tmp_path):
     assert progress and all(e["args"]["group"] == "dp" and e["args"]["collective"] for e in progress)
     assert any(e["cat"] == "wait" and e["args"]["group"] == "dp" for e in ev)  # the exposed part of it
     for r in range(2):
-        assert {f"F0", "B0", "optimizer"} <= {e["name"] for e in ev if e["pid"] == r}
+        assert {"F0", "B0", "optimizer"} <= {e["name"] for e in ev if e["pid"] == r}
     records = check_records(metrics)
     assert "dp" in records[-1]["time_s"]["comm"]
     assert len(records[0]["rank_mem_parts_mb"]) == 2
@@ -180,7 +181,7 @@ def test_breakdown_parts_sum_to_the_step():
           ("comm", "wait all_reduce", "wait", 7.0, 7.5, {"group": "dp"}),
           ("compute", "optimizer", "optimizer", 8.0, 9.0, None),
           ("comm", "all_reduce", "collective", 8.2, 8.4, {"group": "dp"})]
-    b = trace.breakdown(ev, 0.0, 10.0)
+    b = breakdown(ev, 0.0, 10.0)
     assert b["compute"] == pytest.approx(2.0 + 3.0)
     assert b["comm"] == pytest.approx({"tp": 0.5, "dp": 0.7})
     assert b["bubble"] == pytest.approx(1.0)

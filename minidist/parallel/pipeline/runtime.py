@@ -29,7 +29,7 @@ Accounting per step: ``busy_s`` (time in F and B), ``span_s`` (the step's schedu
 two barriers of the pipeline group so that every rank measures the same interval), the
 measured bubble ``1 - busy_s / span_s`` beside :func:`schedules.theoretical_bubble`, the
 peak of activation bytes held for pending backwards (the arrays of the tensors each pending
-microbatch's graph keeps) and the measured ``timeline`` of F and B (``schedules.measured_chart``).
+microbatch's graph keeps) and the measured ``timeline`` of F and B (``simulate.measured_chart``).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ schedule is nothing but that order, written down as data::
     make_schedule("1f1b", num_stages=4, num_microbatches=8)  ->  Schedule
     schedule.actions[rank]  ->  [Action("recv_act", 0, 0, peer=0), Action("F", 0, 0), ...]
 
-No MPI and no model here: the runtime (``runtime.py``) executes any schedule, the
-:func:`simulate` function below runs one on a clock to check it (no deadlock, every send
-received once, forward before backward, the bubble equals its formula), and ``python -m
-minidist.parallel.pipeline.schedules --schedule 1f1b --pp 4 -m 8`` draws it.
+No MPI and no model here: the runtime (``runtime.py``) executes any schedule,
+``simulate.py`` runs one on a clock to check it (no deadlock, every send received once,
+forward before backward, the bubble equals its formula) and draws it, and ``python -m
+minidist.parallel.pipeline.schedules --schedule 1f1b --pp 4 -m 8`` prints that chart.
 
 The schedules (``P`` ranks, ``M`` microbatches, ``V`` model chunks per rank):
 
@@ -278,204 +278,6 @@ def theoretical_bubble(name: str, P: int, M: int, V: int = 1) -> float:
     return (P - 1) / (V * M + P - 1)
 
 
-# ------------------------------------------------------------------------- simulation
-@dataclass
-class Simulation:
-    """What :func:`simulate` found: each rank's compute intervals, the step's length and
-    each rank's idle share, and how many microbatches' activations each rank held at most."""
-
-    timeline: list           # timeline[rank] = [(start, end, Action)] of F and B actions
-    makespan: float
-    bubble: list             # per rank: idle time / makespan
-    peak_in_flight: list     # per rank: most (microbatch, chunk) forwards awaiting their backward
-
-    @property
-    def mean_bubble(self) -> float:
-        return sum(self.bubble) / len(self.bubble)
-
-
-class Deadlock(RuntimeError):
-    pass
-
-
-def _message_key(a: Action, rank: int, P: int) -> tuple:
-    """(kind, microbatch, destination stage) of the message a send/recv action carries."""
-    s = model_stage(rank, a.chunk, P)
-    if a.op == SEND_ACT:
-        return ("act", a.microbatch, s + 1)
-    if a.op == RECV_ACT:
-        return ("act", a.microbatch, s)
-    if a.op == SEND_GRAD:
-        return ("grad", a.microbatch, s - 1)
-    return ("grad", a.microbatch, s)
-
-
-class _RankState:
-    """One rank during :func:`simulate`: its program counter, clock, compute intervals and
-    the (microbatch, chunk) activations it holds."""
-
-    def __init__(self, rank: int, actions):
-        self.rank, self.actions = rank, actions
-        self.pc, self.clock = 0, 0.0
-        self.timeline, self.done, self.live, self.peak = [], set(), set(), 0
-
-    def finished(self) -> bool:
-        return self.pc == len(self.actions)
-
-    def advance(self, P: int, cost, sent: dict, received: set) -> bool:
-        """Run the next action if it can run now; False when it is a receive whose send has
-        not happened yet."""
-        a, r = self.actions[self.pc], self.rank
-        if a.op in (RECV_ACT, RECV_GRAD):
-            key = _message_key(a, r, P)
-            if key not in sent:
-                return False
-            if key in received:
-                raise ValueError(f"rank {r} receives {key} twice")
-            if stage_location(key[2] + (-1 if key[0] == "act" else 1), P)[0] != a.peer:
-                raise ValueError(f"rank {r}'s {a} names the wrong peer")
-            received.add(key)
-            self.clock = max(self.clock, sent[key])
-        elif a.op in (SEND_ACT, SEND_GRAD):
-            key = _message_key(a, r, P)
-            if key in sent:
-                raise ValueError(f"rank {r} sends {key} twice")
-            sent[key] = self.clock
-        else:
-            self._compute(a, cost(r, a))
-        self.pc += 1
-        return True
-
-    def _compute(self, a: Action, seconds: float):
-        unit, r = (a.op, a.microbatch, a.chunk), self.rank
-        if unit in self.done:
-            raise ValueError(f"rank {r} runs {a} twice")
-        if a.op == BACKWARD and (FORWARD, a.microbatch, a.chunk) not in self.done:
-            raise ValueError(f"rank {r} runs {a} before its forward")
-        self.done.add(unit)
-        self.timeline.append((self.clock, self.clock + seconds, a))
-        self.clock += seconds
-        if a.op == FORWARD:
-            self.live.add((a.microbatch, a.chunk))
-            self.peak = max(self.peak, len(self.live))
-        else:
-            self.live.discard((a.microbatch, a.chunk))
-
-
-def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0, cost=None) -> Simulation:
-    """Run every rank's program on a clock: F of one chunk takes ``t_forward / V``, B
-    ``t_backward / V`` (or ``cost(rank, action)`` seconds when given, e.g. measured ones),
-    messages are free and sends never block; a receive waits for its send.
-
-    Raises :class:`Deadlock` when no rank can move, and ValueError for a send without its
-    one receive (or the reverse), a backward before its forward, or a repeated action.
-    """
-    P, V = schedule.num_stages, schedule.virtual_stages
-    if cost is None:
-        duration = {FORWARD: t_forward / V, BACKWARD: t_backward / V}
-
-        def cost(rank, a):
-            return duration[a.op]
-    ranks = [_RankState(r, schedule.actions[r]) for r in range(P)]
-    sent, received = {}, set()  # message key -> time sent; keys received
-    while not all(st.finished() for st in ranks):
-        moved = False
-        for st in ranks:  # each rank runs until it finishes or waits for a message
-            while not st.finished() and st.advance(P, cost, sent, received):
-                moved = True
-        if not moved:
-            stuck = {st.rank: str(st.actions[st.pc]) for st in ranks if not st.finished()}
-            raise Deadlock(f"schedule {schedule.name!r} deadlocks: ranks wait at {stuck}")
-    unmatched = set(sent) ^ received
-    if unmatched:
-        raise ValueError(f"messages without exactly one send and one receive: {sorted(unmatched)}")
-    expected = {(op, m, c) for op in COMPUTE for m in range(schedule.num_microbatches) for c in range(V)}
-    for st in ranks:
-        if st.done != expected:
-            raise ValueError(f"rank {st.rank} misses {sorted(expected - st.done)}")
-    makespan = max(st.clock for st in ranks)
-    bubble = [1 - sum(end - start for start, end, _ in st.timeline) / makespan for st in ranks]
-    return Simulation([st.timeline for st in ranks], makespan, bubble, [st.peak for st in ranks])
-
-
-# -------------------------------------------------------------------------------- charts
-def chart(schedule: Schedule, sim: Simulation | None = None) -> str:
-    """A time x rank chart in text: one row per rank, one column per forward-chunk time unit.
-
-    A forward occupies one column, a backward two (the usual 1:2 cost), labelled ``F3`` /
-    ``B3`` (microbatch 3), with the chunk as a letter when V > 1 (``F3a``, ``F3b``); ``.`` is
-    idle time (the bubble)."""
-    V = schedule.virtual_stages
-    sim = sim or simulate(schedule, t_forward=V, t_backward=2 * V)  # one column per chunk forward
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    labels = [[(int(round(s)), int(round(e)), f"{a.op}{a.microbatch}" + (letters[a.chunk % 26] if V > 1 else ""))
-               for s, e, a in row] for row in sim.timeline]
-    width = max(len(text) for row in labels for _, _, text in row) + 1
-    columns = int(round(sim.makespan))
-    lines = [f"{schedule.name}: P={schedule.num_stages} ranks, M={schedule.num_microbatches} microbatches"
-             + (f", V={V} chunks per rank" if V > 1 else "") + "  (F forward, B backward, . idle)"]
-    for r, row in enumerate(labels):
-        cells = [".".ljust(width)] * columns
-        for start, end, text in row:
-            for t in range(start, end):
-                cells[t] = text.ljust(width)
-        lines.append(f"rank {r} | " + "".join(cells).rstrip())
-    lines.append(bubble_line(schedule, sim))
-    return "\n".join(lines)
-
-
-def bubble_line(schedule: Schedule, sim: Simulation) -> str:
-    P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
-    formula = {"naive": "(P-1)/P"}.get(schedule.name, "(P-1)/(V*M+P-1)" if V > 1 else "(P-1)/(M+P-1)")
-    return (f"bubble: simulated {100 * sim.mean_bubble:.1f}%, formula {formula} = "
-            f"{100 * theoretical_bubble(schedule.name, P, M, V):.1f}%; "
-            f"peak activations in flight per rank: {sim.peak_in_flight}")
-
-
-def measured_chart(timelines, span: float, width: int = 72) -> str:
-    """Measured F/B intervals of every rank (``timelines[rank] = [(start, end, Action)]``,
-    seconds from the step's start) as one text row per rank of ``width`` columns: each column
-    shows what ran at its middle instant: ``F``/``B`` (lower case for odd chunks), ``.`` idle."""
-    lines = []
-    for r, row in enumerate(timelines):
-        cells = []
-        for k in range(width):
-            t = (k + 0.5) * span / width
-            a = next((a for start, end, a in row if start <= t < end), None)
-            cells.append("." if a is None else (a.op if a.chunk % 2 == 0 else a.op.lower()))
-        lines.append(f"rank {r} | " + "".join(cells))
-    return "\n".join(lines)
-
-
-def save_png(schedule: Schedule, path: str, sim: Simulation | None = None) -> None:
-    """Draw the chart with matplotlib (``pip install minidist[plot]``): one colour per
-    chunk, forwards light and backwards dark, microbatch numbers in the boxes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    V = schedule.virtual_stages
-    sim = sim or simulate(schedule, t_forward=V, t_backward=2 * V)
-    colours = plt.get_cmap("tab10").colors
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * sim.makespan), 0.6 * schedule.num_stages + 1.2))
-    for r, row in enumerate(sim.timeline):
-        for start, end, a in row:
-            colour = colours[a.chunk % len(colours)]
-            ax.broken_barh([(start, end - start)], (r - 0.4, 0.8), facecolor=colour,
-                           alpha=0.45 if a.op == FORWARD else 0.95, edgecolor="black", linewidth=0.5)
-            ax.text((start + end) / 2, r, str(a.microbatch), ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(schedule.num_stages))
-    ax.set_yticklabels([f"rank {r}" for r in range(schedule.num_stages)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (one unit = one chunk's forward; backward = 2 units)")
-    ax.set_title(f"{schedule.name}  P={schedule.num_stages} M={schedule.num_microbatches}"
-                 + (f" V={V}" if V > 1 else "") + f"   bubble {100 * sim.mean_bubble:.1f}%")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv=None) -> int:
     import argparse
     import sys
@@ -489,6 +291,8 @@ def main(argv=None) -> int:
                    help="model chunks per rank V (interleaved/looping only; default: 2 for them, else 1)")
     p.add_argument("--png", default=None, metavar="FILE", help="also draw the chart into FILE with matplotlib")
     args = p.parse_args(argv)
+    from .simulate import chart, save_png
+
     V = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule in VIRTUAL else 1)
     problem = schedule_problem(args.schedule, args.pp, args.microbatches, V)
     if problem:
