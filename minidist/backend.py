@@ -93,6 +93,11 @@ if BACKEND == "cupy":
 else:
     xp = _np
 
+# The host's array library, for the little index bookkeeping made on the CPU (a batch's token
+# ids and targets as the sampler made them, a row's positions): an index checked on the host
+# costs nothing, while checking it on a GPU reads it back (ops.basic.check_index).
+host = _np
+
 try:
     import ml_dtypes as _ml_dtypes
 
@@ -131,6 +136,11 @@ def dtype_name(dt) -> str:
 
 def is_low_precision(dt) -> bool:
     return _np.dtype(dt) in (_np.dtype(_np.float16), bfloat16)
+
+
+def on_host(a) -> bool:
+    """True for a host (NumPy) array: always with NumPy, never a CuPy array."""
+    return isinstance(a, _np.ndarray)
 
 
 def on_device(a) -> bool:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from . import ops
 from .autograd import Parameter, Tensor, checkpoint
 from .backend import dtype as _dtype
-from .backend import seeded_normal, xp
+from .backend import host, seeded_normal, xp
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,8 +339,9 @@ class GPT(Module):
     def token_positions(self, T: int):
         """The places in their sequences of the T tokens of each row this rank embeds, 0..T-1,
         and the length of the whole sequences (context parallelism replaces this hook by its
-        slice of sequences cp times longer: ``model.token_positions = ...``)."""
-        return xp.arange(T), T
+        slice of sequences cp times longer: ``model.token_positions = ...``).  Made on the host,
+        where the embedding checks them for free (``ops.basic.check_index``)."""
+        return host.arange(T), T
 
     def forward(self, ids, targets=None):
         """Logits for ``ids``, or the mean cross-entropy if ``targets`` are given."""

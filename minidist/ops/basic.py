@@ -16,7 +16,7 @@ from __future__ import annotations
 import builtins
 
 from ..autograd import Tensor, make_tensor
-from ..backend import host_read, xp
+from ..backend import from_host, host, host_read, on_device, xp
 from . import tuning
 
 # ----------------------------------------------------------------------------- helpers
@@ -280,17 +280,29 @@ def getitem(x: Tensor, key) -> Tensor:
 
 
 def check_index(idx, n, what="index"):
-    """``idx`` as an integer array whose values lie in [0, n); clear error otherwise."""
+    """``idx`` as an integer array on the backend's device whose values lie in [0, n); a clear
+    error otherwise.
+
+    Where the check runs matters on a GPU.  A host array -- the batch as the sampler made it,
+    a row's positions -- is checked where it lies, for free, and then moved to the device.  A
+    device array's range has to be read back: a counted ``host_read``, one synchronisation
+    that drains the GPU's queue.  So the training path hands the ops host batches and never
+    pays it (with NumPy both cases are the first)."""
     idx = idx.data if isinstance(idx, Tensor) else idx
-    idx = xp.asarray(idx)
+    device = on_device(idx)
+    if not device:
+        idx = host.asarray(idx)
     if idx.dtype.kind not in "iu":
         raise TypeError(f"{what} must be an integer array, got dtype {idx.dtype}")
     if idx.size:
-        lo, hi = (int(v) for v in host_read(xp.stack([idx.min(), idx.max()]), "index range"))  # one transfer
+        if device:
+            lo, hi = (int(v) for v in host_read(xp.stack([idx.min(), idx.max()]), "index range"))  # one transfer
+        else:
+            lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= n:
             bad = lo if lo < 0 else hi
             raise IndexError(f"{what} value {bad} out of range [0, {n})")
-    return idx
+    return from_host(idx)
 
 
 def scatter_add_rows(idx, g, num_rows, dtype):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from ..autograd import Tensor, make_tensor
-from ..backend import xp
+from ..backend import from_host, host, xp
 from .basic import check_index, scatter_add_rows
 from . import tuning
 from .blas_threads import parallel_for, row_chunks
@@ -304,6 +304,24 @@ def embedding(weight: Tensor, ids) -> Tensor:
     )
 
 
+def checked_targets(targets, logits_shape, n_classes, ignore_index=None):
+    """The targets flattened, on the device and range-checked against ``n_classes`` (on the
+    host when they come from there: see ``check_index``), and the mask of the tokens that
+    count (None without ``ignore_index``; ignored tokens point at class 0 meanwhile)."""
+    targets = targets.data if isinstance(targets, Tensor) else targets
+    if not hasattr(targets, "shape"):  # a list
+        targets = host.asarray(targets)
+    if tuple(targets.shape) != tuple(logits_shape[:-1]):
+        raise ValueError(f"cross_entropy: targets shape {tuple(targets.shape)} != logits shape "
+                         f"{tuple(logits_shape[:-1])} (logits without the class axis)")
+    t = targets.reshape(-1)
+    keep = None if ignore_index is None else t != ignore_index
+    if keep is not None:
+        t = t * keep  # operators only: the targets stay where they are (host or device)
+        keep = from_host(keep)
+    return check_index(t, n_classes, "cross_entropy target"), keep
+
+
 def cross_entropy(logits: Tensor, targets, ignore_index=None) -> Tensor:
     """Mean negative log-likelihood of ``targets`` under softmax(``logits``), fused.
 
@@ -316,15 +334,7 @@ def cross_entropy(logits: Tensor, targets, ignore_index=None) -> Tensor:
     (a few passes over the (rows, V) logits), so both ops paths share it.
     """
     V = logits.shape[-1]
-    targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"cross_entropy: targets shape {tuple(targets.shape)} != logits shape "
-                         f"{tuple(logits.shape[:-1])} (logits without the class axis)")
-    t = targets.reshape(-1)
-    keep = None if ignore_index is None else t != ignore_index
-    if keep is not None:
-        t = xp.where(keep, t, 0)
-    t = check_index(t, V, "cross_entropy target")
+    t, keep = checked_targets(targets, logits.shape, V, ignore_index)
     cdt = compute_dtype(logits.dtype)
     z = logits.data.reshape(-1, V).astype(cdt, copy=True)
     rows = xp.arange(z.shape[0])

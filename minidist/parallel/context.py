@@ -34,7 +34,7 @@ import math
 
 from .. import comm
 from ..autograd import Tensor, make_tensor
-from ..backend import from_host, to_host, xp
+from ..backend import from_host, host, to_host, xp
 from ..comm import functional as F
 from ..ops import blockwise as bw
 from ..ops.precision import compute_dtype, gemm_operands, to_dtype
@@ -59,7 +59,7 @@ def chunk_starts(rank: int, cp: int, seq_len: int, zigzag: bool = True) -> tuple
 def positions(rank: int, cp: int, seq_len: int, zigzag: bool = True):
     """The global positions of the tokens ``rank`` holds, in its local order."""
     starts, c = chunk_starts(rank, cp, seq_len, zigzag)
-    return xp.concatenate([xp.arange(s, s + c) for s in starts])
+    return host.concatenate([host.arange(s, s + c) for s in starts])  # host: index bookkeeping
 
 
 def problems(given, cfg) -> list[str]:
@@ -260,11 +260,11 @@ class ContextParallel:
     def shard(self, x, y):
         """This rank's tokens of a (B, T) batch of inputs and targets.
 
-        The batch comes from the sampler in host memory while :meth:`positions` lives on the
-        backend's device, so the index goes to the host first: NumPy cannot index with a CuPy
-        array (it would need an implicit device-to-host conversion, which CuPy refuses), while
-        CuPy takes a NumPy index for a device batch.  Either way the batch stays where it was."""
-        pos = to_host(self.positions(x.shape[-1]))
+        The batch comes from the sampler in host memory and :meth:`positions` are made there
+        too (NumPy cannot index with a CuPy array: that would be an implicit device-to-host
+        conversion, which CuPy refuses), so the batch stays on the host, where the embedding
+        checks its ids for free."""
+        pos = self.positions(x.shape[-1])
         return x[..., pos], y[..., pos]
 
     def loss(self, model, x, y):

@@ -34,7 +34,7 @@ import math
 
 from .. import ops, trace
 from ..autograd import no_grad
-from ..backend import from_host, host_read
+from ..backend import host_read, xp
 from ..data import shard
 from ..optim.clip import clip_coefficient, scale_grads, total_sum_of_squares
 from .data import any_rank, reduce_sum
@@ -80,22 +80,28 @@ class Strategy:
     def forward_backward(self, x, y, grad_accum: int = 1, low_dtype=None, loss_scale: float = 1.0) -> float:
         """Accumulate into the gradients the gradient of the global batch's mean loss (times
         ``loss_scale``), reduced over the data-parallel group; return that loss."""
-        local, tr = 0.0, trace.active  # tr: the timeline's spans of each microbatch (minidist/trace.py)
-        for m, (xs, ys, share, last) in enumerate(self.micro_batches(x, y, grad_accum)):
-            if self.pipeline is not None:
+        tr = trace.active  # the timeline's spans of each microbatch (minidist/trace.py)
+        if self.pipeline is not None:
+            local = 0.0
+            for xs, ys, share, last in self.micro_batches(x, y, grad_accum):
                 local += self._pipeline_pass(xs, ys, share, last, low_dtype, loss_scale)
-                continue
+            return self.reduce_loss(local)
+        # The weighted losses add up on the device and come to the host once, after the last
+        # microbatch: a read (a synchronisation on a GPU) per step, not per microbatch.  The
+        # batch stays on the host: the ops check its indices there and move it themselves.
+        local = xp.zeros((), dtype=xp.float64)
+        for m, (xs, ys, share, last) in enumerate(self.micro_batches(x, y, grad_accum)):
             with self.data.micro_step(last):
                 t0 = tr.clock() if tr is not None else 0.0
                 with ops.autocast(low_dtype):
-                    loss = self.model(from_host(xs), from_host(ys))
+                    loss = self.model(xs, ys)
                 t1 = tr.clock() if tr is not None else 0.0
                 (loss * (share * loss_scale)).backward()
                 if tr is not None:
                     tr.add("compute", f"F{m}", "compute", t0, t1, {"op": "forward", "microbatch": m})
                     tr.add("compute", f"B{m}", "compute", t1, tr.clock(), {"op": "backward", "microbatch": m})
-            local += share * float(host_read(loss.data, "loss"))
-        return self.reduce_loss(local)
+            local = local + loss.data.astype(xp.float64) * share
+        return self.reduce_loss(float(host_read(local, "loss")))
 
     def _pipeline_pass(self, xs, ys, share, last, low_dtype, loss_scale) -> float:
         """One pass of the schedule.  Gradient hooks open only around each chunk's last
@@ -123,7 +129,7 @@ class Strategy:
                     if self.pipeline is not None:
                         loss = self.pipeline.evaluate(xs, ys, low_dtype)
                     else:
-                        loss = float(host_read(self.model(from_host(xs), from_host(ys)).data, "validation loss"))
+                        loss = float(host_read(self.model(xs, ys).data, "validation loss"))
                     total += share * loss
         return self.reduce_loss(total) / len(batches)
 

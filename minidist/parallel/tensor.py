@@ -36,10 +36,11 @@ from dataclasses import dataclass
 
 from minidist import comm, nn, ops
 from minidist.autograd import Tensor, make_tensor
-from minidist.backend import xp
+from minidist.backend import from_host, xp
 from minidist.comm import functional as F
 from minidist.comm.group import Group
 from minidist.ops.basic import check_index
+from minidist.ops.nn_ops import checked_targets
 from minidist.ops.precision import compute_dtype, get_autocast_dtype, to_dtype
 from minidist.parallel import collective_matmul as cm
 from minidist.parallel.collective_matmul import record_timeline  # noqa: F401  (tensor.record_timeline)
@@ -307,11 +308,13 @@ class VocabParallelEmbedding(nn.Embedding):
         tp = self.tp
         if tp.parts == 1:
             return ops.embedding(self.weight, ids)
-        ids = check_index(xp.asarray(ids), self.vocab_size, "embedding id")
+        check_index(ids, self.vocab_size, "embedding id")
+        ids = ids.data if isinstance(ids, Tensor) else ids
         rows = self.weight.shape[0]
+        # Operators only, so a host batch stays on the host, where its indices are checked for free.
         local = ids - tp.rank * rows
         mine = (local >= 0) & (local < rows)
-        partial = ops.embedding(self.weight, xp.where(mine, local, 0)) * mine[..., None].astype(self.weight.dtype)
+        partial = ops.embedding(self.weight, local * mine) * from_host(mine)[..., None].astype(self.weight.dtype)
         return tp.leave(partial)
 
     def logits(self, x):
@@ -344,11 +347,7 @@ def vocab_parallel_cross_entropy(logits, targets, group):
     """
     Vl = logits.shape[-1]
     lo = group.rank * Vl
-    targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"cross_entropy: targets shape {tuple(targets.shape)} != logits shape "
-                         f"{tuple(logits.shape[:-1])} (logits without the class axis)")
-    t = check_index(targets.reshape(-1), Vl * group.size, "cross_entropy target")
+    t, _ = checked_targets(targets, logits.shape, Vl * group.size)
     cdt = compute_dtype(logits.dtype)
     z = logits.data.reshape(-1, Vl).astype(cdt, copy=True)
     n, rows = z.shape[0], xp.arange(z.shape[0])

@@ -38,7 +38,7 @@ import time
 
 from minidist import comm, ops, trace
 from minidist.autograd import Parameter, Tensor, no_grad
-from minidist.backend import dtype as backend_dtype, from_host, host_read, xp
+from minidist.backend import dtype as backend_dtype, host, host_read, xp
 from minidist.data import shard
 from minidist.parallel.pipeline.schedules import (BACKWARD, FORWARD, Action, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
                                                   layer_range, make_schedule, message_tag, model_stage,
@@ -194,13 +194,18 @@ class PipelineRuntime:
     def gather_rows(self, values, root: int = 0):
         """Every pipeline rank's list of floats ``values`` (same length), as a list of lists on
         ``root``, None elsewhere."""
-        row = xp.asarray([values], dtype=xp.float64)
+        row = host.asarray([values], dtype=host.float64)  # host numbers: no device round trip
         rows = comm.gather(row, self.group, root=root) if self.P > 1 else row
         return None if rows is None else [[float(v) for v in r] for r in rows]
 
     def _mean_loss(self) -> float:
         """The batch's mean loss (sum of the weighted microbatch losses), from the last stage."""
-        total = xp.asarray([sum(self._losses.values())], dtype=xp.float64)
+        total = host.zeros(1)  # the stages before the last have no loss: 0, for the broadcast
+        if self._losses:  # added on the device in microbatch order, read once per pass
+            on_device = xp.zeros(1, dtype=xp.float64)
+            for loss in self._losses.values():
+                on_device += loss
+            total = host_read(on_device, "loss")
         if self.P > 1:
             total = comm.broadcast(total, self.group, root=self.P - 1)
         return float(total[0])
@@ -210,13 +215,13 @@ class PipelineRuntime:
         s = self.stages[c]
         with ops.autocast(self._low):
             if s == 0:
-                x_in, h = None, self.model.embed(from_host(self._x[m]))
+                x_in, h = None, self.model.embed(self._x[m])
             else:
                 x_in = h = Tensor(self._inbox.pop(("act", m, s)), requires_grad=True)
             out = self.model.run_blocks(h, self.blocks[c])
             if s == self.S - 1:
-                loss = self.model.loss(self.model.head(out), from_host(self._y[m]))
-                self._losses[m] = self._share[m] * float(host_read(loss.data, "loss"))
+                loss = self.model.loss(self.model.head(out), self._y[m])
+                self._losses[m] = loss.data.astype(xp.float64) * self._share[m]  # stays on the device
                 out = loss * (self._share[m] * self._scale)
         held = graph_activation_bytes(out)
         self._saved[(m, c)] = (x_in, out, held)
@@ -321,7 +326,7 @@ class PipelineRuntime:
         with no_grad(), ops.autocast(low_dtype):
             for c, s in enumerate(self.stages):
                 if s == 0:
-                    h = self.model.embed(from_host(x))
+                    h = self.model.embed(x)
                 else:
                     prev = stage_location(s - 1, self.P)[0]
                     if prev != self.rank:
@@ -329,10 +334,10 @@ class PipelineRuntime:
                         h = Tensor(comm.recv(self._activation_shape(x), dtype, prev, self.group, tag=EVAL_TAG))
                 h = self.model.run_blocks(h, self.blocks[c])
                 if s == self.S - 1:
-                    loss = float(host_read(self.model.loss(self.model.head(h), from_host(y)).data, "validation loss"))
+                    loss = float(host_read(self.model.loss(self.model.head(h), y).data, "validation loss"))
                 elif stage_location(s + 1, self.P)[0] != self.rank:
                     comm.send(h.data, stage_location(s + 1, self.P)[0], self.group, tag=EVAL_TAG)
-        total = xp.asarray([loss if self.is_last else 0.0], dtype=xp.float64)
+        total = host.asarray([loss if self.is_last else 0.0], dtype=host.float64)
         if self.P > 1:
             total = comm.broadcast(total, self.group, root=self.P - 1)
         return float(total[0])
