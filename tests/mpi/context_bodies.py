@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist import comm, ops
-from minidist.backend import bfloat16
+from minidist.backend import bfloat16, to_host
 from minidist.autograd import Tensor
 from minidist.comm.group import Group
 from minidist.nn import GPT, GPTConfig
@@ -79,7 +79,7 @@ def _compare(name, got, ref, rank):
     (losses, params), (ref_losses, ref_params) = got, ref
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-9, atol=0, err_msg=name)
     for key, value in ref_params.items():
-        np.testing.assert_allclose(params[key], value, rtol=1e-9, atol=1e-12, err_msg=f"{name}: {key}")
+        np.testing.assert_allclose(to_host(params[key]), to_host(value), rtol=1e-9, atol=1e-12, err_msg=f"{name}: {key}")
     print(f"rank {rank}: cp ok: {name}", flush=True)
 
 

@@ -8,6 +8,8 @@ import os
 import sys
 
 import numpy as np
+
+from minidist.backend import to_host
 from mpi4py import MPI
 
 from minidist import comm
@@ -58,11 +60,12 @@ def run_keeping(cfg):
     losses.append(strategy.evaluate([sampler.batch(STEPS)]))
     held = {k: int(v * 2**20) for k, v in done["state_mb"].items()}  # MiB back to (exact) bytes
     assert all(held[k] == v * 2**20 for k, v in done["state_mb"].items()), done["state_mb"]
-    params = {k: np.array(v) for k, v in strategy.parameters().items()}
+    params = {k: np.array(to_host(v)) for k, v in strategy.parameters().items()}
     return losses, params, strategy, held
 
 
 def _rel(a, b):
+    a, b = to_host(a), to_host(b)  # device arrays under CuPy
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(1e-30, float(np.max(np.abs(b)))))
 
 

@@ -83,7 +83,9 @@ def pipeline_run(group, schedule, M, V=1, layers=4, ckpt=False, untied=False, ac
 
 
 def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    from minidist.backend import to_host  # device arrays under CuPy
+
+    a, b = np.asarray(to_host(a), np.float64), np.asarray(to_host(b), np.float64)
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 

@@ -1,0 +1,181 @@
+"""Checks of the CuPy emulator itself; run as a script with the emulator first on the path and
+MINIDIST_BACKEND=cupy (tests/test_emulated_gpu.py does).  Prints one line per check, exits
+non-zero on the first failure."""
+
+import math
+import os
+import sys
+
+import numpy as np
+
+import cupy
+import cupyx
+from cupy import _emulator
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def raises(exc, fn, match=""):
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), f"{exc.__name__} without {match!r}: {e}"
+        return
+    raise AssertionError(f"no {exc.__name__} from {fn}")
+
+
+@check
+def device_arrays_are_not_numpy():
+    a = cupy.arange(6.0).reshape(2, 3)
+    assert not isinstance(a, np.ndarray) and isinstance(a, cupy.ndarray)
+    assert isinstance(a + 1, cupy.ndarray) and isinstance(np.exp(a), cupy.ndarray)
+    assert isinstance(np.concatenate([a, a]), cupy.ndarray)
+    s = a.sum()
+    assert isinstance(s, cupy.ndarray) and s.ndim == 0  # a 0-d device array, not a scalar
+    assert isinstance(a[0, 0], cupy.ndarray)
+    assert (a @ a.T).shape == (2, 2) and len(a) == 2 and [r.shape for r in a] == [(3,), (3,)]
+    raises(TypeError, lambda: len(s), "unsized")
+
+
+@check
+def implicit_conversion_raises():
+    a = cupy.ones(3)
+    msg = "Implicit conversion to a NumPy array is not allowed"
+    raises(TypeError, lambda: np.asarray(a), msg)
+    raises(TypeError, lambda: np.testing.assert_allclose(a, a), msg)
+
+
+@check
+def mixing_with_numpy_raises():
+    a = cupy.ones(3)
+    h = np.ones(3)
+    msg = "Unsupported type <class 'numpy.ndarray'>"
+    for fn in (lambda: a + h, lambda: h + a, lambda: cupy.add(a, h), lambda: np.add(h, a),
+               lambda: cupy.matmul(a, h), lambda: cupy.concatenate([a, h]), lambda: np.stack([a, h])):
+        raises(TypeError, fn, msg)
+    raises(ValueError, lambda: a.__setitem__(slice(None), h), "non-scalar numpy.ndarray")
+    # scalars (Python, NumPy, 0-d NumPy) are fine, and a NumPy array may index
+    assert isinstance(a * np.float32(2) + 1 + np.array(2.0), cupy.ndarray)
+    assert a[np.array([0, 2])].shape == (2,)
+    raises(TypeError, lambda: cupy.ascontiguousarray(h))
+
+
+@check
+def transfers_are_recorded():
+    a = cupy.arange(4.0)
+    _emulator.reset()
+    float(a.sum()), int(a[1]), bool(a[2] > 0), a.item(0), a.tolist(), a.get(), cupy.asnumpy(a), range(cupy.arange(3)[1])
+    a[a > 1], cupy.flatnonzero(a)
+    kinds = [t.kind for t in _emulator.transfers()]
+    assert kinds == ["float()", "int()", "bool()", "item()", "tolist()", "get", "get", "index()",
+                     "sync:boolean mask index", "sync:flatnonzero"], kinds
+    t = _emulator.transfers()[0]
+    assert t.nbytes == 8 and t.site.startswith(__file__) and "transfers_are_recorded" in t.site, t
+    assert len(_emulator.hidden()) == len(kinds)
+    _emulator.reset()
+    assert _emulator.transfers() == []
+
+
+@check
+def to_host_is_the_accounted_path():
+    from minidist import backend
+
+    assert backend.xp is cupy and backend.device_memory()["name"] == "Emulated GPU"
+    _emulator.reset()
+    h = backend.to_host(cupy.ones((2, 3), dtype=np.float32))
+    assert type(h) is np.ndarray and h.dtype == np.float32 and h.shape == (2, 3)
+    assert len(_emulator.transfers()) == 1 and _emulator.hidden() == []
+    assert type(cupyx.empty_pinned((2,), dtype=np.float16)) is np.ndarray
+
+
+@check
+def ufunc_methods_as_cupy():
+    for name in ("at", "reduce", "accumulate", "reduceat", "outer"):
+        assert hasattr(cupy.add, name), name  # CuPy >= 13
+    z = cupy.zeros(4)
+    cupy.add.at(z, cupy.asarray([0, 0, 3]), cupy.ones(3))
+    assert z.get().tolist() == [2.0, 0.0, 0.0, 1.0]
+    raises(TypeError, lambda: cupy.add.at(cupy.zeros(4, dtype=np.int64), cupy.asarray([0]), 1), "scatter_add")
+    assert cupy.add.reduceat(cupy.arange(6.0), cupy.asarray([0, 2]), axis=0).get().tolist() == [1.0, 14.0]
+
+
+@check
+def memory_pool_and_hook():
+    pool = cupy.get_default_memory_pool()
+    seen = []
+
+    class Hook(cupy.cuda.MemoryHook):
+        name = "selfcheck"
+
+        def malloc_postprocess(self, **kw):
+            seen.append(kw["mem_size"])
+
+    before = pool.used_bytes()
+    with Hook():
+        a = cupy.empty((1000,), dtype=np.float64)
+        v = a[10:20]  # a view: no new buffer
+    assert seen == [8000] and pool.used_bytes() - before == 8000, (seen, pool.used_bytes() - before)
+    del a, v
+    assert pool.used_bytes() == before
+
+
+@check
+def devices():
+    assert cupy.cuda.runtime.getDeviceCount() == int(os.environ.get("MINIDIST_EMULATED_GPUS", "1"))
+    assert cupy.cuda.Device().id == 0
+    raises(cupy.cuda.runtime.CUDARuntimeError, lambda: cupy.cuda.Device(99).use())
+    cupy.cuda.get_current_stream().synchronize()
+
+
+@check
+def fuse_runs_the_function():
+    f = cupy.fuse(kernel_name="k")(lambda x, y: x * y + 1)
+    assert f(cupy.ones(2), 2.0).get().tolist() == [3.0, 3.0]
+    raises(TypeError, lambda: f(np.ones(2), 2.0), "Unsupported type")
+
+
+@check
+def elementwise_kernel_equals_plain_adamw():
+    from minidist.ops.fused import adamw_kernel
+    from minidist.optim.functional import _adamw_block
+
+    rng = np.random.default_rng(0)
+    for dt, tol in ((np.float64, 1e-13), (np.float32, 2e-6)):
+        p0, g, m0, v0 = (rng.standard_normal(257).astype(dt) for _ in range(4))
+        v0 = np.abs(v0)
+        lr, wd, b1, b2, eps, step = 1e-2, 0.1, 0.9, 0.95, 1e-8, 3
+        bc2 = 1 - b2 ** step
+        hyper = (1 - lr * wd, b1, b2, eps, bc2, lr / (1 - b1 ** step))
+        ref = [cupy.asarray(x) for x in (p0, m0, v0)]
+        _adamw_block(ref[0], cupy.asarray(g), ref[1], ref[2], cupy.empty_like(ref[0]), *hyper)
+        got = [cupy.asarray(x) for x in (p0, m0, v0)]
+        t = np.dtype(dt).type
+        adamw_kernel()(cupy.asarray(g), t(hyper[0]), t(b1), t(b2), t(eps), t(1 / math.sqrt(bc2)), t(hyper[5]), *got)
+        for r, x in zip(ref, got):
+            assert x.dtype == dt
+            np.testing.assert_allclose(x.get(), r.get(), rtol=tol, atol=tol)
+    k = cupy.ElementwiseKernel("T x", "T y", "T t = x * 2.5f; y = sqrt(t) + x / 2;", "k")
+    assert np.allclose(k(cupy.asarray([4.0, 1.0])).get(), [np.sqrt(10) + 2, np.sqrt(2.5) + 0.5])
+    for body in ("if (x > 0) y = x;", "y = x > 0 ? x : 0;", "for (int i = 0; i < 2; i++) y += x;", "y = x[0];"):
+        raises(NotImplementedError, lambda: cupy.ElementwiseKernel("T x", "T y", body, "bad"), "emulated")
+    raises(NotImplementedError, lambda: cupy.ElementwiseKernel("raw T x", "T y", "y = x", "bad"), "raw")
+
+
+@check
+def bfloat16_arrays():
+    from minidist.backend import bfloat16
+
+    a = cupy.asarray(np.arange(4, dtype=np.float32)).astype(bfloat16)
+    assert a.dtype == bfloat16 and (a.astype(np.float32) * 2).get().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+if __name__ == "__main__":
+    for fn in CHECKS:
+        fn()
+        print("ok", fn.__name__)
+    sys.stdout.flush()
