@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist import comm, ops
-from minidist.backend import bfloat16, to_host
+from minidist.backend import bfloat16, from_host, to_host
 from minidist.autograd import Tensor
 from minidist.comm.group import Group
 from minidist.nn import GPT, GPTConfig
@@ -135,8 +135,8 @@ def memory_and_work():
         attend = cp.attention_function()
 
         def step():
-            x = Tensor(qkv_full[:, pos], requires_grad=True)
-            attend(x, H).backward(g_full[:, pos])
+            x = Tensor(from_host(qkv_full[:, pos]), requires_grad=True)
+            attend(x, H).backward(from_host(g_full[:, pos]))
 
         peak = traced_peak_bytes(step)
         assert peak < footprint, (impl, peak, footprint)
@@ -146,7 +146,7 @@ def memory_and_work():
     for zigzag in (True, False):
         cp = ctx.ContextParallel(world, impl="ring", zigzag=zigzag)
         pos = cp.positions(T)
-        cp.attention_function()(Tensor(qkv_full[:, pos]), H)
+        cp.attention_function()(Tensor(from_host(qkv_full[:, pos])), H)
         counts = [int(c) for c in comm.all_gather(np.array([cp.work["scores"]]), world)]
         expected = ctx.ring_work(n, T, zigzag)
         assert counts == expected, (zigzag, counts, expected)
