@@ -29,9 +29,11 @@ The two kernels :func:`forward_tiles` and :func:`backward_tiles` take the global
 the first query and of the first key, so ring attention (``minidist.parallel.context``) reuses
 them on the chunks of the sequence that meet on one rank.
 
-This batched-matmul form (every (batch, head) pair in each product) is also the GPU path: no
-fused FlashAttention kernel is written here.  With low-precision operands (mixed precision on
-CuPy) the products run in that dtype and the running state, softmax and gradients in float32.
+This batched-matmul form (every (batch, head) pair in each product) is the reference.  On
+CuPy, :func:`blockwise_attention` runs the same recurrence as fused CUDA kernels instead
+(``flash_cuda.py``; ``MINIDIST_FLASH_KERNEL=off`` keeps this form), checked against it.  With
+low-precision operands the products here run in that dtype and the running state, softmax
+and gradients in float32.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import math
 
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
+from . import flash_cuda
 from .basic import reshape, split, transpose
 from .precision import compute_dtype, gemm_operands, to_dtype
 
@@ -171,6 +174,8 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, block: int = 128, causa
     if q.ndim < 2 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"attention shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if flash_cuda.why_not(q.shape[-1]) is None:
+        return _flash_kernel_attention(q, k, v, causal, scale)
     (Q, K, V), out_dtype = gemm_operands(q.data, k.data, v.data)
     Qs = Q * scale
     cdt = compute_dtype(Qs.dtype)  # running state and gradients: float32 for low-precision operands
@@ -183,6 +188,22 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, block: int = 128, causa
         dQ, dK, dV = xp.zeros(Qs.shape, cdt), xp.zeros(K.shape, cdt), xp.zeros(V.shape, cdt)
         backward_tiles(Qs, K, V, 0, 0, dO, lse, rowsum_dot(dO, O), dQ, dK, dV, block, causal)
         dQ *= scale
+        return to_dtype(dQ, q.dtype), to_dtype(dK, k.dtype), to_dtype(dV, v.dtype)
+
+    return make_tensor(to_dtype(O, out_dtype), (q, k, v), backward)
+
+
+def _flash_kernel_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
+    """:func:`blockwise_attention` as the fused CUDA kernels of ``flash_cuda`` (CuPy only).
+    Low-precision operands are widened to float32, the dtype the reference's softmax and
+    gradients run in; the output comes back in the autocast dtype like the reference's."""
+    (Q, K, V), out_dtype = gemm_operands(q.data, k.data, v.data)
+    cdt = compute_dtype(Q.dtype)
+    Q, K, V = (to_dtype(a, cdt) for a in (Q, K, V))
+    O, lse = flash_cuda.forward(Q, K, V, scale, causal)
+
+    def backward(g):
+        dQ, dK, dV = flash_cuda.backward(Q, K, V, O, lse, to_dtype(g, cdt), scale, causal)
         return to_dtype(dQ, q.dtype), to_dtype(dK, k.dtype), to_dtype(dV, v.dtype)
 
     return make_tensor(to_dtype(O, out_dtype), (q, k, v), backward)

@@ -1,0 +1,95 @@
+"""The FlashAttention CUDA kernels (minidist/ops/flash_cuda.py) against the blockwise reference.
+
+No GPU is needed: the kernel source runs on the CPU under tests/cuda_on_cpu.py (each thread
+block as OS threads meeting at a barrier), called through flash_cuda's own forward/backward
+wrappers.  Where nvcc exists, the same source is also compiled for an H100 (sm_90), which
+catches what a host compiler accepts but CUDA does not.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from minidist.ops import blockwise, flash_cuda
+
+import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
+if cuda_on_cpu.compiler() is None:
+    pytest.skip("no C++ compiler to run CUDA kernels on the CPU", allow_module_level=True)
+
+
+def emulated(real: str, head_dim: int, block_n: int | None = None) -> dict:
+    """The kernels compiled for the CPU, callable like CuPy's: kernel(grid, block, args)."""
+    defines = flash_cuda.defines(real, head_dim)
+    if block_n is not None:
+        defines["BLOCK_N"] = str(block_n)
+    module = cuda_on_cpu.Module(flash_cuda.SOURCE, defines)
+    return {name: (lambda grid, block, args, name=name: module.launch(name, grid, block[0], args))
+            for name in flash_cuda.KERNELS}
+
+
+def reference(q, k, v, do, scale, causal, q0, k0):
+    """O, L and the gradients from blockwise.py's tiles (NumPy), for the same global positions."""
+    state = blockwise.new_state(q.shape[:-2], q.shape[-2], v.shape[-1], q.dtype)
+    blockwise.forward_tiles(q * scale, k, v, q0, k0, state, block=5, causal=causal)
+    o, lse = blockwise.finish(state)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    blockwise.backward_tiles(q * scale, k, v, q0, k0, do, lse, blockwise.rowsum_dot(do, o), dq, dk, dv,
+                             block=5, causal=causal)
+    return o, lse, dq * scale, dk, dv
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("causal, tq, tk, q0, k0", [
+    (True, 13, 13, 0, 0),      # self-attention, rows not a multiple of the block or the tile
+    (False, 9, 14, 0, 0),      # cross shapes
+    (True, 8, 8, 16, 8),       # a ring-attention pair: these queries see every one of these keys
+    (True, 10, 10, 20, 20),    # the diagonal pair of a later chunk
+])
+def test_kernels_equal_the_blockwise_reference(monkeypatch, dtype, tol, causal, tq, tk, q0, k0):
+    monkeypatch.setattr(flash_cuda, "THREADS", 4)  # several blocks and threads at these sizes
+    rng = np.random.default_rng(0)
+    B, H, D = 2, 3, 8
+    q, do = (rng.standard_normal((B, H, tq, D)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((B, H, tk, D)).astype(dtype) for _ in range(2))
+    scale = 1 / np.sqrt(D)
+    kernels = emulated("double" if dtype == np.float64 else "float", D, block_n=3)
+    o, lse = flash_cuda.forward(q, k, v, scale, causal, q0, k0, kernels=kernels)
+    dq, dk, dv = flash_cuda.backward(q, k, v, o, lse, do, scale, causal, q0, k0, kernels=kernels)
+    want = reference(q, k, v, do, scale, causal, q0, k0)
+    for name, got, ref in zip(("O", "L", "dQ", "dK", "dV"), (o, lse, dq, dk, dv), want):
+        assert got.dtype == dtype and got.shape == ref.shape, name
+        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol, err_msg=name)
+
+
+def test_a_query_that_sees_no_key_gets_zeros_and_minus_infinity(monkeypatch):
+    """A ring-attention pair where the keys all lie after the queries: nothing is seen."""
+    monkeypatch.setattr(flash_cuda, "THREADS", 4)
+    q = np.ones((1, 1, 4, 8))
+    o, lse = flash_cuda.forward(q, q, q, 0.5, True, q0=0, k0=4, kernels=emulated("double", 8))
+    assert not o.any() and np.isneginf(lse).all()
+
+
+def test_tiles_fit_the_shared_memory_of_a_block():
+    """Two tiles per kernel within the 48 KiB a block may declare statically."""
+    for real, size in (("float", 4), ("double", 8)):
+        for d in (16, 64, 128):
+            n = flash_cuda.block_n(size, d)
+            assert 2 * n * d * size + 2 * n * size <= 48 * 1024 and n >= 8
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed here")
+@pytest.mark.parametrize("real, head_dim", [("float", 64), ("double", 64), ("float", 128)])
+def test_source_compiles_for_an_h100(tmp_path, real, head_dim):
+    src = tmp_path / "flash.cu"
+    src.write_text(flash_cuda.SOURCE)
+    flags = [f"-D{k}={v}" for k, v in flash_cuda.defines(real, head_dim).items()]
+    r = subprocess.run(["nvcc", "-std=c++14", "-arch=sm_90", "-ptx", *flags, "-o", str(tmp_path / "flash.ptx"),
+                        str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ptx = (tmp_path / "flash.ptx").read_text()
+    for name in flash_cuda.KERNELS:
+        assert f".entry {name}" in ptx
