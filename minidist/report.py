@@ -147,19 +147,19 @@ def memory_parts(held: dict, peak_bytes: int, state_mb: dict) -> dict:
 def _per_rank_parts(parts: dict) -> list:
     """Every rank's ``mem_parts_mb`` (one all-gather of 5 numbers)."""
     from . import comm
-    from .backend import to_host, xp
+    from .backend import host
 
     keys = ("peak",) + MEMORY_PARTS
-    rows = to_host(comm.all_gather(xp.asarray([[parts[k] for k in keys]], dtype=xp.float64), comm.world()))
+    rows = comm.all_gather(host.asarray([[parts[k] for k in keys]], dtype=host.float64), comm.world())
     return [{k: float(v) for k, v in zip(keys, row)} for row in rows]
 
 
 def _per_rank(value: float) -> list:
     """``value`` of every rank, in rank order (a tiny all-gather over the world)."""
     from . import comm
-    from .backend import xp
+    from .backend import host  # host numbers: the all-gather stays on the host
 
-    return [float(v) for v in comm.all_gather(xp.asarray([value], dtype=xp.float64), comm.world())]
+    return [float(v) for v in comm.all_gather(host.asarray([value], dtype=host.float64), comm.world())]
 
 
 def progress_line(r: dict, steps: int, history: list, mem_bytes: int) -> str:

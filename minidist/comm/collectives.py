@@ -53,6 +53,7 @@ import math
 import numpy as np
 
 from minidist.comm import check, fast
+from minidist.backend import on_device
 from minidist.comm.algorithms import bruck, evengather, pairwise, pipelined, ring, trees
 from minidist.comm.algorithms.blocks import ROWS_RULE
 from minidist.comm.errors import CommError
@@ -103,7 +104,8 @@ def all_gather(x, g, async_op: bool = False, *, out=None, algorithm: str = "auto
     chosen = all_gather_algorithm(g.size, xh, out, algorithm)
     # out's shape is part of the signature: it picks the algorithm, so ranks must agree on it.
     sig = ("all_gather", xh, dict(rule="trailing", extra=None if out is None else out.shape))
-    result = _launch("all_gather", _all_gather, g, xh, sig, async_op, out, chosen, algorithm=chosen)
+    result = _launch("all_gather", _all_gather, g, xh, sig, async_op, out, chosen, algorithm=chosen,
+                     device=on_device(x))
     if algorithm == "auto":
         fast.remember(g, x, out, async_op, call, chosen)
     return result
@@ -179,11 +181,12 @@ def broadcast(x, g, root: int = 0, async_op: bool = False, *, algorithm: str = "
     _check_group(g, "broadcast")
     root = check.check_root(root, g, "broadcast")
     _algorithm(algorithm, ("auto", "binomial", "chain"), "broadcast")
-    x = _host(x, "broadcast")
+    device, x = on_device(x), _host(x, "broadcast")
     if algorithm == "auto":
         algorithm = "binomial" if x.nbytes <= SMALL_BROADCAST_BYTES else "chain"
     sig = ("broadcast", x, dict(root=root))
-    return _launch("broadcast", _broadcast, g, x, sig, async_op, root, algorithm, algorithm=algorithm)
+    return _launch("broadcast", _broadcast, g, x, sig, async_op, root, algorithm, algorithm=algorithm,
+                   device=device)
 
 
 def _broadcast(g, x, root, algorithm):
@@ -203,10 +206,10 @@ def all_to_all(x, g, async_op: bool = False):
     rank r sends to r+k and receives from r-k; (N-1)/N * X bytes per rank.  All ranks must
     pass the same shape."""
     _check_group(g, "all_to_all")
-    x = _host(x, "all_to_all")
+    device, x = on_device(x), _host(x, "all_to_all")
     check.need_axis0(x, "all_to_all")
     sig = ("all_to_all", x, dict())
-    return _launch("all_to_all", pairwise.pairwise_all_to_all, g, x, sig, async_op)
+    return _launch("all_to_all", pairwise.pairwise_all_to_all, g, x, sig, async_op, device=device)
 
 
 def ppermute(x, g, perm, async_op: bool = False):
@@ -215,9 +218,9 @@ def ppermute(x, g, perm, async_op: bool = False):
     so a cyclic shift [(i, (i+1) % N)] is one ring step."""
     _check_group(g, "ppermute")
     pairs = check.check_perm(perm, g)
-    x = _host(x, "ppermute")
+    device, x = on_device(x), _host(x, "ppermute")
     sig = ("ppermute", x, dict(extra=pairs))
-    return _launch("ppermute", _ppermute, g, x, sig, async_op, pairs)
+    return _launch("ppermute", _ppermute, g, x, sig, async_op, pairs, device=device)
 
 
 def _ppermute(g, x, pairs):

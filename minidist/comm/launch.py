@@ -30,8 +30,12 @@ def check_group(g, where: str) -> None:
         raise TypeError(f"{where}: expected a comm.Group as the group, got {type(g).__name__}")
 
 
-def launch(name: str, body, g, x, sig, async_op: bool, *args, algorithm: str | None = None):
+def launch(name: str, body, g, x, sig, async_op: bool, *args, algorithm: str | None = None, device: bool = True):
     """Run ``body(g, x, *args)`` here or on the group's progress thread.
+
+    ``x`` is the host copy of the caller's array; ``device`` says whether the caller's array
+    was on the device, and the result goes where it was (a host array's collective -- a loss,
+    a flag -- stays on the host: no round trip through the device and back).
 
     ``sig`` = (name, x, keyword arguments of check.signature); the signature is only built
     (and agreed on) in debug mode, keeping the default path cheap for small messages.  Its
@@ -45,8 +49,8 @@ def launch(name: str, body, g, x, sig, async_op: bool, *args, algorithm: str | N
     rooted = "root" in sig[2]
     sig = check.signature(sig[0], sig[1], **sig[2]) if check.check_enabled() else None
     if async_op:
-        return g.submit(name, _run, name, body, x, sig, ident, rooted, args)
-    return _run(g, name, body, x, sig, ident, rooted, args)
+        return g.submit(name, _run, name, body, x, sig, ident, rooted, args, device)
+    return _run(g, name, body, x, sig, ident, rooted, args, device)
 
 
 def call_identity(name, x, kw, algorithm=None) -> int | None:
@@ -64,14 +68,14 @@ def call_identity(name, x, kw, algorithm=None) -> int | None:
                              algorithm, root)
 
 
-def _run(g, name, body, x, sig, ident, rooted, args):
+def _run(g, name, body, x, sig, ident, rooted, args, device):
     with stats.scope(name, ident, g.name):
         if sig is not None:
             check.agree(g, sig)
         elif rooted and ident is not None and g.size > 1:
             check.handshake(g)
         result = body(g, x, *args)
-    return None if result is None else from_host(result)
+    return from_host(result) if device and result is not None else result
 
 
 def check_out(out, x, where: str, shape=None):

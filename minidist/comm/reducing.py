@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from minidist.backend import on_device
 from minidist.comm import check, fast, reduction
 from minidist.comm.algorithms import doubling, oneshot, pairwise, pipelined, ring, trees
 from minidist.comm.algorithms.blocks import split_bounds
@@ -58,7 +59,8 @@ def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str 
     out = _check_out(out, xh, "all_reduce", xh.shape)
     chosen = all_reduce_algorithm(g.size, xh, algorithm)
     sig = ("all_reduce", xh, dict(op=op))
-    result = _launch("all_reduce", _all_reduce, g, xh, sig, async_op, op, chosen, out, algorithm=chosen)
+    result = _launch("all_reduce", _all_reduce, g, xh, sig, async_op, op, chosen, out, algorithm=chosen,
+                     device=on_device(x))
     fast.remember(g, x, out, async_op, call, chosen)
     return result
 
@@ -140,7 +142,8 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: 
     out = _check_out(out, xh, "reduce_scatter", (last - first,) + xh.shape[1:])
     chosen = reduce_scatter_algorithm(g.size, xh.nbytes, algorithm)
     sig = ("reduce_scatter", xh, dict(op=op))
-    result = _launch("reduce_scatter", _reduce_scatter, g, xh, sig, async_op, op, chosen, out, algorithm=chosen)
+    result = _launch("reduce_scatter", _reduce_scatter, g, xh, sig, async_op, op, chosen, out, algorithm=chosen,
+                     device=on_device(x))
     if algorithm == "auto":
         fast.remember(g, x, out, async_op, call, chosen)
     return result
@@ -194,13 +197,13 @@ def reduce(x, g, root: int = 0, op: str = "sum", async_op: bool = False, *, algo
     root = check.check_root(root, g, "reduce")
     op = reduction.check_op(op, "reduce")
     _algorithm(algorithm, ("auto", "binomial", "chain"), "reduce")
-    x = _host(x, "reduce")
+    device, x = on_device(x), _host(x, "reduce")
     reduction.check_dtype(x.dtype, "reduce")
     if algorithm == "auto":
         small = x.size * reduction.accumulator_dtype(x.dtype).itemsize <= SMALL_REDUCE_BYTES
         algorithm = "binomial" if small else "chain"
     sig = ("reduce", x, dict(op=op, root=root))
-    return _launch("reduce", _reduce, g, x, sig, async_op, root, op, algorithm, algorithm=algorithm)
+    return _launch("reduce", _reduce, g, x, sig, async_op, root, op, algorithm, algorithm=algorithm, device=device)
 
 
 def _reduce(g, x, root, op, algorithm):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.backend import bfloat16
+from minidist.backend import bfloat16, on_device
 from minidist.comm import check
 from minidist.comm.launch import check_group as _check_group, host_array as _host, launch as _launch
 from minidist.comm.algorithms.blocks import split_bounds
@@ -34,6 +34,7 @@ def scatter(x, g, root: int = 0):
     128-byte shape/dtype header, so receivers need not know the shape in advance)."""
     _check_group(g, "scatter")
     root = check.check_root(root, g, "scatter")
+    device = on_device(x) if g.rank == root else True  # the others' parts go where the root's array was
     if g.rank == root:
         x = _host(x, "scatter")
         check.need_axis0(x, "scatter")
@@ -42,7 +43,7 @@ def scatter(x, g, root: int = 0):
     else:
         x = None
     sig = ("scatter", x, dict(root=root, rule="none"))
-    return _launch("scatter", _scatter, g, x, sig, False, root)
+    return _launch("scatter", _scatter, g, x, sig, False, root, device=device)
 
 
 def _scatter(g, x, root):
@@ -64,10 +65,10 @@ def gather(x, g, root: int = 0):
     others get None.  Linear: N-1 messages into the root, each after an 8-byte row count."""
     _check_group(g, "gather")
     root = check.check_root(root, g, "gather")
-    x = _host(x, "gather")
+    device, x = on_device(x), _host(x, "gather")
     check.need_axis0(x, "gather")
     sig = ("gather", x, dict(root=root, rule="trailing"))
-    return _launch("gather", _gather, g, x, sig, False, root)
+    return _launch("gather", _gather, g, x, sig, False, root, device=device)
 
 
 def _gather(g, x, root):

@@ -181,7 +181,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale=None) 
             return to_dtype(dQ, q.dtype), to_dtype(dK, k.dtype), to_dtype(dV, v.dtype)
 
         return make_tensor(to_dtype(O, out_dtype), (q, k, v), backward)
-    # CPU-tuned: one slab (all heads of one batch element) at a time, on the BLAS threads
+    # CPU-tuned: one slab (all heads of one batch element) at a time, on the BLAS threads.  Its
+    # products run in float32 for low-precision operands, as on NumPy, on any backend.
+    Qs, K, V = (to_dtype(a, compute_dtype(a.dtype)) for a in (Qs, K, V))
     P = xp.empty(lead + (Tq, Tk), dtype=Qs.dtype)  # probabilities, kept for backward
     O = xp.empty(lead + (Tq, V.shape[-1]), dtype=Qs.dtype)
     mask = causal_mask(Tq, Tk, Qs.dtype) if causal else None
@@ -224,6 +226,7 @@ def self_attention(qkv: Tensor, n_head: int, causal: bool = True, scale=None) ->
     (X,), out_dtype = gemm_operands(qkv.data)
     if not tuning.tuned():
         return _self_attention_whole(qkv, X, out_dtype, B, T, H, D, causal, scale)
+    X = to_dtype(X, compute_dtype(X.dtype))  # the tuned slabs multiply in float32 (see attention)
 
     def heads(a, b, part):
         """Part (0 = Q, 1 = K, 2 = V, or the output for a (B, T, C) array) of batch element

@@ -27,7 +27,7 @@ import time
 import zlib
 
 from .. import comm
-from ..backend import from_host, to_host, xp
+from ..backend import from_host, host, to_host, xp
 from .flat import FlatUnit
 
 
@@ -57,9 +57,8 @@ def check_identical(params, group) -> None:
     Each rank hashes its arrays (CRC-32 of the bytes, exact in float64); the group's minimum
     and maximum of every hash agree only if every rank has the same bytes.
     """
-    crc = xp.asarray([float(zlib.crc32(to_host(p.data).tobytes())) for p in params], dtype=xp.float64)
-    hi = to_host(comm.all_reduce(to_host(crc), group, op="max"))
-    lo = to_host(comm.all_reduce(to_host(crc), group, op="min"))
+    crc = host.asarray([float(zlib.crc32(to_host(p.data).tobytes())) for p in params], dtype=host.float64)
+    hi, lo = comm.all_reduce(crc, group, op="max"), comm.all_reduce(crc, group, op="min")
     differ = [getattr(p, "name", None) or f"param{i}" for i, p in enumerate(params) if hi[i] != lo[i]]
     if differ:
         raise RuntimeError(f"parameters differ between the ranks of group {group.name!r}: {differ[:5]}"
@@ -70,14 +69,14 @@ def reduce_sum(value: float, group) -> float:
     """The sum of a Python float over ``group`` (e.g. the row-weighted shard losses)."""
     if group.size == 1:
         return float(value)
-    return float(comm.all_reduce(xp.asarray([value], dtype=xp.float64), group)[0])
+    return float(comm.all_reduce(host.asarray([value], dtype=host.float64), group)[0])  # host in, host out
 
 
 def any_rank(flag: bool, group) -> bool:
     """True on every rank if ``flag`` is true on any rank (e.g. an fp16 overflow: one skips, all skip)."""
     if group.size == 1:
         return bool(flag)
-    return bool(comm.all_reduce(xp.asarray([1.0 if flag else 0.0]), group, op="max")[0])
+    return bool(comm.all_reduce(host.asarray([1.0 if flag else 0.0]), group, op="max")[0])
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from minidist import comm, nn, ops
 from minidist.autograd import Tensor, make_tensor
-from minidist.backend import from_host, xp
+from minidist.backend import from_host, host, on_host, to_host, xp
 from minidist.comm import functional as F
 from minidist.comm.group import Group
 from minidist.ops.basic import check_index
@@ -77,8 +77,12 @@ class Shard:
                                for b in range(self.blocks)])
 
     def take(self, full):
-        """This rank's slice of the global array ``full``."""
-        return xp.take(full, self.indices(full.shape[self.dim]), axis=self.dim)
+        """This rank's slice of the global array ``full``, where ``full`` lies (host or device:
+        a checkpoint rebuilds global tensors on the host)."""
+        indices = self.indices(full.shape[self.dim])
+        if on_host(full):
+            return host.take(full, to_host(indices), axis=self.dim)
+        return xp.take(full, indices, axis=self.dim)
 
 
 def problems(given, cfg) -> list[str]:
@@ -365,7 +369,7 @@ def vocab_parallel_cross_entropy(logits, targets, group):
     def backward(g):
         scale = xp.asarray(g, dtype=z.dtype) / n  # stays on the device: no host sync
         dz = z * scale
-        dz[rows[mine], local[mine]] -= scale
+        dz[rows, local] -= xp.where(mine, scale, 0)  # no boolean mask: its size would be a host read
         return (to_dtype(dz.reshape(logits.shape), logits.dtype),)
 
     return make_tensor(loss, (logits,), backward)
