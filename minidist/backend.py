@@ -148,7 +148,30 @@ def on_device(a) -> bool:
     return xp is not _np and isinstance(a, xp.ndarray)
 
 
-def to_host(a):
+# The running timeline (minidist/trace.py sets it while --trace records, None otherwise): each
+# copy between host and device below is then a "staging" span on it.
+tracer = None
+
+
+def _timed(kind: str, copy, a):
+    tr = tracer  # read once: the tracer may stop on another thread meanwhile
+    if tr is None:
+        return copy(a)
+    t0 = tr.clock()
+    out = copy(a)
+    tr.staging(kind, out.nbytes, t0)
+    return out
+
+
+def _pinned_copy(a):
+    import cupyx
+
+    out = cupyx.empty_pinned(a.shape, dtype=a.dtype)
+    xp.ascontiguousarray(a).get(out=out)
+    return out
+
+
+def to_host(a, kind: str = "to_host"):
     """The array as a host (NumPy) array, for MPI buffers, printing and saving.
 
     Under CuPy the copy lands in *pinned* (page-locked) host memory from CuPy's pinned pool:
@@ -159,11 +182,7 @@ def to_host(a):
         return a
     if not isinstance(a, xp.ndarray):
         return _np.asarray(a)  # a Python scalar or list
-    import cupyx
-
-    out = cupyx.empty_pinned(a.shape, dtype=a.dtype)
-    xp.ascontiguousarray(a).get(out=out)
-    return out
+    return _timed(kind, _pinned_copy, a)
 
 
 _host_reads: dict[str, int] = {}
@@ -178,7 +197,7 @@ def host_read(x, why: str):
     counts (:func:`host_reads`) go into each step's metrics record on either backend, so a
     read that creeps into a step's path shows up in a CPU test too."""
     _host_reads[why] = _host_reads.get(why, 0) + 1
-    return to_host(x)
+    return to_host(x, "host read")
 
 
 def host_reads() -> dict[str, int]:
@@ -188,9 +207,9 @@ def host_reads() -> dict[str, int]:
 
 def from_host(a):
     """A host array moved to the backend's device (a no-op with NumPy)."""
-    if xp is _np:
+    if xp is _np or isinstance(a, xp.ndarray):
         return a
-    return xp.asarray(a)
+    return _timed("from_host", xp.asarray, a)
 
 
 def device_memory() -> dict | None:

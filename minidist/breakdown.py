@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from minidist.trace import COMM_CATS, MAIN_TRACKS
 
-_CLASS = {"compute": "compute", "optimizer": "optimizer", "bubble": "bubble", "staging": "comm"}
+# A host read ("sync") waits for the device's queued work: compute the host had run ahead of.
+_CLASS = {"compute": "compute", "optimizer": "optimizer", "bubble": "bubble", "staging": "comm", "sync": "compute"}
 
 
 def breakdown(events, t0: float, t1: float, first: int = 0) -> dict:

@@ -27,11 +27,12 @@ import sys
 COLOURS = {  # kind -> colour (forward light, backward dark: the lecture's pipeline figures)
     "forward": "#9ecae1", "backward": "#2171b5", "compute": "#6baed6", "optimizer": "#41ab5d",
     "bubble": "#f0f0f0", "collective": "#fd8d3c", "wait": "#d94801", "p2p": "#9e9ac8",
-    "message": "#dadaeb", "staging": "#8c6d31", "step": "#ffffff", "eval": "#bdbdbd",
+    "message": "#dadaeb", "staging": "#8c6d31", "sync": "#e7298a", "step": "#ffffff", "eval": "#bdbdbd",
 }
 LEGEND = [("forward", "forward"), ("backward", "backward"), ("optimizer", "optimizer"),
           ("bubble", "idle (waits for input)"), ("collective", "collective"), ("wait", "wait on async collective"),
-          ("p2p", "p2p message"), ("staging", "host<->device copy"), ("eval", "validation")]
+          ("p2p", "p2p message"), ("staging", "host<->device copy"), ("sync", "host read (waits for the GPU)"),
+          ("eval", "validation")]
 
 
 def kind(e: dict) -> str:

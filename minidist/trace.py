@@ -40,6 +40,8 @@ import os
 import threading
 import time
 
+from minidist import backend
+
 active = None
 """The running :class:`Tracer` (None: tracing off).  Code that adds spans reads it once
 (``tr = trace.active``) and does nothing more when it is None."""
@@ -96,9 +98,11 @@ class Tracer:
         self.events.append((track, kind, cat, t0, t1, ("msg", st.label, st, st.grec, peer, sent, received)))
 
     def staging(self, kind: str, nbytes: int, t0: float) -> None:
-        """A host<->device copy of a message's array (comm.p2p, CuPy arrays only)."""
+        """A copy between host and device (``backend.to_host``/``from_host``, CuPy only): a
+        message's array staged through host memory, or a value the step reads (``host read``)."""
         track = "comm" if threading.get_ident() == self.main else threading.current_thread().name
-        self.events.append((track, kind, "staging", t0, self.clock(), {"bytes": int(nbytes)}))
+        cat = "sync" if kind == "host read" else "staging"  # a read waits for the device's queue
+        self.events.append((track, kind, cat, t0, self.clock(), {"bytes": int(nbytes)}))
 
     def wrap_blocks(self, model) -> None:
         """Time each transformer block's forward (``model.block_runner``; backward runs in
@@ -379,6 +383,7 @@ def install(tracer: Tracer, comm_hooks: bool = True) -> Tracer:
         collectives.trace_calls(lambda name, fn: _wrap_collective(tracer, name, fn))
         p2p.trace = tracer
         tracer.counted = _bytes_counted()
+    backend.tracer = tracer  # host<->device copies (CuPy only)
     active = tracer
     return tracer
 
@@ -394,6 +399,7 @@ def _bytes_counted() -> list:
 def stop() -> None:
     """Remove every hook (tracing off again)."""
     global active
+    backend.tracer = None
     if active is not None:
         import sys
 

@@ -77,11 +77,7 @@ def _host_contiguous(x) -> np.ndarray:
     if CUDA_AWARE and on_device(x):
         synchronize()  # the kernels that wrote x must finish before MPI reads it
         return xp.ascontiguousarray(x)
-    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
-    t0 = tr.clock() if tr is not None else 0.0
-    h = to_host(x)
-    if t0 and h is not x and tr is not None:  # a device array staged through host memory
-        tr.staging("to_host", h.nbytes, t0)
+    h = to_host(x)  # a device array's copy is a staging span on the timeline (backend.to_host)
     if not isinstance(h, np.ndarray):
         raise TypeError(f"expected an array, got {type(x).__name__}")
     if h.dtype.hasobject:
@@ -388,12 +384,8 @@ def _persistent_round(comm, recvs, sends, tag: int, rtag: int | None = None) -> 
 
 
 def _stage_in(out, buf: np.ndarray) -> None:
-    """Copy a received host buffer into ``out`` (a device array), a span on the timeline."""
-    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
-    t0 = tr.clock() if tr is not None else 0.0
+    """Copy a received host buffer into ``out`` (a device array; a span on the timeline)."""
     out[...] = from_host(buf)
-    if t0 and tr is not None:
-        tr.staging("from_host", buf.nbytes, t0)
 
 
 # ----------------------------------------------------------- public, group-relative API
