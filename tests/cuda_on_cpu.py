@@ -70,7 +70,9 @@ static void launch(void (*kernel)(A...), unsigned gx, unsigned gy, unsigned bx, 
 
 
 SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_float,
-           np.dtype(np.float64): ctypes.c_double}
+           np.dtype(np.float64): ctypes.c_double, np.dtype(np.int64): ctypes.c_int64,
+           np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.uint64): ctypes.c_uint64,
+           np.dtype(np.bool_): ctypes.c_bool}
 
 
 def compiler() -> str | None:

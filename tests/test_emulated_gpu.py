@@ -9,12 +9,17 @@ conversion to NumPy and record every device->host transfer.  Checked:
 (b) short training runs, one process and 2 ranks, against the NumPy run (1e-9 relative);
 (c) that a training step brings nothing to the host except through ``backend.to_host``
     (host_read and the MPI staging go through it): any other read is a synchronisation the
-    step does not account for.
+    step does not account for;
+(d) ``--attention blockwise``, which on CuPy runs flash_cuda's CUDA kernels (the emulator's
+    RawModule compiles them for the CPU with tests/cuda_on_cpu.py) and on NumPy the batched-
+    product reference: equal losses check the kernels in training, forward and backward, one
+    process and under Ulysses, float64 and float32, and the launch record shows they ran.
 """
 
 import json
 import os
 import sys
+from collections import Counter
 
 import pytest
 
@@ -45,12 +50,23 @@ def _losses(path):
     return [r["loss"] for r in rows] + [rows[-1]["val_loss"]]
 
 
+_numpy_runs = {}
+
+
+def numpy_run(args, tmp_path_factory):
+    """The losses of the one-process NumPy run of TINY + ``args``, run once per module."""
+    key = tuple(args)
+    if key not in _numpy_runs:
+        out = tmp_path_factory.mktemp("numpy") / "m.jsonl"
+        r = run_train(None, TINY + list(args) + ["--metrics-jsonl", str(out)], env={"MINIDIST_BACKEND": "numpy"})
+        assert r.returncode == 0, r.stderr
+        _numpy_runs[key] = _losses(out)
+    return _numpy_runs[key]
+
+
 @pytest.fixture(scope="module")
 def numpy_losses(tmp_path_factory):
-    out = tmp_path_factory.mktemp("numpy") / "m.jsonl"
-    r = run_train(None, TINY + ["--metrics-jsonl", str(out)], env={"MINIDIST_BACKEND": "numpy"})
-    assert r.returncode == 0, r.stderr
-    return _losses(out)
+    return numpy_run([], tmp_path_factory)
 
 
 _runs = {}
@@ -63,14 +79,21 @@ def emulated_run(name, nprocs, args, tmp_path_factory):
         log = str(d / "transfers.{pid}.jsonl")
         r = run_train(nprocs, TINY + args + ["--metrics-jsonl", str(d / "m.jsonl")],
                       env=emulated_env(MINIDIST_EMULATED_TRANSFER_LOG=log))
-        transfers = []
+        transfers, launches = [], []
         for f in sorted(d.glob("transfers.*.jsonl")):
             with open(f) as fh:
-                transfers += [t for t in map(json.loads, fh) if t["direction"] == "d2h"]
-        _runs[name] = (r, None if r.returncode else _losses(d / "m.jsonl"), transfers)
-    r, losses, transfers = _runs[name]
+                events = list(map(json.loads, fh))
+            transfers += [t for t in events if t["direction"] == "d2h"]
+            launches.append(Counter(t["kind"] for t in events if t["direction"] == "launch"))
+        _runs[name] = (r, None if r.returncode else _losses(d / "m.jsonl"), transfers, launches)
+    r, losses, transfers, _ = _runs[name]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return losses, transfers
+
+
+def kernel_launches(name):
+    """The RawKernel launches of an emulated run, one Counter {'RawKernel:NAME': n} per rank."""
+    return _runs[name][3]
 
 
 # The wrappers of comm's collectives bring their result back to the device even when the
@@ -115,6 +138,50 @@ def _through_to_host(t):
     for r in RUNS])
 def test_a_step_reads_the_device_only_through_to_host(name, nprocs, args, tmp_path_factory):
     _, transfers = emulated_run(name, nprocs, args, tmp_path_factory)
+    step = [t for t in transfers if _in_step(t)]
+    assert any(_through_to_host(t) for t in step), "no transfer recorded in a step: is the emulator in use?"
+    hidden = sorted({f"{t['kind']} at {t['site']}" for t in step if not _through_to_host(t)})
+    assert not hidden, "device->host reads in a step outside backend.to_host:\n" + "\n".join(hidden)
+
+
+# --attention blockwise: flash_cuda's kernels under the emulator (head size 8 here, within
+# flash_cuda.MAX_HEAD_DIM), blockwise.py's batched products on NumPy.  Ulysses' inner attention is
+# the blockwise op, on all heads' share of each rank.  float32: the kernels and the reference sum
+# in different orders, so the losses agree to float32's rounding, not bit for bit.
+BLOCKWISE = ["--attention", "blockwise"]
+KERNEL_RUNS = [
+    ("blockwise", None, BLOCKWISE, "float64", 1e-9),
+    ("cp2_ulysses_blockwise", 2, ["--cp", "2", "--cp-impl", "ulysses"] + BLOCKWISE, "float64", 1e-9),
+    ("blockwise_float32", None, BLOCKWISE, "float32", 1e-5),
+]
+
+
+def _needs_a_compiler():
+    import cuda_on_cpu  # tests/cuda_on_cpu.py, which the emulated RawModule compiles with
+
+    if cuda_on_cpu.compiler() is None:
+        pytest.skip("no C++ compiler to run the CUDA kernels on the CPU")
+
+
+@pytest.mark.parametrize("name, nprocs, args, dtype, rtol", KERNEL_RUNS, ids=[r[0] for r in KERNEL_RUNS])
+def test_flash_kernels_train_as_the_numpy_reference(name, nprocs, args, dtype, rtol, tmp_path_factory):
+    _needs_a_compiler()
+    losses, _ = emulated_run(name, nprocs, args + ["--dtype", dtype], tmp_path_factory)  # last --dtype wins
+    want = numpy_run(BLOCKWISE + ["--dtype", dtype], tmp_path_factory)
+    launches = kernel_launches(name)
+    assert len(launches) == (nprocs or 1)
+    for rank in launches:  # forward in every step and the evaluation, backward in every step
+        assert rank["RawKernel:flash_forward"] > rank["RawKernel:flash_backward_dq"] > 0, launches
+        assert rank["RawKernel:flash_backward_dq"] == rank["RawKernel:flash_backward_dkdv"], launches
+    assert len(losses) == len(want)
+    for got, ref in zip(losses, want):
+        assert abs(got - ref) <= rtol * abs(ref), (name, losses, want)
+
+
+def test_the_flash_kernels_read_nothing_back_in_a_step(tmp_path_factory):
+    """The kernels' wrappers (flash_cuda.forward/backward) keep everything on the device."""
+    _needs_a_compiler()
+    _, transfers = emulated_run("blockwise", None, BLOCKWISE + ["--dtype", "float64"], tmp_path_factory)
     step = [t for t in transfers if _in_step(t)]
     assert any(_through_to_host(t) for t in step), "no transfer recorded in a step: is the emulator in use?"
     hidden = sorted({f"{t['kind']} at {t['site']}" for t in step if not _through_to_host(t)})

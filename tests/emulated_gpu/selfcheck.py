@@ -166,6 +166,43 @@ def elementwise_kernel_equals_plain_adamw():
     raises(NotImplementedError, lambda: cupy.ElementwiseKernel("raw T x", "T y", "y = x", "bad"), "raw")
 
 
+RAW_SOURCE = r"""
+extern "C" __global__ void scaled_reverse(const REAL* x, REAL* y, int n, REAL a) {
+    __shared__ REAL tile[WIDTH];
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    tile[threadIdx.x] = i < n ? x[i] : (REAL)0;
+    __syncthreads();  // y[i] takes the block's mirrored element: needs the other threads' loads
+    int j = blockDim.x - 1 - threadIdx.x, src = blockIdx.x * blockDim.x + j;
+    if (i < n && src < n) y[i] = a * tile[j];
+}
+"""
+
+
+@check
+def raw_module_runs_cuda_source_in_place():
+    if _emulator_compiler() is None:
+        print("skip raw_module_runs_cuda_source_in_place: no C++ compiler")
+        return
+    mod = cupy.RawModule(code=RAW_SOURCE, options=("-std=c++14", "-DREAL=double", "-D", "WIDTH=4"))
+    k = mod.get_function("scaled_reverse")
+    x = cupy.arange(8.0)
+    y = cupy.full(8, -1.0)
+    mark = len(_emulator.transfers(None))
+    k((2,), (4,), (x, y, np.int32(8), np.float64(2.0)))
+    assert [t.kind for t in _emulator.transfers(None)[mark:]] == ["RawKernel:scaled_reverse"]
+    assert y.get().tolist() == [6.0, 4.0, 2.0, 0.0, 14.0, 12.0, 10.0, 8.0]  # written in place
+    raises(TypeError, lambda: k((2,), (4,), (np.arange(8.0), y, np.int32(8), np.float64(2.0))), "Unsupported type")
+    raises(ValueError, lambda: k((2,), (4,), (x[::2], y, np.int32(4), np.float64(2.0))), "C-contiguous")
+    raises(TypeError, lambda: k(2, (4,), (x, y, np.int32(8), np.float64(2.0))), "tuple")
+    raises(Exception, lambda: mod.get_function("missing"), "named symbol not found")
+
+
+def _emulator_compiler():
+    from cupy import _raw
+
+    return _raw._cuda_on_cpu().compiler()
+
+
 @check
 def bfloat16_arrays():
     from minidist.backend import bfloat16

@@ -21,12 +21,15 @@ What it emulates (the semantics of real CuPy that catch host/device mix-ups):
   ``reduce``, ``accumulate``, ``reduceat``, ``outer`` (CuPy >= 13 has all five).
 * ``cupy.fuse`` (the function itself, no tracing), ``cupy.ElementwiseKernel`` for straight-line
   C bodies (translated to NumPy; control flow and ``raw`` parameters are refused).
+* ``cupy.RawModule`` / ``cupy.RawKernel`` (``_raw.py``): CUDA source compiled as C++ for the CPU
+  by ``tests/cuda_on_cpu.py`` (a block's threads as OS threads), called with device arrays,
+  which the kernel reads and writes in place; every launch is recorded in ``cupy._emulator``.
 * ``cupy.cuda``: ``Device``, ``runtime.getDeviceCount`` (``MINIDIST_EMULATED_GPUS``, default
   1), ``getDeviceProperties``, streams, ``MemoryHook``; ``get_default_memory_pool`` counts the
   bytes of live device buffers (weakref finalizers), so peak-memory reports are plausible.
 * ``cupyx.empty_pinned`` / ``zeros_pinned`` (plain NumPy arrays), ``cupyx.scatter_add``.
 
-What it does not: no kernels, no asynchrony, no speed, no device memory limit; results are
+What it does not: no kernels of its own (RawModule's run on the CPU), no asynchrony, no speed, no device memory limit; results are
 NumPy's bit for bit (cuBLAS/cuDNN rounding, TF32, atomics' order are not modelled); functions
 NumPy has and CuPy lacks are not refused; ``fuse`` does not restrict the body to what CuPy can
 trace.  It exists to catch host/device mix-ups and hidden synchronisations without a GPU.
@@ -638,6 +641,10 @@ for _op, _uf in [("neg", "negative"), ("pos", "positive"), ("abs", "absolute"), 
     setattr(ndarray, "__%s__" % _op, (lambda u: lambda self: _ufunc(getattr(_np, u))(self))(_uf))
 ndarray.__hash__ = None
 ndarray.__divmod__ = lambda self, o: _ufunc(_np.divmod)(self, o)
+
+# --------------------------------------------------------------------------- RawModule
+
+from ._raw import RawKernel, RawModule  # noqa: E402  (CUDA source on the CPU, tests/cuda_on_cpu.py)
 
 # --------------------------------------------------------------------------- ElementwiseKernel
 

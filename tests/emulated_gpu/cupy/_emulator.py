@@ -31,7 +31,8 @@ _HERE = tuple(os.path.join(_ROOT, pkg) + os.sep for pkg in ("cupy", "cupyx"))  #
 
 class Transfer(NamedTuple):
     """One recorded event. ``direction``: 'd2h' (device to host, including implicit
-    synchronisations, whose ``kind`` starts with 'sync:') or 'h2d'.  ``site`` is the first
+    synchronisations, whose ``kind`` starts with 'sync:') or 'h2d'; also 'compile' and 'launch'
+    (kind 'RawKernel:NAME') of RawModule kernels, which move no data.  ``site`` is the first
     frame outside the emulator ('file:line in function'); ``stack`` all frames outside it,
     innermost first, as (file, line, function)."""
     direction: str
