@@ -119,7 +119,8 @@ def test_the_summary_names_the_gpu_and_its_memory(monkeypatch):
     on NumPy it has none."""
     from minidist import backend, report
 
-    assert report._device_rows() == []
+    if backend.BACKEND == "numpy":
+        assert report._device_rows() == []
     monkeypatch.setattr(backend, "device_memory", lambda: {"device": 1, "name": "NVIDIA H100 80GB HBM3",
                                                            "total_bytes": 80 * 2**30, "pool_used_bytes": 3 * 2**20})
     (row,) = report._device_rows()

@@ -5,13 +5,16 @@ the same global input; this rank's slice of the plain layer's output, input grad
 parameter gradients must equal the parallel layer's.  Layouts follow Megatron's
 conventions (comm/functional.py): a replicated output's upstream gradient is the same on
 every rank; a split output's upstream gradient is this rank's slice of the global one.
+
+Inputs are made on the host and moved with ``from_host``; results come back with ``to_host``
+before NumPy compares or slices them (both no-ops on the NumPy backend).
 """
 import numpy as np
 from mpi4py import MPI
 
 from minidist import comm, nn, ops
 from minidist.autograd import Tensor
-from minidist.backend import bfloat16
+from minidist.backend import bfloat16, from_host, to_host
 from minidist.comm.group import Group
 from minidist.comm.mesh import Mesh
 from minidist.config import RunConfig
@@ -31,16 +34,17 @@ def _subgroup(size):
 
 
 def _close(got, want, what):
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-12, err_msg=what)
+    np.testing.assert_allclose(to_host(got), to_host(want), rtol=RTOL, atol=1e-12, err_msg=what)
 
 
 def _take(a, axis, tp, shard=None):
     """This rank's slice of a global array: along ``axis`` by the shard's indices, or (for the
-    sequence axis) its contiguous part."""
+    sequence axis) its contiguous part, on the host."""
+    a = to_host(a)
     if axis is None:
         return a
     if shard is not None:
-        return np.take(a, np.asarray(shard.indices(a.shape[axis])), axis=axis)
+        return np.take(a, to_host(shard.indices(a.shape[axis])), axis=axis)
     n = a.shape[axis] // tp.parts
     index = [slice(None)] * a.ndim
     index[axis] = slice(tp.rank * n, (tp.rank + 1) * n)
@@ -54,19 +58,19 @@ def _compare(make, tp, x, c, x_axis, y_axis, x_shard=None, y_shard=None, what=""
     plain, par = make(nn.Layers()), make(tp)
     nn.init_parameters(plain, 5)
     nn.init_parameters(par, 5)
-    xs = Tensor(x, requires_grad=True)
+    xs = Tensor(from_host(x), requires_grad=True)
     y = plain(xs)
-    y.backward(c)
-    x_part = Tensor(np.ascontiguousarray(_take(x, x_axis, tp, x_shard)), requires_grad=True)
+    y.backward(from_host(c))
+    x_part = Tensor(from_host(np.ascontiguousarray(_take(x, x_axis, tp, x_shard))), requires_grad=True)
     yp = par(x_part)
     _close(yp.data, _take(y.data, y_axis, tp, y_shard), f"{what}: forward")
-    yp.backward(np.ascontiguousarray(_take(c, y_axis, tp, y_shard)))
+    yp.backward(from_host(np.ascontiguousarray(_take(c, y_axis, tp, y_shard))))
     _close(x_part.grad, _take(xs.grad, x_axis, tp, x_shard), f"{what}: input gradient")
     plain_params = dict(plain.named_parameters())
     for name, p in par.named_parameters():
-        want = plain_params[name].grad
+        want = to_host(plain_params[name].grad)
         if p.sharding is not None:
-            want = np.take(want, np.asarray(p.sharding.indices(want.shape[p.sharding.dim])), axis=p.sharding.dim)
+            want = np.take(want, to_host(p.sharding.indices(want.shape[p.sharding.dim])), axis=p.sharding.dim)
         _close(p.grad, want, f"{what}: gradient of {name}")
 
 
@@ -107,23 +111,23 @@ def _compare_embedding(tp, cfg, ids, c, mode):
     nn.init_parameters(par, 3)
     seq = 1 if tp.sequence_parallel else None
     y = plain(ids)
-    y.backward(c)
+    y.backward(from_host(c))
     yp = par(ids)
     _close(yp.data, _take(y.data, seq, tp), f"{mode} embedding forward")
-    yp.backward(np.ascontiguousarray(_take(c, seq, tp)))
+    yp.backward(from_host(np.ascontiguousarray(_take(c, seq, tp))))
     _close(par.weight.grad, _take(plain.weight.grad, 0, tp, tp.shard(0)), f"{mode} embedding gradient")
     # the tied head: (B, T, d) -> this rank's V/tp logits
     x = np.random.default_rng(1).standard_normal(c.shape)
     g = np.random.default_rng(2).standard_normal(c.shape[:2] + (V,))
     plain.weight.grad = par.weight.grad = None
-    xs = Tensor(x, requires_grad=True)
-    plain.logits(xs).backward(g)
-    xt = Tensor(np.ascontiguousarray(_take(x, seq, tp)), requires_grad=True)
+    xs = Tensor(from_host(x), requires_grad=True)
+    plain.logits(xs).backward(from_host(g))
+    xt = Tensor(from_host(np.ascontiguousarray(_take(x, seq, tp))), requires_grad=True)
     logits = par.logits(xt)
     assert logits.shape[-1] == V // tp.parts, logits.shape
-    _close(logits.data, _take(ops.linear(Tensor(x), Tensor(plain.weight.data.T)).data, 2, tp, tp.shard(2)),
+    _close(logits.data, _take(ops.linear(Tensor(from_host(x)), Tensor(plain.weight.data.T)).data, 2, tp, tp.shard(2)),
            f"{mode} tied logits")
-    logits.backward(np.ascontiguousarray(_take(g, 2, tp, tp.shard(2))))
+    logits.backward(from_host(np.ascontiguousarray(_take(g, 2, tp, tp.shard(2)))))
     _close(xt.grad, _take(xs.grad, seq, tp), f"{mode} tied head input gradient")
     _close(par.weight.grad, _take(plain.weight.grad, 0, tp, tp.shard(0)), f"{mode} tied head weight gradient")
     # positions: replicated table; a sequence shard looks up its own positions
@@ -132,10 +136,10 @@ def _compare_embedding(tp, cfg, ids, c, mode):
     nn.init_parameters(pos_par, 4)
     T = ids.shape[1]
     cp_ = c[0]
-    pos_plain(np.arange(T)).backward(cp_)
+    pos_plain(np.arange(T)).backward(from_host(cp_))
     out = pos_par(np.arange(T))
     _close(out.data, _take(pos_plain.weight.data[:T], 0 if seq else None, tp), f"{mode} positions")
-    out.backward(np.ascontiguousarray(_take(cp_, 0 if seq else None, tp)))
+    out.backward(from_host(np.ascontiguousarray(_take(cp_, 0 if seq else None, tp))))
     _close(pos_par.weight.grad, pos_plain.weight.grad, f"{mode} position gradient")
 
 
@@ -183,11 +187,11 @@ def vocab_parallel_loss():
     for shape in [(5, V), (2, 3, V)]:
         z = rng.standard_normal(shape) * 3
         t = rng.integers(0, V, shape[:-1])
-        zs = Tensor(z, requires_grad=True)
+        zs = Tensor(from_host(z), requires_grad=True)
         loss = ops.cross_entropy(zs, t)
         loss.backward()
         cols = slice(world.rank * V // N, (world.rank + 1) * V // N)
-        zp = Tensor(np.ascontiguousarray(z[..., cols]), requires_grad=True)
+        zp = Tensor(from_host(np.ascontiguousarray(z[..., cols])), requires_grad=True)
         lp = tpm.vocab_parallel_cross_entropy(zp, t, world)
         lp.backward()
         _close(lp.data, loss.data, f"loss {shape}")
@@ -240,7 +244,7 @@ def _check_training(mesh, serial, batches, label, grad_accum=1, **config):
     ref = serial[1]
     for name, p in model.named_parameters():
         want = ref[name] if p.sharding is None else p.sharding.take(ref[name])
-        np.testing.assert_allclose(p.data, want, rtol=1e-9, atol=1e-12, err_msg=f"{label}: {name}")
+        np.testing.assert_allclose(to_host(p.data), to_host(want), rtol=1e-9, atol=1e-12, err_msg=f"{label}: {name}")
     if mesh.world.rank == 0:
         print(f"training ok: {label}", flush=True)
 
@@ -293,10 +297,10 @@ def overlap_timeline():
     for overlap in ("ring", "bidirectional"):
         mlp = nn.MLP(cfg, np.float64, tpm.TensorParallelLayers(world, overlap=overlap))
         nn.init_parameters(mlp, 0)
-        x = Tensor(rng.standard_normal((B, T // world.size, d)), requires_grad=True)
+        x = Tensor(from_host(rng.standard_normal((B, T // world.size, d))), requires_grad=True)
         with tpm.record_timeline() as events:
             y = mlp(x)
-            y.backward(np.ones(y.shape))
+            y.backward(from_host(np.ones(y.shape)))
         steps = [(a, b) for kind, a, b in events if kind == "ppermute"]
         mms = [(a, b) for kind, a, b in events if kind == "matmul"]
         streams = 2 if overlap == "bidirectional" else 1
@@ -335,7 +339,7 @@ def dp_tp_matches_serial():
         np.testing.assert_allclose(got, serial, rtol=1e-9, err_msg=mode)  # losses and gradient norms
         for name, p in model.named_parameters():
             want = ref[name].data if p.sharding is None else p.sharding.take(ref[name].data)
-            np.testing.assert_allclose(p.data, want, rtol=1e-9, atol=1e-12, err_msg=f"{mode}: {name}")
+            np.testing.assert_allclose(to_host(p.data), to_host(want), rtol=1e-9, atol=1e-12, err_msg=f"{mode}: {name}")
         if world.rank == 0:
             print(f"dp x tp ok: {mode}", flush=True)
     # fp16: an overflow in one rank's slice (tp rank 1 of dp replica 0) skips the step everywhere
