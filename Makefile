@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # Put the venv first so the mpiexec shipped by the mpich wheel is the one used.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help install demo test test-fast test-gpu bench clean
+.PHONY: help install demo test test-fast test-gpu test-gpu-emulated bench clean
 
 help:
 	@echo "make demo       set up .venv (numpy, mpi4py, the mpich wheel with mpiexec), train a small GPT into"
@@ -15,6 +15,7 @@ help:
 	@echo "make test-fast  the suite without the slow tests"
 	@echo "make test-gpu   the equivalence suite and op gradient checks on a CUDA GPU (MINIDIST_BACKEND=cupy,"
 	@echo "                float64); without CuPy or a GPU it says so in one line and exits 0 (docs/gpu.md)"
+	@echo "make test-gpu-emulated  the same tests on a CPU, under the CuPy emulator of tests/emulated_gpu"
 	@echo "make bench      the benchmarks (installs PyTorch for the comparison); JSON and tables in bench-results/"
 	@echo "make install    only create .venv and install minidist into it"
 	@echo "make clean      remove .venv, bench-results, demo-checkpoint and pytest's cache"
@@ -45,13 +46,19 @@ test-fast: install
 # The suite's GPU part: every op's gradient against finite differences and its two paths
 # against each other (test_ops_paths.py moves its arrays to the device and back), and every
 # parallel axis against one process, in float64 on the GPU.  pip install -e '.[gpu]' first.
-GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_compose.py tests/test_context.py \
-	tests/test_data_parallel.py tests/test_tensor_parallel.py tests/test_pipeline.py
+GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_flash_kernel.py tests/test_compose.py \
+	tests/test_context.py tests/test_data_parallel.py tests/test_tensor_parallel.py tests/test_pipeline.py
 
 test-gpu: install
 	@reason="$$($(BIN)/python -c 'from minidist.backend import gpu_unavailable_reason as r; print(r() or "")')"; \
 	if [ -n "$$reason" ]; then echo "make test-gpu: skipped, no GPU to run on: $$reason"; exit 0; fi; \
 	MINIDIST_BACKEND=cupy $(BIN)/python -m pytest -q $(GPU_TESTS)
+
+# The same list on any machine: the CuPy emulator (tests/emulated_gpu) stands in for CuPy, its
+# device arrays refuse implicit conversion to host arrays, and the CUDA kernels run compiled for
+# the CPU (tests/cuda_on_cpu.py).  It checks the CuPy code paths, not a GPU's speed or rounding.
+test-gpu-emulated: install
+	PYTHONPATH=tests/emulated_gpu MINIDIST_BACKEND=cupy $(BIN)/python -m pytest -q $(GPU_TESTS)
 
 # The PyTorch comparison needs torch, pinned as in CI (setup.cfg's `torch` extra); where it
 # cannot be installed, run_all.py skips that part and says why.

@@ -14,11 +14,17 @@ import subprocess
 import numpy as np
 import pytest
 
+from minidist.backend import BACKEND
 from minidist.ops import blockwise, flash_cuda
 
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
 if cuda_on_cpu.compiler() is None:
     pytest.skip("no C++ compiler to run CUDA kernels on the CPU", allow_module_level=True)
+
+
+# The CPU emulation of the kernels takes NumPy arrays: under MINIDIST_BACKEND=cupy the compiled
+# kernels are tested instead (test_compiled_kernels_equal_the_reference_in_training).
+on_numpy = pytest.mark.skipif(BACKEND != "numpy", reason="the CPU emulation of the kernels runs on NumPy arrays")
 
 
 def emulated(real: str, head_dim: int, block_n: int | None = None) -> dict:
@@ -42,6 +48,7 @@ def reference(q, k, v, do, scale, causal, q0, k0):
     return o, lse, dq * scale, dk, dv
 
 
+@on_numpy
 @pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
 @pytest.mark.parametrize("causal, tq, tk, q0, k0", [
     (True, 13, 13, 0, 0),      # self-attention, rows not a multiple of the block or the tile
@@ -65,6 +72,7 @@ def test_kernels_equal_the_blockwise_reference(monkeypatch, dtype, tol, causal, 
         np.testing.assert_allclose(got, ref, rtol=tol, atol=tol, err_msg=name)
 
 
+@on_numpy
 def test_a_query_that_sees_no_key_gets_zeros_and_minus_infinity(monkeypatch):
     """A ring-attention pair where the keys all lie after the queries: nothing is seen."""
     monkeypatch.setattr(flash_cuda, "THREADS", 4)
@@ -93,3 +101,32 @@ def test_source_compiles_for_an_h100(tmp_path, real, head_dim):
     ptx = (tmp_path / "flash.ptx").read_text()
     for name in flash_cuda.KERNELS:
         assert f".entry {name}" in ptx
+
+
+@pytest.mark.skipif(flash_cuda.why_not(16) is not None, reason="the kernels run under MINIDIST_BACKEND=cupy "
+                    "(make test-gpu; or the CuPy emulator of tests/emulated_gpu)")
+@pytest.mark.parametrize("dtype, tol", [("float64", 1e-12), ("float32", 2e-5)])
+def test_compiled_kernels_equal_the_reference_in_training(dtype, tol):
+    """On CuPy (a GPU, or the emulator): blockwise attention's forward and gradients through
+    the compiled kernels equal the batched-product reference (MINIDIST_FLASH_KERNEL's off)."""
+    from minidist import ops
+    from minidist.autograd import Tensor
+    from minidist.backend import from_host, to_host
+
+    rng = np.random.default_rng(1)
+    q, k, v, g = (rng.standard_normal((2, 3, 40, 16)).astype(dtype) for _ in range(4))
+
+    def run(kernel_off: bool):
+        ts = [Tensor(from_host(a), requires_grad=True) for a in (q, k, v)]
+        before = flash_cuda.why_not
+        if kernel_off:
+            flash_cuda.why_not = lambda head_dim: "off for the reference"
+        try:
+            y = ops.blockwise_attention(*ts, block=16)
+        finally:
+            flash_cuda.why_not = before
+        (y * Tensor(from_host(g))).sum().backward()
+        return [to_host(y.data)] + [to_host(t.grad) for t in ts]
+
+    for name, got, want in zip(("O", "dQ", "dK", "dV"), run(False), run(True)):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=name)
