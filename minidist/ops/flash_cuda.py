@@ -62,6 +62,11 @@ __device__ __forceinline__ void load_tile(REAL tile[BLOCK_N][HEAD_DIM], const RE
     }
 }
 
+// Row ``row`` of a (T, HEAD_DIM) matrix times ``factor`` into registers (zeros for an idle thread).
+__device__ __forceinline__ void load_row(REAL out[HEAD_DIM], const REAL* src, int row, bool active, REAL factor) {
+    for (int d = 0; d < HEAD_DIM; ++d) out[d] = active ? src[(long)row * HEAD_DIM + d] * factor : (REAL)0;
+}
+
 extern "C" __global__ void flash_forward(const REAL* q, const REAL* k, const REAL* v, REAL* o, REAL* lse,
                                          int Tq, int Tk, int q0, int k0, REAL scale, int causal) {
     __shared__ REAL ks[BLOCK_N][HEAD_DIM];
@@ -71,10 +76,8 @@ extern "C" __global__ void flash_forward(const REAL* q, const REAL* k, const REA
     const bool active = row < Tq;
     q += bh * Tq * HEAD_DIM; k += bh * Tk * HEAD_DIM; v += bh * Tk * HEAD_DIM;
     REAL qr[HEAD_DIM], acc[HEAD_DIM];
-    for (int d = 0; d < HEAD_DIM; ++d) {
-        qr[d] = active ? q[(long)row * HEAD_DIM + d] * scale : (REAL)0;
-        acc[d] = 0;
-    }
+    load_row(qr, q, row, active, scale);
+    for (int d = 0; d < HEAD_DIM; ++d) acc[d] = 0;
     REAL m = 0, l = 0;
     bool seen = false;  // has this row met a key it sees yet?
     const int end = keys_end(Tq, Tk, q0, k0, causal);
@@ -125,11 +128,9 @@ extern "C" __global__ void flash_backward_dq(const REAL* q, const REAL* k, const
     const bool active = row < Tq;
     q += bh * Tq * HEAD_DIM; dout += bh * Tq * HEAD_DIM; k += bh * Tk * HEAD_DIM; v += bh * Tk * HEAD_DIM;
     REAL qr[HEAD_DIM], dor[HEAD_DIM], acc[HEAD_DIM];
-    for (int d = 0; d < HEAD_DIM; ++d) {
-        qr[d] = active ? q[(long)row * HEAD_DIM + d] * scale : (REAL)0;
-        dor[d] = active ? dout[(long)row * HEAD_DIM + d] : (REAL)0;
-        acc[d] = 0;
-    }
+    load_row(qr, q, row, active, scale);
+    load_row(dor, dout, row, active, (REAL)1);
+    for (int d = 0; d < HEAD_DIM; ++d) acc[d] = 0;
     const REAL L = active ? lse[bh * Tq + row] : (REAL)0, D = active ? delta[bh * Tq + row] : (REAL)0;
     const int end = keys_end(Tq, Tk, q0, k0, causal);
     for (int start = 0; start < end; start += BLOCK_N) {
@@ -163,11 +164,9 @@ extern "C" __global__ void flash_backward_dkdv(const REAL* q, const REAL* k, con
     q += bh * Tq * HEAD_DIM; dout += bh * Tq * HEAD_DIM; k += bh * Tk * HEAD_DIM; v += bh * Tk * HEAD_DIM;
     lse += bh * Tq; delta += bh * Tq;
     REAL kr[HEAD_DIM], vr[HEAD_DIM], dkr[HEAD_DIM], dvr[HEAD_DIM];
-    for (int d = 0; d < HEAD_DIM; ++d) {
-        kr[d] = active ? k[(long)key * HEAD_DIM + d] : (REAL)0;
-        vr[d] = active ? v[(long)key * HEAD_DIM + d] : (REAL)0;
-        dkr[d] = dvr[d] = 0;
-    }
+    load_row(kr, k, key, active, (REAL)1);
+    load_row(vr, v, key, active, (REAL)1);
+    for (int d = 0; d < HEAD_DIM; ++d) dkr[d] = dvr[d] = 0;
     // causal: the queries before this block's first key see none of its keys
     const int first = causal ? max(0, min(Tq, k0 + (int)(blockIdx.x * blockDim.x) - q0)) : 0;
     for (int start = first; start < Tq; start += BLOCK_N) {
