@@ -212,6 +212,20 @@ def from_host(a):
     return _timed("from_host", xp.asarray, a)
 
 
+def current_device():
+    """This thread's GPU id under CuPy; True on NumPy (one place, nothing to choose)."""
+    return True if xp is _np else xp.cuda.Device().id
+
+
+def using_device(device):
+    """A context in which new device arrays land on GPU ``device`` (from :func:`current_device`).
+    CUDA's current device is per thread: a helper thread (comm's progress thread) starts on
+    GPU 0 and must select the GPU of the rank it works for."""
+    import contextlib
+
+    return contextlib.nullcontext() if device is True else xp.cuda.Device(device)
+
+
 def device_memory() -> dict | None:
     """The GPU's name, total bytes and the bytes CuPy's memory pool holds now (None on NumPy)."""
     if xp is _np:

@@ -47,13 +47,18 @@ def breakdown(events, t0: float, t1: float, first: int = 0) -> dict:
         if stack and e > stack[-1][0]:
             e = stack[-1][0]  # clipped into its parent (clock rounding)
         inside_bubble = any(item[1] == "bubble" for item in stack)
-        if cat in COMM_CATS:
+        group = _group_of(a)
+        if cat in ("staging", "sync") and stack:
+            # A copy between host and device belongs to what it serves: a collective's staging
+            # is that collective's group, a batch's move inside a forward is compute.
+            cls, group = stack[-1][1], stack[-1][2]
+        elif cat in COMM_CATS:
             cls = "bubble" if inside_bubble else "comm"
         else:
             cls = "bubble" if inside_bubble else _CLASS.get(cat, "other")
         if not stack:
             covered += e - s
-        stack.append([e, cls, _group_of(a), s, 0.0])
+        stack.append([e, cls, group, s, 0.0])
     while stack:
         close(stack.pop())
     parts["other"] += (t1 - t0) - covered
@@ -69,4 +74,6 @@ def _group_of(a) -> str:
             return a[1] or "?"
     if isinstance(a, dict) and "group" in a:
         return a["group"]
+    if isinstance(a, dict) and "bytes" in a:  # a top-level staging copy: no collective around it
+        return "host<->device"
     return "?"

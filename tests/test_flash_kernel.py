@@ -90,7 +90,7 @@ def test_tiles_fit_the_shared_memory_of_a_block():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed here")
-@pytest.mark.parametrize("real, head_dim", [("float", 64), ("double", 64), ("float", 128)])
+@pytest.mark.parametrize("real, head_dim", [("float", 64), ("double", 64), ("float", 128), ("double", 128)])
 def test_source_compiles_for_an_h100(tmp_path, real, head_dim):
     src = tmp_path / "flash.cu"
     src.write_text(flash_cuda.SOURCE)

@@ -189,6 +189,22 @@ def test_breakdown_parts_sum_to_the_step():
     assert b["other"] == pytest.approx(10.0 - 5.0 - 1.2 - 1.0 - 0.8)
 
 
+def test_a_host_device_copy_counts_for_what_it_serves():
+    """Staging spans (CuPy) nest in the collective or the compute they serve and count for it;
+    a copy on its own is communication between host and device."""
+    ev = [("compute", "fb", "step", 0.0, 4.0, None),
+          ("comm", "all_reduce", "collective", 0.0, 1.0, {"group": "dp"}),
+          ("comm", "to_host", "staging", 0.1, 0.6, {"bytes": 8}),
+          ("compute", "F0", "compute", 1.0, 2.0, None),
+          ("comm", "from_host", "staging", 1.1, 1.2, {"bytes": 8}),
+          ("comm", "host read", "sync", 1.5, 1.6, {"bytes": 8}),
+          ("comm", "to_host", "staging", 3.0, 3.5, {"bytes": 8})]
+    b = breakdown(ev, 0.0, 4.0)
+    assert b["comm"] == pytest.approx({"dp": 1.0, "host<->device": 0.5})
+    assert b["compute"] == pytest.approx(1.0)
+    assert b["other"] == pytest.approx(2.5 - 1.0)
+
+
 def test_rank_label_names_the_axes_of_size_above_one():
     assert trace.rank_label({"dp": 2, "pp": 2, "cp": 1, "tp": 2}, 5) == "rank 5 (dp1 pp0 tp1)"
     assert trace.rank_label({"dp": 1, "pp": 1, "cp": 1, "tp": 1}, 0) == "rank 0"

@@ -243,7 +243,8 @@ def barrier(g, async_op: bool = False):
     Hensgen, Finkel & Manber 1988: ceil(log2 N) rounds of empty messages)."""
     _check_group(g, "barrier")
     sig = ("barrier", None, dict(rule="none"))
-    return _launch("barrier", lambda grp, _x: trees.dissemination_barrier(grp), g, None, sig, async_op)
+    return _launch("barrier", lambda grp, _x: trees.dissemination_barrier(grp), g, None, sig, async_op,
+                   device=False)
 
 
 __all__ = ["all_reduce", "reduce_scatter", "reduce", "all_gather", "broadcast", "scatter",

@@ -34,7 +34,9 @@ def scatter(x, g, root: int = 0):
     128-byte shape/dtype header, so receivers need not know the shape in advance)."""
     _check_group(g, "scatter")
     root = check.check_root(root, g, "scatter")
-    device = on_device(x) if g.rank == root else True  # the others' parts go where the root's array was
+    # Where each part lands: the root's where its array was; the others hold no array to tell,
+    # and theirs go to the backend's device (a no-op with NumPy).
+    device = on_device(x) if g.rank == root else True
     if g.rank == root:
         x = _host(x, "scatter")
         check.need_axis0(x, "scatter")

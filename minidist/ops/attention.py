@@ -170,6 +170,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale=None) 
         )
     scale = _check_scale(q.shape[-1], scale)
     (Q, K, V), out_dtype = gemm_operands(q.data, k.data, v.data)
+    if tuning.tuned():  # the CPU-tuned slabs multiply in float32 for low-precision operands, on any backend
+        Q, K, V = (to_dtype(a, compute_dtype(a.dtype)) for a in (Q, K, V))
     Qs = Q * scale  # scaling Q (T*D values) is cheaper than scaling the scores (T*T)
     lead, Tq, Tk = Q.shape[:-2], Q.shape[-2], K.shape[-2]
     if not tuning.tuned():  # whole-array: a few batched products
@@ -181,9 +183,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale=None) 
             return to_dtype(dQ, q.dtype), to_dtype(dK, k.dtype), to_dtype(dV, v.dtype)
 
         return make_tensor(to_dtype(O, out_dtype), (q, k, v), backward)
-    # CPU-tuned: one slab (all heads of one batch element) at a time, on the BLAS threads.  Its
-    # products run in float32 for low-precision operands, as on NumPy, on any backend.
-    Qs, K, V = (to_dtype(a, compute_dtype(a.dtype)) for a in (Qs, K, V))
+    # CPU-tuned: one slab (all heads of one batch element) at a time, on the BLAS threads
     P = xp.empty(lead + (Tq, Tk), dtype=Qs.dtype)  # probabilities, kept for backward
     O = xp.empty(lead + (Tq, V.shape[-1]), dtype=Qs.dtype)
     mask = causal_mask(Tq, Tk, Qs.dtype) if causal else None

@@ -279,15 +279,15 @@ def getitem(x: Tensor, key) -> Tensor:
     return make_tensor(out, (x,), backward)
 
 
-def check_index(idx, n, what="index"):
-    """``idx`` as an integer array on the backend's device whose values lie in [0, n); a clear
-    error otherwise.
+def check_range(idx, n, what="index"):
+    """``idx`` (where it lies: a list becomes a host array) after checking that it is an
+    integer array whose values lie in [0, n); a clear error otherwise.
 
     Where the check runs matters on a GPU.  A host array -- the batch as the sampler made it,
-    a row's positions -- is checked where it lies, for free, and then moved to the device.  A
-    device array's range has to be read back: a counted ``host_read``, one synchronisation
-    that drains the GPU's queue.  So the training path hands the ops host batches and never
-    pays it (with NumPy both cases are the first)."""
+    a row's positions -- is checked where it lies, for free.  A device array's range has to be
+    read back: a counted ``host_read``, one synchronisation that drains the GPU's queue.  So
+    the training path hands the ops host batches and never pays it (with NumPy both cases are
+    the first)."""
     idx = idx.data if isinstance(idx, Tensor) else idx
     device = on_device(idx)
     if not device:
@@ -302,7 +302,12 @@ def check_index(idx, n, what="index"):
         if lo < 0 or hi >= n:
             bad = lo if lo < 0 else hi
             raise IndexError(f"{what} value {bad} out of range [0, {n})")
-    return from_host(idx)
+    return idx
+
+
+def check_index(idx, n, what="index"):
+    """:func:`check_range`, then the index on the backend's device, ready to index with."""
+    return from_host(check_range(idx, n, what))
 
 
 def scatter_add_rows(idx, g, num_rows, dtype):

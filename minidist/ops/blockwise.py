@@ -174,7 +174,7 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, block: int = 128, causa
     if q.ndim < 2 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"attention shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if flash_cuda.why_not(q.shape[-1]) is None:
+    if flash_cuda.why_not(q.shape[-1]) is None and q.shape[-2] and k.shape[-2]:
         return _flash_kernel_attention(q, k, v, causal, scale)
     (Q, K, V), out_dtype = gemm_operands(q.data, k.data, v.data)
     Qs = Q * scale
@@ -196,10 +196,11 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, block: int = 128, causa
 def _flash_kernel_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
     """:func:`blockwise_attention` as the fused CUDA kernels of ``flash_cuda`` (CuPy only).
     Low-precision operands are widened to float32, the dtype the reference's softmax and
-    gradients run in; the output comes back in the autocast dtype like the reference's."""
+    gradients run in (so backward holds float32 copies: twice the reference's bf16 operands);
+    the output comes back in the autocast dtype like the reference's."""
     (Q, K, V), out_dtype = gemm_operands(q.data, k.data, v.data)
     cdt = compute_dtype(Q.dtype)
-    Q, K, V = (to_dtype(a, cdt) for a in (Q, K, V))
+    Q, K, V = (xp.ascontiguousarray(to_dtype(a, cdt)) for a in (Q, K, V))  # once, for both passes
     O, lse = flash_cuda.forward(Q, K, V, scale, causal)
 
     def backward(g):

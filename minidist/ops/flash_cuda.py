@@ -21,6 +21,13 @@ too), which costs one pass over Q, K and V, nothing next to the T^2 work.  They 
 cores, not tensor cores: a tensor-core version (``mma`` fragments) is the next step where the
 profile asks for it.
 
+What ptxas reports for an H100 (``nvcc -arch=sm_90 -Xptxas -v``): every kernel uses one
+barrier and under 48 KiB of shared memory; registers are the limit.  For float and D = 64 (a
+GPT-2-sized head) the forward does not spill, the dQ kernel spills 48 bytes and the dK/dV
+kernel 420 bytes per thread; D = 128 and double spill kilobytes.  With 64 threads and about
+48 KiB per block, few blocks share an SM.  So these kernels are a correct fused baseline, not
+a tuned one: whether they beat the batched products is for ``bench_gpu.py`` to say.
+
 Switch: ``MINIDIST_FLASH_KERNEL`` (``auto``: on CuPy for head sizes up to 128; ``off``: the
 batched-product reference everywhere).  ``tests/test_flash_kernel.py`` checks the kernel
 source on a CPU: compiled by a C++ compiler under a small emulation of CUDA's thread model
@@ -41,6 +48,7 @@ SHARED_BYTES = 48 * 1024  # the static shared memory a thread block may declare
 
 SOURCE = r"""
 // REAL: float or double; HEAD_DIM: the head size; BLOCK_N: keys (or queries) per shared tile.
+// Grid: x = one (batch, head) pair (up to 2^31 - 1 of them), y = a run of blockDim.x rows.
 // q, k, v, o, do: (BH, T, HEAD_DIM) contiguous; lse, delta: (BH, T).  Query row i sits at
 // global position q0 + i, key j at k0 + j; with causal, query i sees key j iff k0+j <= q0+i.
 
@@ -49,7 +57,7 @@ __device__ __forceinline__ bool sees(int qpos, int kpos, int causal) { return !c
 // The keys [0, end) that some query row of this block may see (causal: none past its last row).
 __device__ __forceinline__ int keys_end(int Tq, int Tk, int q0, int k0, int causal) {
     if (!causal) return Tk;
-    int last_row = min((int)((blockIdx.x + 1) * blockDim.x), Tq) - 1;
+    int last_row = min((int)((blockIdx.y + 1) * blockDim.x), Tq) - 1;
     return max(0, min(Tk, q0 + last_row - k0 + 1));
 }
 
@@ -71,8 +79,8 @@ extern "C" __global__ void flash_forward(const REAL* q, const REAL* k, const REA
                                          int Tq, int Tk, int q0, int k0, REAL scale, int causal) {
     __shared__ REAL ks[BLOCK_N][HEAD_DIM];
     __shared__ REAL vs[BLOCK_N][HEAD_DIM];
-    const long bh = blockIdx.y;
-    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    const long bh = blockIdx.x;
+    const int row = blockIdx.y * blockDim.x + threadIdx.x;
     const bool active = row < Tq;
     q += bh * Tq * HEAD_DIM; k += bh * Tk * HEAD_DIM; v += bh * Tk * HEAD_DIM;
     REAL qr[HEAD_DIM], acc[HEAD_DIM];
@@ -123,8 +131,8 @@ extern "C" __global__ void flash_backward_dq(const REAL* q, const REAL* k, const
                                              int Tq, int Tk, int q0, int k0, REAL scale, int causal) {
     __shared__ REAL ks[BLOCK_N][HEAD_DIM];
     __shared__ REAL vs[BLOCK_N][HEAD_DIM];
-    const long bh = blockIdx.y;
-    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    const long bh = blockIdx.x;
+    const int row = blockIdx.y * blockDim.x + threadIdx.x;
     const bool active = row < Tq;
     q += bh * Tq * HEAD_DIM; dout += bh * Tq * HEAD_DIM; k += bh * Tk * HEAD_DIM; v += bh * Tk * HEAD_DIM;
     REAL qr[HEAD_DIM], dor[HEAD_DIM], acc[HEAD_DIM];
@@ -158,8 +166,8 @@ extern "C" __global__ void flash_backward_dkdv(const REAL* q, const REAL* k, con
     __shared__ REAL qs[BLOCK_N][HEAD_DIM];
     __shared__ REAL dos[BLOCK_N][HEAD_DIM];
     __shared__ REAL Ls[BLOCK_N], Ds[BLOCK_N];
-    const long bh = blockIdx.y;
-    const int key = blockIdx.x * blockDim.x + threadIdx.x;
+    const long bh = blockIdx.x;
+    const int key = blockIdx.y * blockDim.x + threadIdx.x;
     const bool active = key < Tk;
     q += bh * Tq * HEAD_DIM; dout += bh * Tq * HEAD_DIM; k += bh * Tk * HEAD_DIM; v += bh * Tk * HEAD_DIM;
     lse += bh * Tq; delta += bh * Tq;
@@ -168,7 +176,7 @@ extern "C" __global__ void flash_backward_dkdv(const REAL* q, const REAL* k, con
     load_row(vr, v, key, active, (REAL)1);
     for (int d = 0; d < HEAD_DIM; ++d) dkr[d] = dvr[d] = 0;
     // causal: the queries before this block's first key see none of its keys
-    const int first = causal ? max(0, min(Tq, k0 + (int)(blockIdx.x * blockDim.x) - q0)) : 0;
+    const int first = causal ? max(0, min(Tq, k0 + (int)(blockIdx.y * blockDim.x) - q0)) : 0;
     for (int start = first; start < Tq; start += BLOCK_N) {
         __syncthreads();
         load_tile(qs, q, start, Tq, scale);
@@ -240,38 +248,50 @@ def compiled(real: str, head_dim: int) -> dict:
 
 
 def _real(dtype) -> str:
+    """The kernels' compute type for arrays of ``dtype``."""
     if dtype not in (xp.float32, xp.float64):
         raise TypeError(f"the flash kernels compute in float32 or float64, got {dtype}")
     return "double" if dtype == xp.float64 else "float"
 
 
-def _grid(rows: int, bh: int):
-    return ((rows + THREADS - 1) // THREADS, bh), (THREADS,)
+def _check(q, *others):
+    """q (..., Tq, D) and k, v, ... (..., T, D) of q's dtype and leading dims: the kernels
+    read raw memory, so a mismatch must be an error here, not garbage there."""
+    for a in others:
+        if a.dtype != q.dtype or a.shape[:-2] != q.shape[:-2] or a.shape[-1] != q.shape[-1]:
+            raise ValueError(f"flash kernels: {a.dtype}{tuple(a.shape)} does not fit q {q.dtype}{tuple(q.shape)}")
+
+
+def _launch(kernel, rows: int, bh: int, arrays, Tq, Tk, q0, k0, scale, causal, dtype):
+    """One kernel over ``bh`` (batch, head) pairs and ``rows`` rows of each, one row per thread."""
+    tail = (xp.int32(Tq), xp.int32(Tk), xp.int32(q0), xp.int32(k0), dtype.type(scale), xp.int32(causal))
+    kernel((bh, (rows + THREADS - 1) // THREADS), (THREADS,), tuple(arrays) + tail)
 
 
 def forward(q, k, v, scale: float, causal: bool, q0: int = 0, k0: int = 0, kernels=None):
     """(O, L) of q (..., Tq, D) over k, v (..., Tk, D), float32 or float64: O like q and the
     log-sum-exp L (..., Tq, 1).  ``kernels``: :func:`compiled`'s (the default) or a stand-in
-    with the same calls (the tests' CPU emulation)."""
+    with the same calls (the tests' CPU emulation).  Tq and Tk must be positive."""
+    _check(q, k, v)
     *lead, Tq, D = q.shape
     Tk, bh = k.shape[-2], math.prod(lead)
     kernels = kernels or compiled(_real(q.dtype), D)
     q, k, v = (xp.ascontiguousarray(a) for a in (q, k, v))
     o, lse = xp.empty_like(q), xp.empty(tuple(lead) + (Tq, 1), dtype=q.dtype)
-    tail = (*[xp.int32(n) for n in (Tq, Tk, q0, k0)], q.dtype.type(scale), xp.int32(causal))
-    kernels["flash_forward"](*_grid(Tq, bh), (q, k, v, o, lse) + tail)
+    _launch(kernels["flash_forward"], Tq, bh, (q, k, v, o, lse), Tq, Tk, q0, k0, scale, causal, q.dtype)
     return o, lse
 
 
 def backward(q, k, v, o, lse, do, scale: float, causal: bool, q0: int = 0, k0: int = 0, kernels=None):
     """(dQ, dK, dV) of the attention :func:`forward` computed, given dO."""
+    _check(q, k, v, o, do)
     *lead, Tq, D = q.shape
     Tk, bh = k.shape[-2], math.prod(lead)
     kernels = kernels or compiled(_real(q.dtype), D)
     q, k, v, do = (xp.ascontiguousarray(a) for a in (q, k, v, do))
     delta = xp.ascontiguousarray(xp.einsum("...i,...i->...", do, o))  # rowsum(dO * O), one per row
     dq, dk, dv = xp.empty_like(q), xp.empty_like(k), xp.empty_like(v)
-    tail = (*[xp.int32(n) for n in (Tq, Tk, q0, k0)], q.dtype.type(scale), xp.int32(causal))
-    kernels["flash_backward_dq"](*_grid(Tq, bh), (q, k, v, do, lse, delta, dq) + tail)
-    kernels["flash_backward_dkdv"](*_grid(Tk, bh), (q, k, v, do, lse, delta, dk, dv) + tail)
+    args = (Tq, Tk, q0, k0, scale, causal, q.dtype)
+    _launch(kernels["flash_backward_dq"], Tq, bh, (q, k, v, do, lse, delta, dq), *args)
+    _launch(kernels["flash_backward_dkdv"], Tk, bh, (q, k, v, do, lse, delta, dk, dv), *args)
     return dq, dk, dv

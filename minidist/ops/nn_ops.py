@@ -307,7 +307,9 @@ def embedding(weight: Tensor, ids) -> Tensor:
 def checked_targets(targets, logits_shape, n_classes, ignore_index=None):
     """The targets flattened, on the device and range-checked against ``n_classes`` (on the
     host when they come from there: see ``check_index``), and the mask of the tokens that
-    count (None without ``ignore_index``; ignored tokens point at class 0 meanwhile)."""
+    count (None without ``ignore_index``).  Ignored tokens are set to class 0 before the
+    check, so an ``ignore_index`` outside [0, n_classes) such as -100 passes it; the mask
+    then takes them out of the loss."""
     targets = targets.data if isinstance(targets, Tensor) else targets
     if not hasattr(targets, "shape"):  # a list
         targets = host.asarray(targets)

@@ -81,7 +81,7 @@ class Strategy:
         """Accumulate into the gradients the gradient of the global batch's mean loss (times
         ``loss_scale``), reduced over the data-parallel group; return that loss."""
         tr = trace.active  # the timeline's spans of each microbatch (minidist/trace.py)
-        if self.pipeline is not None:
+        if self.pipeline is not None:  # each pass returns its loss as a number (read once per pass)
             local = 0.0
             for xs, ys, share, last in self.micro_batches(x, y, grad_accum):
                 local += self._pipeline_pass(xs, ys, share, last, low_dtype, loss_scale)

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 from minidist import comm, nn, ops
 from minidist.autograd import Tensor, make_tensor
-from minidist.backend import from_host, host, on_host, to_host, xp
+from minidist.backend import from_host, host, on_host, xp
 from minidist.comm import functional as F
 from minidist.comm.group import Group
-from minidist.ops.basic import check_index
+from minidist.ops.basic import check_range
 from minidist.ops.nn_ops import checked_targets
 from minidist.ops.precision import compute_dtype, get_autocast_dtype, to_dtype
 from minidist.parallel import collective_matmul as cm
@@ -73,16 +73,16 @@ class Shard:
         """The global indices along ``dim`` this rank keeps, in its local order."""
         block = length // self.blocks
         part = block // self.parts
-        return xp.concatenate([xp.arange(b * block + self.index * part, b * block + (self.index + 1) * part)
-                               for b in range(self.blocks)])
+        return host.concatenate([host.arange(b * block + self.index * part, b * block + (self.index + 1) * part)
+                                 for b in range(self.blocks)])  # host: index bookkeeping
 
     def take(self, full):
         """This rank's slice of the global array ``full``, where ``full`` lies (host or device:
         a checkpoint rebuilds global tensors on the host)."""
         indices = self.indices(full.shape[self.dim])
         if on_host(full):
-            return host.take(full, to_host(indices), axis=self.dim)
-        return xp.take(full, indices, axis=self.dim)
+            return host.take(full, indices, axis=self.dim)
+        return xp.take(full, from_host(indices), axis=self.dim)
 
 
 def problems(given, cfg) -> list[str]:
@@ -312,8 +312,7 @@ class VocabParallelEmbedding(nn.Embedding):
         tp = self.tp
         if tp.parts == 1:
             return ops.embedding(self.weight, ids)
-        check_index(ids, self.vocab_size, "embedding id")
-        ids = ids.data if isinstance(ids, Tensor) else ids
+        ids = check_range(ids, self.vocab_size, "embedding id")
         rows = self.weight.shape[0]
         # Operators only, so a host batch stays on the host, where its indices are checked for free.
         local = ids - tp.rank * rows

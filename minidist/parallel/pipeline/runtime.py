@@ -183,8 +183,8 @@ class PipelineRuntime:
         """Every pipeline rank's measured :attr:`timeline` of the last step on ``root`` (None
         elsewhere); every rank runs the same number of compute actions (2*M*V)."""
         rows = [[start, end, a.op == BACKWARD, a.microbatch, a.chunk] for start, end, a in self.timeline]
-        gathered = comm.gather(xp.asarray(rows, dtype=xp.float64), self.group, root=root) if self.P > 1 \
-            else xp.asarray(rows, dtype=xp.float64)
+        rows_h = host.asarray(rows, dtype=host.float64)  # host numbers: no device round trip
+        gathered = comm.gather(rows_h, self.group, root=root) if self.P > 1 else rows_h
         if gathered is None:
             return None
         n = len(rows)
