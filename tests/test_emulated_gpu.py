@@ -13,7 +13,11 @@ conversion to NumPy and record every device->host transfer.  Checked:
 (d) ``--attention blockwise``, which on CuPy runs flash_cuda's CUDA kernels (the emulator's
     RawModule compiles them for the CPU with tests/cuda_on_cpu.py) and on NumPy the batched-
     product reference: equal losses check the kernels in training, forward and backward, one
-    process and under Ulysses, float64 and float32, and the launch record shows they ran.
+    process and under Ulysses, float64 and float32, and the launch record shows they ran;
+(e) two emulated GPUs (``MINIDIST_EMULATED_GPUS=2``): each rank selects the GPU of its
+    launcher's local rank, and the async collectives run on comm's progress thread (which, as
+    every new thread in CUDA, starts on GPU 0) put their results on the rank's own GPU: no
+    array is used on another device than its thread's current one.
 """
 
 import json
@@ -37,10 +41,12 @@ def emulated_env(**extra):
 
 
 def test_the_emulator_itself():
+    """selfcheck.py with two emulated GPUs (its per-thread device checks need a second)."""
     import subprocess
 
     r = subprocess.run([sys.executable, os.path.join(EMULATOR, "selfcheck.py")], cwd=ROOT,
-                       env={**os.environ, **emulated_env()}, capture_output=True, text=True, timeout=60)
+                       env={**os.environ, **emulated_env(MINIDIST_EMULATED_GPUS="2")}, capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -72,22 +78,24 @@ def numpy_losses(tmp_path_factory):
 _runs = {}
 
 
-def emulated_run(name, nprocs, args, tmp_path_factory):
-    """(losses, the d2h transfers of every rank) of one emulated run, run once per module."""
+def emulated_run(name, nprocs, args, tmp_path_factory, **env):
+    """(losses, the d2h transfers of every rank) of one emulated run, run once per module;
+    ``env``: variables for the run (e.g. MINIDIST_EMULATED_GPUS)."""
     if name not in _runs:
         d = tmp_path_factory.mktemp(name)
         log = str(d / "transfers.{pid}.jsonl")
         r = run_train(nprocs, TINY + args + ["--metrics-jsonl", str(d / "m.jsonl")],
-                      env=emulated_env(MINIDIST_EMULATED_TRANSFER_LOG=log))
-        transfers, launches = [], []
+                      env=emulated_env(MINIDIST_EMULATED_TRANSFER_LOG=log, **env))
+        transfers, launches, ranks = [], [], []
         for f in sorted(d.glob("transfers.*.jsonl")):
             with open(f) as fh:
                 events = list(map(json.loads, fh))
             transfers += [t for t in events if t["direction"] == "d2h"]
             launches.append(Counter(t["kind"] for t in events if t["direction"] == "launch"))
+            ranks.append(events)
         rows = [] if r.returncode else [json.loads(line) for line in open(d / "m.jsonl")]
-        _runs[name] = (r, None if r.returncode else _losses(d / "m.jsonl"), transfers, launches, rows)
-    r, losses, transfers, _, _ = _runs[name]
+        _runs[name] = (r, None if r.returncode else _losses(d / "m.jsonl"), transfers, launches, rows, ranks)
+    r, losses, transfers = _runs[name][:3]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return losses, transfers
 
@@ -205,3 +213,37 @@ def test_the_timeline_shows_every_copy_between_host_and_device(tmp_path):
         kinds = Counter(e["name"] for e in events if e.get("pid") == pid and e.get("cat") in ("staging", "sync"))
         assert kinds["to_host"] and kinds["from_host"] and kinds["host read"], (pid, kinds)
         assert all(e["args"]["bytes"] > 0 for e in events if e.get("pid") == pid and e.get("cat") == "staging")
+
+
+# (e) Two GPUs: rank 1 computes on GPU 1.  The async collectives (on the group's progress
+# thread, which starts on GPU 0) are DDP's bucket all-reduces overlapped with backward, ZeRO-3's
+# parameter prefetch and gradient reduce-scatters, ring attention's K/V ppermutes, and the
+# collective matmuls' ring steps (--tp-async), whose ppermute results land on the device from
+# the progress thread itself: the run that shows a result put on the wrong GPU (comm/launch.py).
+TWO_GPUS = [
+    ("gpus2_dp2", ["--dp", "2"]),
+    ("gpus2_dp2_zero3", ["--dp", "2", "--zero", "3"]),
+    ("gpus2_cp2_ring", ["--cp", "2", "--cp-impl", "ring"]),
+    ("gpus2_tp2_async", ["--tp", "2", "--tp-async", "ring"]),
+]
+
+
+@pytest.mark.parametrize("name, args", TWO_GPUS, ids=[r[0] for r in TWO_GPUS])
+def test_two_gpus_each_rank_on_its_own_and_nothing_crosses(name, args, numpy_losses, tmp_path_factory):
+    from minidist.backend import LOCAL_RANK_VARIABLES
+
+    losses, _ = emulated_run(name, 2, args, tmp_path_factory, MINIDIST_EMULATED_GPUS="2")
+    for got, want in zip(losses, numpy_losses, strict=True):
+        assert abs(got - want) <= 1e-9 * abs(want), (name, losses, numpy_losses)
+    ranks = _runs[name][5]
+    crossing = sorted({f"{t['kind']} at {t['site']}" for events in ranks for t in events
+                       if t["direction"] == "cross-device"})
+    assert not crossing, "arrays used on another GPU than their thread's current one:\n" + "\n".join(crossing)
+    summaries = [events[-1] for events in ranks]
+    assert len(summaries) == 2 and all(s["direction"] == "summary" for s in summaries)
+    # the launcher says each rank's local rank, and the rank's main thread is on that GPU
+    for s in summaries:
+        (variable, value), = s["local_rank_env"].items()
+        assert variable in LOCAL_RANK_VARIABLES and s["device_count"] == 2, s
+        assert s["device"] == int(value) and s["allocated_devices"] == [s["device"]], s
+    assert sorted(s["device"] for s in summaries) == [0, 1]

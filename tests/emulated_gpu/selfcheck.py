@@ -127,9 +127,96 @@ def memory_pool_and_hook():
 @check
 def devices():
     assert cupy.cuda.runtime.getDeviceCount() == int(os.environ.get("MINIDIST_EMULATED_GPUS", "1"))
-    assert cupy.cuda.Device().id == 0
+    assert cupy.cuda.Device().id == 0 and cupy.ones(1).device == cupy.cuda.Device(0)
     raises(cupy.cuda.runtime.CUDARuntimeError, lambda: cupy.cuda.Device(99).use())
     cupy.cuda.get_current_stream().synchronize()
+
+
+@check
+def the_current_device_is_per_thread():
+    """As in CUDA: each host thread has its own current device, 0 in a new thread; an array
+    stays on the device it was allocated on, and so do its views."""
+    import threading
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        print("skip the_current_device_is_per_thread: MINIDIST_EMULATED_GPUS < 2")
+        return
+    seen = {}
+    with cupy.cuda.Device(1):
+        a = cupy.ones(4)
+        t = threading.Thread(target=lambda: seen.update(dev=cupy.cuda.Device().id, b=cupy.zeros(2)))
+        t.start()
+        t.join()
+        assert cupy.cuda.Device().id == 1 and cupy.cuda.runtime.getDevice() == 1
+        assert a.reshape(2, 2).device.id == 1 and a[1:].device.id == 1 and a.T.device.id == 1
+    assert seen["dev"] == 0 and seen["b"].device == cupy.cuda.Device(0)
+    assert a.device == cupy.cuda.Device(1) and cupy.cuda.Device().id == 0
+
+
+@check
+def cross_device_uses_are_recorded_and_refused_without_peer_access():
+    """A kernel given another device's array: CuPy's PerformanceWarning with peer access (the
+    kernel runs), its ValueError without; a view is no kernel; asarray and copy copy across."""
+    import warnings
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        print("skip cross_device_uses_are_recorded_and_refused_without_peer_access: MINIDIST_EMULATED_GPUS < 2")
+        return
+    with cupy.cuda.Device(1):
+        a = cupy.arange(4.0)
+    _emulator.reset()
+    v = a.reshape(2, 2)[0]  # views: no kernel, nothing to check
+    b = cupy.asarray(a)  # a device-to-device copy onto device 0
+    c = a.copy()
+    assert b.device.id == 0 and c.device.id == 0 and _emulator.cross_device() == []
+    assert [t.direction for t in _emulator.transfers(None)] == ["d2d", "d2d"]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert (a + b).get().tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert [type(x.message).__name__ for x in w] == ["PerformanceWarning"], w
+    assert "Peer access has been activated automatically" in str(w[0].message)
+    (t,) = _emulator.cross_device()
+    assert t.kind == "ufunc:add: array on device 1, current device 0" and "selfcheck.py" in t.site, t
+    os.environ["MINIDIST_EMULATED_PEER_ACCESS"] = "0"
+    try:
+        raises(ValueError, lambda: a * 2, "Peer access is unavailable between these devices")
+        raises(ValueError, lambda: b.__setitem__(slice(None), a), "is different from the current device (0)")
+        raises(ValueError, lambda: cupy.concatenate([b, v]), "resides (1)")
+        c[...] = 1.0  # same device: fine
+    finally:
+        del os.environ["MINIDIST_EMULATED_PEER_ACCESS"]
+    assert len(_emulator.cross_device()) == 4
+
+
+@check
+def device_operations_are_counted():
+    """One per call that launches: ufuncs, operators, copies, kernels, fused functions as one;
+    not views, empty, or a no-op conversion."""
+    a = cupy.ones((4, 4), dtype=np.float32)
+    f = cupy.fuse(kernel_name="fma")(lambda x, y: x * y + y)
+    _emulator.reset_operations()
+    b = a + 1  # ufunc:add
+    b *= 2  # ufunc:multiply (in place)
+    a.reshape(16), a.T, a[1:], a[0], cupy.empty((3,)), cupy.ascontiguousarray(a), a.astype(np.float32, copy=False)
+    cupy.matmul(a, b)  # ufunc:matmul
+    a.sum(axis=0)  # method:sum
+    a.T.copy()  # method:copy
+    a[cupy.asarray([0, 2])]  # h2d:asarray, getitem (a gather)
+    a[1:3] = 0.0  # setitem
+    f(a, b)  # fuse:fma, not its multiply and add
+    cupy.zeros(3)  # function:zeros (a memset)
+    ops = _emulator.operations()
+    assert ops == {"ufunc:add": 1, "ufunc:multiply": 1, "ufunc:matmul": 1, "method:sum": 1, "method:copy": 1,
+                   "h2d:asarray": 1, "getitem": 1, "setitem": 1, "fuse:fma": 1, "function:zeros": 1}, ops
+    assert _emulator.op_count() == 10
+    _emulator.count_sites(True)
+    try:
+        _emulator.reset_operations()
+        a - b
+        ((kind, site),) = _emulator.operations(by_site=True)
+        assert kind == "ufunc:subtract" and "selfcheck.py" in site, site
+    finally:
+        _emulator.count_sites(False)
 
 
 @check

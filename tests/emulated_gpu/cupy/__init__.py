@@ -25,14 +25,30 @@ What it emulates (the semantics of real CuPy that catch host/device mix-ups):
   by ``tests/cuda_on_cpu.py`` (a block's threads as OS threads), called with device arrays,
   which the kernel reads and writes in place; every launch is recorded in ``cupy._emulator``.
 * ``cupy.cuda``: ``Device``, ``runtime.getDeviceCount`` (``MINIDIST_EMULATED_GPUS``, default
-  1), ``getDeviceProperties``, streams, ``MemoryHook``; ``get_default_memory_pool`` counts the
-  bytes of live device buffers (weakref finalizers), so peak-memory reports are plausible.
+  1), ``getDevice``/``setDevice``, ``getDeviceProperties``, streams, ``MemoryHook``;
+  ``get_default_memory_pool`` counts the bytes of live device buffers (weakref finalizers) of
+  the current device, so peak-memory reports are plausible.
+* Devices as CUDA has them: the current device is per host thread (``threading.local``; every
+  new thread starts on device 0, ``Device(i).use()`` and ``with Device(i):`` change only the
+  calling thread's), and every array lives on the device it was allocated on
+  (``ndarray.device``; a view on its buffer's).  A kernel (ufunc, operator, reduction,
+  copying function or method, setitem, fused function, ElementwiseKernel) given an array on
+  another device than the current one does what CuPy's ``_check_peer_access`` does: a
+  ``PerformanceWarning`` and the kernel runs (peer access, the default), or a ``ValueError``
+  with ``MINIDIST_EMULATED_PEER_ACCESS=0``; a RawKernel is not checked by CuPy (it runs with
+  peer access, faults without: CUDADriverError).  Every such use is recorded
+  (``_emulator.cross_device()``).  ``asarray``/``array``/``copy`` of another device's array
+  copy it to the current device, as CuPy does (recorded as 'd2d'); ``get()`` reads any device.
+* Device operations are counted (``_emulator.operations()``): every call that launches work,
+  once, however it is built (a fused function's body is not counted again).  See _emulator.
 * ``cupyx.empty_pinned`` / ``zeros_pinned`` (plain NumPy arrays), ``cupyx.scatter_add``.
 
-What it does not: no kernels of its own (RawModule's run on the CPU), no asynchrony, no speed, no device memory limit; results are
-NumPy's bit for bit (cuBLAS/cuDNN rounding, TF32, atomics' order are not modelled); functions
-NumPy has and CuPy lacks are not refused; ``fuse`` does not restrict the body to what CuPy can
-trace.  It exists to catch host/device mix-ups and hidden synchronisations without a GPU.
+What it does not: no kernels of its own (RawModule's run on the CPU), no asynchrony, no
+speed, no device memory limit, no streams per device (a matmul's operands are checked like an
+elementwise kernel's, as CuPy's cuBLAS path may not); results are NumPy's bit for bit
+(cuBLAS/cuDNN rounding, TF32, atomics' order are not modelled); functions NumPy has and CuPy
+lacks are not refused; ``fuse`` does not restrict the body to what CuPy can trace.  It exists
+to catch host/device mix-ups, hidden synchronisations and arrays on the wrong GPU without one.
 """
 
 from __future__ import annotations
@@ -42,7 +58,9 @@ import numbers
 import os
 import re
 import sys
+import threading
 import types
+import warnings
 import weakref
 
 import numpy as _np
@@ -55,24 +73,50 @@ EMULATED = True
 # --------------------------------------------------------------------------- memory pool
 
 
-class _Pool:
-    """Device memory pool: bytes of live device buffers (each NumPy base buffer once)."""
+class _Local(threading.local):
+    """Per host thread, as CUDA has it: the current device (0 in every new thread), the
+    Device context stack, and the op bookkeeping (nesting depth, buffers allocated so far)."""
+    device = 0
+    depth = 0
+    allocs = 0
 
     def __init__(self):
-        self._live = {}
-        self._high = 0
+        self.stack = []
+
+
+_tls = _Local()
+
+
+def _current():
+    """This thread's current device."""
+    return _tls.device
+
+
+class _Pool:
+    """Device memory pool: bytes of live device buffers (each NumPy base buffer once), per
+    device; as CuPy's default pool, the byte counts are the current device's."""
+
+    def __init__(self):
+        self._live = {}  # id(base buffer) -> (bytes, device)
+        self._bytes = {}  # device -> bytes of its live buffers
+        self._high = {}  # device -> high-water mark of used bytes
+
+    def _used(self, dev):
+        return self._bytes.get(dev, 0)
 
     def used_bytes(self):
-        return sum(self._live.values())
+        return self._used(_current())
 
     def total_bytes(self):
-        return max(self._high, self.used_bytes())
+        dev = _current()
+        return max(self._high.get(dev, 0), self._used(dev))
 
     def free_bytes(self):
         return self.total_bytes() - self.used_bytes()
 
     def free_all_blocks(self, stream=None):
-        self._high = self.used_bytes()
+        dev = _current()
+        self._high[dev] = self._used(dev)
 
     def n_free_blocks(self):
         return 0
@@ -84,25 +128,35 @@ class _Pool:
         return 0
 
     def _track(self, a):
+        """The device of ``a``'s memory: its buffer's, or (a new buffer, now counted) the
+        current device."""
         base = a
         while isinstance(base.base, _np.ndarray):
             base = base.base
         key = id(base)
-        if key in self._live or base.base is not None:
-            return  # counted already, or memory NumPy does not own (a buffer we cannot follow)
+        known = self._live.get(key)
+        if known is not None:
+            return known[1]  # a view of a buffer counted already: where that buffer lives
+        dev = _tls.device
+        if base.base is not None:
+            return dev  # memory NumPy does not own (a buffer we cannot follow)
         size = base.nbytes
         for h in _hooks:
-            h.malloc_preprocess(device_id=_current_device, size=size, mem_size=size)
-        self._live[key] = size
-        self._high = max(self._high, self.used_bytes())
+            h.malloc_preprocess(device_id=dev, size=size, mem_size=size)
+        self._live[key] = (size, dev)
+        used = self._bytes[dev] = self._bytes.get(dev, 0) + size
+        self._high[dev] = max(self._high.get(dev, 0), used)
+        _tls.allocs += 1
         weakref.finalize(base, self._free, key)
         for h in _hooks:
-            h.malloc_postprocess(device_id=_current_device, size=size, mem_size=size, mem_ptr=key, pmem_id=0)
+            h.malloc_postprocess(device_id=dev, size=size, mem_size=size, mem_ptr=key, pmem_id=0)
+        return dev
 
     def _free(self, key):
-        size = self._live.pop(key, 0)
+        size, dev = self._live.pop(key, (0, _current()))
+        self._bytes[dev] = self._bytes.get(dev, 0) - size
         for h in list(_hooks):
-            h.free_postprocess(device_id=_current_device, mem_size=size, mem_ptr=key, pmem_id=0)
+            h.free_postprocess(device_id=dev, mem_size=size, mem_ptr=key, pmem_id=0)
 
 
 class _PinnedPool:
@@ -138,11 +192,12 @@ _SCALARS = (numbers.Number, _np.generic, bool)
 
 
 def _wrap(r):
-    """NumPy results as device arrays (NumPy scalars become 0-d arrays, as CuPy returns)."""
+    """NumPy results as device arrays (NumPy scalars become 0-d arrays, as CuPy returns), each
+    on the device of its memory (a new buffer: the current device; a view: its buffer's)."""
     if isinstance(r, _np.ndarray):
         out = ndarray.__new__(ndarray)
         out._a = r
-        _pool._track(r)
+        out._dev = _pool._track(r)
         return out
     if isinstance(r, _np.generic):
         return _wrap(_np.asarray(r))
@@ -197,6 +252,91 @@ def _check_out(kw):
     return out
 
 
+# --------------------------------------------------------------------------- devices and ops
+
+class PerformanceWarning(RuntimeWarning):
+    """cupy._util.PerformanceWarning (also there)."""
+
+
+def _peer_access():
+    """Whether the emulated GPUs can access each other's memory (``MINIDIST_EMULATED_PEER_ACCESS``,
+    default 1: as on NVLink or PCIe peer-to-peer nodes; 0: as where peer access is unavailable)."""
+    return os.environ.get("MINIDIST_EMULATED_PEER_ACCESS", "1") != "0"
+
+
+def _arrays(obj, found):
+    """The device arrays in ``obj`` (arguments: nested lists, tuples, dicts), into ``found``."""
+    if isinstance(obj, ndarray):
+        found.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _arrays(x, found)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _arrays(x, found)
+    return found
+
+
+def _caller_level():
+    """warnings.warn's stacklevel of the first frame outside the emulator."""
+    f, level = sys._getframe(2), 2
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_emulator._HERE):
+        f, level = f.f_back, level + 1
+    return level
+
+
+def _check_devices(arrays, what, raw=False):
+    """CuPy's check of a kernel's array arguments (``_check_peer_access``): an array on another
+    device than the current one is a ValueError where peer access is unavailable, else a
+    PerformanceWarning ('Peer access has been activated automatically') and the kernel runs.
+    A RawKernel's arguments are not checked by CuPy: the kernel faults on the pointer of another
+    device's memory without peer access, and runs (no warning) with it.  Every such use is
+    recorded (direction 'cross-device'), whichever way it goes."""
+    dev = _tls.device
+    for a in arrays:
+        if a._dev != dev:
+            _emulator.record("cross-device", "%s: array on device %d, current device %d" % (what, a._dev, dev),
+                             a.nbytes)
+            msg = "The device where the array resides (%d) is different from the current device (%d)." % (a._dev, dev)
+            if _peer_access():
+                if not raw:
+                    warnings.warn(msg + " Peer access has been activated automatically.", PerformanceWarning,
+                                  stacklevel=_caller_level())
+            elif raw:
+                from ._raw import CUDADriverError
+
+                raise CUDADriverError("CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered "
+                                      "(%s: %s)" % (what, msg))
+            else:
+                raise ValueError(msg + " Peer access is unavailable between these devices.")
+
+
+def _device_op(kind, inputs, compute, kernel=True, writes=False, check=True):
+    """``compute()`` as one device operation named ``kind``, counted in ``cupy._emulator``
+    unless it runs inside another (a fused function's body, a function built on others) or
+    launches nothing: ``kernel`` (always one launch: ufuncs, kernels), else one when it
+    ``writes`` a device array (out=, setitem) or allocates a new buffer (not a view, not
+    ``empty``).  ``inputs``: its arguments, whose devices must be the current one where it
+    launches (a kernel's checked before it runs, the others after)."""
+    t = _tls
+    depth = t.depth
+    if depth:
+        return compute()
+    if kernel and check:
+        _check_devices(_arrays(inputs, []), kind)
+    allocs = t.allocs
+    t.depth = 1
+    try:
+        r = compute()
+    finally:
+        t.depth = 0
+    if kernel or writes or t.allocs != allocs:
+        if check and not kernel:
+            _check_devices(_arrays(inputs, []), kind)
+        _emulator.count_op(kind)
+    return r
+
+
 # --------------------------------------------------------------------------- ufuncs
 
 # CuPy's scatter kernels (ufunc.at, cupyx.scatter_add) take only these dtypes.
@@ -211,9 +351,10 @@ def _scatter(a, indices, value, op):
     if a.dtype not in allowed:
         raise TypeError("scatter_%s only supports %s as data type" % (
             "add" if op in ("add", "subtract") else op[:3], ", ".join(d.name for d in allowed)))
-    idx = _index(indices)
-    v = _unwrap(value, allow_host=True)
-    getattr(_np, op).at(a._a, idx, v)
+
+    def run():
+        getattr(_np, op).at(a._a, _index(indices), _unwrap(value, allow_host=True))
+    _device_op("scatter_" + op, (a, indices, value), run)
 
 
 class ufunc:
@@ -250,9 +391,11 @@ class ufunc:
             out = _check_out(kw)
             if out is not None:
                 kw["out"] = out._a
-        r = self._f(*[self._arg(x) for x in ins], **_unwrap_kwargs({k: v for k, v in kw.items() if k != "out"}),
-                    **({"out": kw["out"]} if "out" in kw else {}))
-        return out if out is not None else _wrap(r)
+        def run():
+            r = self._f(*[self._arg(x) for x in ins], **_unwrap_kwargs({k: v for k, v in kw.items() if k != "out"}),
+                        **({"out": kw["out"]} if "out" in kw else {}))
+            return out if out is not None else _wrap(r)
+        return _device_op("ufunc:" + self.__name__, (ins, args[n:], out), run)
 
     def at(self, a, indices, b=None):
         if self.__name__ not in ("add", "subtract", "maximum", "minimum"):
@@ -265,8 +408,10 @@ class ufunc:
         out = _check_out(kw)
         if out is not None:
             kw["out"] = out._a
-        r = getattr(self._f, name)(self._arg(array), *[_unwrap(x) for x in args], **_unwrap_kwargs(kw))
-        return out if out is not None else _wrap(r)
+        def run():
+            r = getattr(self._f, name)(self._arg(array), *[_unwrap(x) for x in args], **_unwrap_kwargs(kw))
+            return out if out is not None else _wrap(r)
+        return _device_op("ufunc.%s:%s" % (name, self.__name__), (array, args, out), run)
 
     def reduce(self, array, axis=0, dtype=None, out=None, keepdims=False):
         return self._method("reduce", array, axis=axis, dtype=dtype, out=out, keepdims=keepdims)
@@ -303,7 +448,13 @@ _DEVICE_SCALAR = {"allclose", "array_equal", "array_equiv", "count_nonzero"}
 _HOST_OK = {"take": (1,), "put": (1, 2), "choose": (), "searchsorted": ()}
 
 
-def _function(name, npfunc):
+# Allocation without a kernel (CuPy's empty*: memory from the pool, nothing launched).
+_ALLOCATE_ONLY = {"empty", "empty_like"}
+
+
+def _function(name, npfunc, kind=None):
+    kind = kind or "function:" + name
+
     def fn(*args, **kw):
         if name == "where" and len(args) + len(kw) == 1:
             _sync("where")
@@ -313,13 +464,18 @@ def _function(name, npfunc):
         if out is not None:
             kw["out"] = out._a
         host_ok = _HOST_OK.get(name, ())
-        a = [_unwrap(x, allow_host=i in host_ok) for i, x in enumerate(args)]
-        r = npfunc(*a, **_unwrap_kwargs(kw))
-        if out is not None:
-            return out
-        if name in _DEVICE_SCALAR:
-            r = _np.asarray(r)
-        return _wrap(r)
+
+        def run():
+            a = [_unwrap(x, allow_host=i in host_ok) for i, x in enumerate(args)]
+            r = npfunc(*a, **_unwrap_kwargs(kw))
+            if out is not None:
+                return out
+            if name in _DEVICE_SCALAR:
+                r = _np.asarray(r)
+            return _wrap(r)
+        if name in _ALLOCATE_ONLY:
+            return run()
+        return _device_op(kind, (args, kw, out), run, kernel=False, writes=out is not None)
 
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = npfunc.__doc__
@@ -337,7 +493,7 @@ def _lookup(np_module, name, cache_prefix=""):
         key = cache_prefix + name
         f = _functions.get(key)
         if f is None:
-            f = _functions[key] = _function(name, obj)
+            f = _functions[key] = _function(name, obj, "function:" + key)
         return f
     return obj  # dtypes, scalar types, constants (cupy.float32 is numpy.float32)
 
@@ -366,23 +522,43 @@ class _Submodule(types.ModuleType):
         return _lookup(self._np, name, self.__name__ + ".")
 
 
+def _to_current_device(a, kind):
+    """A device array on another device than the current one, copied to the current one (as
+    CuPy's asarray/array/copy do: a device-to-device copy, recorded with direction 'd2d')."""
+    _emulator.record("d2d", kind, a.nbytes)
+    return _device_op("d2d:" + kind, (), lambda: _wrap(_np.array(a._a, copy=True)), check=False)
+
+
 def asarray(a, dtype=None, order=None, blocking=False):
     if isinstance(a, ndarray):
+        if a._dev != _tls.device:
+            a = _to_current_device(a, "asarray")
         return a if dtype is None or a.dtype == _np.dtype(dtype) else a.astype(dtype)
-    r = _np.array(a, dtype=dtype, order=order or "K", copy=True)
-    _emulator.record("h2d", "asarray", r.nbytes)
-    return _wrap(r)
+
+    def run():
+        r = _np.array(a, dtype=dtype, order=order or "K", copy=True)
+        _emulator.record("h2d", "asarray", r.nbytes)
+        return _wrap(r)
+    return _device_op("h2d:asarray", (), run, check=False)
 
 
 def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, blocking=False):
     if isinstance(obj, ndarray):
-        r = _np.array(obj._a, dtype=dtype, copy=copy, order=order, ndmin=ndmin)
-        return obj if r is obj._a else _wrap(r)
-    if isinstance(obj, (list, tuple)):
-        obj = _unwrap(obj, allow_host=True)
-    r = _np.array(obj, dtype=dtype, order=order, ndmin=ndmin, copy=True)
-    _emulator.record("h2d", "array", r.nbytes)
-    return _wrap(r)
+        if obj._dev != _tls.device:
+            obj = _to_current_device(obj, "array")
+            copy = False  # copied already
+
+        def run():
+            r = _np.array(obj._a, dtype=dtype, copy=copy, order=order, ndmin=ndmin)
+            return obj if r is obj._a else _wrap(r)
+        return _device_op("function:array", (obj,), run, kernel=False)
+
+    def run():
+        o = _unwrap(obj, allow_host=True) if isinstance(obj, (list, tuple)) else obj
+        r = _np.array(o, dtype=dtype, order=order, ndmin=ndmin, copy=True)
+        _emulator.record("h2d", "array", r.nbytes)
+        return _wrap(r)
+    return _device_op("h2d:array", (), run, check=False)
 
 
 def asnumpy(a, stream=None, order="C", out=None, blocking=True):
@@ -394,8 +570,11 @@ def asnumpy(a, stream=None, order="C", out=None, blocking=True):
 def ascontiguousarray(a, dtype=None):
     if not isinstance(a, ndarray):
         raise TypeError("Argument 'a' has incorrect type (expected cupy.ndarray, got %s)" % type(a).__name__)
-    r = a._a if dtype is None else a._a.astype(dtype, copy=False)
-    return a if (r is a._a and r.flags.c_contiguous) else _wrap(_np.array(r, order="C", copy=True))
+
+    def run():
+        r = a._a if dtype is None else a._a.astype(dtype, copy=False)
+        return a if (r is a._a and r.flags.c_contiguous) else _wrap(_np.array(r, order="C", copy=True))
+    return _device_op("function:ascontiguousarray", (a,), run, kernel=False)
 
 
 def get_array_module(*args):
@@ -421,7 +600,7 @@ class Fusion:
         for x in args:  # CuPy's fused kernels take device arrays and scalars only
             if not isinstance(x, (ndarray,) + _SCALARS):
                 raise TypeError("Unsupported type %s" % type(x))
-        return self.func(*args)
+        return _device_op("fuse:" + self.name, args, lambda: self.func(*args))  # one kernel, whatever its body
 
 
 # --------------------------------------------------------------------------- indexing
@@ -458,12 +637,12 @@ _HOST_ARG_METHODS = {"take", "put", "repeat", "choose", "compress"}
 class ndarray:
     """cupy.ndarray: a NumPy array standing for device memory (not a numpy.ndarray)."""
 
-    __slots__ = ("_a", "__weakref__")
+    __slots__ = ("_a", "_dev", "__weakref__")  # _dev: the device the memory was allocated on
     __array_priority__ = 100
 
     def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
         self._a = _np.empty(shape, dtype=dtype, order=order)
-        _pool._track(self._a)
+        self._dev = _pool._track(self._a)
 
     # -- host interop
     def __array__(self, *args, **kw):
@@ -490,7 +669,10 @@ class ndarray:
         if arr.dtype != self.dtype or arr.shape != self.shape:
             raise ValueError("dtype or shape mismatch in set()")
         _emulator.record("h2d", "set", arr.nbytes)
-        self._a[...] = arr
+
+        def run():
+            self._a[...] = arr
+        _device_op("h2d:set", (), run, check=False)
 
     def __array_ufunc__(self, uf, method, *inputs, **kw):
         mine = _ufunc(uf)
@@ -557,7 +739,7 @@ class ndarray:
     real = property(lambda self: _wrap(self._a.real))
     imag = property(lambda self: _wrap(self._a.imag))
     base = property(lambda self: None if self._a.base is None else _wrap(self._a.base))
-    device = property(lambda self: cuda.Device())
+    device = property(lambda self: cuda.Device(self._dev))  # where the memory is, not the current device
 
     def __len__(self):
         if self.ndim == 0:
@@ -570,20 +752,25 @@ class ndarray:
         return (self[i] for i in range(self._a.shape[0]))
 
     def __getitem__(self, key):
-        return _wrap(self._a[_index(key)])
+        # basic indexing is a view (no kernel, no device check); advanced indexing a gather kernel
+        return _device_op("getitem", (self, key), lambda: _wrap(self._a[_index(key)]), kernel=False)
 
     def __setitem__(self, key, value):
         if isinstance(value, _np.ndarray) and value.ndim and not _is_advanced(key):
             raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
         if isinstance(value, (list, tuple)) and not _is_advanced(key):
             raise TypeError("Unsupported type %s" % type(value))
-        self._a[_index(key)] = _unwrap(value, allow_host=True)
+
+        def run():
+            self._a[_index(key)] = _unwrap(value, allow_host=True)
+        _device_op("setitem", (self, key, value), run)
 
     def fill(self, value):
         if isinstance(value, (ndarray, _np.ndarray)) and value.ndim:
             raise ValueError("non-scalar %s cannot be used for fill" % type(value).__module__.split(".")[0]
                              + ".ndarray")
-        self._a.fill(value._a if isinstance(value, ndarray) else value)
+        v = value._a if isinstance(value, ndarray) else value
+        _device_op("method:fill", (self, value), lambda: self._a.fill(v))
 
     def __getattr__(self, name):
         if name.startswith("__"):  # no __array_interface__ & co.: NumPy must not see the memory
@@ -597,20 +784,33 @@ class ndarray:
             return to_host
         host_ok = name in _HOST_ARG_METHODS
 
+        if name == "copy":
+            return self._copy
+        kind = "method:" + name
+
         def method(*args, **kw):
             out = _check_out(kw)
             if out is not None:
                 kw["out"] = out._a
-            r = attr(*[_unwrap(x, allow_host=host_ok) for x in args], **_unwrap_kwargs(kw))
-            return out if out is not None else _wrap(r)
+
+            def run():
+                r = attr(*[_unwrap(x, allow_host=host_ok) for x in args], **_unwrap_kwargs(kw))
+                return out if out is not None else _wrap(r)
+            return _device_op(kind, (self, args, kw, out), run, kernel=False, writes=out is not None)
         method.__name__ = name
         return method
 
+    def _copy(self, order="C"):
+        """ndarray.copy: a copy on the current device, from whichever device the array is on."""
+        if self._dev != _tls.device:
+            _emulator.record("d2d", "copy", self.nbytes)
+        return _device_op("method:copy", (), lambda: _wrap(self._a.copy(order=order)), check=False)
+
     def __copy__(self):
-        return _wrap(self._a.copy())
+        return self._copy()
 
     def __deepcopy__(self, memo):
-        return _wrap(self._a.copy())
+        return self._copy()
 
     def __dlpack__(self, *a, **k):
         raise TypeError("the emulated cupy.ndarray has no DLPack export")
@@ -742,6 +942,9 @@ class ElementwiseKernel:
     def __call__(self, *args, size=None, block_size=None, stream=None):
         if len(args) not in (self.nin, self.nargs):
             raise TypeError("Wrong number of arguments for %s" % self.name)
+        return _device_op("ElementwiseKernel:" + self.name, args, lambda: self._launch(args))
+
+    def _launch(self, args):
         for x in args:
             if isinstance(x, _np.ndarray) and x.ndim:
                 raise _unsupported(x)
@@ -793,9 +996,6 @@ class ElementwiseKernel:
 
 # --------------------------------------------------------------------------- cupy.cuda
 
-_current_device = 0
-
-
 def _device_count():
     return int(os.environ.get("MINIDIST_EMULATED_GPUS", "1"))
 
@@ -804,15 +1004,21 @@ class CUDARuntimeError(RuntimeError):
     pass
 
 
+def _valid(dev):
+    if not 0 <= dev < _device_count():
+        raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
+    return dev
+
+
 class _Device:
+    """cupy.cuda.Device.  The current device is per host thread, as in CUDA: every thread
+    starts on device 0, ``use()`` and ``with Device(i):`` change the calling thread's only."""
+
     def __init__(self, device=None):
-        self.id = _current_device if device is None else int(device)
+        self.id = _tls.device if device is None else int(device)
 
     def use(self):
-        global _current_device
-        if not 0 <= self.id < _device_count():
-            raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
-        _current_device = self.id
+        _tls.device = _valid(self.id)
 
     def synchronize(self):
         pass
@@ -820,12 +1026,13 @@ class _Device:
     compute_capability = property(lambda self: "90")
 
     def __enter__(self):
-        self._prev = _current_device
+        prev = _tls.device
         self.use()
+        _tls.stack.append(prev)
         return self
 
     def __exit__(self, *exc):
-        _Device(self._prev).use()
+        _tls.device = _tls.stack.pop()
 
     def __int__(self):
         return self.id
@@ -838,6 +1045,10 @@ class _Device:
 
     def __repr__(self):
         return "<CUDA Device %d>" % self.id
+
+
+def _set_device(dev):
+    _tls.device = _valid(int(dev))
 
 
 class _Stream:
@@ -922,6 +1133,8 @@ cuda.get_current_stream = lambda device=None: _Stream()
 cuda.is_available = lambda: _device_count() > 0
 cuda.runtime = types.ModuleType("cupy.cuda.runtime")
 cuda.runtime.getDeviceCount = _device_count
+cuda.runtime.getDevice = _current
+cuda.runtime.setDevice = _set_device
 cuda.runtime.getDeviceProperties = _properties
 cuda.runtime.deviceSynchronize = lambda: None
 cuda.runtime.CUDARuntimeError = CUDARuntimeError

@@ -12,7 +12,9 @@ which the kernel reads and writes in place), NumPy scalars (by value, in their o
 Python scalars (as CuPy converts them: int to int64, float to float64, bool to bool).  As in
 CuPy, a ``numpy.ndarray`` argument raises ``TypeError: Unsupported type``.  Every launch is
 recorded in ``cupy._emulator`` (direction ``'launch'``, kind ``'RawKernel:NAME'``), so a test
-can tell that a kernel path was taken.
+can tell that a kernel path was taken, and counted as one device operation.  An array argument
+on another device than the current one is recorded as a cross-device use; CuPy does not check
+it: the kernel runs where peer access is enabled and faults (here: CUDADriverError) without.
 
 Stricter than CuPy, or missing: array arguments must be C-contiguous (CuPy hands any array's
 pointer over; a kernel indexing it as contiguous would read the wrong elements); ``grid`` may
@@ -163,5 +165,9 @@ class RawKernel:
         module = self._raw.module
         if self.name not in module.names:
             raise CUDADriverError("CUDA_ERROR_NOT_FOUND: named symbol not found (%s)" % self.name)
-        _emulator.record("launch", "RawKernel:" + self.name, 0)
-        module.launch(self.name, (gx, gy), bx, values)
+        from . import _arrays, _check_devices, _device_op
+
+        kind = "RawKernel:" + self.name
+        _check_devices(_arrays(args, []), kind, raw=True)  # CuPy checks nothing: the kernel faults
+        _emulator.record("launch", kind, 0)
+        _device_op(kind, (), lambda: module.launch(self.name, (gx, gy), bx, values), check=False)
