@@ -70,6 +70,10 @@ PARTS = [
          "then 2 ranks sharing the GPU per parallel mode", [], ["--quick", "--no-parallel"], full_s=240, quick_s=60),
     Part("checkpoint", "bench_checkpoint.py", "checkpoints at dp2·tp2: sharded vs gathered save and load, "
          "--save-async's hidden share", [], ["--quick"], full_s=60, quick_s=5),
+    # Counted, not timed: minidist's CuPy path under the emulator (tests/emulated_gpu), PyTorch
+    # under its profiler on the CPU (its row is left out where PyTorch is not installed).
+    Part("launches", "bench_launches.py", "device operations per GPT training step (the GPU's launch floor), "
+         "minidist under the CuPy emulator vs PyTorch eager", [], ["--quick"], full_s=60, quick_s=8),
 ]
 
 

@@ -60,7 +60,8 @@ def test_run_all_writes_one_report(quick_run):
     text = (out / "REPORT.md").read_text()
     assert text.index("## The machine") < text.index("CPU: ") < text.index("MPI: ")
     for name in ("collectives.json", "model_step.json", "ddp.json", "pipeline.json", "compose.json",
-                 "checkpoint.json", "context.json", "tensor_parallel.json", "tracing.json", "plan.json"):
+                 "checkpoint.json", "context.json", "tensor_parallel.json", "tracing.json", "plan.json",
+                 "launches.json"):
         if (out / name).exists():
             section = text.split(f"(`{name}`)", 1)[1].split("\n## ", 1)[0]
             rows = [r for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
@@ -236,3 +237,31 @@ def test_bench_plan_quick(quick_run):
     assert 0 <= r["validation"]["median_step_error"] and 0 <= r["validation"]["median_peak_error"]
     assert len(r["llama3_405b"]) == 3 and all(abs(x["predicted_mfu"] - x["published_mfu"]) <= 0.05
                                               for x in r["llama3_405b"])
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_launches_quick(quick_run):
+    """Operation counts of a step (2 layers in --quick): the loss and the clipping norm are its
+    only device reads; the flash rows launch flash_cuda's three kernels once per layer."""
+    tmp_path, _ = quick_run
+    with open(tmp_path / "launches.json") as f:
+        r = json.load(f)
+    layers = r["shape"]["n_layer"]
+    assert set(r["modes"]) | set(r["skipped_modes"]) == {"fp32", "bf16", "fp32 flash", "bf16 flash"}
+    assert {"fp32", "bf16"} <= set(r["modes"])
+    for mode, row in r["modes"].items():
+        m = row["minidist"]
+        assert m["ops"] == m["forward_backward"] + m["update"] and m["forward_backward"] > m["update"] > 0, (mode, m)
+        assert m["d2h_copies"] == 2, (mode, m)
+        kernels = m["kernel_launches"]
+        if row["attention"] == "blockwise":
+            assert kernels == {f"RawKernel:{k}": layers for k in ("flash_forward", "flash_backward_dq",
+                                                                   "flash_backward_dkdv")}, (mode, kernels)
+        else:
+            assert kernels == {}, (mode, kernels)
+        if importlib.util.find_spec("torch") is not None:
+            t = row["torch"]
+            assert t["ops"] == t["forward_backward"] + t["update"] and t["update"] > 0 < t["top_level_ops"] <= t["ops"]
+            assert row["ratio"] == pytest.approx(m["ops"] / t["ops"])
+    assert r["modes"]["bf16"]["minidist"]["ops"] > r["modes"]["fp32"]["minidist"]["ops"]  # the casts
