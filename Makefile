@@ -56,9 +56,12 @@ test-gpu: install
 
 # The same list on any machine: the CuPy emulator (tests/emulated_gpu) stands in for CuPy, its
 # device arrays refuse implicit conversion to host arrays, and the CUDA kernels run compiled for
-# the CPU (tests/cuda_on_cpu.py).  It checks the CuPy code paths, not a GPU's speed or rounding.
+# the CPU (tests/cuda_on_cpu.py).  Two emulated GPUs without peer access: each rank of a pair
+# works on its own, and an array used on the other GPU is an error.  It checks the CuPy code
+# paths, not a GPU's speed or rounding.
 test-gpu-emulated: install
-	PYTHONPATH=tests/emulated_gpu MINIDIST_BACKEND=cupy $(BIN)/python -m pytest -q $(GPU_TESTS)
+	PYTHONPATH=tests/emulated_gpu MINIDIST_BACKEND=cupy MINIDIST_EMULATED_GPUS=2 MINIDIST_EMULATED_PEER_ACCESS=0 \
+	  $(BIN)/python -m pytest -q $(GPU_TESTS)
 
 # The PyTorch comparison needs torch, pinned as in CI (setup.cfg's `torch` extra); where it
 # cannot be installed, run_all.py skips that part and says why.

@@ -9,7 +9,7 @@ import zlib
 
 import numpy as np
 
-from minidist.backend import current_device, from_host, to_host, using_device
+from minidist.backend import from_host, to_host
 from minidist.comm import check, identity, stats
 from minidist.comm.group import Group
 
@@ -48,9 +48,9 @@ def launch(name: str, body, g, x, sig, async_op: bool, *args, algorithm: str | N
     ident = call_identity(*sig, algorithm=algorithm)
     rooted = "root" in sig[2]
     sig = check.signature(sig[0], sig[1], **sig[2]) if check.check_enabled() else None
-    if async_op:  # the progress thread must put the result on this thread's GPU (CUDA's is per thread)
-        return g.submit(name, _run, name, body, x, sig, ident, rooted, args, device and current_device())
-    return _run(g, name, body, x, sig, ident, rooted, args, device and current_device())
+    if async_op:  # the progress thread runs on this thread's GPU (comm/progress.py)
+        return g.submit(name, _run, name, body, x, sig, ident, rooted, args, device)
+    return _run(g, name, body, x, sig, ident, rooted, args, device)
 
 
 def call_identity(name, x, kw, algorithm=None) -> int | None:
@@ -69,18 +69,14 @@ def call_identity(name, x, kw, algorithm=None) -> int | None:
 
 
 def _run(g, name, body, x, sig, ident, rooted, args, device):
-    """``device``: the GPU to return the result on (its id, or True on a backend without
-    devices to choose), or False to leave it on the host."""
+    """``device``: bring the result to this thread's current GPU (True) or leave it on the host."""
     with stats.scope(name, ident, g.name):
         if sig is not None:
             check.agree(g, sig)
         elif rooted and ident is not None and g.size > 1:
             check.handshake(g)
         result = body(g, x, *args)
-    if device is False or result is None:
-        return result
-    with using_device(device):
-        return from_host(result)
+    return from_host(result) if device and result is not None else result
 
 
 def check_out(out, x, where: str, shape=None):

@@ -18,6 +18,8 @@ from __future__ import annotations
 import queue
 import threading
 
+from minidist.backend import current_device, using_device
+
 
 class Handle:
     """The future result of an async collective: ``wait()`` blocks until it is done and
@@ -65,8 +67,10 @@ class ProgressWorker:
         self._thread.start()
 
     def submit(self, name: str, fn, *args, **kwargs) -> Handle:
+        """Queue ``fn(*args, **kwargs)``; it runs on the caller's GPU (CUDA's current device is
+        per thread, and this thread would otherwise start on GPU 0)."""
         handle = Handle(name)
-        self._queue.put((handle, fn, args, kwargs))
+        self._queue.put((handle, fn, args, kwargs, current_device()))
         return handle
 
     def close(self) -> None:
@@ -77,8 +81,9 @@ class ProgressWorker:
             item = self._queue.get()
             if item is None:
                 return
-            handle, fn, args, kwargs = item
+            handle, fn, args, kwargs, device = item
             try:
-                handle._finish(fn(*args, **kwargs))
+                with using_device(device):
+                    handle._finish(fn(*args, **kwargs))
             except BaseException as err:  # handed to the caller's wait()
                 handle._finish(error=err)
