@@ -190,7 +190,8 @@ _host_reads: dict[str, int] = {}
 
 def host_read(x, why: str):
     """``x``, a value the algorithm needs on the host (the loss, the overflow check, the
-    clipping norm, an index range check), brought there and counted under ``why``.
+    clipping norm; the range of an index that is already on the device), brought there and
+    counted under ``why``.
 
     On a GPU each such read waits for the device's queued work (a synchronisation), which
     stalls the launch queue; a step should make only the reads its algorithm needs.  The
