@@ -21,9 +21,10 @@ loads:
 safetensors is written here with the standard library and NumPy (no dependency): an 8-byte
 little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets}}`` (plus
 ``__metadata__``), padded with spaces to a multiple of 8 bytes, then the raw little-endian
-bytes of each tensor, end to end.  :func:`read_safetensors` reads such a file back.  NumPy
-rather than the backend's ``xp`` on purpose: export only moves bytes between files on the host
-(the arrays come from ``checkpoint.load_full``, read from disk), whatever array library trains.
+bytes of each tensor, end to end.  :func:`read_safetensors` reads such a file back.  The host's
+NumPy (``backend.host``), not the backend's ``xp``, on purpose: export only moves bytes between
+files on the host (the arrays come from ``checkpoint.load_full``, read from disk), whatever
+array library trains.
 
 Each output file is written to a temporary file in ``OUTDIR`` and renamed over the old one,
 so an existing export is replaced whole or not at all.  Bad input (a ``DIR`` that is not a
@@ -38,9 +39,7 @@ import os
 import struct
 import sys
 
-import numpy as np
-
-from .backend import bfloat16
+from .backend import bfloat16, host
 
 SAFETENSORS = "model.safetensors"
 CONFIG = "config.json"
@@ -51,12 +50,12 @@ EXPORT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 LAYER_NORM_EPS = 1e-5  # minidist.nn.LayerNorm's
 
 
-def _np_dtype(name: str) -> np.dtype:
-    return bfloat16 if name == "bfloat16" else np.dtype(name)
+def _np_dtype(name: str) -> host.dtype:
+    return bfloat16 if name == "bfloat16" else host.dtype(name)
 
 
 def _code(dt) -> str:
-    dt = np.dtype(dt)
+    dt = host.dtype(dt)
     name = "bfloat16" if bfloat16 is not None and dt == bfloat16 else dt.name
     if name not in _CODES:
         raise ValueError(f"safetensors: no dtype code for {name}")
@@ -72,7 +71,7 @@ def write_safetensors(file: str, tensors: dict, metadata: dict | None = None) ->
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     for name, array in tensors.items():
-        a = np.ascontiguousarray(array)
+        a = host.ascontiguousarray(array)
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         header[name] = {"dtype": _code(a.dtype), "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
@@ -107,7 +106,7 @@ def read_safetensors(file: str) -> tuple[dict, dict]:
         if start != reach or stop > len(data):
             raise ValueError(f"{file}: {name}'s bytes {start}..{stop} do not follow the previous tensor's")
         dt = _np_dtype(codes[info["dtype"]]).newbyteorder("<")
-        tensors[name] = np.frombuffer(data[start:stop], dtype=dt).reshape(info["shape"])
+        tensors[name] = host.frombuffer(data[start:stop], dtype=dt).reshape(info["shape"])
         reach = stop
     if reach != len(data):
         raise ValueError(f"{file}: {len(data) - reach} bytes after the last tensor")
@@ -155,15 +154,15 @@ def hf_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
     target = _np_dtype(dtype) if dtype is not None else None
 
     def put(name, array):
-        a = np.asarray(array)
-        out[name] = np.ascontiguousarray(a if target is None else a.astype(target))
+        a = host.asarray(array)
+        out[name] = host.ascontiguousarray(a if target is None else a.astype(target))
 
     def param(name, zeros_shape=None):
         if name in params:
             return params[name]
         if zeros_shape is None:
             raise KeyError(f"the checkpoint has no parameter {name}")
-        return np.zeros(zeros_shape, dtype=params["wte.weight"].dtype)  # bias=False: GPT-2 has one
+        return host.zeros(zeros_shape, dtype=params["wte.weight"].dtype)  # bias=False: GPT-2 has one
 
     put("transformer.wte.weight", param("wte.weight"))
     put("transformer.wpe.weight", param("wpe.weight"))

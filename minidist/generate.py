@@ -133,29 +133,29 @@ def sample(logits, rng, temperature: float = 1.0, top_k: int | None = None) -> i
     from softmax(logits / temperature) over the ``top_k`` largest.  The 256 logits come to the
     host (``to_host``: a no-op with NumPy) and are drawn with a seeded NumPy generator, so a
     seed gives the same text on the CPU and under CuPy; the model's math stays on ``xp``."""
-    import numpy as np
+    from minidist.backend import host
 
-    z = np.asarray(to_host(logits), dtype=np.float64)
+    z = host.asarray(to_host(logits), dtype=host.float64)
     if temperature == 0:
-        return int(np.argmax(z))
+        return int(host.argmax(z))
     z = z / temperature
     if top_k is not None and top_k < z.size:
-        kth = np.partition(z, z.size - top_k)[z.size - top_k]
-        z = np.where(z < kth, -np.inf, z)
-    p = np.exp(z - z.max())
-    cdf = np.cumsum(p)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), z.size - 1))
+        kth = host.partition(z, z.size - top_k)[z.size - top_k]
+        z = host.where(z < kth, -host.inf, z)
+    p = host.exp(z - z.max())
+    cdf = host.cumsum(p)
+    return int(min(host.searchsorted(cdf, rng.random() * cdf[-1], side="right"), z.size - 1))
 
 
 def generate(model, prompt: bytes, tokens: int, temperature: float = 1.0, top_k: int | None = None,
              seed: int | None = None) -> bytes:
     """``prompt`` followed by ``tokens`` sampled bytes (see the module's docstring for the
     window when the text outgrows the position table)."""
-    import numpy as np
+    from minidist.backend import host
 
     if not prompt:
         raise ValueError("the prompt is empty: the model needs at least one byte to continue")
-    rng = np.random.default_rng(seed)
+    rng = host.random.default_rng(seed)
     seq_len = model.config.seq_len
     out = list(prompt)
     cache = KVCache(model)

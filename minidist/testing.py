@@ -53,7 +53,7 @@ def train_steps(cfg, steps: int, corpus=None):
     ``{name: array}`` of every parameter this rank holds (its tensor-parallel slices of its
     pipeline stage, whole again under ZeRO-3), and ``{name: Shard or None}`` saying which slice.
     """
-    import numpy as np
+    from minidist.backend import host
 
     from minidist.data import Sampler
     from minidist.optim import lr_at
@@ -61,7 +61,7 @@ def train_steps(cfg, steps: int, corpus=None):
     from minidist.train import precision, update
 
     if corpus is None:
-        corpus = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
+        corpus = host.random.default_rng(1).integers(0, 256, 4000).astype(host.uint8)
     model, strategy = build(cfg, build_mesh(cfg.parallel))
     sampler = Sampler(corpus, cfg.data.seq_len, cfg.data.batch_size, cfg.model.seed)
     low, scaler = precision(cfg.device.mixed_precision)
@@ -76,7 +76,7 @@ def train_steps(cfg, steps: int, corpus=None):
     sharding = {p.name: p.sharding for p in model.parameters()}
     from minidist.backend import to_host
 
-    return losses, {k: np.array(to_host(v)) for k, v in strategy.parameters().items()}, sharding
+    return losses, {k: host.array(to_host(v)) for k, v in strategy.parameters().items()}, sharding
 
 
 def traced_peak_bytes(fn) -> int:

@@ -154,19 +154,19 @@ class Tracer:
         if world is None or world.size == 1:
             write_trace(path, [mine], self.origin + self.offset, self.meta)
             return
-        import numpy as np
+        from minidist.backend import host
 
         from minidist import comm
 
         if world.rank != 0:
-            data = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
-            comm.send(np.array([data.size], dtype=np.int64), 0, world, tag=LENGTH_TAG)
+            data = host.frombuffer(json.dumps(mine).encode(), dtype=host.uint8)
+            comm.send(host.array([data.size], dtype=host.int64), 0, world, tag=LENGTH_TAG)
             comm.send(data, 0, world, tag=EVENTS_TAG)
             return
         payloads = [mine]
         for r in range(1, world.size):
-            n = comm.recv((1,), np.int64, r, world, tag=LENGTH_TAG)
-            payloads.append(json.loads(comm.recv((int(n[0]),), np.uint8, r, world, tag=EVENTS_TAG).tobytes()))
+            n = comm.recv((1,), host.int64, r, world, tag=LENGTH_TAG)
+            payloads.append(json.loads(comm.recv((int(n[0]),), host.uint8, r, world, tag=EVENTS_TAG).tobytes()))
         write_trace(path, payloads, self.origin + self.offset, self.meta)
 
 
@@ -193,12 +193,12 @@ def _algorithm_name(name, n, x_meta, out_meta, algorithm) -> str:
     """The algorithm a collective ran, found again from its arguments' shapes (the same
     choice the collective made: its selector functions)."""
     try:
-        import numpy as np
+        from minidist.backend import host
 
         from minidist.comm import collectives, reducing
 
         def stand_in(meta):  # an array of that shape and dtype that holds no memory
-            return None if meta is None else np.broadcast_to(np.zeros((), meta[1]), meta[0])
+            return None if meta is None else host.broadcast_to(host.zeros((), meta[1]), meta[0])
 
         x = stand_in(x_meta)
         if n == 1:
@@ -272,11 +272,11 @@ def clock_offset(world, clock=time.perf_counter, rounds: int = 8) -> float:
     ``world``; rank 0 serves the others one after another, with point-to-point messages."""
     if world is None or world.size == 1:
         return 0.0
-    import numpy as np
+    from minidist.backend import host
 
     from minidist import comm
 
-    buf = np.zeros(1, dtype=np.float64)
+    buf = host.zeros(1, dtype=host.float64)
     if world.rank == 0:
         for r in range(1, world.size):
             for _ in range(rounds):
