@@ -12,9 +12,10 @@
 
 Start reading at ``algorithms/ring.py``.  The modules, from the wire up:
 
-  p2p.py            every message the algorithms send: raw bytes, size and identity-tag checks
+  p2p/              every message the algorithms send: raw bytes, size and identity-tag checks
                     (a collective's name, op, dtype, size class, algorithm and root ride in its
-                    MPI tags), byte accounting, the watchdog's note of each wait
+                    MPI tags), byte accounting, the watchdog's note of each wait; rounds.py:
+                    many messages posted and awaited at once
   links.py          optional simulated latency/bandwidth per message
   stats.py          per-collective counters and the recent-ops log
   errors.py         CommError, CollectiveMismatchError

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _post_round, _size_error, _wait_round
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _size_error
+from minidist.comm.p2p.rounds import post_round, wait_round
 
 _EMPTY = np.empty(0, np.uint8)
 
@@ -76,8 +77,8 @@ def gather_round(comm, flat: np.ndarray, n: int, r: int, empty: bool = False):
     block = flat.nbytes // n
     mine = _EMPTY if empty else flat[r * block:(r + 1) * block]
     to, frm = peers(n, r)
-    reqs = _post_round(comm, [(flat[s * block:(s + 1) * block], s) for s in frm], [(mine, d) for d in to], TAG)
-    return first_wrong(_wait_round(reqs, n - 1), block, frm)
+    reqs = post_round(comm, [(flat[s * block:(s + 1) * block], s) for s in frm], [(mine, d) for d in to], TAG)
+    return first_wrong(wait_round(reqs, n - 1), block, frm)
 
 
 def one_shot_reduce_scatter(g, x: np.ndarray, bounds, ufunc, result: np.ndarray) -> None:
@@ -88,9 +89,9 @@ def one_shot_reduce_scatter(g, x: np.ndarray, bounds, ufunc, result: np.ndarray)
     lo, hi = bounds[r]
     stage = g.scratch("direct_rs", (n - 1) * (hi - lo), x.dtype).reshape(n - 1, hi - lo)
     to, frm = peers(n, r)
-    reqs = _post_round(g.comm, [(stage[k], s) for k, s in enumerate(frm)],
+    reqs = post_round(g.comm, [(stage[k], s) for k, s in enumerate(frm)],
                        [(x[bounds[d][0]:bounds[d][1]], d) for d in to], TAG)
-    wrong = first_wrong(_wait_round(reqs, n - 1), stage[0].nbytes, frm)
+    wrong = first_wrong(wait_round(reqs, n - 1), stage[0].nbytes, frm)
     if wrong is not None:
         raise _size_error(g.comm, wrong[0], TAG, stage[0].nbytes, wrong[1], "reduce_scatter")
     own = x[lo:hi]

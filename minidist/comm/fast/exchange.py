@@ -16,7 +16,8 @@ from mpi4py import MPI
 
 from minidist.comm.algorithms.oneshot import first_wrong
 from minidist.comm.identity import mismatch_error
-from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _persistent_round, _settle
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG
+from minidist.comm.p2p.rounds import persistent_round, settle
 
 BYTE = MPI.BYTE
 _live = weakref.WeakSet()  # every open Exchange, freed before MPI_Finalize (see close_all)
@@ -38,7 +39,7 @@ class Exchange:
         """``tag``: the call's identity tag, sent; ``rtag``: ANY_TAG, or TAG with identity tags off."""
         self.comm, self.recvs, self.sends, self.during = comm, recvs, sends, during
         self.tag, self.rtag = tag, rtag
-        self.reqs = _persistent_round(comm, recvs, sends, tag, rtag)
+        self.reqs = persistent_round(comm, recvs, sends, tag, rtag)
         self.statuses = [MPI.Status() for _ in self.reqs]
         self.received = self.statuses[:len(recvs)]
         self.sources = [src for _, src in recvs]
@@ -65,7 +66,7 @@ class Exchange:
             _waitall(reqs, self.statuses)
         except MPI.Exception as err:
             tags = []
-            counts = _settle(err, reqs, self.statuses, len(self.sources), tags)
+            counts = settle(err, reqs, self.statuses, len(self.sources), tags)
             self._check_tags(tags, counts, expect)
             return first_wrong(counts, expect, self.sources)
         for status in self.received:
