@@ -160,6 +160,11 @@ def _ln_input_grad(gh, xhat, rstd, mean_gh, mean_ghx):
     return rstd * (gh - mean_gh - xhat * mean_ghx)
 
 
+def _ln_grads(gx, gw, gb, weight, bias):
+    """LayerNorm's gradients (x, weight, bias), the parameters' in their own dtypes."""
+    return gx, None if gw is None else to_dtype(gw, weight.dtype), None if gb is None else to_dtype(gb, bias.dtype)
+
+
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
     """Layer normalisation over the last axis (Ba et al. 2016), one fused node.
 
@@ -203,11 +208,7 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
             gx = _ln_input_grad(gh, xhat, rstd, gh.mean(axis=-1, keepdims=True),
                                 (gh * xhat).mean(axis=-1, keepdims=True))
             gx = to_dtype(gx.reshape(x.shape), x.dtype)
-        return (
-            gx,
-            None if gw is None else to_dtype(gw, weight.dtype),
-            None if gb is None else to_dtype(gb, bias.dtype),
-        )
+        return _ln_grads(gx, gw, gb, weight, bias)
 
     return make_tensor(to_dtype(y.reshape(x.shape), x.dtype), (x, weight, bias), backward)
 
@@ -281,11 +282,7 @@ def _layer_norm_tuned(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
 
             parallel_for(row_chunks(X.shape[0]), input_grad)
             gx = to_dtype(gx.reshape(x.shape), x.dtype)
-        return (
-            gx,
-            None if gw is None else to_dtype(gw, weight.dtype),
-            None if gb is None else to_dtype(gb, bias.dtype),
-        )
+        return _ln_grads(gx, gw, gb, weight, bias)
 
     return make_tensor(to_dtype(y.reshape(x.shape), x.dtype), (x, weight, bias), backward)
 
