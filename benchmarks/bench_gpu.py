@@ -72,19 +72,13 @@ MODES = (("fp32", "none", "plain"), ("bf16", "bf16", "plain"),
          ("fp32 flash", "none", "blockwise"), ("bf16 flash", "bf16", "blockwise"))
 
 
-def measure(shape: dict, steps: int, warmup: int, smoke: bool) -> dict:
+def measure(shape: dict, steps: int, warmup: int, smoke: bool, on_mode=None) -> dict:
     """Tokens/s and MFU of both frameworks, fp32 and bf16, alternating step by step."""
     import numpy as np
     import torch
 
     from minidist import backend
-    from minidist.backend import synchronize, to_host
-    from minidist.nn import GPT, GPTConfig
-    from minidist.optim import AdamW
-    from minidist.parallel.strategy import OneReplica, Strategy
-    from minidist.profile import gpu_peak_gflops, measure_peak_gflops, model_flops_per_token
-    from minidist.torch_reference import TorchGPT
-    from minidist.train import precision, update
+    from minidist.profile import model_flops_per_token
 
     dev = "cpu" if smoke else "cuda"
     s = shape
@@ -99,53 +93,75 @@ def measure(shape: dict, steps: int, warmup: int, smoke: bool) -> dict:
     out = {"device": info["name"], "device_total_bytes": info["total_bytes"], "shape": s, "tf32": tf32,
            "modes": {}}
     for mode, low_name, attention in MODES:
-        model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"],
-                              d_model=s["d_model"], dtype="float32", attention=attention))
-        strategy = Strategy(model, OneReplica(model, AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
-                                                           betas=(0.9, 0.95), eps=1e-8)))
-        low, scaler = precision(low_name)
-        state = {k: to_host(v) for k, v in model.state_dict().items()}
-        ref = TorchGPT(state, s["n_head"], torch.float32).to(dev)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-        def step_minidist():
-            loss = strategy.forward_backward(x, y, 1, low, scaler.scale if scaler else 1.0)
-            update(strategy, scaler, 1.0)
-            synchronize()
-            return loss
-
-        def step_torch():
-            ref_opt.zero_grad(set_to_none=True)
-            with torch.autocast(dev, dtype=torch.bfloat16, enabled=low is not None):
-                loss = ref(tx, ty)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # as minidist's update clips at 1.0
-            ref_opt.step()
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            return float(loss.detach())
-
-        times, losses = {"minidist": [], "torch": []}, {"minidist": [], "torch": []}
-        for rep in range(warmup + steps):
-            for name, fn in (("minidist", step_minidist), ("torch", step_torch)):
-                t0 = time.perf_counter()
-                losses[name].append(float(fn()))
-                if rep >= warmup:
-                    times[name].append(time.perf_counter() - t0)
-        mm_dtype = "bfloat16" if low is not None else "float32"
-        peak = gpu_peak_gflops(info["name"], mm_dtype, tf32) if not smoke else None
-        if peak is None:  # unknown GPU or the CPU smoke run: a measured GEMM (float32)
-            peak = measure_peak_gflops(s["d_model"], tokens, "float32", seconds=0.5)
-        r = {"peak_gflops": peak, "matmul_dtype": mm_dtype, "attention": attention}
-        for name, ts in times.items():
-            med = float(np.median(ts))
-            r[name] = {"step_s": med, "tokens_per_s": tokens / med, "mfu": flops / med / (peak * 1e9),
-                       "first_loss": losses[name][0], "last_loss": losses[name][-1]}
-        r["ratio"] = r["minidist"]["tokens_per_s"] / r["torch"]["tokens_per_s"]
-        r["target"] = 0.8 if low is None else 0.5
-        out["modes"][mode] = r
-        del strategy, model, ref, ref_opt
+        try:
+            out["modes"][mode] = _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info,
+                                               tf32, steps, warmup, smoke)
+        except Exception as e:  # one mode's failure (a kernel, a dtype) must not hide the others
+            out["modes"][mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        if on_mode:
+            on_mode(out)
     return out
+
+
+def _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info, tf32, steps, warmup, smoke):
+    """One mode: both frameworks from the same weights, alternating step by step."""
+    import numpy as np
+    import torch
+
+    from minidist.backend import synchronize, to_host
+    from minidist.nn import GPT, GPTConfig
+    from minidist.optim import AdamW
+    from minidist.parallel.strategy import OneReplica, Strategy
+    from minidist.profile import gpu_peak_gflops, measure_peak_gflops
+    from minidist.torch_reference import TorchGPT
+    from minidist.train import precision, update
+
+    tokens = s["batch"] * s["seq_len"]
+    model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"],
+                          d_model=s["d_model"], dtype="float32", attention=attention))
+    strategy = Strategy(model, OneReplica(model, AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                                                       betas=(0.9, 0.95), eps=1e-8)))
+    low, scaler = precision(low_name)
+    state = {k: to_host(v) for k, v in model.state_dict().items()}
+    ref = TorchGPT(state, s["n_head"], torch.float32).to(dev)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def step_minidist():
+        loss = strategy.forward_backward(x, y, 1, low, scaler.scale if scaler else 1.0)
+        update(strategy, scaler, 1.0)
+        synchronize()
+        return loss
+
+    def step_torch():
+        ref_opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=low is not None):
+            loss = ref(tx, ty)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # as minidist's update clips at 1.0
+        ref_opt.step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return float(loss.detach())
+
+    times, losses = {"minidist": [], "torch": []}, {"minidist": [], "torch": []}
+    for rep in range(warmup + steps):
+        for name, fn in (("minidist", step_minidist), ("torch", step_torch)):
+            t0 = time.perf_counter()
+            losses[name].append(float(fn()))
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    mm_dtype = "bfloat16" if low is not None else "float32"
+    peak = gpu_peak_gflops(info["name"], mm_dtype, tf32) if not smoke else None
+    if peak is None:  # unknown GPU or the CPU smoke run: a measured GEMM (float32)
+        peak = measure_peak_gflops(s["d_model"], tokens, "float32", seconds=0.5)
+    r = {"peak_gflops": peak, "matmul_dtype": mm_dtype, "attention": attention}
+    for name, ts in times.items():
+        med = float(np.median(ts))
+        r[name] = {"step_s": med, "tokens_per_s": tokens / med, "mfu": flops / med / (peak * 1e9),
+                   "first_loss": losses[name][0], "last_loss": losses[name][-1]}
+    r["ratio"] = r["minidist"]["tokens_per_s"] / r["torch"]["tokens_per_s"]
+    r["target"] = 0.8 if low is None else 0.5
+    return r
 
 
 def parallel_lines(smoke: bool, steps: int) -> list[dict]:
@@ -210,13 +226,18 @@ def main():
             torch.backends.cuda.matmul.allow_tf32 = True
     shape = SMOKE if args.cpu_smoke else QUICK if args.quick else SHAPE
     steps = 2 if args.cpu_smoke else 3 if args.quick else args.steps
-    result = measure(shape, steps, 1 if args.cpu_smoke else args.warmup, args.cpu_smoke)
+    result = measure(shape, steps, 1 if args.cpu_smoke else args.warmup, args.cpu_smoke,
+                     on_mode=lambda partial: write(dict(partial, title=title, partial=True)))
     result["title"] = title
     print(f"{title}: {result['device']}, {shape}, median of {steps} steps")
     print(f"{'mode':<10} {'minidist tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'target':>7} "
           f"{'MFU md':>7} {'MFU pt':>7}")
     summary = []
     for mode, r in result["modes"].items():
+        if "error" in r:
+            print(f"{mode:<10} failed: {r['error']}")
+            summary.append({"figure": f"minidist / PyTorch tokens/s, {mode}", "value": None, "note": r["error"]})
+            continue
         print(f"{mode:<10} {r['minidist']['tokens_per_s']:>15,.0f} {r['torch']['tokens_per_s']:>12,.0f} "
               f"{r['ratio']:>6.2f} {r['target']:>6.1f}x {100 * r['minidist']['mfu']:>6.1f}% "
               f"{100 * r['torch']['mfu']:>6.1f}%")

@@ -167,7 +167,8 @@ def _pinned_copy(a):
     import cupyx
 
     out = cupyx.empty_pinned(a.shape, dtype=a.dtype)
-    xp.ascontiguousarray(a).get(out=out)
+    # not ascontiguousarray on a contiguous array: it turns a 0-d array (a loss) into shape (1,)
+    (a if a.flags.c_contiguous else xp.ascontiguousarray(a)).get(out=out)
     return out
 
 

@@ -14,9 +14,11 @@ writes a final checkpoint before the job stops.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import threading
 
 _requested = False  # Ctrl-C seen, to be acted on at the end of the step (a final checkpoint)
 
@@ -51,6 +53,28 @@ def requested(world) -> bool:
     from minidist.parallel.data import any_rank
 
     return any_rank(_requested, world)
+
+
+@contextlib.contextmanager
+def held():
+    """Ctrl-C held back while the block runs, raised as KeyboardInterrupt at its end.
+
+    For bookkeeping that must not be cut in half: a step's metrics record is kept in memory
+    and written to the metrics file together, so the summary printed after Ctrl-C and the
+    file always count the same finished steps.  Only where Ctrl-C would raise at once (the
+    main thread, Python's default handler); a deferring handler (--save) needs no holding."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    pending = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if pending:
+            raise KeyboardInterrupt
 
 
 def stop_everyone() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 
+from .interrupt import held
+
 
 class Reporter:
     """Builds each step's metrics record, writes it (``--metrics-jsonl``) and prints progress.
@@ -68,10 +70,11 @@ class Reporter:
 
     def add(self, r: dict, peak_bytes: int):
         """Keep, write and (every ``--log-every`` steps, and with a validation loss) print ``r``."""
-        self.metrics.append(r)
-        if self.file:
-            self.file.write(json.dumps(strict_json(r)) + "\n")
-            self.file.flush()
+        with held():  # in memory and in the file together, or in neither
+            self.metrics.append(r)
+            if self.file:
+                self.file.write(json.dumps(strict_json(r)) + "\n")
+                self.file.flush()
         if not self.cfg.report.quiet and (self.logged(r["step"]) or "val_loss" in r):
             self.log(progress_line(r, self.cfg.optim.steps, self.metrics, peak_bytes))
 

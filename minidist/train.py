@@ -125,7 +125,8 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
     except KeyboardInterrupt:
         if world == 1:  # one process: keep the spans of the finished steps (under mpiexec rank 0 aborts the job)
             _save_trace(tracer, cfg, world)
-        raise Interrupted(step, report.metrics) from None
+        # the first step not finished (Ctrl-C may land after a step's record, before the next)
+        raise Interrupted(report.metrics[-1]["step"] + 1 if report.metrics else start + 1, report.metrics) from None
     finally:
         report.close()
         trace.stop()

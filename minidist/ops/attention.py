@@ -34,7 +34,7 @@ import math
 
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
-from . import tuning
+from . import gemm, tuning
 from .blas_threads import parallel_for
 from .fused import elementwise
 from .nn_ops import _softmax_inplace
@@ -66,13 +66,13 @@ def _attend(qs, k, v, mask):
     cores, fp32 accumulation), the scores are widened to float32 for the mask and softmax, and
     P is rounded back to the operands' dtype for P V.  P is returned in float32 (for backward).
     """
-    s = xp.matmul(qs, k.swapaxes(-1, -2))
+    s = gemm.matmul(qs, k.swapaxes(-1, -2))
     s = to_dtype(s, compute_dtype(s.dtype))
     if mask is not None:
         s += mask
     p = _exp_shifted(s, s.max(axis=-1, keepdims=True))  # softmax: exp(s - rowmax) / rowsum
     p /= p.sum(axis=-1, keepdims=True)
-    return p, xp.matmul(to_dtype(p, qs.dtype), v)
+    return p, gemm.matmul(to_dtype(p, qs.dtype), v)
 
 
 @elementwise
@@ -90,11 +90,11 @@ def _softmax_grad(dp, delta, p):
 def _attend_backward(qs, k, v, p, o, do):
     """(dQ unscaled -- the caller multiplies by the scale --, dK, dV) of :func:`_attend`."""
     low = qs.dtype
-    dv = xp.matmul(to_dtype(p, low).swapaxes(-1, -2), do)
-    dp = to_dtype(xp.matmul(do, v.swapaxes(-1, -2)), p.dtype)  # dP, in float32
+    dv = gemm.matmul(to_dtype(p, low).swapaxes(-1, -2), do)
+    dp = to_dtype(gemm.matmul(do, v.swapaxes(-1, -2)), p.dtype)  # dP, in float32
     delta = xp.einsum("...i,...i->...", to_dtype(do, p.dtype), to_dtype(o, p.dtype))[..., None]
     ds = to_dtype(_softmax_grad(dp, delta, p), low)
-    return xp.matmul(ds, k), xp.matmul(ds.swapaxes(-1, -2), qs), dv
+    return gemm.matmul(ds, k), gemm.matmul(ds.swapaxes(-1, -2), qs), dv
 
 
 # ------------------------------------------------------------------ per-slab kernels (CPU tuning)

@@ -42,7 +42,7 @@ import math
 
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
-from . import flash_cuda
+from . import flash_cuda, gemm
 from .basic import reshape, split, transpose
 from .precision import compute_dtype, gemm_operands, to_dtype
 
@@ -102,7 +102,7 @@ def forward_tiles(qs, k, v, q0, k0, state, block, causal=True) -> int:
     m, l, acc = state
     work, cdt = 0, m.dtype  # the state's dtype: float32 when the operands are low precision
     for rows, cols, mask in tiles(qs.shape[-2], k.shape[-2], q0, k0, block, causal, cdt):
-        s = to_dtype(xp.matmul(qs[..., rows, :], k[..., cols, :].swapaxes(-1, -2)), cdt)
+        s = to_dtype(gemm.matmul(qs[..., rows, :], k[..., cols, :].swapaxes(-1, -2)), cdt)
         if mask is not None:
             s += mask
         _online_softmax_step(s, v[..., cols, :], m[..., rows, :], l[..., rows, :], acc[..., rows, :])
@@ -120,7 +120,7 @@ def _online_softmax_step(s, v, m, l, acc):
     l *= alpha
     l += p.sum(axis=-1, keepdims=True)
     acc *= alpha
-    acc += xp.matmul(to_dtype(p, v.dtype), v)  # low-precision operands: P rounded for the product
+    acc += gemm.matmul(to_dtype(p, v.dtype), v)  # low-precision operands: P rounded for the product
     m[...] = m_new
 
 
@@ -141,18 +141,18 @@ def backward_tiles(qs, k, v, q0, k0, do, lse, delta, dq, dk, dv, block, causal=T
     low, cdt = qs.dtype, lse.dtype  # operands' dtype, and float32 when that is low precision
     for rows, cols, mask in tiles(qs.shape[-2], k.shape[-2], q0, k0, block, causal, cdt):
         q_i, do_i = qs[..., rows, :], to_dtype(do[..., rows, :], low)
-        s = to_dtype(xp.matmul(q_i, k[..., cols, :].swapaxes(-1, -2)), cdt)
+        s = to_dtype(gemm.matmul(q_i, k[..., cols, :].swapaxes(-1, -2)), cdt)
         if mask is not None:
             s += mask
         s -= lse[..., rows, :]
         p = xp.exp(s, out=s)
-        dv[..., cols, :] += xp.matmul(to_dtype(p, low).swapaxes(-1, -2), do_i)
-        ds = to_dtype(xp.matmul(do_i, v[..., cols, :].swapaxes(-1, -2)), cdt)  # dP ...
+        dv[..., cols, :] += gemm.matmul(to_dtype(p, low).swapaxes(-1, -2), do_i)
+        ds = to_dtype(gemm.matmul(do_i, v[..., cols, :].swapaxes(-1, -2)), cdt)  # dP ...
         ds -= delta[..., rows, :]
         ds *= p  # ... turned into dS
         ds = to_dtype(ds, low)
-        dq[..., rows, :] += xp.matmul(ds, k[..., cols, :])
-        dk[..., cols, :] += xp.matmul(ds.swapaxes(-1, -2), q_i)
+        dq[..., rows, :] += gemm.matmul(ds, k[..., cols, :])
+        dk[..., cols, :] += gemm.matmul(ds.swapaxes(-1, -2), q_i)
 
 
 def rowsum_dot(do, o):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
-from . import tuning
+from . import gemm, tuning
 from .basic import unbroadcast
 from .precision import compute_dtype, gemm_operands, to_dtype
 
@@ -28,18 +28,18 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     if flat:
         out = (A.reshape(-1, A.shape[-1]) @ B).reshape(A.shape[:-1] + (B.shape[-1],))
     else:
-        out = A @ B
+        out = gemm.matmul(A, B)
 
     def backward(g):
         g = g if g.dtype == A.dtype else g.astype(A.dtype)
         ga = gb = None
         if a.requires_grad:
-            ga = unbroadcast(g @ B.swapaxes(-1, -2), a.shape)
+            ga = unbroadcast(gemm.matmul(g, B.swapaxes(-1, -2)), a.shape)
         if b.requires_grad:
             if flat:
                 gb = A.reshape(-1, A.shape[-1]).T @ g.reshape(-1, g.shape[-1])
             else:
-                gb = unbroadcast(A.swapaxes(-1, -2) @ g, b.shape)
+                gb = unbroadcast(gemm.matmul(A.swapaxes(-1, -2), g), b.shape)
         return to_dtype(ga, a.dtype), to_dtype(gb, b.dtype)
 
     return make_tensor(to_dtype(out, out_dtype), (a, b), backward)

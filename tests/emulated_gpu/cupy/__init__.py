@@ -573,6 +573,8 @@ def ascontiguousarray(a, dtype=None):
 
     def run():
         r = a._a if dtype is None else a._a.astype(dtype, copy=False)
+        if r.ndim == 0:  # as CuPy (and NumPy): the result has at least one dimension
+            return _wrap(r.reshape(1).copy())
         return a if (r is a._a and r.flags.c_contiguous) else _wrap(_np.array(r, order="C", copy=True))
     return _device_op("function:ascontiguousarray", (a,), run, kernel=False)
 
@@ -656,7 +658,7 @@ class ndarray:
             if out.dtype != self.dtype:
                 raise TypeError("{} array cannot be obtained from {} array".format(out.dtype, self.dtype))
             if out.shape != self.shape:
-                raise ValueError("Shape mismatch. Old shape: {}, new shape: {}".format(out.shape, self.shape))
+                raise ValueError("Shape mismatch. Expected shape: {}, actual shape: {}".format(out.shape, self.shape))
             if not (out.flags.c_contiguous or out.flags.f_contiguous):
                 raise RuntimeError("Cannot set to non-contiguous array")
             out[...] = _to_host(self, "get")

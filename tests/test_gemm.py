@@ -1,0 +1,86 @@
+"""minidist.ops.gemm: the strided batched GEMM's arguments, checked on the CPU against a NumPy
+model of cuBLAS's call, and (on a GPU) cuBLAS's bfloat16 product against float32."""
+
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import as_strided
+
+from minidist import backend
+from minidist.ops import gemm
+
+RNG = np.random.default_rng(0)
+
+
+def numpy_gemm(transa, transb, m, n, k, A, lda, sa, B, ldb, sb, C, ldc, sc, batch):
+    """What cublasGemmStridedBatchedEx computes, on NumPy views of the same memory: column-major
+    matrices at A + i * sa (ld lda), op() transposing when the flag is set.  cuBLAS's own
+    argument checks come first (a wrong leading dimension is an error there)."""
+    assert transa in (0, 1) and transb in (0, 1) and min(m, n, k, batch) >= 1
+    assert lda >= max(1, k if transa else m) and ldb >= max(1, n if transb else k) and ldc >= max(1, m)
+
+    def col_major(X, rows, cols, ld, stride):
+        it = X.itemsize
+        return as_strided(X, shape=(batch, rows, cols), strides=(stride * it, it, ld * it))
+
+    a = col_major(A, k, m, lda, sa).swapaxes(-1, -2) if transa else col_major(A, m, k, lda, sa)
+    b = col_major(B, n, k, ldb, sb).swapaxes(-1, -2) if transb else col_major(B, k, n, ldb, sb)
+    col_major(C, m, n, ldc, sc)[...] = a @ b
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape)
+
+
+CASES = {
+    "contiguous": lambda: (rand(2, 3, 4, 5), rand(2, 3, 5, 6)),
+    "q @ k^T (a transposed view)": lambda: (rand(2, 3, 7, 5), rand(2, 3, 7, 5).swapaxes(-1, -2)),
+    "p^T @ do": lambda: (rand(2, 3, 7, 7).swapaxes(-1, -2), rand(2, 3, 7, 5)),
+    "tiles: rows of q, columns of k^T": lambda: (rand(2, 3, 9, 5)[..., 2:6, :],
+                                                 rand(2, 3, 9, 5)[..., 1:8, :].swapaxes(-1, -2)),
+    "a 2-d right operand (stride 0)": lambda: (rand(2, 3, 4, 5), rand(5, 6)),
+    "batch dims of size 1 broadcast": lambda: (rand(1, 3, 4, 5), rand(2, 3, 5, 6)),
+    "batch dims that do not collapse (copied)": lambda: (rand(4, 3, 4, 5)[::2], rand(2, 3, 5, 6)),
+    "reversed rows (copied)": lambda: (rand(2, 4, 5)[:, ::-1, :], rand(2, 5, 3)),
+    "single row and column": lambda: (rand(3, 1, 5), rand(3, 5, 1)),
+    "one matrix": lambda: (rand(1, 4, 5), rand(1, 5, 6)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_strided_batched_arguments_give_matmul(case, monkeypatch):
+    monkeypatch.setattr(gemm, "xp", np)
+    a, b = CASES[case]()
+    got = gemm.strided_batched(a, b, numpy_gemm)
+    np.testing.assert_allclose(got, np.matmul(a, b), rtol=1e-13, atol=1e-13)
+
+
+def test_shape_mismatch_names_both_shapes(monkeypatch):
+    monkeypatch.setattr(gemm, "xp", np)
+    with pytest.raises(ValueError, match=r"\(2, 4, 5\) @ \(2, 4, 6\)"):
+        gemm.strided_batched(rand(2, 4, 5), rand(2, 4, 6), numpy_gemm)
+
+
+def _cupy_with_cublas():
+    if backend.BACKEND != "cupy":
+        return "needs MINIDIST_BACKEND=cupy"
+    try:
+        import cupy_backends.cuda.libs.cublas  # noqa: F401
+    except ImportError:
+        return "no cuBLAS bindings here (the CuPy emulator)"
+    return None
+
+
+@pytest.mark.skipif(_cupy_with_cublas() is not None, reason=str(_cupy_with_cublas()))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cublas_batched_product_in_16_bits(dtype):
+    """cuBLAS's strided batched GEMM in bf16/fp16 (fp32 accumulation) equals float32 products of
+    the same rounded inputs to the output's rounding, on the layouts attention uses."""
+    dt = backend.dtype(dtype)
+    for case in ("contiguous", "q @ k^T (a transposed view)", "p^T @ do", "tiles: rows of q, columns of k^T"):
+        a, b = CASES[case]()
+        A, B = backend.from_host(a).astype(dt), backend.from_host(b).astype(dt)
+        got = backend.to_host(gemm.strided_batched(A, B, gemm._cublas_gemm).astype(np.float32))
+        want = backend.to_host(backend.xp.matmul(A.astype(np.float32), B.astype(np.float32)))
+        np.testing.assert_allclose(got, want, rtol=2e-2 if dtype == "bfloat16" else 2e-3, atol=5e-2, err_msg=case)
+    got = backend.to_host(gemm.matmul(A, B).astype(np.float32))  # the public entry, whichever path it takes
+    np.testing.assert_allclose(got, want, rtol=2e-2 if dtype == "bfloat16" else 2e-3, atol=5e-2)
