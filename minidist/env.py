@@ -111,9 +111,14 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("MINIDIST_OPS_PATH", _choice("auto", "whole", "tuned"), "'auto', 'whole' or 'tuned'", "auto",
              "how the ops run: whole-array (one matmul per layer; what CuPy runs) or tuned for a CPU's "
              "caches and BLAS threads; auto: tuned on NumPy, whole on CuPy (minidist/ops/tuning.py)"),
-    Variable("MINIDIST_FLASH_KERNEL", _choice("auto", "off"), "'auto' or 'off'", "auto",
-             "blockwise attention on CuPy runs as fused FlashAttention CUDA kernels (auto) or as the "
-             "batched-product reference (off) (minidist/ops/flash_cuda.py)"),
+    Variable("MINIDIST_CUDA_KERNELS", _choice("auto", "off"), "'auto' or 'off'", "auto",
+             "minidist's own CUDA kernels on CuPy (auto): FlashAttention for blockwise attention "
+             "(ops/flash_cuda.py) and the causal softmax of plain attention (ops/softmax_cuda.py); "
+             "off: the xp reference forms they are tested against"),
+    Variable("MINIDIST_CUBLAS_BATCHED", _choice("auto", "off"), "'auto' or 'off'", "auto",
+             "batched matrix products on CuPy call cuBLAS's strided batched GEMM on the arrays' own "
+             "strides (auto) or CuPy's matmul, which copies non-contiguous operands (off) "
+             "(minidist/ops/gemm.py)"),
     Variable("MINIDIST_CUDA_AWARE_MPI", _switch, SWITCH, False,
              "the MPI library reads GPU memory: point-to-point messages pass CuPy arrays to MPI "
              "directly instead of staging them through host buffers (docs/gpu.md)"),

@@ -4,7 +4,8 @@ A tiny emulation of CUDA's thread model, enough for kernels that use ``threadIdx
 ``blockIdx``, ``blockDim``, ``gridDim``, static ``__shared__`` arrays and ``__syncthreads``:
 the kernel source is compiled as C++20 by the host compiler, each thread block runs as
 ``blockDim.x`` OS threads that share the block's ``__shared__`` arrays (static locals) and
-meet at ``__syncthreads`` on a ``std::barrier``; the blocks of a grid run one after another.
+meet at ``__syncthreads`` on a ``std::barrier``; the blocks of a grid run one after another
+on the same threads.
 Launch arguments are passed as an array of pointers, as ``cuLaunchKernel`` takes them.
 
 What it checks: the kernel's arithmetic, its indexing and its strided cooperative loops with
@@ -33,8 +34,8 @@ PRELUDE = r"""
 #include <vector>
 using std::exp; using std::log; using std::max; using std::min;
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
-static thread_local dim3 threadIdx;
-static dim3 blockIdx, blockDim, gridDim;
+static thread_local dim3 threadIdx, blockIdx;
+static dim3 blockDim, gridDim;
 static std::barrier<>* block_barrier;
 #define __global__
 #define __device__
@@ -52,19 +53,23 @@ template <class... A>
 static void launch(void (*kernel)(A...), unsigned gx, unsigned gy, unsigned bx, void** args) {
     gridDim = dim3{gx, gy, 1};
     blockDim = dim3{bx, 1, 1};
-    for (unsigned y = 0; y < gy; ++y)
-        for (unsigned x = 0; x < gx; ++x) {
-            blockIdx = dim3{x, y, 0};
-            std::barrier<> bar(bx);
-            block_barrier = &bar;
-            std::vector<std::thread> threads;
-            for (unsigned t = 0; t < bx; ++t)
-                threads.emplace_back([=] {
-                    threadIdx = dim3{t, 0, 0};
+    std::barrier<> bar(bx);
+    block_barrier = &bar;
+    // One OS thread per thread of a block, kept for the whole grid: each runs its thread of
+    // every block in turn, and the block's threads meet once more when it ends, so that the
+    // next block finds its __shared__ arrays (static locals) free.
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < bx; ++t)
+        threads.emplace_back([=, &bar] {
+            threadIdx = dim3{t, 0, 0};
+            for (unsigned y = 0; y < gy; ++y)
+                for (unsigned x = 0; x < gx; ++x) {
+                    blockIdx = dim3{x, y, 0};
                     call_packed(kernel, args, std::index_sequence_for<A...>{});
-                });
-            for (auto& th : threads) th.join();
-        }
+                    bar.arrive_and_wait();
+                }
+        });
+    for (auto& th : threads) th.join();
 }
 """
 

@@ -108,7 +108,7 @@ def test_source_compiles_for_an_h100(tmp_path, real, head_dim):
 @pytest.mark.parametrize("dtype, tol", [("float64", 1e-12), ("float32", 2e-5)])
 def test_compiled_kernels_equal_the_reference_in_training(dtype, tol):
     """On CuPy (a GPU, or the emulator): blockwise attention's forward and gradients through
-    the compiled kernels equal the batched-product reference (MINIDIST_FLASH_KERNEL's off)."""
+    the compiled kernels equal the batched-product reference (MINIDIST_CUDA_KERNELS's off)."""
     from minidist import ops
     from minidist.autograd import Tensor
     from minidist.backend import from_host, to_host

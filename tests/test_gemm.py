@@ -43,7 +43,18 @@ CASES = {
     "reversed rows (copied)": lambda: (rand(2, 4, 5)[:, ::-1, :], rand(2, 5, 3)),
     "single row and column": lambda: (rand(3, 1, 5), rand(3, 5, 1)),
     "one matrix": lambda: (rand(1, 4, 5), rand(1, 5, 6)),
+    "heads of a fused QKV (batch axes that do not collapse)": lambda: _qkv_heads(),
 }
+
+
+def _qkv_heads(B=2, T=5, H=3, D=4):
+    """Q and K^T of every (batch, head) as views into one (B, T, 3C) projection, as attention
+    takes them: head stride D, batch stride T * 3C."""
+    X = rand(B, T, 3 * H * D)
+
+    def heads(part):
+        return X[..., part * H * D:(part + 1) * H * D].reshape(B, T, H, D).transpose(0, 2, 1, 3)
+    return heads(0), heads(1).swapaxes(-1, -2)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -52,6 +63,32 @@ def test_strided_batched_arguments_give_matmul(case, monkeypatch):
     a, b = CASES[case]()
     got = gemm.strided_batched(a, b, numpy_gemm)
     np.testing.assert_allclose(got, np.matmul(a, b), rtol=1e-13, atol=1e-13)
+
+
+def test_head_views_loop_over_the_batch_axis_only(monkeypatch):
+    """Heads of a fused QKV: one call per batch element (the head axis stays a cuBLAS batch)."""
+    monkeypatch.setattr(gemm, "xp", np)
+    calls = []
+    q, kt = _qkv_heads(B=2, H=3)
+    gemm.strided_batched(q, kt, lambda *args: calls.append(args[-1]) or numpy_gemm(*args))
+    assert calls == [3, 3]
+
+
+@pytest.mark.parametrize("layout", ["heads of a (B, T, C) output", "transposed (copied back)", "contiguous"])
+def test_out_receives_the_product(layout, monkeypatch):
+    monkeypatch.setattr(gemm, "xp", np)
+    B, T, H, D = 2, 5, 3, 4
+    p, v = rand(B, H, T, T), rand(B, H, T, D)
+    if layout == "heads of a (B, T, C) output":
+        Y = np.full((B, T, H * D), np.nan)
+        out = Y.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+    elif layout == "transposed (copied back)":
+        out = np.full((B, H, D, T), np.nan).swapaxes(-1, -2)
+    else:
+        out = np.full((B, H, T, D), np.nan)
+    got = gemm.strided_batched(p, v, numpy_gemm, out=out)
+    assert got is out
+    np.testing.assert_allclose(out, p @ v, rtol=1e-13, atol=1e-13)
 
 
 def test_shape_mismatch_names_both_shapes(monkeypatch):
@@ -71,16 +108,22 @@ def _cupy_with_cublas():
 
 
 @pytest.mark.skipif(_cupy_with_cublas() is not None, reason=str(_cupy_with_cublas()))
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cublas_batched_product_in_16_bits(dtype):
-    """cuBLAS's strided batched GEMM in bf16/fp16 (fp32 accumulation) equals float32 products of
-    the same rounded inputs to the output's rounding, on the layouts attention uses."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_cublas_batched_product(dtype):
+    """cuBLAS's strided batched GEMM called directly equals CuPy's products in float32/float64
+    (to 1e-12 in float64) and, in bf16/fp16 (fp32 accumulation), float32 products of the same
+    rounded inputs to the output's rounding, on every layout of the CPU test."""
     dt = backend.dtype(dtype)
-    for case in ("contiguous", "q @ k^T (a transposed view)", "p^T @ do", "tiles: rows of q, columns of k^T"):
-        a, b = CASES[case]()
+    tol = {"bfloat16": (2e-2, 5e-2), "float16": (2e-3, 5e-3), "float32": (1e-5, 1e-5), "float64": (1e-12, 1e-12)}[dtype]
+    for case, make in CASES.items():
+        a, b = make()
         A, B = backend.from_host(a).astype(dt), backend.from_host(b).astype(dt)
-        got = backend.to_host(gemm.strided_batched(A, B, gemm._cublas_gemm).astype(np.float32))
-        want = backend.to_host(backend.xp.matmul(A.astype(np.float32), B.astype(np.float32)))
-        np.testing.assert_allclose(got, want, rtol=2e-2 if dtype == "bfloat16" else 2e-3, atol=5e-2, err_msg=case)
-    got = backend.to_host(gemm.matmul(A, B).astype(np.float32))  # the public entry, whichever path it takes
-    np.testing.assert_allclose(got, want, rtol=2e-2 if dtype == "bfloat16" else 2e-3, atol=5e-2)
+        want = backend.to_host(backend.xp.matmul(A.astype(np.float64), B.astype(np.float64)))
+        for got in (gemm.strided_batched(A, B, gemm._cublas_gemm), gemm.matmul(A, B)):
+            np.testing.assert_allclose(backend.to_host(got.astype(np.float64)), want, rtol=tol[0], atol=tol[1],
+                                       err_msg=case)
+    q, kt = (backend.from_host(x).astype(dt) for x in _qkv_heads())
+    out = backend.xp.zeros((2, 5, 5, 3), dtype=dt).transpose(0, 3, 1, 2)  # (B, H, T, T), strided
+    gemm.matmul(q, kt, out=out)
+    want = backend.to_host(backend.xp.matmul(q.astype(np.float64), kt.astype(np.float64)))
+    np.testing.assert_allclose(backend.to_host(out.astype(np.float64)), want, rtol=tol[0], atol=tol[1])

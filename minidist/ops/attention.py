@@ -34,7 +34,7 @@ import math
 
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
-from . import gemm, tuning
+from . import gemm, softmax_cuda, tuning
 from .blas_threads import parallel_for
 from .fused import elementwise
 from .nn_ops import _softmax_inplace
@@ -59,20 +59,25 @@ def causal_mask(tq: int, tk: int, dtype):
 # ------------------------------------------------------------------ whole-array kernels
 
 
-def _attend(qs, k, v, mask):
-    """(P, O) for q (already scaled), k, v of shape (..., T, D), as batched products.
+def _attend(qs, k, v, causal, out=None):
+    """(P, O) for q (already scaled), k, v of shape (..., T, D), as batched products; O is
+    written into ``out`` when given (a strided view: the heads of a (B, T, C) array).
 
     Low-precision operands (mixed precision on CuPy): the products run in that dtype (tensor
     cores, fp32 accumulation), the scores are widened to float32 for the mask and softmax, and
     P is rounded back to the operands' dtype for P V.  P is returned in float32 (for backward).
+    On CuPy the softmax is one CUDA kernel (softmax_cuda.py) with the same arithmetic.
     """
     s = gemm.matmul(qs, k.swapaxes(-1, -2))
     s = to_dtype(s, compute_dtype(s.dtype))
-    if mask is not None:
-        s += mask
-    p = _exp_shifted(s, s.max(axis=-1, keepdims=True))  # softmax: exp(s - rowmax) / rowsum
-    p /= p.sum(axis=-1, keepdims=True)
-    return p, gemm.matmul(to_dtype(p, qs.dtype), v)
+    if softmax_cuda.why_not(s) is None:
+        p = softmax_cuda.softmax(s, causal)
+    else:
+        if causal:
+            s += causal_mask(s.shape[-2], s.shape[-1], s.dtype)
+        p = _exp_shifted(s, s.max(axis=-1, keepdims=True))  # softmax: exp(s - rowmax) / rowsum
+        p /= p.sum(axis=-1, keepdims=True)
+    return p, gemm.matmul(to_dtype(p, qs.dtype), v, out=out)
 
 
 @elementwise
@@ -87,14 +92,15 @@ def _softmax_grad(dp, delta, p):
     return p * (dp - delta)
 
 
-def _attend_backward(qs, k, v, p, o, do):
-    """(dQ unscaled -- the caller multiplies by the scale --, dK, dV) of :func:`_attend`."""
+def _attend_backward(qs, k, v, p, o, do, out=(None, None, None)):
+    """(dQ unscaled -- the caller multiplies by the scale --, dK, dV) of :func:`_attend`,
+    written into the arrays of ``out`` where given."""
     low = qs.dtype
-    dv = gemm.matmul(to_dtype(p, low).swapaxes(-1, -2), do)
+    dv = gemm.matmul(to_dtype(p, low).swapaxes(-1, -2), do, out=out[2])
     dp = to_dtype(gemm.matmul(do, v.swapaxes(-1, -2)), p.dtype)  # dP, in float32
     delta = xp.einsum("...i,...i->...", to_dtype(do, p.dtype), to_dtype(o, p.dtype))[..., None]
     ds = to_dtype(_softmax_grad(dp, delta, p), low)
-    return gemm.matmul(ds, k), gemm.matmul(ds.swapaxes(-1, -2), qs), dv
+    return gemm.matmul(ds, k, out=out[0]), gemm.matmul(ds.swapaxes(-1, -2), qs, out=out[1]), dv
 
 
 # ------------------------------------------------------------------ per-slab kernels (CPU tuning)
@@ -172,10 +178,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale=None) 
     (Q, K, V), out_dtype = gemm_operands(q.data, k.data, v.data)
     if tuning.tuned():  # the CPU-tuned slabs multiply in float32 for low-precision operands, on any backend
         Q, K, V = (to_dtype(a, compute_dtype(a.dtype)) for a in (Q, K, V))
-    Qs = Q * scale  # scaling Q (T*D values) is cheaper than scaling the scores (T*T)
+    # scaling Q (T*D values) is cheaper than scaling the scores (T*T); a low-precision Q stays
+    # so (CuPy computes bfloat16 * float in float32), or every product would run in float32
+    Qs = to_dtype(Q * scale, Q.dtype)
     lead, Tq, Tk = Q.shape[:-2], Q.shape[-2], K.shape[-2]
     if not tuning.tuned():  # whole-array: a few batched products
-        P, O = _attend(Qs, K, V, causal_mask(Tq, Tk, compute_dtype(Qs.dtype)) if causal else None)
+        P, O = _attend(Qs, K, V, causal)
 
         def backward(g):
             dQ, dK, dV = _attend_backward(Qs, K, V, P, O, to_dtype(g, O.dtype))
@@ -268,15 +276,15 @@ def _self_attention_whole(qkv, X, out_dtype, B, T, H, D, causal, scale) -> Tenso
     def heads(a, part):  # part (0 = Q, 1 = K, 2 = V) of a (B, T, 3C) array as (B, H, T, D)
         return a[..., part * C:(part + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3)
 
-    Qs, K, V = heads(X, 0) * scale, heads(X, 1), heads(X, 2)
-    P, O = _attend(Qs, K, V, causal_mask(T, T, compute_dtype(X.dtype)) if causal else None)
-    Y = O.transpose(0, 2, 1, 3).reshape(B, T, C)
+    Qs, K, V = to_dtype(heads(X, 0) * scale, X.dtype), heads(X, 1), heads(X, 2)  # as in attention()
+    Y = xp.empty((B, T, C), dtype=X.dtype)  # P V lands in its heads: no copy merges them
+    P, O = _attend(Qs, K, V, causal, out=heads(Y, 0))
 
     def backward(g):
         dO = to_dtype(g, O.dtype).reshape(B, T, H, D).transpose(0, 2, 1, 3)
-        dQ, dK, dV = _attend_backward(Qs, K, V, P, O, dO)
+        dX = xp.empty((B, T, 3 * C), dtype=X.dtype)  # dQ, dK, dV land in its three parts
+        dQ, _, _ = _attend_backward(Qs, K, V, P, O, dO, out=(heads(dX, 0), heads(dX, 1), heads(dX, 2)))
         dQ *= scale
-        dX = xp.stack([d.transpose(0, 2, 1, 3) for d in (dQ, dK, dV)], axis=2).reshape(B, T, 3 * C)
         return (to_dtype(dX, qkv.dtype),)
 
     return make_tensor(to_dtype(Y, out_dtype), (qkv,), backward)

@@ -31,7 +31,7 @@ them on the chunks of the sequence that meet on one rank.
 
 This batched-matmul form (every (batch, head) pair in each product) is the reference.  On
 CuPy, :func:`blockwise_attention` runs the same recurrence as fused CUDA kernels instead
-(``flash_cuda.py``; ``MINIDIST_FLASH_KERNEL=off`` keeps this form), checked against it.  With
+(``flash_cuda.py``; ``MINIDIST_CUDA_KERNELS=off`` keeps this form), checked against it.  With
 low-precision operands the products here run in that dtype and the running state, softmax
 and gradients in float32.
 """

@@ -28,7 +28,7 @@ kernel 420 bytes per thread; D = 128 and double spill kilobytes.  With 64 thread
 48 KiB per block, few blocks share an SM.  So these kernels are a correct fused baseline, not
 a tuned one: whether they beat the batched products is for ``bench_gpu.py`` to say.
 
-Switch: ``MINIDIST_FLASH_KERNEL`` (``auto``: on CuPy for head sizes up to 128; ``off``: the
+Switch: ``MINIDIST_CUDA_KERNELS`` (``auto``: on CuPy for head sizes up to 128; ``off``: the
 batched-product reference everywhere).  ``tests/test_flash_kernel.py`` checks the kernel
 source on a CPU: compiled by a C++ compiler under a small emulation of CUDA's thread model
 (threads of a block as OS threads, ``__syncthreads`` a barrier), it equals the reference
@@ -224,8 +224,8 @@ def why_not(head_dim: int) -> str | None:
     """Why the kernels do not run for this head size here (None when they do)."""
     if BACKEND != "cupy":
         return "the kernels run on CuPy only"
-    if env.get("MINIDIST_FLASH_KERNEL") == "off":
-        return "MINIDIST_FLASH_KERNEL=off"
+    if env.get("MINIDIST_CUDA_KERNELS") == "off":
+        return "MINIDIST_CUDA_KERNELS=off"
     if not hasattr(xp, "RawModule"):
         return "this CuPy has no RawModule"
     if head_dim > MAX_HEAD_DIM:

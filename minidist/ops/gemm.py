@@ -1,38 +1,65 @@
-"""Batched matrix products, with cuBLAS's strided batched GEMM called directly for bfloat16.
+"""Batched matrix products on CuPy through cuBLAS's strided batched GEMM, without copies.
 
-Attention multiplies a batch of matrices at once (Q K^T and P V over every (batch, head)
-pair).  ``xp.matmul`` does that in one call on both backends, except for one gap: CuPy 14
-multiplies *2-d* bfloat16 matrices on the tensor cores (cuBLAS's GemmEx) but hands a
-*batched* bfloat16 product to its integer fallback kernel, which does not know the type
-("data type 'E' not understood").  :func:`matmul` is ``xp.matmul`` wherever that works;
-where it does not (probed once with a tiny product) it calls cuBLAS's
-``cublasGemmStridedBatchedEx`` itself: bfloat16 operands and output, float32 accumulation,
-the whole batch in one launch, as CuPy does for float16.
+Attention multiplies a batch of matrices at once: Q K^T and P V over every (batch, head)
+pair, and in backward P^T dO, dO V^T, dS K and dS^T Q.  ``xp.matmul`` does that in one call,
+but on CuPy it first copies every operand that is not C-contiguous, and attention's operands
+rarely are: K^T, P^T and dS^T are transposed views (P^T and dS^T are T x T, the largest
+arrays of a step), and a head's Q, K and V are strided views into the fused QKV projection.
+cuBLAS itself needs none of those copies: a matrix is a pointer, a leading dimension and a
+"transposed" flag, and a batch is a stride between matrices.  :func:`matmul` passes the views
+as they are (``cublasGemmStridedBatchedEx``); it also writes into a strided ``out`` (a head's
+slice of the (B, T, C) output), which saves the copy that merges the heads.  It also fills a
+gap of CuPy 14, which multiplies 2-d bfloat16 matrices on the tensor cores but sends a
+*batched* bfloat16 product to an integer kernel that does not know the type.
 
-cuBLAS is column-major.  A row-major (M, K) @ (K, N) = (M, N) product is, read in column
-order, C^T = B^T A^T: the same buffers with the operands swapped.  A transposed *view* (k
-with its last two axes swapped, as in Q K^T) needs no copy: its storage read in column order
-is the matrix itself, so it is passed with the "transpose" flag.  :func:`strided_batched`
-works out these flags, leading dimensions and batch strides from the arrays' strides; it is
-plain Python over any ``gemm`` callable, so a CPU test checks it against NumPy with a NumPy
-model of the cuBLAS call.
+cuBLAS is column-major.  A row-major (M, K) @ (K, N) = (M, N) product read in column order is
+C^T = B^T A^T: the same buffers with the operands swapped.  A transposed view's storage read in
+column order is the matrix itself, passed with the "transpose" flag.  Batch axes whose strides
+do not collapse into one (a head's view: batch stride T*3C, head stride D) become a loop of
+calls over the outer axes.  :func:`strided_batched` works all this out from the arrays'
+strides; it is plain Python over any ``gemm`` callable, so a CPU test checks it against
+NumPy with a NumPy model of the cuBLAS call.
+
+The switch: ``MINIDIST_CUBLAS_BATCHED=off`` uses ``xp.matmul`` (CuPy's copies) except where
+CuPy cannot multiply at all (batched bfloat16).  NumPy always uses ``xp.matmul``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 
-from ..backend import BACKEND, bfloat16, host, xp
+from .. import env
+from ..backend import BACKEND, host, xp
 
+_SWITCH = env.get("MINIDIST_CUBLAS_BATCHED")
 _native_batched: dict = {}  # dtype -> xp.matmul multiplies batches of it
+_GEMM_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def matmul(a, b):
-    """``a @ b`` for arrays of shape (..., M, K) and (..., K, N), M, K, N >= 1 (batch dims
-    broadcast)."""
-    if BACKEND == "numpy" or a.dtype != b.dtype or max(a.ndim, b.ndim) <= 2 or _batches_natively(a.dtype):
-        return xp.matmul(a, b)
-    return strided_batched(a, b, _cublas_gemm)
+def _has_cublas() -> bool:
+    """CuPy's cuBLAS bindings are there (not under NumPy, nor under the CuPy emulator)."""
+    if BACKEND == "numpy":
+        return False
+    try:
+        from cupy_backends.cuda.libs import cublas  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_CUBLAS = _has_cublas()
+
+
+def matmul(a, b, out=None):
+    """``a @ b`` for arrays of shape (..., M, K) and (..., K, N) (batch dims broadcast), into
+    ``out`` (any strides) when given."""
+    if (not _CUBLAS or a.dtype != b.dtype or max(a.ndim, b.ndim) <= 2
+            or xp.dtype(a.dtype).name not in _GEMM_DTYPES
+            or (_SWITCH == "off" and _batches_natively(a.dtype))):
+        return xp.matmul(a, b, out=out)
+    return strided_batched(a, b, _cublas_gemm, out)
 
 
 def _batches_natively(dt) -> bool:
@@ -46,60 +73,91 @@ def _batches_natively(dt) -> bool:
     return _native_batched[dt]
 
 
-def _operand(x):
-    """(x, transposed, leading dimension, batch stride) of one operand in cuBLAS's terms,
-    in elements; ``x`` is copied to C order only when its strides fit no GEMM layout."""
-    for attempt in (x, None):
-        if attempt is None:
-            x = xp.ascontiguousarray(x)
-        *lead, r, c = x.shape
-        s = [st // x.itemsize for st in x.strides]
-        if any(st < 0 for st in s) or any(st % x.itemsize for st in x.strides):
-            continue
-        if s[-1] == 1 and (r == 1 or s[-2] >= c):
-            trans, ld = 0, (s[-2] if r > 1 else c)  # rows contiguous: read in column order, x^T
-        elif s[-2] == 1 and (c == 1 or s[-1] >= r):
-            trans, ld = 1, (s[-1] if c > 1 else r)  # columns contiguous: a transposed view
-        else:
-            continue
-        batch = [(n, st) for n, st in zip(lead, s[:len(lead)]) if n > 1]
-        if all(s1 == s2 * n2 for (_, s1), (n2, s2) in zip(batch, batch[1:])):
-            return x, trans, ld, (batch[-1][1] if batch else 0)
-    raise AssertionError("a C-ordered array always fits")  # pragma: no cover
+def _matrix(x):
+    """(transposed, leading dimension) of the matrices of ``x`` in cuBLAS's terms (elements),
+    or None when their strides fit no GEMM layout."""
+    r, c = x.shape[-2:]
+    it = x.itemsize
+    if any(st < 0 or st % it for st in x.strides[-2:]):
+        return None
+    s0, s1 = x.strides[-2] // it, x.strides[-1] // it
+    if (s1 == 1 or c == 1) and (r == 1 or s0 >= c):
+        return 0, (s0 if r > 1 else c)  # rows contiguous: read in column order it is x^T
+    if (s0 == 1 or r == 1) and (c == 1 or s1 >= r):
+        return 1, (s1 if c > 1 else r)  # columns contiguous: a transposed view
+    return None
 
 
-def strided_batched(a, b, gemm):
+def _collapses(x, axes) -> bool:
+    """Do the batch ``axes`` of ``x`` (those longer than 1) step through memory with one stride?"""
+    steps = [(x.shape[i], x.strides[i]) for i in axes if x.shape[i] > 1]
+    return all(s1 == s2 * n2 for (_, s1), (n2, s2) in zip(steps, steps[1:])) and all(s >= 0 for _, s in steps)
+
+
+def _batch_stride(x) -> int:
+    """The one stride (elements) between consecutive matrices of ``x``'s batch (0: one matrix)."""
+    steps = [x.strides[i] for i in range(x.ndim - 2) if x.shape[i] > 1]
+    return steps[-1] // x.itemsize if steps else 0
+
+
+def _writable_output(out, dtype) -> bool:
+    """Can cuBLAS write the product straight into ``out``?  (C is never transposed.)"""
+    layout = _matrix(out) if out.dtype == dtype else None
+    return layout is not None and layout[0] == 0
+
+
+def strided_batched(a, b, gemm, out=None):
     """``a @ b`` through ``gemm``, a strided batched GEMM with cuBLAS's arguments
     ``(transa, transb, m, n, k, A, lda, strideA, B, ldb, strideB, C, ldc, strideC, batch)``
     (arrays for the pointers, strides in elements)."""
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"matmul shape mismatch: {tuple(a.shape)} @ {tuple(b.shape)}")
     lead = tuple(host.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    ops = []
-    for x in (a, b):
-        if x.shape[:-2] != lead and math.prod(x.shape[:-2]) > 1:  # a real broadcast: materialise
-            x = xp.ascontiguousarray(xp.broadcast_to(x, lead + x.shape[-2:]))
-        ops.append(_operand(x))
-    (A, ta, lda, sa), (B, tb, ldb, sb) = ops
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    out = xp.empty(lead + (M, N), dtype=a.dtype)
-    if out.size == 0 or K == 0:
-        out[...] = 0
-        return out
-    # C^T (N x M, column-major) = op(B)^T-storage x op(A)^T-storage: operands swapped
-    gemm(tb, ta, N, M, K, B, ldb, sb, A, lda, sa, out, N, M * N, math.prod(lead))
+    if out is not None and tuple(out.shape) != lead + (M, N):
+        raise ValueError(f"matmul out has shape {tuple(out.shape)}, not {lead + (M, N)}")
+    a, b = (xp.broadcast_to(x, lead + x.shape[-2:]) for x in (a, b))  # views: stride 0 where broadcast
+    a, b = (x if _matrix(x) is not None else xp.ascontiguousarray(x) for x in (a, b))
+    c = out if out is not None and _writable_output(out, a.dtype) else xp.empty(lead + (M, N), dtype=a.dtype)
+    if c.size and K == 0:
+        c[...] = 0
+    elif c.size:
+        # loop over the fewest outer batch axes that leave one stride per operand inside
+        outer = next(n for n in range(len(lead) + 1)
+                     if all(_collapses(x, range(n, len(lead))) for x in (a, b, c)))
+        batch = math.prod(lead[outer:])
+        (ta, lda), (tb, ldb), (_, ldc) = _matrix(a), _matrix(b), _matrix(c)
+        for idx in itertools.product(*(range(n) for n in lead[:outer])):
+            A, B, C = a[idx], b[idx], c[idx]
+            # C^T (N x M, column-major) = B^T A^T: the operands swapped
+            gemm(tb, ta, N, M, K, B, ldb, _batch_stride(B), A, lda, _batch_stride(A), C, ldc,
+                 _batch_stride(C), batch)
+    if out is None:
+        return c
+    if c is not out:
+        out[...] = c
     return out
 
 
 def _cublas_gemm(transa, transb, m, n, k, A, lda, sa, B, ldb, sb, C, ldc, sc, batch):
-    """cublasGemmStridedBatchedEx on CuPy's handle and stream: 16-bit operands, fp32 compute."""
+    """cublasGemmStridedBatchedEx on CuPy's handle and stream.  16-bit operands accumulate in
+    float32 (tensor cores); float32 uses TF32 tensor cores only with CUPY_TF32=1 (--tf32), as
+    CuPy's own matmul does."""
     import numpy
     from cupy.cuda import device, runtime
     from cupy_backends.cuda.libs import cublas
 
-    kind = {bfloat16: getattr(runtime, "CUDA_R_16BF", 14), xp.dtype(xp.float16): runtime.CUDA_R_16F}[C.dtype]
-    one, zero = numpy.ones((), numpy.float32), numpy.zeros((), numpy.float32)
+    name = xp.dtype(C.dtype).name
+    kind = {"bfloat16": getattr(runtime, "CUDA_R_16BF", 14), "float16": runtime.CUDA_R_16F,
+            "float32": runtime.CUDA_R_32F, "float64": runtime.CUDA_R_64F}[name]
+    if name == "float64":
+        compute, scalar = cublas.CUBLAS_COMPUTE_64F, numpy.float64
+    elif name == "float32" and os.environ.get("CUPY_TF32", "0") not in ("", "0"):
+        compute, scalar = cublas.CUBLAS_COMPUTE_32F_FAST_TF32, numpy.float32
+    else:
+        compute, scalar = cublas.CUBLAS_COMPUTE_32F, numpy.float32
+    one, zero = numpy.ones((), scalar), numpy.zeros((), scalar)
     cublas.gemmStridedBatchedEx(
         device.get_cublas_handle(), transa, transb, m, n, k, one.ctypes.data,
         A.data.ptr, kind, lda, sa, B.data.ptr, kind, ldb, sb, zero.ctypes.data,
-        C.data.ptr, kind, ldc, sc, batch, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        C.data.ptr, kind, ldc, sc, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)

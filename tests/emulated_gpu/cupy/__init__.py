@@ -394,6 +394,10 @@ class ufunc:
         def run():
             r = self._f(*[self._arg(x) for x in ins], **_unwrap_kwargs({k: v for k, v in kw.items() if k != "out"}),
                         **({"out": kw["out"]} if "out" in kw else {}))
+            if out is None and self.__name__ == "matmul":  # CuPy (cuBLAS): 16-bit in, same 16-bit out
+                dts = {x.dtype for x in ins if isinstance(x, ndarray)}
+                if len(dts) == 1 and (dt := dts.pop()).name in ("float16", "bfloat16"):
+                    r = r.astype(dt)
             return out if out is not None else _wrap(r)
         return _device_op("ufunc:" + self.__name__, (ins, args[n:], out), run)
 

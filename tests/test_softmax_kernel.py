@@ -1,0 +1,79 @@
+"""The causal softmax CUDA kernel (minidist/ops/softmax_cuda.py) against the xp reference.
+
+No GPU is needed: the kernel source runs on the CPU under tests/cuda_on_cpu.py, called through
+softmax_cuda.softmax itself; where nvcc exists the source also compiles for an H100 (sm_90).
+On CuPy (make test-gpu, or the emulator) the compiled kernel is compared too.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from minidist import backend
+from minidist.backend import BACKEND
+from minidist.ops import softmax_cuda
+
+import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
+
+on_numpy = pytest.mark.skipif(BACKEND != "numpy", reason="the CPU emulation of the kernel runs on NumPy arrays")
+needs_cxx = pytest.mark.skipif(cuda_on_cpu.compiler() is None, reason="no C++ compiler to run CUDA kernels on the CPU")
+
+
+def reference(s, causal):
+    """The xp form the kernel replaces (NumPy): the mask of attention.causal_mask, the row max,
+    exp of the shifted scores, divided by their sum."""
+    x = s + np.triu(np.full(s.shape[-2:], -np.inf, dtype=s.dtype), k=1) if causal else s.copy()
+    p = np.exp(x - x.max(axis=-1, keepdims=True))
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def emulated(real: str, threads: int):
+    module = cuda_on_cpu.Module(softmax_cuda.SOURCE, {"REAL": real, "THREADS": str(threads)})
+    return lambda grid, block, args: module.launch("softmax_rows", grid, block[0], args)
+
+
+@on_numpy
+@needs_cxx
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-14), (np.float32, 2e-7)])
+@pytest.mark.parametrize("shape, causal", [
+    ((2, 3, 13, 13), True),   # self-attention; rows longer than the block's 4 threads
+    ((2, 9, 14), False),      # cross shapes, no mask
+    ((1, 1, 5, 7), True),     # more keys than queries: top-left aligned, as causal_mask
+    ((3, 2, 2), True),        # rows shorter than the block
+])
+def test_kernel_equals_the_reference(monkeypatch, dtype, tol, shape, causal):
+    monkeypatch.setattr(softmax_cuda, "THREADS", 4)
+    monkeypatch.setattr(softmax_cuda, "GRID_X", 7)  # several grid rows, the last one partly idle
+    s = np.random.default_rng(0).standard_normal(shape).astype(dtype) * 4
+    got = softmax_cuda.softmax(s, causal, kernel=emulated("double" if dtype == np.float64 else "float", 4))
+    want = reference(s, causal)
+    assert got.dtype == dtype and got.shape == s.shape
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    if causal:  # above the diagonal: exact zeros, written without reading the scores there
+        assert not np.triu(got[..., :, :], k=1).any()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed here")
+@pytest.mark.parametrize("real", ["float", "double"])
+def test_source_compiles_for_an_h100(tmp_path, real):
+    src = tmp_path / "softmax.cu"
+    src.write_text(softmax_cuda.SOURCE)
+    r = subprocess.run(["nvcc", "-std=c++14", "-arch=sm_90", "-ptx", f"-DREAL={real}",
+                        f"-DTHREADS={softmax_cuda.THREADS}", "-o", str(tmp_path / "s.ptx"), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert ".entry softmax_rows" in (tmp_path / "s.ptx").read_text()
+
+
+@pytest.mark.skipif(BACKEND != "cupy", reason="the compiled kernel runs under MINIDIST_BACKEND=cupy (make test-gpu)")
+@pytest.mark.parametrize("dtype, tol", [("float64", 1e-14), ("float32", 2e-7)])
+def test_compiled_kernel_equals_the_reference(dtype, tol):
+    s = np.random.default_rng(1).standard_normal((2, 3, 200, 200)).astype(dtype) * 4
+    assert softmax_cuda.why_not(backend.from_host(s)) is None
+    for causal in (True, False):
+        got = backend.to_host(softmax_cuda.softmax(backend.from_host(s), causal))
+        np.testing.assert_allclose(got, reference(s, causal), rtol=tol, atol=tol)
