@@ -105,6 +105,8 @@ class Module:
         folder = os.path.join(tempfile.gettempdir(), "minidist-cuda-on-cpu")
         os.makedirs(folder, exist_ok=True)
         lib = os.path.join(folder, f"{tag}.so")
+        if os.path.exists(lib) and not self._complete(lib, names):  # a damaged cache entry: build again
+            os.remove(lib)
         if not os.path.exists(lib):
             src = os.path.join(folder, f"{tag}.cpp")
             with open(src, "w") as f:
@@ -117,6 +119,15 @@ class Module:
             os.replace(tmp, lib)  # atomic: parallel test processes may compile the same module
         self._lib = ctypes.CDLL(lib)
         self.names = names
+
+    @staticmethod
+    def _complete(lib: str, names) -> bool:
+        """Does the compiled library ``lib`` export a launcher for every kernel?"""
+        try:
+            handle = ctypes.CDLL(os.path.abspath(lib), mode=ctypes.RTLD_LOCAL)
+        except OSError:
+            return False
+        return all(hasattr(handle, f"launch_{n}") for n in names)
 
     def launch(self, name: str, grid, block: int, args):
         """Run kernel ``name`` on ``grid`` = (gx, gy) blocks of ``block`` threads.  ``args``:

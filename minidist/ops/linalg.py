@@ -11,7 +11,7 @@ accumulation (CuPy's tensor cores; see precision.py).
 from __future__ import annotations
 
 from ..autograd import Tensor, make_tensor
-from ..backend import xp
+from ..backend import BACKEND, is_low_precision, xp
 from . import gemm, tuning
 from .basic import unbroadcast
 from .precision import compute_dtype, gemm_operands, to_dtype
@@ -45,6 +45,19 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return make_tensor(to_dtype(out, out_dtype), (a, b), backward)
 
 
+def column_sums(g2d):
+    """The sums of the columns of a (rows, C) array (a bias gradient).
+
+    As a GEMV (ones @ g) on a CPU and, for float32/float64, on CuPy: BLAS reads the array once
+    at full speed, where NumPy's and CuPy's sum(axis=0) read it column by column, a row's
+    stride apart (docs/gpu.md has the GPU's figures).  A low-precision gradient is summed in
+    float32 (sum's dtype=)."""
+    low = is_low_precision(g2d.dtype)
+    if tuning.tuned() or (BACKEND == "cupy" and not low):
+        return xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d
+    return g2d.sum(axis=0, dtype=compute_dtype(g2d.dtype))
+
+
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """``x @ w + b`` for x (..., in), w (in, out), b (out,) or None.
 
@@ -71,9 +84,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         gw = x2d.T @ g2d if w.requires_grad else None
         gb = None
         if b is not None and b.requires_grad:
-            # CPU: column sums as a GEMV (ones @ g), one BLAS pass, faster than NumPy's sum(axis=0)
-            gb = (xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if tuning.tuned()
-                  else g2d.sum(axis=0, dtype=compute_dtype(g2d.dtype)))  # low precision: a float32 sum
+            gb = column_sums(g2d)
         return to_dtype(gx, x.dtype), to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
 
     return make_tensor(y, (x, w, b), backward)

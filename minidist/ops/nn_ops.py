@@ -17,9 +17,10 @@ import math
 from ..autograd import Tensor, make_tensor
 from ..backend import from_host, host, xp
 from .basic import check_index, scatter_add_rows
-from . import tuning
+from . import layernorm_cuda, tuning
 from .blas_threads import parallel_for, row_chunks
 from .fused import elementwise
+from .linalg import column_sums
 from .precision import compute_dtype, to_dtype
 
 _GELU_C = math.sqrt(2.0 / math.pi)  # python float: keeps float32 arrays float32 (NEP 50)
@@ -160,6 +161,17 @@ def _ln_input_grad(gh, xhat, rstd, mean_gh, mean_ghx):
     return rstd * (gh - mean_gh - xhat * mean_ghx)
 
 
+def _ln_forward(X, W, Bias, eps):
+    """(xhat, y, rstd) of the rows of X, one array expression per formula line."""
+    xc = X - X.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    if W is not None and Bias is not None:
+        return (*_ln_affine(xc, rstd, W, Bias), rstd)  # one fused kernel under CuPy
+    xhat = xc * rstd  # saved for backward
+    y = xhat if W is None else xhat * W
+    return xhat, y if Bias is None else y + Bias, rstd
+
+
 def _ln_grads(gx, gw, gb, weight, bias):
     """LayerNorm's gradients (x, weight, bias), the parameters' in their own dtypes."""
     return gx, None if gw is None else to_dtype(gw, weight.dtype), None if gb is None else to_dtype(gb, bias.dtype)
@@ -188,22 +200,20 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     X = to_dtype(x.data, cdt).reshape(-1, C)
     W = None if weight is None else to_dtype(weight.data, cdt)
     Bias = None if bias is None else to_dtype(bias.data, cdt)
-    xc = X - X.mean(axis=-1, keepdims=True)
-    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
-    if W is not None and Bias is not None:
-        xhat, y = _ln_affine(xc, rstd, W, Bias)  # one fused kernel under CuPy
+    fused = layernorm_cuda.why_not(X, W, Bias) is None  # CuPy: one kernel each way (layernorm_cuda.py)
+    if fused:
+        xhat, y, rstd = layernorm_cuda.forward(X, W, Bias, eps)  # rstd of shape (rows,) here
     else:
-        xhat = xc * rstd  # saved for backward
-        y = xhat if W is None else xhat * W
-        if Bias is not None:
-            y = y + Bias
+        xhat, y, rstd = _ln_forward(X, W, Bias, eps)
 
     def backward(g):
         g2d = to_dtype(g, cdt).reshape(-1, C)
-        gw = (g2d * xhat).sum(axis=0) if weight is not None and weight.requires_grad else None
-        gb = g2d.sum(axis=0) if bias is not None and bias.requires_grad else None
+        gw = column_sums(g2d * xhat) if weight is not None and weight.requires_grad else None
+        gb = column_sums(g2d) if bias is not None and bias.requires_grad else None
         gx = None
-        if x.requires_grad:
+        if x.requires_grad and fused:
+            gx = to_dtype(layernorm_cuda.backward(g2d, W, xhat, rstd).reshape(x.shape), x.dtype)
+        elif x.requires_grad:
             gh = g2d if W is None else g2d * W
             gx = _ln_input_grad(gh, xhat, rstd, gh.mean(axis=-1, keepdims=True),
                                 (gh * xhat).mean(axis=-1, keepdims=True))

@@ -45,6 +45,12 @@ def _flat_view(a):
     return a.reshape(-1) if a.flags.c_contiguous else None
 
 
+def adamw_hyper(step, lr, beta1, beta2, wd):
+    """(decay, 1/sqrt(bias correction 2), step size) of an AdamW step: the per-array numbers
+    the fused kernels take (ops.fused.adamw_kernel, ops.multi_tensor_cuda.adamw)."""
+    return 1.0 - lr * wd, 1.0 / math.sqrt(1.0 - beta2**step), lr / (1.0 - beta1**step)
+
+
 def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, wd, scratch=None):
     """One AdamW step (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization").
 
@@ -72,8 +78,8 @@ def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, wd, scratch=None):
             _adamw_block(p, g, m, v, _scratch(p, scratch), *hyper)
         else:
             t = p.dtype.type
-            decay, b1, b2, e, bc2, step_size = hyper
-            kernel(g, t(decay), t(b1), t(b2), t(e), t(1.0 / math.sqrt(bc2)), t(step_size), p, m, v)
+            decay, inv_sqrt_bc2, step_size = adamw_hyper(step, lr, beta1, beta2, wd)
+            kernel(g, t(decay), t(beta1), t(beta2), t(eps), t(inv_sqrt_bc2), t(step_size), p, m, v)
         return
     flats = [_flat_view(a) for a in (p, m, v)]
     if any(f is None for f in flats):  # strided state (rare): one "block", the whole array

@@ -17,8 +17,9 @@ The classes only keep state and loop; the arithmetic is in :mod:`minidist.optim.
 from __future__ import annotations
 
 from minidist.backend import xp
+from minidist.ops import multi_tensor_cuda
 
-from .functional import adamw_update, sgd_update
+from .functional import adamw_hyper, adamw_update, sgd_update
 
 
 def no_decay_below_2d(p) -> bool:
@@ -75,6 +76,7 @@ class Optimizer:
 
     def step(self):
         self.step_count += 1
+        items = []
         for name, p in zip(self.names, self.params):
             if p.grad is None:
                 continue
@@ -82,6 +84,12 @@ class Optimizer:
                 raise ValueError(f"gradient of {name!r} has shape {p.grad.shape}, parameter {p.data.shape}")
             st = self._state_for(name, p)
             st["step"] += 1
+            items.append((p, st))
+        self._update_all(items)
+
+    def _update_all(self, items):
+        """Update every (parameter, state) pair; one at a time unless a subclass batches them."""
+        for p, st in items:
             self._update(p, st)
 
     def _update(self, p, st):  # pragma: no cover - abstract
@@ -162,3 +170,15 @@ class AdamW(Optimizer):
     def _update(self, p, st):
         adamw_update(p.data, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"], self.lr,
                      self.betas[0], self.betas[1], self.eps, self.decay_of(p))
+
+    def _update_all(self, items):
+        """On CuPy, every parameter in one multi-tensor launch (ops.multi_tensor_cuda: the
+        arithmetic of adamw_update's fused kernel); elsewhere one adamw_update each."""
+        arrays = [a for p, st in items for a in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]
+        if multi_tensor_cuda.why_not(arrays) is not None:
+            return super()._update_all(items)
+        b1, b2 = self.betas
+        hyper = [adamw_hyper(st["step"], self.lr, b1, b2, self.decay_of(p)) for p, st in items]
+        multi_tensor_cuda.adamw([p.data for p, _ in items], [p.grad for p, _ in items],
+                                [st["exp_avg"] for _, st in items], [st["exp_avg_sq"] for _, st in items],
+                                hyper, b1, b2, self.eps)

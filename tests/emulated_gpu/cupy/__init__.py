@@ -655,6 +655,10 @@ class ndarray:
         raise TypeError("Implicit conversion to a NumPy array is not allowed. "
                         "Please use `.get()` to construct a NumPy array explicitly.")
 
+    @property
+    def data(self):
+        return _MemoryPointer(self._a)
+
     def get(self, stream=None, order="C", out=None, blocking=True):
         if out is not None:
             if not isinstance(out, _np.ndarray):
@@ -1055,6 +1059,15 @@ class _Device:
 
 def _set_device(dev):
     _tls.device = _valid(int(dev))
+
+
+class _MemoryPointer:
+    """``ndarray.data``: ``ptr`` is the address of the array's first element (host memory here,
+    which the emulated RawKernels read as device memory)."""
+
+    def __init__(self, a):
+        self.ptr = a.__array_interface__["data"][0]
+        self.device_id = _tls.device
 
 
 class _Stream:

@@ -1,0 +1,143 @@
+"""LayerNorm's row computations as two CUDA kernels: forward, and the input's gradient.
+
+``nn_ops.layer_norm`` writes each line of the formulas as one array expression: on a GPU the
+forward is eight kernels (mean, centring, square, mean, add, sqrt, divide, the affine step),
+each a pass over the (rows, C) activation, and the input's gradient five more.  A row of
+GPT-2 small is 768 numbers, a few KB: here a thread block owns a row, reduces its sums in
+shared memory and writes every output of the row in one pass:
+
+* forward: mean, variance (of the centred row, two reductions as in the reference), rstd,
+  xhat = (x - mean) * rstd (saved for backward) and y = xhat * w + b;
+* backward: gh = g * w, the two row means of gh and gh * xhat, and
+  dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)).
+
+The parameters' gradients are column sums over the rows (``linalg.column_sums``), left to
+BLAS.  Same arithmetic as the reference in float32 or float64; only the order of the sums
+differs.  Switch: ``MINIDIST_CUDA_KERNELS=off``.  Tested on the CPU through
+tests/cuda_on_cpu.py (tests/test_layernorm_kernel.py) and compiled for an H100 where nvcc is.
+"""
+
+from __future__ import annotations
+
+from .. import env
+from ..backend import BACKEND, xp
+
+THREADS = 256  # threads per row at most (a power of two: the reductions halve it)
+
+SOURCE = r"""
+// REAL: float or double; blockDim.x a power of two, at most THREADS.  Arrays are (rows, C)
+// contiguous, w and b (C,), rstd (rows,).  Block r works on row r.
+
+// The sum of v over the block's threads, returned to every thread (parts: THREADS slots).
+__device__ REAL block_sum(REAL v, REAL* parts) {
+    parts[threadIdx.x] = v;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) parts[threadIdx.x] += parts[threadIdx.x + half];
+        __syncthreads();
+    }
+    REAL total = parts[0];
+    __syncthreads();  // every thread has read it before parts is reused
+    return total;
+}
+
+extern "C" __global__ void layer_norm_forward(const REAL* x, const REAL* w, const REAL* b, REAL* xhat, REAL* y,
+                                              REAL* rstd, long long rows, int C, REAL eps) {
+    __shared__ REAL parts[THREADS];
+    const long long row = blockIdx.x + (long long)blockIdx.y * gridDim.x;
+    if (row >= rows) return;  // the same for every thread of the block
+    x += row * C; xhat += row * C; y += row * C;
+    REAL s = 0;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) s += x[j];
+    const REAL mean = block_sum(s, parts) / C;
+    REAL q = 0;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) q += (x[j] - mean) * (x[j] - mean);
+    const REAL r = 1 / sqrt(block_sum(q, parts) / C + eps);
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        REAL h = (x[j] - mean) * r;
+        xhat[j] = h;
+        y[j] = h * w[j] + b[j];
+    }
+    if (threadIdx.x == 0) rstd[row] = r;
+}
+
+extern "C" __global__ void layer_norm_backward(const REAL* g, const REAL* w, const REAL* xhat, const REAL* rstd,
+                                               REAL* dx, long long rows, int C) {
+    __shared__ REAL parts[THREADS];
+    const long long row = blockIdx.x + (long long)blockIdx.y * gridDim.x;
+    if (row >= rows) return;
+    g += row * C; xhat += row * C; dx += row * C;
+    REAL s = 0, t = 0;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        REAL gh = g[j] * w[j];
+        s += gh;
+        t += gh * xhat[j];
+    }
+    const REAL mean_gh = block_sum(s, parts) / C;
+    const REAL mean_ghx = block_sum(t, parts) / C;
+    const REAL r = rstd[row];
+    for (int j = threadIdx.x; j < C; j += blockDim.x) dx[j] = r * (g[j] * w[j] - mean_gh - xhat[j] * mean_ghx);
+}
+"""
+
+KERNELS = ("layer_norm_forward", "layer_norm_backward")
+GRID_X = 65535  # rows per grid row: the grid is (GRID_X, ceil(rows / GRID_X)) for many rows
+
+
+def why_not(x2d, w, b) -> str | None:
+    """Why the kernels do not run for these arrays here (None when they do)."""
+    if BACKEND != "cupy":
+        return "the kernels run on CuPy only"
+    if env.get("MINIDIST_CUDA_KERNELS") == "off":
+        return "MINIDIST_CUDA_KERNELS=off"
+    if not hasattr(xp, "RawModule"):
+        return "this CuPy has no RawModule"
+    if w is None or b is None:
+        return "no weight or no bias (the kernels apply both)"
+    if x2d.dtype not in (xp.float32, xp.float64) or w.dtype != x2d.dtype or b.dtype != x2d.dtype:
+        return f"dtypes {x2d.dtype}, {w.dtype}, {b.dtype} (one of float32, float64 needed)"
+    if x2d.shape[0] == 0 or x2d.shape[1] == 0:
+        return "an empty array"
+    return None
+
+
+_modules: dict = {}
+
+
+def compiled(real: str) -> dict:
+    """The kernels for ``real`` ('float' or 'double') by name, compiled once (CuPy RawModule)."""
+    if real not in _modules:
+        module = xp.RawModule(code=SOURCE, options=("-std=c++14", f"-DREAL={real}", f"-DTHREADS={THREADS}"))
+        _modules[real] = {name: module.get_function(name) for name in KERNELS}
+    return _modules[real]
+
+
+def _launch(kernel, rows: int, C: int, args):
+    threads = min(THREADS, 1 << max(C - 1, 1).bit_length())
+    kernel((min(rows, GRID_X), -(-rows // GRID_X)), (threads,), args)
+
+
+def _contiguous(a):
+    return a if a.flags.c_contiguous else xp.ascontiguousarray(a)
+
+
+def forward(x2d, w, b, eps: float, kernels=None):
+    """(xhat, y, rstd) of the rows of ``x2d`` (rows, C): rstd has shape (rows,)."""
+    x2d, w, b = _contiguous(x2d), _contiguous(w), _contiguous(b)
+    rows, C = x2d.shape
+    kernels = kernels or compiled("double" if x2d.dtype == xp.float64 else "float")
+    xhat, y, rstd = xp.empty_like(x2d), xp.empty_like(x2d), xp.empty(rows, dtype=x2d.dtype)
+    _launch(kernels["layer_norm_forward"], rows, C, (x2d, w, b, xhat, y, rstd, xp.int64(rows), xp.int32(C),
+                                                           x2d.dtype.type(eps)))
+    return xhat, y, rstd
+
+
+def backward(g2d, w, xhat, rstd, kernels=None):
+    """dx of the rows, given the output's gradient ``g2d`` and forward's xhat and rstd."""
+    g2d = _contiguous(g2d)
+    rows, C = g2d.shape
+    kernels = kernels or compiled("double" if g2d.dtype == xp.float64 else "float")
+    dx = xp.empty_like(g2d)
+    _launch(kernels["layer_norm_backward"], rows, C, (g2d, _contiguous(w), xhat, rstd, dx, xp.int64(rows),
+                                                            xp.int32(C)))
+    return dx
