@@ -2,16 +2,17 @@
 
 A tiny emulation of CUDA's thread model, enough for kernels that use ``threadIdx``,
 ``blockIdx``, ``blockDim``, ``gridDim``, static ``__shared__`` arrays and ``__syncthreads``:
-the kernel source is compiled as C++20 by the host compiler, each thread block runs as
-``blockDim.x`` OS threads that share the block's ``__shared__`` arrays (static locals) and
-meet at ``__syncthreads`` on a ``std::barrier``; the blocks of a grid run one after another
-on the same threads.
+the kernel source is compiled as C++20 by the host compiler, and the ``blockDim.x`` threads
+of a block run as fibers (``ucontext``) of one OS thread that share the block's
+``__shared__`` arrays (static locals): each runs until its next ``__syncthreads``, then the
+next thread, and a new phase starts when all have arrived.  The blocks of a grid run one
+after another.
 Launch arguments are passed as an array of pointers, as ``cuLaunchKernel`` takes them.
 
 What it checks: the kernel's arithmetic, its indexing and its strided cooperative loops with
-several threads per block.  What it cannot: warp-level behaviour, timing, the GPU's float
-rounding of ``exp``/``log`` (the host's libm is used), and races that the OS threads happen
-not to hit.
+several threads per block.  What it cannot:
+warp-level behaviour, timing, the GPU's float rounding of ``exp``/``log`` (the host's libm
+is used), and races between barriers (the fibers never interleave there).
 """
 
 from __future__ import annotations
@@ -28,20 +29,25 @@ import numpy as np
 
 PRELUDE = r"""
 #include <algorithm>
-#include <barrier>
 #include <cmath>
-#include <thread>
+#include <functional>
+#include <memory>
 #include <vector>
+#include <ucontext.h>
 using std::exp; using std::log; using std::max; using std::min;
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
-static thread_local dim3 threadIdx, blockIdx;
-static dim3 blockDim, gridDim;
-static std::barrier<>* block_barrier;
+static dim3 threadIdx, blockIdx, blockDim, gridDim;
+// The threads of a block are fibers of one OS thread (ucontext): __syncthreads hands control
+// back to the scheduler, which resumes every thread of the block in turn until each has
+// reached the barrier or finished, then the next phase.
+static ucontext_t scheduler;
+static std::vector<ucontext_t> fibers;
+static unsigned running;
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-static inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+static inline void __syncthreads() { swapcontext(&fibers[running], &scheduler); }
 """
 
 LAUNCHER = r"""
@@ -49,27 +55,43 @@ template <class... A, std::size_t... I>
 static void call_packed(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
     kernel(*static_cast<typename std::remove_reference<A>::type*>(args[I])...);
 }
+static std::function<void()> fiber_body;
+static std::vector<char> finished;
+static void fiber_main() {
+    fiber_body();
+    finished[running] = 1;  // returning resumes uc_link: the scheduler
+}
 template <class... A>
 static void launch(void (*kernel)(A...), unsigned gx, unsigned gy, unsigned bx, void** args) {
+    const std::size_t stack = 256 * 1024;
     gridDim = dim3{gx, gy, 1};
     blockDim = dim3{bx, 1, 1};
-    std::barrier<> bar(bx);
-    block_barrier = &bar;
-    // One OS thread per thread of a block, kept for the whole grid: each runs its thread of
-    // every block in turn, and the block's threads meet once more when it ends, so that the
-    // next block finds its __shared__ arrays (static locals) free.
-    std::vector<std::thread> threads;
-    for (unsigned t = 0; t < bx; ++t)
-        threads.emplace_back([=, &bar] {
-            threadIdx = dim3{t, 0, 0};
-            for (unsigned y = 0; y < gy; ++y)
-                for (unsigned x = 0; x < gx; ++x) {
-                    blockIdx = dim3{x, y, 0};
-                    call_packed(kernel, args, std::index_sequence_for<A...>{});
-                    bar.arrive_and_wait();
+    fibers.assign(bx, ucontext_t{});
+    finished.assign(bx, 0);
+    std::unique_ptr<char[]> stacks(new char[stack * bx]);
+    fiber_body = [=] { call_packed(kernel, args, std::index_sequence_for<A...>{}); };
+    for (unsigned y = 0; y < gy; ++y)
+        for (unsigned x = 0; x < gx; ++x) {
+            blockIdx = dim3{x, y, 0};
+            for (unsigned t = 0; t < bx; ++t) {
+                getcontext(&fibers[t]);
+                fibers[t].uc_stack.ss_sp = stacks.get() + t * stack;
+                fibers[t].uc_stack.ss_size = stack;
+                fibers[t].uc_link = &scheduler;
+                makecontext(&fibers[t], fiber_main, 0);
+                finished[t] = 0;
+            }
+            for (bool busy = true; busy;) {  // one phase: every unfinished thread up to its next barrier
+                busy = false;
+                for (unsigned t = 0; t < bx; ++t) {
+                    if (finished[t]) continue;
+                    running = t;
+                    threadIdx = dim3{t, 0, 0};
+                    swapcontext(&scheduler, &fibers[t]);
+                    busy = busy || !finished[t];
                 }
-        });
-    for (auto& th : threads) th.join();
+            }
+        }
 }
 """
 

@@ -31,9 +31,10 @@ def reference(s, causal):
     return p / p.sum(axis=-1, keepdims=True)
 
 
-def emulated(real: str, threads: int):
+def emulated(real: str, threads: int) -> dict:
     module = cuda_on_cpu.Module(softmax_cuda.SOURCE, {"REAL": real, "THREADS": str(threads)})
-    return lambda grid, block, args: module.launch("softmax_rows", grid, block[0], args)
+    return {name: (lambda grid, block, args, name=name: module.launch(name, grid, block[0], args))
+            for name in softmax_cuda.KERNELS}
 
 
 @on_numpy
@@ -49,12 +50,27 @@ def test_kernel_equals_the_reference(monkeypatch, dtype, tol, shape, causal):
     monkeypatch.setattr(softmax_cuda, "THREADS", 4)
     monkeypatch.setattr(softmax_cuda, "GRID_X", 7)  # several grid rows, the last one partly idle
     s = np.random.default_rng(0).standard_normal(shape).astype(dtype) * 4
-    got = softmax_cuda.softmax(s, causal, kernel=emulated("double" if dtype == np.float64 else "float", 4))
+    got = softmax_cuda.softmax(s, causal, kernels=emulated("double" if dtype == np.float64 else "float", 4))
     want = reference(s, causal)
     assert got.dtype == dtype and got.shape == s.shape
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     if causal:  # above the diagonal: exact zeros, written without reading the scores there
         assert not np.triu(got[..., :, :], k=1).any()
+
+
+@on_numpy
+@needs_cxx
+@pytest.mark.parametrize("causal", [True, False])
+def test_bfloat16_scores_give_p_in_float32_and_bfloat16(monkeypatch, causal):
+    """Mixed precision: bf16 scores in, P in float32 (as the reference computes it from the
+    widened scores) and P rounded to bf16 exactly as astype rounds (to nearest even)."""
+    monkeypatch.setattr(softmax_cuda, "THREADS", 4)
+    bf16 = backend.bfloat16
+    s = (np.random.default_rng(2).standard_normal((2, 3, 9, 9)) * 4).astype(bf16)
+    p, p_low = softmax_cuda.softmax(s, causal, kernels=emulated("float", 4))
+    assert p.dtype == np.float32 and p_low.dtype == bf16
+    np.testing.assert_allclose(p, reference(s.astype(np.float32), causal), rtol=2e-7, atol=2e-7)
+    np.testing.assert_array_equal(p_low.view(np.uint16), p.astype(bf16).view(np.uint16))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed here")
@@ -77,3 +93,10 @@ def test_compiled_kernel_equals_the_reference(dtype, tol):
     for causal in (True, False):
         got = backend.to_host(softmax_cuda.softmax(backend.from_host(s), causal))
         np.testing.assert_allclose(got, reference(s, causal), rtol=tol, atol=tol)
+    if dtype == "float32":  # bf16 scores: P in both dtypes from one kernel
+        low = backend.from_host(s).astype(backend.bfloat16)
+        p, p_low = softmax_cuda.softmax(low, True)
+        np.testing.assert_allclose(backend.to_host(p), reference(backend.to_host(low.astype(np.float32)), True),
+                                   rtol=2e-7, atol=2e-7)
+        np.testing.assert_array_equal(backend.to_host(p_low.view("uint16")),
+                                      backend.to_host(p.astype(backend.bfloat16).view("uint16")))

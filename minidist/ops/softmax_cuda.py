@@ -21,24 +21,37 @@ exists, compiled for an H100.
 from __future__ import annotations
 
 from .. import env
-from ..backend import BACKEND, xp
+from ..backend import BACKEND, bfloat16, xp
 
 THREADS = 128  # threads per row at most (a power of two: the reductions halve it)
 
 SOURCE = r"""
 // REAL: float or double; blockDim.x: a power of two, at most THREADS.  s, p: (rows, tk) contiguous;
 // row r is query r % tq of its (tq, tk) block; with causal it sees keys j <= r % tq.
-extern "C" __global__ void softmax_rows(const REAL* s, REAL* p, long long rows, int tq, int tk, int causal) {
-    __shared__ REAL part[THREADS];
-    const long long row = blockIdx.x + (long long)blockIdx.y * gridDim.x;
-    if (row >= rows) return;  // the same row for every thread of the block: all return together
-    const int t = threadIdx.x;
-    const int seen = causal ? min((int)(row % tq) + 1, tk) : tk;  // keys [0, seen) are seen
-    s += row * tk;
-    p += row * tk;
 
-    REAL m = s[0];  // key 0 is seen by every query
-    for (int j = t; j < seen; j += blockDim.x) m = s[j] > m ? s[j] : m;
+// bfloat16 is the top half of a float32's bits (stored as unsigned short: no bf16 type needed).
+#ifdef __CUDACC__
+__device__ __forceinline__ float bits_to_float(unsigned int u) { return __uint_as_float(u); }
+__device__ __forceinline__ unsigned int float_to_bits(float f) { return __float_as_uint(f); }
+#else
+inline float bits_to_float(unsigned int u) { union { unsigned int u; float f; } c; c.u = u; return c.f; }
+inline unsigned int float_to_bits(float f) { union { unsigned int u; float f; } c; c.f = f; return c.u; }
+#endif
+__device__ __forceinline__ REAL load(const REAL* s, long long j) { return s[j]; }
+__device__ __forceinline__ float load(const unsigned short* s, long long j) { return bits_to_float((unsigned int)s[j] << 16); }
+// float -> bfloat16, rounding to nearest even (as ml_dtypes and CuPy's astype); NaN stays NaN
+__device__ __forceinline__ unsigned short to_bf16(float f) {
+    unsigned int u = float_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The row's maximum over the keys it sees, then the sum of exp(s - max); returns both.
+template <class T>
+__device__ void row_stats(const T* s, int seen, REAL* part, REAL& m, REAL& l) {
+    const int t = threadIdx.x;
+    m = load(s, 0);  // key 0 is seen by every query
+    for (int j = t; j < seen; j += blockDim.x) m = load(s, j) > m ? load(s, j) : m;
     part[t] = m;
     __syncthreads();
     for (int half = blockDim.x / 2; half > 0; half /= 2) {
@@ -47,9 +60,8 @@ extern "C" __global__ void softmax_rows(const REAL* s, REAL* p, long long rows, 
     }
     m = part[0];
     __syncthreads();  // every thread has read the maximum before part is reused
-
-    REAL l = 0;
-    for (int j = t; j < seen; j += blockDim.x) l += exp(s[j] - m);
+    l = 0;
+    for (int j = t; j < seen; j += blockDim.x) l += exp(load(s, j) - m);
     part[t] = l;
     __syncthreads();
     for (int half = blockDim.x / 2; half > 0; half /= 2) {
@@ -57,8 +69,38 @@ extern "C" __global__ void softmax_rows(const REAL* s, REAL* p, long long rows, 
         __syncthreads();
     }
     l = part[0];
+}
 
-    for (int j = t; j < tk; j += blockDim.x) p[j] = j < seen ? exp(s[j] - m) / l : (REAL)0;
+extern "C" __global__ void softmax_rows(const REAL* s, REAL* p, long long rows, int tq, int tk, int causal) {
+    __shared__ REAL part[THREADS];
+    const long long row = blockIdx.x + (long long)blockIdx.y * gridDim.x;
+    if (row >= rows) return;  // the same row for every thread of the block: all return together
+    const int seen = causal ? min((int)(row % tq) + 1, tk) : tk;  // keys [0, seen) are seen
+    s += row * tk;
+    p += row * tk;
+    REAL m, l;
+    row_stats(s, seen, part, m, l);
+    for (int j = threadIdx.x; j < tk; j += blockDim.x) p[j] = j < seen ? exp(s[j] - m) / l : (REAL)0;
+}
+
+// Mixed precision (REAL float): bfloat16 scores in; P in float32 (kept for backward) and P
+// rounded to bfloat16 (the operand of P V) out, in the same pass.
+extern "C" __global__ void softmax_rows_bf16(const unsigned short* s, REAL* p, unsigned short* p_low, long long rows,
+                                             int tq, int tk, int causal) {
+    __shared__ REAL part[THREADS];
+    const long long row = blockIdx.x + (long long)blockIdx.y * gridDim.x;
+    if (row >= rows) return;
+    const int seen = causal ? min((int)(row % tq) + 1, tk) : tk;
+    s += row * tk;
+    p += row * tk;
+    p_low += row * tk;
+    REAL m, l;
+    row_stats(s, seen, part, m, l);
+    for (int j = threadIdx.x; j < tk; j += blockDim.x) {
+        REAL v = j < seen ? exp(load(s, j) - m) / l : (REAL)0;
+        p[j] = v;
+        p_low[j] = to_bf16(v);
+    }
 }
 """
 
@@ -73,34 +115,44 @@ def why_not(s) -> str | None:
         return "MINIDIST_CUDA_KERNELS=off"
     if not hasattr(xp, "RawModule"):
         return "this CuPy has no RawModule"
-    if s.dtype not in (xp.float32, xp.float64):
-        return f"scores of dtype {s.dtype} (the kernel computes in float32 or float64)"
+    if s.dtype not in (xp.float32, xp.float64, bfloat16):
+        return f"scores of dtype {s.dtype} (the kernel reads float32, float64 or bfloat16)"
     if s.ndim < 2 or s.shape[-1] == 0 or s.size == 0:
         return "no rows of scores"
     return None
 
 
+KERNELS = ("softmax_rows", "softmax_rows_bf16")
 _kernels: dict = {}
 
 
-def compiled(real: str):
-    """The kernel for ``real`` ('float' or 'double'), compiled once with CuPy's RawModule."""
+def compiled(real: str) -> dict:
+    """The kernels for ``real`` ('float' or 'double') by name, compiled once (CuPy RawModule)."""
     if real not in _kernels:
         module = xp.RawModule(code=SOURCE, options=("-std=c++14", f"-DREAL={real}", f"-DTHREADS={THREADS}"))
-        _kernels[real] = module.get_function("softmax_rows")
+        _kernels[real] = {name: module.get_function(name) for name in KERNELS}
     return _kernels[real]
 
 
-def softmax(s, causal: bool, kernel=None):
-    """Softmax over the last axis of ``s`` (..., Tq, Tk), causal or not, as a new array of
-    s's dtype.  ``kernel``: :func:`compiled`'s (the default) or a stand-in with the same call
-    (the tests' CPU emulation)."""
-    s = xp.ascontiguousarray(s) if not s.flags.c_contiguous else s
+def _launch(kernel, s, arrays, causal):
     tq, tk = s.shape[-2], s.shape[-1]
     rows = s.size // tk
-    kernel = kernel or compiled("double" if s.dtype == xp.float64 else "float")
-    p = xp.empty_like(s)
     grid = (min(rows, GRID_X), -(-rows // GRID_X))
     threads = min(THREADS, 1 << max(tk - 1, 1).bit_length())  # a short row needs fewer (a power of two)
-    kernel(grid, (threads,), (s, p, xp.int64(rows), xp.int32(tq), xp.int32(tk), xp.int32(bool(causal))))
+    kernel(grid, (threads,), (s, *arrays, xp.int64(rows), xp.int32(tq), xp.int32(tk), xp.int32(bool(causal))))
+
+
+def softmax(s, causal: bool, kernels=None):
+    """Softmax over the last axis of ``s`` (..., Tq, Tk), causal or not: a new array of s's
+    dtype, or for bfloat16 scores the pair (P in float32, P in bfloat16).  ``kernels``:
+    :func:`compiled`'s (the default) or a stand-in with the same calls (the tests' CPU
+    emulation)."""
+    s = xp.ascontiguousarray(s) if not s.flags.c_contiguous else s
+    kernels = kernels or compiled("double" if s.dtype == xp.float64 else "float")
+    if s.dtype == bfloat16:
+        p, p_low = xp.empty(s.shape, dtype=xp.float32), xp.empty_like(s)
+        _launch(kernels["softmax_rows_bf16"], s, (p, p_low), causal)
+        return p, p_low
+    p = xp.empty_like(s)
+    _launch(kernels["softmax_rows"], s, (p,), causal)
     return p
