@@ -130,7 +130,10 @@ class Module:
         if os.path.exists(lib) and not self._complete(lib, names):  # a damaged cache entry: build again
             os.remove(lib)
         if not os.path.exists(lib):
-            src = os.path.join(folder, f"{tag}.cpp")
+            # every file of this build is the process's own: ranks of one job compile the same
+            # source at once, and one of them truncating a shared .cpp under another's
+            # compiler once gave a library without launchers
+            src = os.path.join(folder, f"{tag}.{os.getpid()}.cpp")
             with open(src, "w") as f:
                 f.write(text)
             tmp = f"{lib}.{os.getpid()}.tmp"
@@ -138,6 +141,7 @@ class Module:
                                capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"the kernel source does not compile as C++:\n{r.stderr[-4000:]}")
+            os.remove(src)
             os.replace(tmp, lib)  # atomic: parallel test processes may compile the same module
         self._lib = ctypes.CDLL(lib)
         self.names = names
