@@ -44,11 +44,13 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 # The suite's GPU part: every op's gradient against finite differences and its two paths
-# against each other (test_ops_paths.py moves its arrays to the device and back), and every
-# parallel axis against one process, in float64 on the GPU.  pip install -e '.[gpu]' first.
+# against each other (test_ops_paths.py moves its arrays to the device and back), minidist's
+# CUDA kernels against their references, every parallel axis against one process in float64
+# on the GPU, and the memory estimate against CuPy's pool.  pip install -e '.[gpu]' first.
 GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_gemm.py tests/test_flash_kernel.py \
 	tests/test_softmax_kernel.py tests/test_layernorm_kernel.py tests/test_multi_tensor_kernel.py tests/test_compose.py \
-	tests/test_context.py tests/test_data_parallel.py tests/test_tensor_parallel.py tests/test_pipeline.py
+	tests/test_context.py tests/test_data_parallel.py tests/test_tensor_parallel.py tests/test_pipeline.py \
+	tests/test_train_cli.py::test_memory_estimate_is_near_a_measured_step
 
 test-gpu: install
 	@reason="$$($(BIN)/python -c 'from minidist.backend import gpu_unavailable_reason as r; print(r() or "")')"; \

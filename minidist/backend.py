@@ -135,7 +135,8 @@ def dtype_name(dt) -> str:
 
 
 def is_low_precision(dt) -> bool:
-    return _np.dtype(dt) in (_np.dtype(_np.float16), bfloat16)
+    # bfloat16 may be None (no ml_dtypes), and NumPy compares dtype(...) == None as float64
+    return _np.dtype(dt) == _np.dtype(_np.float16) or (bfloat16 is not None and _np.dtype(dt) == bfloat16)
 
 
 def on_host(a) -> bool:

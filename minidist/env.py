@@ -113,8 +113,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "caches and BLAS threads; auto: tuned on NumPy, whole on CuPy (minidist/ops/tuning.py)"),
     Variable("MINIDIST_CUDA_KERNELS", _choice("auto", "off"), "'auto' or 'off'", "auto",
              "minidist's own CUDA kernels on CuPy (auto): FlashAttention for blockwise attention "
-             "(ops/flash_cuda.py) and the causal softmax of plain attention (ops/softmax_cuda.py); "
-             "off: the xp reference forms they are tested against"),
+             "(ops/flash_cuda.py), the causal softmax of plain attention (ops/softmax_cuda.py), "
+             "LayerNorm (ops/layernorm_cuda.py) and the one-launch optimizer step "
+             "(ops/multi_tensor_cuda.py); off: the xp forms they are tested against"),
     Variable("MINIDIST_CUBLAS_BATCHED", _choice("auto", "off"), "'auto' or 'off'", "auto",
              "batched matrix products on CuPy call cuBLAS's strided batched GEMM on the arrays' own "
              "strides (auto) or CuPy's matmul, which copies non-contiguous operands (off) "

@@ -57,24 +57,25 @@ def requested(world) -> bool:
 
 @contextlib.contextmanager
 def held():
-    """Ctrl-C held back while the block runs, raised as KeyboardInterrupt at its end.
+    """Ctrl-C held back while the block runs, handed to the SIGINT handler at its end.
 
     For bookkeeping that must not be cut in half: a step's metrics record is kept in memory
     and written to the metrics file together, so the summary printed after Ctrl-C and the
-    file always count the same finished steps.  Only where Ctrl-C would raise at once (the
-    main thread, Python's default handler); a deferring handler (--save) needs no holding."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    file always count the same finished steps.  Whatever handler is installed (Python's,
+    which raises KeyboardInterrupt, or --save's deferring one) gets each signal that came
+    meanwhile; on other threads, or where SIGINT is ignored, the block just runs."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
         yield
         return
     pending = []
-    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(frame))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if pending:
-            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, previous)
+        for frame in pending:
+            previous(signal.SIGINT, frame)
 
 
 def stop_everyone() -> None:

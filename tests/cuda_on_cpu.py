@@ -42,12 +42,14 @@ static dim3 threadIdx, blockIdx, blockDim, gridDim;
 // reached the barrier or finished, then the next phase.
 static ucontext_t scheduler;
 static std::vector<ucontext_t> fibers;
+static std::vector<unsigned> barriers_met;  // per thread of the running block
 static unsigned running;
+static int uneven_barriers;  // a block whose threads met different numbers of barriers
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-static inline void __syncthreads() { swapcontext(&fibers[running], &scheduler); }
+static inline void __syncthreads() { ++barriers_met[running]; swapcontext(&fibers[running], &scheduler); }
 """
 
 LAUNCHER = r"""
@@ -68,6 +70,7 @@ static void launch(void (*kernel)(A...), unsigned gx, unsigned gy, unsigned bx, 
     blockDim = dim3{bx, 1, 1};
     fibers.assign(bx, ucontext_t{});
     finished.assign(bx, 0);
+    uneven_barriers = 0;
     std::unique_ptr<char[]> stacks(new char[stack * bx]);
     fiber_body = [=] { call_packed(kernel, args, std::index_sequence_for<A...>{}); };
     for (unsigned y = 0; y < gy; ++y)
@@ -81,9 +84,13 @@ static void launch(void (*kernel)(A...), unsigned gx, unsigned gy, unsigned bx, 
                 makecontext(&fibers[t], fiber_main, 0);
                 finished[t] = 0;
             }
-            for (bool busy = true; busy;) {  // one phase: every unfinished thread up to its next barrier
-                busy = false;
-                for (unsigned t = 0; t < bx; ++t) {
+            barriers_met.assign(bx, 0);
+            // one phase: every unfinished thread up to its next barrier, in turn; the order
+            // alternates between phases, so that a missing barrier shows in either direction
+            for (unsigned phase = 0, busy = 1; busy; ++phase) {
+                busy = 0;
+                for (unsigned i = 0; i < bx; ++i) {
+                    unsigned t = phase % 2 ? bx - 1 - i : i;
                     if (finished[t]) continue;
                     running = t;
                     threadIdx = dim3{t, 0, 0};
@@ -91,8 +98,10 @@ static void launch(void (*kernel)(A...), unsigned gx, unsigned gy, unsigned bx, 
                     busy = busy || !finished[t];
                 }
             }
+            for (unsigned t = 1; t < bx; ++t) uneven_barriers |= barriers_met[t] != barriers_met[0];
         }
 }
+extern "C" int cuda_on_cpu_uneven_barriers() { return uneven_barriers; }
 """
 
 
@@ -140,6 +149,7 @@ class Module:
             r = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", tmp, src],
                                capture_output=True, text=True)
             if r.returncode != 0:
+                os.remove(src)
                 raise RuntimeError(f"the kernel source does not compile as C++:\n{r.stderr[-4000:]}")
             os.remove(src)
             os.replace(tmp, lib)  # atomic: parallel test processes may compile the same module
@@ -153,7 +163,7 @@ class Module:
             handle = ctypes.CDLL(os.path.abspath(lib), mode=ctypes.RTLD_LOCAL)
         except OSError:
             return False
-        return all(hasattr(handle, f"launch_{n}") for n in names)
+        return all(hasattr(handle, f"launch_{n}") for n in names) and hasattr(handle, "cuda_on_cpu_uneven_barriers")
 
     def launch(self, name: str, grid, block: int, args):
         """Run kernel ``name`` on ``grid`` = (gx, gy) blocks of ``block`` threads.  ``args``:
@@ -172,3 +182,6 @@ class Module:
         packed = (ctypes.c_void_p * len(pointers))(*pointers)
         gx, gy = grid
         getattr(self._lib, f"launch_{name}")(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(block), packed)
+        if self._lib.cuda_on_cpu_uneven_barriers():
+            raise RuntimeError(f"kernel {name}: the threads of a block met different numbers of __syncthreads "
+                               "(on a GPU: undefined behaviour, often a hang)")

@@ -1,7 +1,7 @@
 """The FlashAttention CUDA kernels (minidist/ops/flash_cuda.py) against the blockwise reference.
 
 No GPU is needed: the kernel source runs on the CPU under tests/cuda_on_cpu.py (each thread
-block as OS threads meeting at a barrier), called through flash_cuda's own forward/backward
+block as fibers handing over at __syncthreads), called through flash_cuda's own forward/backward
 wrappers.  Where nvcc exists, the same source is also compiled for an H100 (sm_90), which
 catches what a host compiler accepts but CUDA does not.
 """
@@ -130,3 +130,28 @@ def test_compiled_kernels_equal_the_reference_in_training(dtype, tol):
 
     for name, got, want in zip(("O", "dQ", "dK", "dV"), run(False), run(True)):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize("exit_early", [False, True])
+def test_the_cpu_emulation_shares_a_block_and_refuses_uneven_barriers(exit_early):
+    """tests/cuda_on_cpu.py itself: a block's threads see each other's __shared__ writes after
+    __syncthreads, and a thread that leaves before a barrier the others meet is an error (on a
+    GPU, undefined behaviour, often a hang)."""
+    src = r"""
+    extern "C" __global__ void rotate(double* out, int exit_early) {
+        __shared__ double tile[8];
+        tile[threadIdx.x] = threadIdx.x + 10 * blockIdx.x;
+        if (exit_early && threadIdx.x == 0) return;
+        __syncthreads();
+        out[blockIdx.x * blockDim.x + threadIdx.x] = tile[(threadIdx.x + 1) % blockDim.x];
+    }
+    """
+    module = cuda_on_cpu.Module(src, {})
+    out = np.zeros(16)
+    if exit_early:
+        with pytest.raises(RuntimeError, match="rotate: the threads of a block met different numbers"):
+            module.launch("rotate", (2, 1), 8, (out, np.int32(1)))
+        return
+    module.launch("rotate", (2, 1), 8, (out, np.int32(0)))
+    want = [(t + 1) % 8 + 10 * b for b in range(2) for t in range(8)]
+    np.testing.assert_array_equal(out, want)

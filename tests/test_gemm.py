@@ -17,6 +17,7 @@ def numpy_gemm(transa, transb, m, n, k, A, lda, sa, B, ldb, sb, C, ldc, sc, batc
     argument checks come first (a wrong leading dimension is an error there)."""
     assert transa in (0, 1) and transb in (0, 1) and min(m, n, k, batch) >= 1
     assert lda >= max(1, k if transa else m) and ldb >= max(1, n if transb else k) and ldc >= max(1, m)
+    assert not (np.may_share_memory(C, A) or np.may_share_memory(C, B)), "C aliases an operand"
 
     def col_major(X, rows, cols, ld, stride):
         it = X.itemsize
@@ -89,6 +90,15 @@ def test_out_receives_the_product(layout, monkeypatch):
     got = gemm.strided_batched(p, v, numpy_gemm, out=out)
     assert got is out
     np.testing.assert_allclose(out, p @ v, rtol=1e-13, atol=1e-13)
+
+
+def test_out_that_is_an_operand_gets_the_product(monkeypatch):
+    """cuBLAS's C must not alias A or B: an out= that is an operand is written after the product."""
+    monkeypatch.setattr(gemm, "xp", np)
+    a, b = rand(2, 4, 4), rand(2, 4, 4)
+    want = a @ b
+    assert gemm.strided_batched(a, b, numpy_gemm, out=a) is a
+    np.testing.assert_allclose(a, want, rtol=1e-13, atol=1e-13)
 
 
 def test_shape_mismatch_names_both_shapes(monkeypatch):

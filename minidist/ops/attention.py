@@ -69,7 +69,7 @@ def _attend(qs, k, v, causal, out=None):
     On CuPy the softmax is one CUDA kernel (softmax_cuda.py) with the same arithmetic.
     """
     s = gemm.matmul(qs, k.swapaxes(-1, -2))
-    if s.dtype == bfloat16 and softmax_cuda.why_not(s) is None:
+    if bfloat16 is not None and s.dtype == bfloat16 and softmax_cuda.why_not(s) is None:
         p, p_low = softmax_cuda.softmax(s, causal)  # bf16 scores read as they are, P in both dtypes
         return p, gemm.matmul(p_low, v, out=out)
     s = to_dtype(s, compute_dtype(s.dtype))

@@ -31,7 +31,7 @@ a tuned one: whether they beat the batched products is for ``bench_gpu.py`` to s
 Switch: ``MINIDIST_CUDA_KERNELS`` (``auto``: on CuPy for head sizes up to 128; ``off``: the
 batched-product reference everywhere).  ``tests/test_flash_kernel.py`` checks the kernel
 source on a CPU: compiled by a C++ compiler under a small emulation of CUDA's thread model
-(threads of a block as OS threads, ``__syncthreads`` a barrier), it equals the reference
+(the threads of a block as fibers that hand over at ``__syncthreads``), it equals the reference
 forward and backward; where ``nvcc`` exists, the source also compiles for an H100 (sm_90).
 """
 

@@ -55,7 +55,7 @@ _CUBLAS = _has_cublas()
 def matmul(a, b, out=None):
     """``a @ b`` for arrays of shape (..., M, K) and (..., K, N) (batch dims broadcast), into
     ``out`` (any strides) when given."""
-    if (not _CUBLAS or a.dtype != b.dtype or max(a.ndim, b.ndim) <= 2
+    if (not _CUBLAS or a.dtype != b.dtype or max(a.ndim, b.ndim) <= 2 or min(a.ndim, b.ndim) < 2
             or xp.dtype(a.dtype).name not in _GEMM_DTYPES
             or (_SWITCH == "off" and _batches_natively(a.dtype))):
         return xp.matmul(a, b, out=out)
@@ -118,7 +118,9 @@ def strided_batched(a, b, gemm, out=None):
         raise ValueError(f"matmul out has shape {tuple(out.shape)}, not {lead + (M, N)}")
     a, b = (xp.broadcast_to(x, lead + x.shape[-2:]) for x in (a, b))  # views: stride 0 where broadcast
     a, b = (x if _matrix(x) is not None else xp.ascontiguousarray(x) for x in (a, b))
-    c = out if out is not None and _writable_output(out, a.dtype) else xp.empty(lead + (M, N), dtype=a.dtype)
+    direct = out is not None and _writable_output(out, a.dtype) and not (
+        xp.may_share_memory(out, a) or xp.may_share_memory(out, b))  # cuBLAS's C must not alias A or B
+    c = out if direct else xp.empty(lead + (M, N), dtype=a.dtype)
     if c.size and K == 0:
         c[...] = 0
     elif c.size:

@@ -12,8 +12,8 @@ shared memory and writes every output of the row in one pass:
   dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)).
 
 The parameters' gradients are column sums over the rows (``linalg.column_sums``), left to
-BLAS.  Same arithmetic as the reference in float32 or float64; only the order of the sums
-differs.  Switch: ``MINIDIST_CUDA_KERNELS=off``.  Tested on the CPU through
+BLAS.  The reference's formulas in float32 or float64; the rounding can differ a little (the
+order of the sums, the GPU compiler's fused multiply-adds).  Switch: ``MINIDIST_CUDA_KERNELS=off``.  Tested on the CPU through
 tests/cuda_on_cpu.py (tests/test_layernorm_kernel.py) and compiled for an H100 where nvcc is.
 """
 

@@ -13,8 +13,9 @@ table, and each thread block of ONE launch takes a chunk of CHUNK elements of on
   sum over the partials;
 * ``scale``: every element times a factor (gradient clipping);
 * ``adamw``: the update of ``ops.fused.adamw_kernel`` (the same lines, in the parameter's
-  dtype), with each array's own decay and bias corrections (parameters skipped in an earlier
-  step have their own step counts).
+  dtype; the GPU compiler may fuse a multiply and an add differently), with each array's own
+  decay and bias corrections (parameters skipped in an earlier step have their own step
+  counts).
 
 The arrays must be C-contiguous and of one dtype, float32 or float64; otherwise, or with
 ``MINIDIST_CUDA_KERNELS=off``, the callers keep their per-array loop.  The source is tested
@@ -25,7 +26,7 @@ addresses are the host arrays' own.
 from __future__ import annotations
 
 from .. import env
-from ..backend import BACKEND, host, xp
+from ..backend import BACKEND, current_device, host, xp
 
 CHUNK = 1 << 16  # elements per thread block
 THREADS = 256
@@ -120,14 +121,15 @@ def compiled(real: str) -> dict:
 
 
 def _chunks(sizes: tuple):
-    """(sizes, tensor, start, number of chunks) on the device for arrays of these sizes (cached:
-    the same parameters come back every step)."""
-    if sizes not in _tables:
+    """(sizes, tensor, start, number of chunks) on this thread's device for arrays of these
+    sizes (cached: the same parameters come back every step)."""
+    key = (sizes, current_device())
+    if key not in _tables:
         tensor = [i for i, n in enumerate(sizes) for _ in range(0, n, CHUNK)]
         start = [s for n in sizes for s in range(0, n, CHUNK)]
-        _tables[sizes] = (xp.asarray(host.array(sizes, dtype=host.int64)), xp.asarray(host.array(tensor, dtype=host.int32)),
-                          xp.asarray(host.array(start, dtype=host.int64)), len(tensor))
-    return _tables[sizes]
+        _tables[key] = (xp.asarray(host.array(sizes, dtype=host.int64)), xp.asarray(host.array(tensor, dtype=host.int32)),
+                        xp.asarray(host.array(start, dtype=host.int64)), len(tensor))
+    return _tables[key]
 
 
 def _address(a) -> int:

@@ -75,13 +75,13 @@ class Optimizer:
         return st
 
     def step(self):
-        self.step_count += 1
-        items = []
-        for name, p in zip(self.names, self.params):
-            if p.grad is None:
-                continue
+        present = [(name, p) for name, p in zip(self.names, self.params) if p.grad is not None]
+        for name, p in present:  # every shape checked before any count moves
             if p.grad.shape != p.data.shape:
                 raise ValueError(f"gradient of {name!r} has shape {p.grad.shape}, parameter {p.data.shape}")
+        self.step_count += 1
+        items = []
+        for name, p in present:
             st = self._state_for(name, p)
             st["step"] += 1
             items.append((p, st))

@@ -22,7 +22,7 @@ What it emulates (the semantics of real CuPy that catch host/device mix-ups):
 * ``cupy.fuse`` (the function itself, no tracing), ``cupy.ElementwiseKernel`` for straight-line
   C bodies (translated to NumPy; control flow and ``raw`` parameters are refused).
 * ``cupy.RawModule`` / ``cupy.RawKernel`` (``_raw.py``): CUDA source compiled as C++ for the CPU
-  by ``tests/cuda_on_cpu.py`` (a block's threads as OS threads), called with device arrays,
+  by ``tests/cuda_on_cpu.py`` (a block's threads as fibers that meet at __syncthreads), called with device arrays,
   which the kernel reads and writes in place; every launch is recorded in ``cupy._emulator``.
 * ``cupy.cuda``: ``Device``, ``runtime.getDeviceCount`` (``MINIDIST_EMULATED_GPUS``, default
   1), ``getDevice``/``setDevice``, ``getDeviceProperties``, streams, ``MemoryHook``;

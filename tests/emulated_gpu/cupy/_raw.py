@@ -1,7 +1,7 @@
 """``cupy.RawModule`` / ``cupy.RawKernel`` of the emulator: CUDA source run on the CPU.
 
-The source is compiled as C++ by ``tests/cuda_on_cpu.py`` (each thread block's threads as OS
-threads meeting at a barrier, static ``__shared__`` arrays, ``extern "C"`` kernels only) with
+The source is compiled as C++ by ``tests/cuda_on_cpu.py`` (each thread block's threads as
+fibers handing over at ``__syncthreads``, static ``__shared__`` arrays, ``extern "C"`` kernels only) with
 the ``-DNAME=VALUE`` options as macros; other compiler options (``-std=...``, ``-arch``...) are
 ignored, the host compiler builds C++20.  Compiled libraries are cached by source hash in the
 temp directory, so only the first run of a source pays for the compiler.
