@@ -116,6 +116,22 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("clang++")
 
 
+def nvcc_entries(source: str, defines: dict, folder, arch: str = "sm_90") -> str | None:
+    """Compile ``source`` with nvcc for ``arch`` (an H100 by default) with ``defines`` as
+    macros; the names of the kernels in its PTX.  None without nvcc; AssertionError with the
+    compiler's message where it fails."""
+    if shutil.which("nvcc") is None:
+        return None
+    src, ptx = os.path.join(folder, "kernels.cu"), os.path.join(folder, "kernels.ptx")
+    with open(src, "w") as f:
+        f.write(source)
+    r = subprocess.run(["nvcc", "-std=c++14", f"-arch={arch}", "-ptx", *(f"-D{k}={v}" for k, v in defines.items()),
+                        "-o", ptx, src], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    with open(ptx) as f:
+        return sorted(re.findall(r"\.entry\s+(\w+)", f.read()))
+
+
 def kernel_names(source: str) -> list[str]:
     return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(', source)
 

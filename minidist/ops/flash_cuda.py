@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import math
 
-from .. import env
-from ..backend import BACKEND, xp
+from ..backend import xp
+from . import cuda_source
 
 MAX_HEAD_DIM = 128
 THREADS = 64  # query (or key) rows per thread block: one row per thread
@@ -222,29 +222,17 @@ def defines(real: str, head_dim: int) -> dict[str, str]:
 
 def why_not(head_dim: int) -> str | None:
     """Why the kernels do not run for this head size here (None when they do)."""
-    if BACKEND != "cupy":
-        return "the kernels run on CuPy only"
-    if env.get("MINIDIST_CUDA_KERNELS") == "off":
-        return "MINIDIST_CUDA_KERNELS=off"
-    if not hasattr(xp, "RawModule"):
-        return "this CuPy has no RawModule"
+    if (reason := cuda_source.unavailable()) is not None:
+        return reason
     if head_dim > MAX_HEAD_DIM:
         return f"head size {head_dim} > {MAX_HEAD_DIM}"
     return None
 
 
-_modules: dict = {}
-
-
 def compiled(real: str, head_dim: int) -> dict:
     """The kernels for (real, head_dim) by name, compiled once per process with CuPy's
     ``RawModule``; each is called as ``kernel(grid, block, args)``."""
-    key = (real, head_dim)
-    if key not in _modules:
-        options = tuple(f"-D{name}={value}" for name, value in defines(real, head_dim).items())
-        module = xp.RawModule(code=SOURCE, options=("-std=c++14",) + options)
-        _modules[key] = {name: module.get_function(name) for name in KERNELS}
-    return _modules[key]
+    return cuda_source.compiled(SOURCE, defines(real, head_dim), KERNELS)
 
 
 def _real(dtype) -> str:

@@ -19,8 +19,8 @@ tests/cuda_on_cpu.py (tests/test_layernorm_kernel.py) and compiled for an H100 w
 
 from __future__ import annotations
 
-from .. import env
-from ..backend import BACKEND, xp
+from ..backend import xp
+from . import cuda_source
 
 THREADS = 256  # threads per row at most (a power of two: the reductions halve it)
 
@@ -86,12 +86,8 @@ GRID_X = 65535  # rows per grid row: the grid is (GRID_X, ceil(rows / GRID_X)) f
 
 def why_not(x2d, w, b) -> str | None:
     """Why the kernels do not run for these arrays here (None when they do)."""
-    if BACKEND != "cupy":
-        return "the kernels run on CuPy only"
-    if env.get("MINIDIST_CUDA_KERNELS") == "off":
-        return "MINIDIST_CUDA_KERNELS=off"
-    if not hasattr(xp, "RawModule"):
-        return "this CuPy has no RawModule"
+    if (reason := cuda_source.unavailable()) is not None:
+        return reason
     if w is None or b is None:
         return "no weight or no bias (the kernels apply both)"
     if x2d.dtype not in (xp.float32, xp.float64) or w.dtype != x2d.dtype or b.dtype != x2d.dtype:
@@ -101,15 +97,9 @@ def why_not(x2d, w, b) -> str | None:
     return None
 
 
-_modules: dict = {}
-
-
 def compiled(real: str) -> dict:
     """The kernels for ``real`` ('float' or 'double') by name, compiled once (CuPy RawModule)."""
-    if real not in _modules:
-        module = xp.RawModule(code=SOURCE, options=("-std=c++14", f"-DREAL={real}", f"-DTHREADS={THREADS}"))
-        _modules[real] = {name: module.get_function(name) for name in KERNELS}
-    return _modules[real]
+    return cuda_source.compiled(SOURCE, {"REAL": real, "THREADS": THREADS}, KERNELS)
 
 
 def _launch(kernel, rows: int, C: int, args):
@@ -125,7 +115,7 @@ def forward(x2d, w, b, eps: float, kernels=None):
     """(xhat, y, rstd) of the rows of ``x2d`` (rows, C): rstd has shape (rows,)."""
     x2d, w, b = _contiguous(x2d), _contiguous(w), _contiguous(b)
     rows, C = x2d.shape
-    kernels = kernels or compiled("double" if x2d.dtype == xp.float64 else "float")
+    kernels = kernels or compiled(cuda_source.real(x2d.dtype))
     xhat, y, rstd = xp.empty_like(x2d), xp.empty_like(x2d), xp.empty(rows, dtype=x2d.dtype)
     _launch(kernels["layer_norm_forward"], rows, C, (x2d, w, b, xhat, y, rstd, xp.int64(rows), xp.int32(C),
                                                            x2d.dtype.type(eps)))
@@ -136,7 +126,7 @@ def backward(g2d, w, xhat, rstd, kernels=None):
     """dx of the rows, given the output's gradient ``g2d`` and forward's xhat and rstd."""
     g2d = _contiguous(g2d)
     rows, C = g2d.shape
-    kernels = kernels or compiled("double" if g2d.dtype == xp.float64 else "float")
+    kernels = kernels or compiled(cuda_source.real(g2d.dtype))
     dx = xp.empty_like(g2d)
     _launch(kernels["layer_norm_backward"], rows, C, (g2d, _contiguous(w), xhat, rstd, dx, xp.int64(rows),
                                                             xp.int32(C)))

@@ -25,8 +25,8 @@ addresses are the host arrays' own.
 
 from __future__ import annotations
 
-from .. import env
-from ..backend import BACKEND, current_device, host, xp
+from ..backend import current_device, host, xp
+from . import cuda_source
 
 CHUNK = 1 << 16  # elements per thread block
 THREADS = 256
@@ -91,12 +91,8 @@ KERNELS = ("sum_squares", "scale", "adamw")
 
 def why_not(arrays) -> str | None:
     """Why these arrays do not go through one launch here (None when they do)."""
-    if BACKEND != "cupy":
-        return "the kernels run on CuPy only"
-    if env.get("MINIDIST_CUDA_KERNELS") == "off":
-        return "MINIDIST_CUDA_KERNELS=off"
-    if not hasattr(xp, "RawModule"):
-        return "this CuPy has no RawModule"
+    if (reason := cuda_source.unavailable()) is not None:
+        return reason
     if not arrays:
         return "no arrays"
     dtypes = {a.dtype for a in arrays}
@@ -107,17 +103,12 @@ def why_not(arrays) -> str | None:
     return None
 
 
-_modules: dict = {}
 _tables: dict = {}
 
 
 def compiled(real: str) -> dict:
     """The kernels for ``real`` ('float' or 'double') by name, compiled once (CuPy RawModule)."""
-    if real not in _modules:
-        module = xp.RawModule(code=SOURCE, options=("-std=c++14", f"-DREAL={real}", f"-DCHUNK={CHUNK}LL",
-                                                    f"-DTHREADS={THREADS}"))
-        _modules[real] = {name: module.get_function(name) for name in KERNELS}
-    return _modules[real]
+    return cuda_source.compiled(SOURCE, {"REAL": real, "CHUNK": f"{CHUNK}LL", "THREADS": THREADS}, KERNELS)
 
 
 def _chunks(sizes: tuple):
@@ -151,7 +142,7 @@ def _launch(kernels, name, arrays, *args):
 
 
 def _kernels(arrays, kernels):
-    return kernels or compiled("double" if arrays[0].dtype == xp.float64 else "float")
+    return kernels or compiled(cuda_source.real(arrays[0].dtype))
 
 
 def sum_of_squares(arrays, kernels=None):

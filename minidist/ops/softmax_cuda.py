@@ -20,8 +20,8 @@ exists, compiled for an H100.
 
 from __future__ import annotations
 
-from .. import env
-from ..backend import BACKEND, bfloat16, xp
+from ..backend import bfloat16, xp
+from . import cuda_source
 
 THREADS = 128  # threads per row at most (a power of two: the reductions halve it)
 
@@ -109,12 +109,8 @@ GRID_X = 65535  # rows per grid row: the grid is (GRID_X, ceil(rows / GRID_X)) f
 
 def why_not(s) -> str | None:
     """Why the kernel does not run for scores ``s`` here (None when it does)."""
-    if BACKEND != "cupy":
-        return "the kernel runs on CuPy only"
-    if env.get("MINIDIST_CUDA_KERNELS") == "off":
-        return "MINIDIST_CUDA_KERNELS=off"
-    if not hasattr(xp, "RawModule"):
-        return "this CuPy has no RawModule"
+    if (reason := cuda_source.unavailable()) is not None:
+        return reason
     if s.dtype not in (xp.float32, xp.float64) and not (bfloat16 is not None and s.dtype == bfloat16):
         return f"scores of dtype {s.dtype} (the kernel reads float32, float64 or bfloat16)"
     if s.ndim < 2 or s.shape[-1] == 0 or s.size == 0:
@@ -123,15 +119,11 @@ def why_not(s) -> str | None:
 
 
 KERNELS = ("softmax_rows", "softmax_rows_bf16")
-_kernels: dict = {}
 
 
 def compiled(real: str) -> dict:
     """The kernels for ``real`` ('float' or 'double') by name, compiled once (CuPy RawModule)."""
-    if real not in _kernels:
-        module = xp.RawModule(code=SOURCE, options=("-std=c++14", f"-DREAL={real}", f"-DTHREADS={THREADS}"))
-        _kernels[real] = {name: module.get_function(name) for name in KERNELS}
-    return _kernels[real]
+    return cuda_source.compiled(SOURCE, {"REAL": real, "THREADS": THREADS}, KERNELS)
 
 
 def _launch(kernel, s, arrays, causal):
@@ -148,7 +140,7 @@ def softmax(s, causal: bool, kernels=None):
     :func:`compiled`'s (the default) or a stand-in with the same calls (the tests' CPU
     emulation)."""
     s = xp.ascontiguousarray(s) if not s.flags.c_contiguous else s
-    kernels = kernels or compiled("double" if s.dtype == xp.float64 else "float")
+    kernels = kernels or compiled(cuda_source.real(s.dtype))
     if bfloat16 is not None and s.dtype == bfloat16:  # (no ml_dtypes: bfloat16 is None, never equal)
         p, p_low = xp.empty(s.shape, dtype=xp.float32), xp.empty_like(s)
         _launch(kernels["softmax_rows_bf16"], s, (p, p_low), causal)
