@@ -145,7 +145,6 @@ def _cublas_gemm(transa, transb, m, n, k, A, lda, sa, B, ldb, sb, C, ldc, sc, ba
     """cublasGemmStridedBatchedEx on CuPy's handle and stream.  16-bit operands accumulate in
     float32 (tensor cores); float32 uses TF32 tensor cores only with CUPY_TF32=1 (--tf32), as
     CuPy's own matmul does."""
-    import numpy
     from cupy.cuda import device, runtime
     from cupy_backends.cuda.libs import cublas
 
@@ -153,12 +152,12 @@ def _cublas_gemm(transa, transb, m, n, k, A, lda, sa, B, ldb, sb, C, ldc, sc, ba
     kind = {"bfloat16": getattr(runtime, "CUDA_R_16BF", 14), "float16": runtime.CUDA_R_16F,
             "float32": runtime.CUDA_R_32F, "float64": runtime.CUDA_R_64F}[name]
     if name == "float64":
-        compute, scalar = cublas.CUBLAS_COMPUTE_64F, numpy.float64
+        compute, scalar = cublas.CUBLAS_COMPUTE_64F, host.float64
     elif name == "float32" and os.environ.get("CUPY_TF32", "0") not in ("", "0"):
-        compute, scalar = cublas.CUBLAS_COMPUTE_32F_FAST_TF32, numpy.float32
+        compute, scalar = cublas.CUBLAS_COMPUTE_32F_FAST_TF32, host.float32
     else:
-        compute, scalar = cublas.CUBLAS_COMPUTE_32F, numpy.float32
-    one, zero = numpy.ones((), scalar), numpy.zeros((), scalar)
+        compute, scalar = cublas.CUBLAS_COMPUTE_32F, host.float32
+    one, zero = host.ones((), scalar), host.zeros((), scalar)  # alpha, beta: host scalars cuBLAS reads
     cublas.gemmStridedBatchedEx(
         device.get_cublas_handle(), transa, transb, m, n, k, one.ctypes.data,
         A.data.ptr, kind, lda, sa, B.data.ptr, kind, ldb, sb, zero.ctypes.data,
