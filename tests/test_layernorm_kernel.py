@@ -16,6 +16,8 @@ from minidist import backend
 from minidist.backend import BACKEND
 from minidist.ops import layernorm_cuda as ln
 
+from minidist.ops import cuda_source
+
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
 
 on_numpy = pytest.mark.skipif(BACKEND != "numpy" or cuda_on_cpu.compiler() is None,
@@ -43,7 +45,7 @@ def reference(x, w, b, g, eps):
 @pytest.mark.parametrize("rows, C", [(9, 13), (3, 2), (5, 40)])  # rows shorter and longer than the block
 def test_kernels_equal_the_reference(monkeypatch, dtype, real, tol, rows, C):
     monkeypatch.setattr(ln, "THREADS", 8)
-    monkeypatch.setattr(ln, "GRID_X", 4)  # several grid rows, the last partly idle
+    monkeypatch.setattr(cuda_source, "GRID_X", 4)  # several grid rows, the last partly idle
     rng = np.random.default_rng(0)
     x, g = (rng.standard_normal((rows, C)).astype(dtype) * 3 + 1 for _ in range(2))
     w, b = (rng.standard_normal(C).astype(dtype) for _ in range(2))

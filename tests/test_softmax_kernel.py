@@ -16,6 +16,8 @@ from minidist import backend
 from minidist.backend import BACKEND
 from minidist.ops import softmax_cuda
 
+from minidist.ops import cuda_source
+
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
 
 on_numpy = pytest.mark.skipif(BACKEND != "numpy", reason="the CPU emulation of the kernel runs on NumPy arrays")
@@ -47,7 +49,7 @@ def emulated(real: str, threads: int) -> dict:
 ])
 def test_kernel_equals_the_reference(monkeypatch, dtype, tol, shape, causal):
     monkeypatch.setattr(softmax_cuda, "THREADS", 4)
-    monkeypatch.setattr(softmax_cuda, "GRID_X", 7)  # several grid rows, the last one partly idle
+    monkeypatch.setattr(cuda_source, "GRID_X", 7)  # several grid rows, the last one partly idle
     s = np.random.default_rng(0).standard_normal(shape).astype(dtype) * 4
     got = softmax_cuda.softmax(s, causal, kernels=emulated("double" if dtype == np.float64 else "float", 4))
     want = reference(s, causal)

@@ -39,6 +39,22 @@ def compiled(source: str, defines: dict, names) -> dict:
     return _compiled[key]
 
 
+GRID_X = 65535  # blocks in a grid row: a grid of more rows is (GRID_X, ceil(rows / GRID_X))
+
+
+def row_launch(rows: int, width: int, max_threads: int):
+    """(grid, block) of a kernel with one thread block per row of ``width`` elements: enough
+    grid rows for ``rows`` blocks, and the smallest power of two of threads that covers a row
+    (a short row needs few), at most ``max_threads``.  The kernel returns for rows >= rows."""
+    threads = min(max_threads, 1 << max(width - 1, 1).bit_length())
+    return (min(rows, GRID_X), -(-rows // GRID_X)), (threads,)
+
+
+def contiguous(a):
+    """``a`` itself when C-contiguous (a kernel indexes it densely), else a C-ordered copy."""
+    return a if a.flags.c_contiguous else xp.ascontiguousarray(a)
+
+
 def real(dtype) -> str:
     """The kernels' compute type, 'double' for float64 arrays and 'float' otherwise."""
     return "double" if dtype == xp.float64 else "float"

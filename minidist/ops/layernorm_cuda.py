@@ -81,7 +81,6 @@ extern "C" __global__ void layer_norm_backward(const REAL* g, const REAL* w, con
 """
 
 KERNELS = ("layer_norm_forward", "layer_norm_backward")
-GRID_X = 65535  # rows per grid row: the grid is (GRID_X, ceil(rows / GRID_X)) for many rows
 
 
 def why_not(x2d, w, b) -> str | None:
@@ -103,17 +102,12 @@ def compiled(real: str) -> dict:
 
 
 def _launch(kernel, rows: int, C: int, args):
-    threads = min(THREADS, 1 << max(C - 1, 1).bit_length())
-    kernel((min(rows, GRID_X), -(-rows // GRID_X)), (threads,), args)
-
-
-def _contiguous(a):
-    return a if a.flags.c_contiguous else xp.ascontiguousarray(a)
+    kernel(*cuda_source.row_launch(rows, C, THREADS), args)
 
 
 def forward(x2d, w, b, eps: float, kernels=None):
     """(xhat, y, rstd) of the rows of ``x2d`` (rows, C): rstd has shape (rows,)."""
-    x2d, w, b = _contiguous(x2d), _contiguous(w), _contiguous(b)
+    x2d, w, b = cuda_source.contiguous(x2d), cuda_source.contiguous(w), cuda_source.contiguous(b)
     rows, C = x2d.shape
     kernels = kernels or compiled(cuda_source.real(x2d.dtype))
     xhat, y, rstd = xp.empty_like(x2d), xp.empty_like(x2d), xp.empty(rows, dtype=x2d.dtype)
@@ -124,10 +118,10 @@ def forward(x2d, w, b, eps: float, kernels=None):
 
 def backward(g2d, w, xhat, rstd, kernels=None):
     """dx of the rows, given the output's gradient ``g2d`` and forward's xhat and rstd."""
-    g2d = _contiguous(g2d)
+    g2d = cuda_source.contiguous(g2d)
     rows, C = g2d.shape
     kernels = kernels or compiled(cuda_source.real(g2d.dtype))
     dx = xp.empty_like(g2d)
-    _launch(kernels["layer_norm_backward"], rows, C, (g2d, _contiguous(w), xhat, rstd, dx, xp.int64(rows),
+    _launch(kernels["layer_norm_backward"], rows, C, (g2d, cuda_source.contiguous(w), xhat, rstd, dx, xp.int64(rows),
                                                             xp.int32(C)))
     return dx

@@ -134,11 +134,11 @@ def _addresses(*groups):
     return xp.asarray(host.array([_address(a) for g in groups for a in g], dtype=host.uint64))
 
 
-def _launch(kernels, name, arrays, *args):
+def _launch(kernels, name, arrays, addresses, *args):
+    """Kernel ``name`` over the chunks of ``arrays``: (addresses, sizes, tensor, start, *args)."""
     sizes, tensor, start, n_chunks = _chunks(tuple(int(a.size) for a in arrays))
     if n_chunks:
-        kernels[name]((n_chunks,), (THREADS,), args[:1] + (sizes, tensor, start) + args[1:])
-    return n_chunks
+        kernels[name]((n_chunks,), (THREADS,), (addresses, sizes, tensor, start) + args)
 
 
 def _kernels(arrays, kernels):
@@ -148,16 +148,14 @@ def _kernels(arrays, kernels):
 def sum_of_squares(arrays, kernels=None):
     """The sum of the squares of every element of ``arrays``, in float64, as a 0-d device array."""
     kernels = _kernels(arrays, kernels)
-    _, _, _, n_chunks = _chunks(tuple(int(a.size) for a in arrays))
-    partial = xp.zeros(max(n_chunks, 1), dtype=xp.float64)
+    partial = xp.zeros(max(_chunks(tuple(int(a.size) for a in arrays))[3], 1), dtype=xp.float64)
     _launch(kernels, "sum_squares", arrays, _addresses(arrays), partial)
     return partial.sum()
 
 
 def scale(arrays, factor: float, kernels=None):
     """Every array multiplied by ``factor``, in place."""
-    kernels = _kernels(arrays, kernels)
-    _launch(kernels, "scale", arrays, _addresses(arrays), arrays[0].dtype.type(factor))
+    _launch(_kernels(arrays, kernels), "scale", arrays, _addresses(arrays), arrays[0].dtype.type(factor))
 
 
 def adamw(params, grads, exp_avgs, exp_avg_sqs, hyper, beta1, beta2, eps, kernels=None):

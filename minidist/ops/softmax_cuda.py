@@ -104,7 +104,6 @@ extern "C" __global__ void softmax_rows_bf16(const unsigned short* s, REAL* p, u
 }
 """
 
-GRID_X = 65535  # rows per grid row: the grid is (GRID_X, ceil(rows / GRID_X)) for many rows
 
 
 def why_not(s) -> str | None:
@@ -129,9 +128,8 @@ def compiled(real: str) -> dict:
 def _launch(kernel, s, arrays, causal):
     tq, tk = s.shape[-2], s.shape[-1]
     rows = s.size // tk
-    grid = (min(rows, GRID_X), -(-rows // GRID_X))
-    threads = min(THREADS, 1 << max(tk - 1, 1).bit_length())  # a short row needs fewer (a power of two)
-    kernel(grid, (threads,), (s, *arrays, xp.int64(rows), xp.int32(tq), xp.int32(tk), xp.int32(bool(causal))))
+    args = (s, *arrays, xp.int64(rows), xp.int32(tq), xp.int32(tk), xp.int32(bool(causal)))
+    kernel(*cuda_source.row_launch(rows, tk, THREADS), args)
 
 
 def softmax(s, causal: bool, kernels=None):
@@ -139,7 +137,7 @@ def softmax(s, causal: bool, kernels=None):
     dtype, or for bfloat16 scores the pair (P in float32, P in bfloat16).  ``kernels``:
     :func:`compiled`'s (the default) or a stand-in with the same calls (the tests' CPU
     emulation)."""
-    s = xp.ascontiguousarray(s) if not s.flags.c_contiguous else s
+    s = cuda_source.contiguous(s)
     kernels = kernels or compiled(cuda_source.real(s.dtype))
     if bfloat16 is not None and s.dtype == bfloat16:  # (no ml_dtypes: bfloat16 is None, never equal)
         p, p_low = xp.empty(s.shape, dtype=xp.float32), xp.empty_like(s)

@@ -71,15 +71,15 @@ def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, wd, scratch=None):
         raise ValueError(f"AdamW step must count from 1, got {step!r}")
     if g.shape != p.shape:
         raise ValueError(f"AdamW gradient shape {g.shape} != parameter shape {p.shape}")
+    kernel = None if tuning.tuned() else adamw_kernel()
+    if kernel is not None:  # whole-array under CuPy: one fused kernel
+        t = p.dtype.type
+        decay, inv_sqrt_bc2, step_size = adamw_hyper(step, lr, beta1, beta2, wd)
+        kernel(g, t(decay), t(beta1), t(beta2), t(eps), t(inv_sqrt_bc2), t(step_size), p, m, v)
+        return
     hyper = (1.0 - lr * wd, beta1, beta2, eps, 1.0 - beta2**step, lr / (1.0 - beta1**step))
-    if not tuning.tuned():  # whole-array: one fused kernel under CuPy, whole-array passes on NumPy
-        kernel = adamw_kernel()
-        if kernel is None:
-            _adamw_block(p, g, m, v, _scratch(p, scratch), *hyper)
-        else:
-            t = p.dtype.type
-            decay, inv_sqrt_bc2, step_size = adamw_hyper(step, lr, beta1, beta2, wd)
-            kernel(g, t(decay), t(beta1), t(beta2), t(eps), t(inv_sqrt_bc2), t(step_size), p, m, v)
+    if not tuning.tuned():  # whole-array on NumPy: the passes over the whole arrays
+        _adamw_block(p, g, m, v, _scratch(p, scratch), *hyper)
         return
     flats = [_flat_view(a) for a in (p, m, v)]
     if any(f is None for f in flats):  # strided state (rare): one "block", the whole array
