@@ -34,7 +34,7 @@ PRELUDE = r"""
 #include <memory>
 #include <vector>
 #include <ucontext.h>
-using std::exp; using std::log; using std::max; using std::min;
+using std::exp; using std::log; using std::max; using std::min; using std::sqrt; using std::tanh;
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 static dim3 threadIdx, blockIdx, blockDim, gridDim;
 // The threads of a block are fibers of one OS thread (ucontext): __syncthreads hands control

@@ -25,7 +25,7 @@ def numpy_gemm(transa, transb, m, n, k, A, lda, sa, B, ldb, sb, C, ldc, sc, batc
 
     a = col_major(A, k, m, lda, sa).swapaxes(-1, -2) if transa else col_major(A, m, k, lda, sa)
     b = col_major(B, n, k, ldb, sb).swapaxes(-1, -2) if transb else col_major(B, k, n, ldb, sb)
-    col_major(C, m, n, ldc, sc)[...] = a @ b
+    col_major(C, m, n, ldc, sc)[...] = a.astype(C.dtype) @ b.astype(C.dtype)  # accumulated in C's dtype
 
 
 def rand(*shape):
@@ -101,6 +101,42 @@ def test_out_that_is_an_operand_gets_the_product(monkeypatch):
     np.testing.assert_allclose(a, want, rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("case", ["contiguous", "p^T @ do", "a 2-d right operand (stride 0)", "one matrix"])
+def test_a_float32_product_of_float16_operands(case, monkeypatch):
+    """dtype=float32 with 16-bit operands: C is float32 (what mixed precision's gradients use:
+    the float32 accumulator written out, not rounded to 16 bits first)."""
+    monkeypatch.setattr(gemm, "xp", np)
+    a, b = (x.astype(np.float16) for x in CASES[case]())
+    got = gemm.strided_batched(a, b, numpy_gemm, dtype=np.float32)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, a.astype(np.float32) @ b.astype(np.float32), rtol=1e-6, atol=1e-6)
+    out = np.full(got.shape[:-2] + got.shape[:-3:-1], np.nan, np.float32).swapaxes(-1, -2)  # not writable by C
+    assert gemm.strided_batched(a, b, numpy_gemm, out=out, dtype=np.float32) is out
+    np.testing.assert_array_equal(out, got)
+
+
+def test_a_2d_weight_gradient_as_a_column_major_product(monkeypatch):
+    """linear's dW = x^T dY: a transposed 2-d view times a 2-d array, one call, no copy."""
+    monkeypatch.setattr(gemm, "xp", np)
+    x, g = rand(9, 4), rand(9, 6)
+    calls = []
+    got = gemm.strided_batched(x.T, g, lambda *args: calls.append(args[:2]) or numpy_gemm(*args))
+    np.testing.assert_allclose(got, x.T @ g, rtol=1e-13, atol=1e-13)
+    assert calls == [(0, 1)]  # C^T = g^T (x^T)^T: g as it is, x^T's storage flagged transposed
+
+
+@pytest.mark.skipif(backend.BACKEND != "numpy", reason="NumPy: no cuBLAS to write another dtype")
+def test_without_cublas_a_change_of_dtype_casts_the_product():
+    a, b = rand(3, 4).astype(np.float32), rand(4, 2).astype(np.float32)
+    assert not gemm.direct(np.float16, np.float32)
+    got = gemm.matmul(a, b, dtype=np.float64)
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, (a @ b).astype(np.float64))
+    out = np.zeros((3, 2))
+    assert gemm.matmul(a, b, out=out, dtype=np.float64) is out
+    np.testing.assert_array_equal(out, got)
+
+
 def test_shape_mismatch_names_both_shapes(monkeypatch):
     monkeypatch.setattr(gemm, "xp", np)
     with pytest.raises(ValueError, match=r"\(2, 4, 5\) @ \(2, 4, 6\)"):
@@ -132,6 +168,19 @@ def test_cublas_batched_product(dtype):
         for got in (gemm.strided_batched(A, B, gemm._cublas_gemm), gemm.matmul(A, B)):
             np.testing.assert_allclose(backend.to_host(got.astype(np.float64)), want, rtol=tol[0], atol=tol[1],
                                        err_msg=case)
+    if dtype in ("bfloat16", "float16"):  # written as float32 straight from the accumulator
+        for case, make in CASES.items():
+            a, b = make()
+            A, B = backend.from_host(a).astype(dt), backend.from_host(b).astype(dt)
+            want = backend.to_host(backend.xp.matmul(A.astype(np.float64), B.astype(np.float64)))
+            assert gemm.direct(dt, np.float32)
+            got = gemm.matmul(A, B, dtype=np.float32)
+            assert got.dtype == np.float32
+            np.testing.assert_allclose(backend.to_host(got), want, rtol=1e-5, atol=1e-5, err_msg=case)
+        g = backend.from_host(rand(300, 7)).astype(dt)  # a bias gradient: ones @ g into float32
+        from minidist.ops.linalg import column_sums
+        np.testing.assert_allclose(backend.to_host(column_sums(g)), backend.to_host(g.astype(np.float64).sum(axis=0)),
+                                   rtol=1e-5, atol=1e-5)
     q, kt = (backend.from_host(x).astype(dt) for x in _qkv_heads())
     out = backend.xp.zeros((2, 5, 5, 3), dtype=dt).transpose(0, 3, 1, 2)  # (B, H, T, T), strided
     gemm.matmul(q, kt, out=out)

@@ -74,6 +74,61 @@ def test_bfloat16_scores_give_p_in_float32_and_bfloat16(monkeypatch, causal):
     np.testing.assert_array_equal(p_low.view(np.uint16), p.astype(bf16).view(np.uint16))
 
 
+def reference_grad(dp, p):
+    """The softmax's gradient as attention's xp form computes it: dS = P * (dP - delta), here
+    with delta = rowsum(P * dP) (equal to the rowsum(dO * O) that attention uses)."""
+    return p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+
+
+@on_numpy
+@needs_cxx
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-13), (np.float32, 1e-6)])
+@pytest.mark.parametrize("shape, causal", [((2, 3, 13, 13), True), ((2, 9, 14), False), ((1, 1, 5, 7), True),
+                                           ((3, 2, 2), True)])
+def test_gradient_kernel_equals_the_reference(monkeypatch, dtype, tol, shape, causal):
+    monkeypatch.setattr(softmax_cuda, "THREADS", 4)
+    monkeypatch.setattr(cuda_source, "GRID_X", 7)
+    rng = np.random.default_rng(3)
+    p = reference(rng.standard_normal(shape).astype(dtype) * 4, causal)
+    dp = rng.standard_normal(shape).astype(dtype)
+    got = softmax_cuda.softmax_grad(dp, p, causal, kernels=emulated("double" if dtype == np.float64 else "float", 4))
+    assert got.dtype == dtype and got.shape == shape
+    np.testing.assert_allclose(got, reference_grad(dp, p), rtol=tol, atol=tol)
+    if causal:  # dS is exactly 0 where P is, whatever dP holds there
+        dp_nan = np.where(np.triu(np.ones(shape[-2:], bool), k=1), np.nan, dp)
+        got = softmax_cuda.softmax_grad(dp_nan, p, causal, kernels=emulated("float", 4) if dtype == np.float32
+                                        else emulated("double", 4))
+        np.testing.assert_allclose(got, reference_grad(dp, p), rtol=tol, atol=tol)
+
+
+@on_numpy
+@needs_cxx
+@pytest.mark.parametrize("causal", [True, False])
+def test_bfloat16_gradient_reads_and_writes_bfloat16(monkeypatch, causal):
+    """Mixed precision: dP in bf16 and P in float32 in, dS in bf16 out: the float32 arithmetic
+    on the widened dP, rounded once (to nearest even, as astype)."""
+    monkeypatch.setattr(softmax_cuda, "THREADS", 4)
+    bf16 = backend.bfloat16
+    rng = np.random.default_rng(4)
+    p = reference(rng.standard_normal((2, 3, 9, 9)).astype(np.float32) * 4, causal)
+    dp = rng.standard_normal((2, 3, 9, 9)).astype(bf16)
+    ds = softmax_cuda.softmax_grad(dp, p, causal, kernels=emulated("float", 4))
+    assert ds.dtype == bf16
+    want = reference_grad(dp.astype(np.float32), p)
+    np.testing.assert_allclose(ds.astype(np.float32), want, rtol=1e-2, atol=1e-6)
+    # the same bits as rounding the float32 result of the float32 kernel
+    ds32 = softmax_cuda.softmax_grad(dp.astype(np.float32), p, causal, kernels=emulated("float", 4))
+    np.testing.assert_array_equal(ds.view(np.uint16), ds32.astype(bf16).view(np.uint16))
+
+
+def test_gradient_refuses_mismatched_inputs():
+    p = np.zeros((2, 4, 4), np.float32)
+    with pytest.raises(ValueError, match=r"dP shape \(2, 4, 5\) != P shape \(2, 4, 4\)"):
+        softmax_cuda.softmax_grad(np.zeros((2, 4, 5), np.float32), p, True, kernels={})
+    with pytest.raises(ValueError, match="P of dtype float64 with dP of dtype float32"):
+        softmax_cuda.softmax_grad(p, p.astype(np.float64), True, kernels={})
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed here")
 @pytest.mark.parametrize("real", ["float", "double"])
 def test_source_compiles_for_an_h100(tmp_path, real):
@@ -96,3 +151,12 @@ def test_compiled_kernel_equals_the_reference(dtype, tol):
                                    rtol=2e-7, atol=2e-7)
         np.testing.assert_array_equal(backend.to_host(p_low.view("uint16")),
                                       backend.to_host(p.astype(backend.bfloat16).view("uint16")))
+    p = reference(s, True)
+    dp = np.random.default_rng(5).standard_normal(s.shape).astype(dtype)
+    got = softmax_cuda.softmax_grad(backend.from_host(dp), backend.from_host(p), True)
+    np.testing.assert_allclose(backend.to_host(got), reference_grad(dp, p), rtol=tol * 10, atol=tol * 10)
+    if dtype == "float32":  # bf16 dP: dS in bf16, the float32 kernel's result rounded
+        low = backend.from_host(dp).astype(backend.bfloat16)
+        got = softmax_cuda.softmax_grad(low, backend.from_host(p), True)
+        want = softmax_cuda.softmax_grad(low.astype(np.float32), backend.from_host(p), True).astype(backend.bfloat16)
+        np.testing.assert_array_equal(backend.to_host(got.view("uint16")), backend.to_host(want.view("uint16")))

@@ -33,8 +33,8 @@ import itertools
 import math
 
 from ..autograd import Tensor, make_tensor
-from ..backend import bfloat16, xp
-from . import gemm, softmax_cuda, tuning
+from ..backend import xp
+from . import cuda_source, gemm, softmax_cuda, tuning
 from .blas_threads import parallel_for
 from .fused import elementwise
 from .nn_ops import _softmax_inplace
@@ -60,18 +60,20 @@ def causal_mask(tq: int, tk: int, dtype):
 
 
 def _attend(qs, k, v, causal, out=None):
-    """(P, O) for q (already scaled), k, v of shape (..., T, D), as batched products; O is
-    written into ``out`` when given (a strided view: the heads of a (B, T, C) array).
+    """(P, P_op, O) for q (already scaled), k, v of shape (..., T, D), as batched products; O
+    is written into ``out`` when given (a strided view: the heads of a (B, T, C) array).
 
     Low-precision operands (mixed precision on CuPy): the products run in that dtype (tensor
     cores, fp32 accumulation), the scores are widened to float32 for the mask and softmax, and
-    P is rounded back to the operands' dtype for P V.  P is returned in float32 (for backward).
-    On CuPy the softmax is one CUDA kernel (softmax_cuda.py) with the same arithmetic.
+    P is rounded back to the operands' dtype for P V: that is P_op, kept for backward's
+    P^T dO too (P_op is P itself when the dtypes agree).  P is float32 (for the softmax's
+    gradient).  On CuPy the softmax is one CUDA kernel (softmax_cuda.py) with the same
+    arithmetic; it reads bfloat16 scores as they are and writes P in both dtypes at once.
     """
     s = gemm.matmul(qs, k.swapaxes(-1, -2))
-    if bfloat16 is not None and s.dtype == bfloat16 and softmax_cuda.why_not(s) is None:
-        p, p_low = softmax_cuda.softmax(s, causal)  # bf16 scores read as they are, P in both dtypes
-        return p, gemm.matmul(p_low, v, out=out)
+    if cuda_source.is_bf16(s) and softmax_cuda.why_not(s) is None:
+        p, p_op = softmax_cuda.softmax(s, causal)
+        return p, p_op, gemm.matmul(p_op, v, out=out)
     s = to_dtype(s, compute_dtype(s.dtype))
     if softmax_cuda.why_not(s) is None:
         p = softmax_cuda.softmax(s, causal)
@@ -80,7 +82,8 @@ def _attend(qs, k, v, causal, out=None):
             s += causal_mask(s.shape[-2], s.shape[-1], s.dtype)
         p = _exp_shifted(s, s.max(axis=-1, keepdims=True))  # softmax: exp(s - rowmax) / rowsum
         p /= p.sum(axis=-1, keepdims=True)
-    return p, gemm.matmul(to_dtype(p, qs.dtype), v, out=out)
+    p_op = to_dtype(p, qs.dtype)
+    return p, p_op, gemm.matmul(p_op, v, out=out)
 
 
 @elementwise
@@ -95,14 +98,22 @@ def _softmax_grad(dp, delta, p):
     return p * (dp - delta)
 
 
-def _attend_backward(qs, k, v, p, o, do, out=(None, None, None)):
+def _attend_backward(qs, k, v, p, p_op, o, do, causal, out=(None, None, None)):
     """(dQ unscaled -- the caller multiplies by the scale --, dK, dV) of :func:`_attend`,
-    written into the arrays of ``out`` where given."""
+    written into the arrays of ``out`` where given.
+
+    On CuPy the softmax gradient is one kernel (softmax_cuda.py) that reads dP in the
+    products' dtype (bfloat16 under mixed precision) and writes dS in it; its delta is the
+    row's sum of P * dP, equal to rowsum(dO * O) up to rounding."""
     low = qs.dtype
-    dv = gemm.matmul(to_dtype(p, low).swapaxes(-1, -2), do, out=out[2])
-    dp = to_dtype(gemm.matmul(do, v.swapaxes(-1, -2)), p.dtype)  # dP, in float32
-    delta = xp.einsum("...i,...i->...", to_dtype(do, p.dtype), to_dtype(o, p.dtype))[..., None]
-    ds = to_dtype(_softmax_grad(dp, delta, p), low)
+    dv = gemm.matmul(p_op.swapaxes(-1, -2), do, out=out[2])
+    dp = gemm.matmul(do, v.swapaxes(-1, -2))  # dP, in the operands' dtype
+    if softmax_cuda.why_not(dp) is None and p.dtype == compute_dtype(dp.dtype):
+        ds = softmax_cuda.softmax_grad(dp, p, causal)
+    else:
+        dp = to_dtype(dp, p.dtype)  # in float32
+        delta = xp.einsum("...i,...i->...", to_dtype(do, p.dtype), to_dtype(o, p.dtype))[..., None]
+        ds = to_dtype(_softmax_grad(dp, delta, p), low)
     return gemm.matmul(ds, k, out=out[0]), gemm.matmul(ds.swapaxes(-1, -2), qs, out=out[1]), dv
 
 
@@ -186,10 +197,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale=None) 
     Qs = to_dtype(Q * scale, Q.dtype)
     lead, Tq, Tk = Q.shape[:-2], Q.shape[-2], K.shape[-2]
     if not tuning.tuned():  # whole-array: a few batched products
-        P, O = _attend(Qs, K, V, causal)
+        P, P_op, O = _attend(Qs, K, V, causal)
 
         def backward(g):
-            dQ, dK, dV = _attend_backward(Qs, K, V, P, O, to_dtype(g, O.dtype))
+            dQ, dK, dV = _attend_backward(Qs, K, V, P, P_op, O, to_dtype(g, O.dtype), causal)
             dQ *= scale
             return to_dtype(dQ, q.dtype), to_dtype(dK, k.dtype), to_dtype(dV, v.dtype)
 
@@ -281,12 +292,12 @@ def _self_attention_whole(qkv, X, out_dtype, B, T, H, D, causal, scale) -> Tenso
 
     Qs, K, V = to_dtype(heads(X, 0) * scale, X.dtype), heads(X, 1), heads(X, 2)  # as in attention()
     Y = xp.empty((B, T, C), dtype=X.dtype)  # P V lands in its heads: no copy merges them
-    P, O = _attend(Qs, K, V, causal, out=heads(Y, 0))
+    P, P_op, O = _attend(Qs, K, V, causal, out=heads(Y, 0))
 
     def backward(g):
         dO = to_dtype(g, O.dtype).reshape(B, T, H, D).transpose(0, 2, 1, 3)
         dX = xp.empty((B, T, 3 * C), dtype=X.dtype)  # dQ, dK, dV land in its three parts
-        dQ, _, _ = _attend_backward(Qs, K, V, P, O, dO, out=(heads(dX, 0), heads(dX, 1), heads(dX, 2)))
+        dQ, _, _ = _attend_backward(Qs, K, V, P, P_op, O, dO, causal, out=(heads(dX, 0), heads(dX, 1), heads(dX, 2)))
         dQ *= scale
         return (to_dtype(dX, qkv.dtype),)
 

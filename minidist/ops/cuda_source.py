@@ -10,7 +10,7 @@ caches the binary on disk.  The same source runs on a CPU under tests/cuda_on_cp
 from __future__ import annotations
 
 from .. import env
-from ..backend import BACKEND, xp
+from ..backend import BACKEND, bfloat16, xp
 
 
 def unavailable() -> str | None:
@@ -58,3 +58,34 @@ def contiguous(a):
 def real(dtype) -> str:
     """The kernels' compute type, 'double' for float64 arrays and 'float' otherwise."""
     return "double" if dtype == xp.float64 else "float"
+
+
+def is_bf16(a) -> bool:
+    """Is ``a`` a bfloat16 array?  (Without ml_dtypes ``bfloat16`` is None and never equal.)"""
+    return bfloat16 is not None and a.dtype == bfloat16
+
+
+# Loads and stores of bfloat16 for kernels that read or write it, with REAL (float or
+# double) the compute type: a kernel's source starts with this text.  bfloat16 is the top
+# half of a float32's bits, stored here as unsigned short, so no bf16 header or type is
+# needed (NVRTC's cuda_bf16.h, or the CPU emulation's compiler).  ``load`` and ``store``
+# are overloaded on the element type, so one templated kernel body serves REAL and bfloat16.
+BF16 = r"""
+#ifdef __CUDACC__
+__device__ __forceinline__ float bits_to_float(unsigned int u) { return __uint_as_float(u); }
+__device__ __forceinline__ unsigned int float_to_bits(float f) { return __float_as_uint(f); }
+#else
+inline float bits_to_float(unsigned int u) { union { unsigned int u; float f; } c; c.u = u; return c.f; }
+inline unsigned int float_to_bits(float f) { union { unsigned int u; float f; } c; c.f = f; return c.u; }
+#endif
+// float -> bfloat16, rounding to nearest even (as ml_dtypes and CuPy's astype); NaN stays NaN
+__device__ __forceinline__ unsigned short to_bf16(float f) {
+    unsigned int u = float_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ REAL load(const REAL* a, long long i) { return a[i]; }
+__device__ __forceinline__ float load(const unsigned short* a, long long i) { return bits_to_float((unsigned int)a[i] << 16); }
+__device__ __forceinline__ void store(REAL* a, long long i, REAL v) { a[i] = v; }
+__device__ __forceinline__ void store(unsigned short* a, long long i, REAL v) { a[i] = to_bf16((float)v); }
+"""

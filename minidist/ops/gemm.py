@@ -12,6 +12,13 @@ slice of the (B, T, C) output), which saves the copy that merges the heads.  It 
 gap of CuPy 14, which multiplies 2-d bfloat16 matrices on the tensor cores but sends a
 *batched* bfloat16 product to an integer kernel that does not know the type.
 
+Mixed precision wants one more thing CuPy's matmul cannot give: a float32 product of bfloat16
+(or float16) operands.  cuBLAS accumulates in float32 anyway; ``matmul(..., dtype=float32)``
+has it write that accumulator out instead of rounding it to 16 bits, which a cast back to
+float32 would then read and write again.  The gradients of linear layers take it: a master
+weight's gradient, the gradient of a float32 input (a LayerNorm's output), a bias gradient
+(``linalg.column_sums``).
+
 cuBLAS is column-major.  A row-major (M, K) @ (K, N) = (M, N) product read in column order is
 C^T = B^T A^T: the same buffers with the operands swapped.  A transposed view's storage read in
 column order is the matrix itself, passed with the "transpose" flag.  Batch axes whose strides
@@ -52,14 +59,50 @@ def _has_cublas() -> bool:
 _CUBLAS = _has_cublas()
 
 
-def matmul(a, b, out=None):
+def matmul(a, b, out=None, dtype=None):
     """``a @ b`` for arrays of shape (..., M, K) and (..., K, N) (batch dims broadcast), into
-    ``out`` (any strides) when given."""
-    if (not _CUBLAS or a.dtype != b.dtype or max(a.ndim, b.ndim) <= 2 or min(a.ndim, b.ndim) < 2
-            or xp.dtype(a.dtype).name not in _GEMM_DTYPES
-            or (_SWITCH == "off" and _batches_natively(a.dtype))):
+    ``out`` (any strides) when given, as ``dtype`` (default: the operands').  cuBLAS writes a
+    float32 product of 16-bit operands directly from its float32 accumulator (:func:`direct`);
+    any other change of dtype is a cast of the product."""
+    want = a.dtype if dtype is None else xp.dtype(dtype)
+    if _uses_cublas(a, b, want):
+        return strided_batched(a, b, _cublas_gemm, out, want)
+    if dtype is None or a.dtype == b.dtype == want:
         return xp.matmul(a, b, out=out)
-    return strided_batched(a, b, _cublas_gemm, out)
+    c = xp.matmul(a, b)
+    c = c if c.dtype == want else c.astype(want)
+    if out is None:
+        return c
+    out[...] = c
+    return out
+
+
+def _uses_cublas(a, b, dtype) -> bool:
+    """Does :func:`matmul` call cuBLAS itself for ``a @ b`` written as ``dtype``?  For a float32
+    product of 16-bit operands, yes (CuPy's matmul writes the operands' dtype).  For a product
+    in the operands' dtype: 2-d ones stay CuPy's (one cuBLAS call there too);
+    batched ones come here unless ``MINIDIST_CUBLAS_BATCHED=off``, and then still where CuPy
+    cannot batch the dtype."""
+    if a.dtype != b.dtype or min(a.ndim, b.ndim) < 2 or not direct(a.dtype, dtype):
+        return False
+    if dtype != a.dtype:
+        return True
+    if max(a.ndim, b.ndim) <= 2:
+        return False
+    return _SWITCH != "off" or not _batches_natively(a.dtype)
+
+
+def direct(operands, dtype) -> bool:
+    """Does :func:`matmul` hand operands of dtype ``operands`` to cuBLAS, writing ``dtype``?
+    Yes for the dtypes cuBLAS multiplies, into their own dtype or, for float16 and bfloat16,
+    into float32; not under NumPy, nor with ``MINIDIST_CUBLAS_BATCHED=off`` for a change of
+    dtype (a cast of the product then)."""
+    operands, dtype = xp.dtype(operands), xp.dtype(dtype)
+    if not _CUBLAS or operands.name not in _GEMM_DTYPES:
+        return False
+    if dtype == operands:
+        return True
+    return _SWITCH != "off" and operands.name in ("float16", "bfloat16") and dtype.name == "float32"
 
 
 def _batches_natively(dt) -> bool:
@@ -106,10 +149,11 @@ def _writable_output(out, dtype) -> bool:
     return layout is not None and layout[0] == 0
 
 
-def strided_batched(a, b, gemm, out=None):
+def strided_batched(a, b, gemm, out=None, dtype=None):
     """``a @ b`` through ``gemm``, a strided batched GEMM with cuBLAS's arguments
     ``(transa, transb, m, n, k, A, lda, strideA, B, ldb, strideB, C, ldc, strideC, batch)``
-    (arrays for the pointers, strides in elements)."""
+    (arrays for the pointers, strides in elements), written as ``dtype`` (default a's)."""
+    dtype = xp.dtype(a.dtype if dtype is None else dtype)
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"matmul shape mismatch: {tuple(a.shape)} @ {tuple(b.shape)}")
     lead = tuple(host.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
@@ -118,9 +162,9 @@ def strided_batched(a, b, gemm, out=None):
         raise ValueError(f"matmul out has shape {tuple(out.shape)}, not {lead + (M, N)}")
     a, b = (xp.broadcast_to(x, lead + x.shape[-2:]) for x in (a, b))  # views: stride 0 where broadcast
     a, b = (x if _matrix(x) is not None else xp.ascontiguousarray(x) for x in (a, b))
-    direct = out is not None and _writable_output(out, a.dtype) and not (
+    into_out = out is not None and _writable_output(out, dtype) and not (
         xp.may_share_memory(out, a) or xp.may_share_memory(out, b))  # cuBLAS's C must not alias A or B
-    c = out if direct else xp.empty(lead + (M, N), dtype=a.dtype)
+    c = out if into_out else xp.empty(lead + (M, N), dtype=dtype)
     if c.size and K == 0:
         c[...] = 0
     elif c.size:
@@ -143,14 +187,14 @@ def strided_batched(a, b, gemm, out=None):
 
 def _cublas_gemm(transa, transb, m, n, k, A, lda, sa, B, ldb, sb, C, ldc, sc, batch):
     """cublasGemmStridedBatchedEx on CuPy's handle and stream.  16-bit operands accumulate in
-    float32 (tensor cores); float32 uses TF32 tensor cores only with CUPY_TF32=1 (--tf32), as
-    CuPy's own matmul does."""
+    float32 (tensor cores) and C is theirs or float32; float32 uses TF32 tensor cores only with
+    CUPY_TF32=1 (--tf32), as CuPy's own matmul does."""
     from cupy.cuda import device, runtime
     from cupy_backends.cuda.libs import cublas
 
-    name = xp.dtype(C.dtype).name
-    kind = {"bfloat16": getattr(runtime, "CUDA_R_16BF", 14), "float16": runtime.CUDA_R_16F,
-            "float32": runtime.CUDA_R_32F, "float64": runtime.CUDA_R_64F}[name]
+    kinds = {"bfloat16": getattr(runtime, "CUDA_R_16BF", 14), "float16": runtime.CUDA_R_16F,
+             "float32": runtime.CUDA_R_32F, "float64": runtime.CUDA_R_64F}
+    name = xp.dtype(A.dtype).name
     if name == "float64":
         compute, scalar = cublas.CUBLAS_COMPUTE_64F, host.float64
     elif name == "float32" and os.environ.get("CUPY_TF32", "0") not in ("", "0"):
@@ -160,5 +204,5 @@ def _cublas_gemm(transa, transb, m, n, k, A, lda, sa, B, ldb, sb, C, ldc, sc, ba
     one, zero = host.ones((), scalar), host.zeros((), scalar)  # alpha, beta: host scalars cuBLAS reads
     cublas.gemmStridedBatchedEx(
         device.get_cublas_handle(), transa, transb, m, n, k, one.ctypes.data,
-        A.data.ptr, kind, lda, sa, B.data.ptr, kind, ldb, sb, zero.ctypes.data,
-        C.data.ptr, kind, ldc, sc, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
+        A.data.ptr, kinds[name], lda, sa, B.data.ptr, kinds[name], ldb, sb, zero.ctypes.data,
+        C.data.ptr, kinds[xp.dtype(C.dtype).name], ldc, sc, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)

@@ -33,29 +33,33 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     def backward(g):
         g = g if g.dtype == A.dtype else g.astype(A.dtype)
         ga = gb = None
-        if a.requires_grad:
-            ga = unbroadcast(gemm.matmul(g, B.swapaxes(-1, -2)), a.shape)
+        if a.requires_grad:  # each gradient written in its input's dtype (gemm.matmul's dtype=)
+            ga = unbroadcast(gemm.matmul(g, B.swapaxes(-1, -2), dtype=a.dtype), a.shape)
         if b.requires_grad:
             if flat:
-                gb = A.reshape(-1, A.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+                gb = gemm.matmul(A.reshape(-1, A.shape[-1]).T, g.reshape(-1, g.shape[-1]), dtype=b.dtype)
             else:
-                gb = unbroadcast(gemm.matmul(A.swapaxes(-1, -2), g), b.shape)
+                gb = unbroadcast(gemm.matmul(A.swapaxes(-1, -2), g, dtype=b.dtype), b.shape)
         return to_dtype(ga, a.dtype), to_dtype(gb, b.dtype)
 
     return make_tensor(to_dtype(out, out_dtype), (a, b), backward)
 
 
 def column_sums(g2d):
-    """The sums of the columns of a (rows, C) array (a bias gradient).
+    """The sums of the columns of a (rows, C) array (a bias gradient), in float32 for a
+    low-precision array.
 
-    As a GEMV (ones @ g) on a CPU and, for float32/float64, on CuPy: BLAS reads the array once
-    at full speed, where NumPy's and CuPy's sum(axis=0) read it column by column, a row's
-    stride apart (docs/gpu.md has the GPU's figures).  A low-precision gradient is summed in
-    float32 (sum's dtype=)."""
-    low = is_low_precision(g2d.dtype)
-    if tuning.tuned() or (BACKEND == "cupy" and not low):
+    As a matrix-vector product (ones @ g) on a CPU and on CuPy: BLAS reads the array once at
+    full speed, where NumPy's and CuPy's sum(axis=0) read it column by column, a row's stride
+    apart (docs/gpu.md has the GPU's figures).  A low-precision array is multiplied by cuBLAS
+    into a float32 result (exact products, float32 accumulation); where that is not available
+    it is summed with sum's dtype=float32."""
+    if tuning.tuned() or (BACKEND == "cupy" and not is_low_precision(g2d.dtype)):
         return xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d
-    return g2d.sum(axis=0, dtype=compute_dtype(g2d.dtype))
+    cdt = compute_dtype(g2d.dtype)
+    if gemm.direct(g2d.dtype, cdt) and cdt != g2d.dtype:
+        return gemm.matmul(xp.ones((1, g2d.shape[0]), dtype=g2d.dtype), g2d, dtype=cdt)[0]
+    return g2d.sum(axis=0, dtype=cdt)
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
@@ -80,11 +84,13 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         g2d = g.reshape(-1, g.shape[-1])
         if g2d.dtype != x2d.dtype:
             g2d = g2d.astype(x2d.dtype)
-        gx = (g2d @ W.T).reshape(x.shape) if x.requires_grad else None
-        gw = x2d.T @ g2d if w.requires_grad else None
+        # each gradient in its input's dtype: under mixed precision on CuPy, cuBLAS writes the
+        # float32 ones (the master weight's, a float32 input's) straight from its accumulator
+        gx = gemm.matmul(g2d, W.T, dtype=x.dtype).reshape(x.shape) if x.requires_grad else None
+        gw = gemm.matmul(x2d.T, g2d, dtype=w.dtype) if w.requires_grad else None
         gb = None
         if b is not None and b.requires_grad:
             gb = column_sums(g2d)
-        return to_dtype(gx, x.dtype), to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
+        return gx, gw, to_dtype(gb, None if b is None else b.dtype)
 
     return make_tensor(y, (x, w, b), backward)

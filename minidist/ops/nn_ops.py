@@ -17,7 +17,7 @@ import math
 from ..autograd import Tensor, make_tensor
 from ..backend import from_host, host, xp
 from .basic import check_index, scatter_add_rows
-from . import layernorm_cuda, tuning
+from . import gelu_cuda, layernorm_cuda, tuning
 from .blas_threads import parallel_for, row_chunks
 from .fused import elementwise
 from .linalg import column_sums
@@ -51,11 +51,17 @@ def gelu(x: Tensor) -> Tensor:
 
         gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
 
-    Whole-array: one fused kernel each way under CuPy.  On a CPU (``tuning.tuned()``) the
-    same arithmetic runs in cache-sized blocks over the BLAS threads: :func:`_gelu_blocked`.
+    Whole-array: one fused kernel each way under CuPy; with minidist's CUDA kernels
+    (gelu_cuda.py) one kernel each way that reads and writes x's own dtype, bfloat16
+    included, and recomputes t in backward.  On a CPU (``tuning.tuned()``) the same arithmetic
+    runs in cache-sized blocks over the BLAS threads: :func:`_gelu_blocked`.
     """
     if tuning.tuned():
         return _gelu_blocked(x)
+    if gelu_cuda.why_not(x.data) is None:
+        X = x.data
+        return make_tensor(gelu_cuda.forward(X, _GELU_C, _GELU_A), (x,),
+                           lambda g: (gelu_cuda.backward(X, g, _GELU_C, _GELU_A),))
     cdt = compute_dtype(x.dtype)
     X = to_dtype(x.data, cdt)
     y, t = _gelu_forward(X)

@@ -1,4 +1,4 @@
-"""Attention's (causal) softmax over the rows of the scores, as one CUDA kernel.
+"""Attention's (causal) softmax over the rows of the scores, and its gradient, as CUDA kernels.
 
 Plain attention (``attention._attend``) turns the T x T scores S into probabilities P: add the
 causal mask, take each row's maximum, exponentiate the shifted scores, sum them, divide.
@@ -11,76 +11,87 @@ one pass in, one pass out.  The mask is the row's index, not an array: query i o
 (..., Tq, Tk) block sees keys j <= i (top-left aligned, as ``causal_mask``), and the
 probabilities above the diagonal are written as zeros without reading their scores.
 
-The arithmetic is the reference's (max, exp(s - max), their sum, a division), in the scores'
-dtype, float32 or float64; the rounding can differ a little (the sum adds up as a tree in
-shared memory, and the GPU's exp is not the host's).  Switch: ``MINIDIST_CUDA_KERNELS=off`` keeps the ``xp`` form.  The source is tested
-on a CPU through tests/cuda_on_cpu.py (tests/test_softmax_kernel.py) and, where ``nvcc``
-exists, compiled for an H100.
-"""
+Backward, dS = P * (dP - delta) with delta a row's sum of P * dP, is the same shape of
+kernel: a block reduces its row's delta, then writes dS.  The ``xp`` form takes delta as
+rowsum(dO * O) instead (FlashAttention's identity: the same number, from the (T, D) arrays),
+because a row-by-row reduction over the T x T arrays is slow as ``xp`` operations; inside a
+kernel that holds the row anyway it costs nothing and saves the (T, D) pass.  Under mixed
+precision the kernels read and write the bfloat16 arrays of the products (S, dP; P and dS as
+their operands) directly, converting in registers, so no T x T array is ever cast as a pass
+of its own; the arithmetic stays float32.
 
+The arithmetic is the reference's (max, exp(s - max), their sum, a division), in the scores'
+dtype, float32 or float64; the rounding can differ a little (sums add up as a tree in shared
+memory, and the GPU's exp is not the host's).  Switch: ``MINIDIST_CUDA_KERNELS=off`` keeps
+the ``xp`` form.  The source is tested on a CPU through tests/cuda_on_cpu.py
+(tests/test_softmax_kernel.py) and, where ``nvcc`` exists, compiled for an H100.
+"""
 from __future__ import annotations
 
-from ..backend import bfloat16, xp
+from ..backend import xp
 from . import cuda_source
 
 THREADS = 128  # threads per row at most (a power of two: the reductions halve it)
 
-SOURCE = r"""
+SOURCE = cuda_source.BF16 + r"""
 // REAL: float or double; blockDim.x: a power of two, at most THREADS.  s, p: (rows, tk) contiguous;
 // row r is query r % tq of its (tq, tk) block; with causal it sees keys j <= r % tq.
 
-// bfloat16 is the top half of a float32's bits (stored as unsigned short: no bf16 type needed).
-#ifdef __CUDACC__
-__device__ __forceinline__ float bits_to_float(unsigned int u) { return __uint_as_float(u); }
-__device__ __forceinline__ unsigned int float_to_bits(float f) { return __float_as_uint(f); }
-#else
-inline float bits_to_float(unsigned int u) { union { unsigned int u; float f; } c; c.u = u; return c.f; }
-inline unsigned int float_to_bits(float f) { union { unsigned int u; float f; } c; c.f = f; return c.u; }
-#endif
-__device__ __forceinline__ REAL load(const REAL* s, long long j) { return s[j]; }
-__device__ __forceinline__ float load(const unsigned short* s, long long j) { return bits_to_float((unsigned int)s[j] << 16); }
-// float -> bfloat16, rounding to nearest even (as ml_dtypes and CuPy's astype); NaN stays NaN
-__device__ __forceinline__ unsigned short to_bf16(float f) {
-    unsigned int u = float_to_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// The row's maximum over the keys it sees, then the sum of exp(s - max); returns both.
-template <class T>
-__device__ void row_stats(const T* s, int seen, REAL* part, REAL& m, REAL& l) {
+// The maximum and the sum of every thread's v over the block, through the shared array part.
+__device__ REAL block_max(REAL v, REAL* part) {
     const int t = threadIdx.x;
-    m = load(s, 0);  // key 0 is seen by every query
-    for (int j = t; j < seen; j += blockDim.x) m = load(s, j) > m ? load(s, j) : m;
-    part[t] = m;
+    part[t] = v;
     __syncthreads();
     for (int half = blockDim.x / 2; half > 0; half /= 2) {
         if (t < half && part[t + half] > part[t]) part[t] = part[t + half];
         __syncthreads();
     }
-    m = part[0];
-    __syncthreads();  // every thread has read the maximum before part is reused
-    l = 0;
-    for (int j = t; j < seen; j += blockDim.x) l += exp(load(s, j) - m);
-    part[t] = l;
+    v = part[0];
+    __syncthreads();  // every thread has read the result before part is reused
+    return v;
+}
+__device__ REAL block_sum(REAL v, REAL* part) {
+    const int t = threadIdx.x;
+    part[t] = v;
     __syncthreads();
     for (int half = blockDim.x / 2; half > 0; half /= 2) {
         if (t < half) part[t] += part[t + half];
         __syncthreads();
     }
-    l = part[0];
+    v = part[0];
+    __syncthreads();
+    return v;
+}
+
+// The block's row (into *row) and the keys [0, seen) it sees (the returned seen).
+__device__ int row_start(int tq, int tk, int causal, long long* row) {
+    *row = blockIdx.x + (long long)blockIdx.y * gridDim.x;
+    return causal ? min((int)(*row % tq) + 1, tk) : tk;
+}
+
+// Softmax of one row of scores s (REAL or bfloat16) into p and, when p_low is given, p rounded
+// to bfloat16 too: the row's maximum over the keys it sees, the sum of exp(s - max), the division.
+template <class S>
+__device__ void softmax_row(const S* s, REAL* p, unsigned short* p_low, int seen, int tk, REAL* part) {
+    REAL m = load(s, 0);  // key 0 is seen by every query
+    for (int j = threadIdx.x; j < seen; j += blockDim.x) m = load(s, j) > m ? load(s, j) : m;
+    m = block_max(m, part);
+    REAL l = 0;
+    for (int j = threadIdx.x; j < seen; j += blockDim.x) l += exp(load(s, j) - m);
+    l = block_sum(l, part);
+    for (int j = threadIdx.x; j < tk; j += blockDim.x) {
+        REAL v = j < seen ? exp(load(s, j) - m) / l : (REAL)0;
+        p[j] = v;
+        if (p_low) p_low[j] = to_bf16(v);
+    }
 }
 
 extern "C" __global__ void softmax_rows(const REAL* s, REAL* p, long long rows, int tq, int tk, int causal) {
     __shared__ REAL part[THREADS];
-    const long long row = blockIdx.x + (long long)blockIdx.y * gridDim.x;
+    long long row;
+    const int seen = row_start(tq, tk, causal, &row);
     if (row >= rows) return;  // the same row for every thread of the block: all return together
-    const int seen = causal ? min((int)(row % tq) + 1, tk) : tk;  // keys [0, seen) are seen
-    s += row * tk;
-    p += row * tk;
-    REAL m, l;
-    row_stats(s, seen, part, m, l);
-    for (int j = threadIdx.x; j < tk; j += blockDim.x) p[j] = j < seen ? exp(s[j] - m) / l : (REAL)0;
+    softmax_row(s + row * tk, p + row * tk, (unsigned short*)0, seen, tk, part);
 }
 
 // Mixed precision (REAL float): bfloat16 scores in; P in float32 (kept for backward) and P
@@ -88,36 +99,56 @@ extern "C" __global__ void softmax_rows(const REAL* s, REAL* p, long long rows, 
 extern "C" __global__ void softmax_rows_bf16(const unsigned short* s, REAL* p, unsigned short* p_low, long long rows,
                                              int tq, int tk, int causal) {
     __shared__ REAL part[THREADS];
-    const long long row = blockIdx.x + (long long)blockIdx.y * gridDim.x;
+    long long row;
+    const int seen = row_start(tq, tk, causal, &row);
     if (row >= rows) return;
-    const int seen = causal ? min((int)(row % tq) + 1, tk) : tk;
-    s += row * tk;
-    p += row * tk;
-    p_low += row * tk;
-    REAL m, l;
-    row_stats(s, seen, part, m, l);
-    for (int j = threadIdx.x; j < tk; j += blockDim.x) {
-        REAL v = j < seen ? exp(load(s, j) - m) / l : (REAL)0;
-        p[j] = v;
-        p_low[j] = to_bf16(v);
-    }
+    softmax_row(s + row * tk, p + row * tk, p_low + row * tk, seen, tk, part);
+}
+
+// The softmax's gradient for one row: dS = P * (dP - delta), delta = sum_j P_j dP_j over the
+// keys the row sees (above the diagonal P is 0, and so is dS: written without reading dP).
+template <class G>
+__device__ void softmax_grad_row(const G* dp, const REAL* p, G* ds, int seen, int tk, REAL* part) {
+    REAL delta = 0;
+    for (int j = threadIdx.x; j < seen; j += blockDim.x) delta += p[j] * load(dp, j);
+    delta = block_sum(delta, part);
+    for (int j = threadIdx.x; j < tk; j += blockDim.x) store(ds, j, j < seen ? p[j] * (load(dp, j) - delta) : (REAL)0);
+}
+
+extern "C" __global__ void softmax_grad_rows(const REAL* dp, const REAL* p, REAL* ds, long long rows, int tq, int tk,
+                                             int causal) {
+    __shared__ REAL part[THREADS];
+    long long row;
+    const int seen = row_start(tq, tk, causal, &row);
+    if (row >= rows) return;
+    softmax_grad_row(dp + row * tk, p + row * tk, ds + row * tk, seen, tk, part);
+}
+
+// Mixed precision: dP in bfloat16 (the product dO V^T), P in float32, dS rounded to bfloat16
+// (the operand of dS K and dS^T Q); the arithmetic in float32.
+extern "C" __global__ void softmax_grad_rows_bf16(const unsigned short* dp, const REAL* p, unsigned short* ds,
+                                                  long long rows, int tq, int tk, int causal) {
+    __shared__ REAL part[THREADS];
+    long long row;
+    const int seen = row_start(tq, tk, causal, &row);
+    if (row >= rows) return;
+    softmax_grad_row(dp + row * tk, p + row * tk, ds + row * tk, seen, tk, part);
 }
 """
 
 
-
 def why_not(s) -> str | None:
-    """Why the kernel does not run for scores ``s`` here (None when it does)."""
+    """Why the kernels do not run for scores (or their gradient) ``s`` here (None when they do)."""
     if (reason := cuda_source.unavailable()) is not None:
         return reason
-    if s.dtype not in (xp.float32, xp.float64) and not (bfloat16 is not None and s.dtype == bfloat16):
-        return f"scores of dtype {s.dtype} (the kernel reads float32, float64 or bfloat16)"
+    if s.dtype not in (xp.float32, xp.float64) and not cuda_source.is_bf16(s):
+        return f"scores of dtype {s.dtype} (the kernels read float32, float64 or bfloat16)"
     if s.ndim < 2 or s.shape[-1] == 0 or s.size == 0:
         return "no rows of scores"
     return None
 
 
-KERNELS = ("softmax_rows", "softmax_rows_bf16")
+KERNELS = ("softmax_rows", "softmax_rows_bf16", "softmax_grad_rows", "softmax_grad_rows_bf16")
 
 
 def compiled(real: str) -> dict:
@@ -128,7 +159,7 @@ def compiled(real: str) -> dict:
 def _launch(kernel, s, arrays, causal):
     tq, tk = s.shape[-2], s.shape[-1]
     rows = s.size // tk
-    args = (s, *arrays, xp.int64(rows), xp.int32(tq), xp.int32(tk), xp.int32(bool(causal)))
+    args = (*arrays, xp.int64(rows), xp.int32(tq), xp.int32(tk), xp.int32(bool(causal)))
     kernel(*cuda_source.row_launch(rows, tk, THREADS), args)
 
 
@@ -139,10 +170,28 @@ def softmax(s, causal: bool, kernels=None):
     emulation)."""
     s = cuda_source.contiguous(s)
     kernels = kernels or compiled(cuda_source.real(s.dtype))
-    if bfloat16 is not None and s.dtype == bfloat16:  # (no ml_dtypes: bfloat16 is None, never equal)
+    if cuda_source.is_bf16(s):
         p, p_low = xp.empty(s.shape, dtype=xp.float32), xp.empty_like(s)
-        _launch(kernels["softmax_rows_bf16"], s, (p, p_low), causal)
+        _launch(kernels["softmax_rows_bf16"], s, (s, p, p_low), causal)
         return p, p_low
     p = xp.empty_like(s)
-    _launch(kernels["softmax_rows"], s, (p,), causal)
+    _launch(kernels["softmax_rows"], s, (s, p), causal)
     return p
+
+
+def softmax_grad(dp, p, causal: bool, kernels=None):
+    """dS = P * (dP - rowsum(P * dP)) for the gradient ``dp`` of the probabilities ``p`` of
+    :func:`softmax` (same shape), as a new array of dp's dtype: float32/float64 with p of the
+    same dtype, or bfloat16 with p in float32 (mixed precision).  ``kernels`` as in
+    :func:`softmax`."""
+    if tuple(dp.shape) != tuple(p.shape):
+        raise ValueError(f"softmax_grad: dP shape {tuple(dp.shape)} != P shape {tuple(p.shape)}")
+    want = xp.float32 if cuda_source.is_bf16(dp) else dp.dtype
+    if p.dtype != want:
+        raise ValueError(f"softmax_grad: P of dtype {p.dtype} with dP of dtype {dp.dtype} (P must be {xp.dtype(want)})")
+    dp, p = cuda_source.contiguous(dp), cuda_source.contiguous(p)
+    kernels = kernels or compiled(cuda_source.real(p.dtype))
+    ds = xp.empty_like(dp)
+    name = "softmax_grad_rows_bf16" if cuda_source.is_bf16(dp) else "softmax_grad_rows"
+    _launch(kernels[name], dp, (dp, p, ds), causal)
+    return ds
