@@ -18,6 +18,8 @@ is used), and races between barriers (the fibers never interleave there).
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import glob
 import hashlib
 import os
 import re
@@ -116,20 +118,78 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("clang++")
 
 
-def nvcc_entries(source: str, defines: dict, folder, arch: str = "sm_90") -> str | None:
-    """Compile ``source`` with nvcc for ``arch`` (an H100 by default) with ``defines`` as
-    macros; the names of the kernels in its PTX.  None without nvcc; AssertionError with the
-    compiler's message where it fails."""
-    if shutil.which("nvcc") is None:
+def nvrtc_library() -> str | None:
+    """libnvrtc, the CUDA compiler library CuPy's RawModule compiles with: from the
+    ``nvidia-cuda-nvrtc-cu12`` wheel where it is installed (no GPU or driver needed), else the
+    system's; None without either."""
+    try:
+        import nvidia.cuda_nvrtc as wheel  # a namespace package: no __init__, a __path__
+        for folder in wheel.__path__:
+            for lib in sorted(glob.glob(os.path.join(folder, "lib", "libnvrtc.so*"))):
+                if "builtins" not in lib and ".alt." not in lib:
+                    return lib
+    except ImportError:
+        pass
+    return ctypes.util.find_library("nvrtc")
+
+
+def cuda_compiler() -> str | None:
+    """'nvcc' or 'nvrtc': what :func:`cuda_entries` compiles with here (None: neither)."""
+    if shutil.which("nvcc"):
+        return "nvcc"
+    return "nvrtc" if nvrtc_library() else None
+
+
+def _skip_without_compiler():
+    import pytest
+
+    return pytest.mark.skipif(cuda_compiler() is None,
+                              reason="no CUDA compiler here (nvcc, or NVRTC: pip install nvidia-cuda-nvrtc-cu12)")
+
+
+def cuda_entries(source: str, defines: dict, folder, arch: str = "90") -> list[str] | None:
+    """Compile ``source`` for the GPU architecture ``arch`` (90: an H100) with ``defines`` as
+    macros, with nvcc or else NVRTC, and return the names of the kernels in its PTX.  None
+    without either; AssertionError with the compiler's message where compiling fails."""
+    options = ["-std=c++14", *(f"-D{k}={v}" for k, v in defines.items())]
+    if cuda_compiler() == "nvcc":
+        src, out = os.path.join(folder, "kernels.cu"), os.path.join(folder, "kernels.ptx")
+        with open(src, "w") as f:
+            f.write(source)
+        r = subprocess.run(["nvcc", *options, f"-arch=sm_{arch}", "-ptx", "-o", out, src],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        with open(out) as f:
+            ptx = f.read()
+    elif cuda_compiler() == "nvrtc":
+        ptx = _nvrtc_ptx(source, options + [f"-arch=compute_{arch}"])
+    else:
         return None
-    src, ptx = os.path.join(folder, "kernels.cu"), os.path.join(folder, "kernels.ptx")
-    with open(src, "w") as f:
-        f.write(source)
-    r = subprocess.run(["nvcc", "-std=c++14", f"-arch={arch}", "-ptx", *(f"-D{k}={v}" for k, v in defines.items()),
-                        "-o", ptx, src], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    with open(ptx) as f:
-        return sorted(re.findall(r"\.entry\s+(\w+)", f.read()))
+    return sorted(re.findall(r"\.entry\s+(\w+)", ptx))
+
+
+needs_cuda_compiler = _skip_without_compiler()  # a test's marker: it compiles CUDA source
+
+
+def _nvrtc_ptx(source: str, options: list[str]) -> str:
+    """PTX of ``source`` from NVRTC (nvrtcCreateProgram, nvrtcCompileProgram, nvrtcGetPTX)."""
+    lib = ctypes.CDLL(nvrtc_library())
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernels.cu", 0, None, None) == 0
+    try:
+        opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+        status = lib.nvrtcCompileProgram(prog, len(options), opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetProgramLog(prog, log)
+        assert status == 0, f"NVRTC error {status}:\n{log.value.decode(errors='replace')}"
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value + 1)
+        assert lib.nvrtcGetPTX(prog, ptx) == 0
+        return ptx.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 def kernel_names(source: str) -> list[str]:

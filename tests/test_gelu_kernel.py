@@ -7,8 +7,6 @@ gradients with the kernels equal those without them, bfloat16 included.
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
@@ -74,11 +72,11 @@ def test_backward_refuses_a_gradient_of_another_shape():
         gelu_cuda.backward(np.zeros(4), np.zeros(3), C, A, kernels={})
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed here")
+@cuda_on_cpu.needs_cuda_compiler
 @pytest.mark.parametrize("real", ["float", "double"])
 def test_source_compiles_for_an_h100(tmp_path, real):
     defines = {"REAL": real, "GELU_C": repr(C), "GELU_A": repr(A)}
-    assert cuda_on_cpu.nvcc_entries(gelu_cuda.SOURCE, defines, tmp_path) == sorted(gelu_cuda.KERNELS)
+    assert cuda_on_cpu.cuda_entries(gelu_cuda.SOURCE, defines, tmp_path) == sorted(gelu_cuda.KERNELS)
 
 
 @pytest.mark.skipif(BACKEND != "cupy", reason="the compiled kernels run under MINIDIST_BACKEND=cupy (make test-gpu)")

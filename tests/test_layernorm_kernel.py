@@ -7,8 +7,6 @@ gradients with the kernels equal those without them.
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
@@ -57,10 +55,10 @@ def test_kernels_equal_the_reference(monkeypatch, dtype, real, tol, rows, C):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=name)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed here")
+@cuda_on_cpu.needs_cuda_compiler
 @pytest.mark.parametrize("real", ["float", "double"])
 def test_source_compiles_for_an_h100(tmp_path, real):
-    assert cuda_on_cpu.nvcc_entries(ln.SOURCE, {"REAL": real, "THREADS": ln.THREADS}, tmp_path) == sorted(ln.KERNELS)
+    assert cuda_on_cpu.cuda_entries(ln.SOURCE, {"REAL": real, "THREADS": ln.THREADS}, tmp_path) == sorted(ln.KERNELS)
 
 
 @pytest.mark.skipif(BACKEND != "cupy", reason="the compiled kernels run under MINIDIST_BACKEND=cupy (make test-gpu)")

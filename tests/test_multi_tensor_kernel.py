@@ -8,8 +8,6 @@ gradient clipping are compared with and without the kernels.
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
@@ -76,11 +74,11 @@ def test_adamw_equals_the_per_array_update(small, dtype, real, tol):
             np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=name)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed here")
+@cuda_on_cpu.needs_cuda_compiler
 @pytest.mark.parametrize("real", ["float", "double"])
 def test_source_compiles_for_an_h100(tmp_path, real):
     defines = {"REAL": real, "CHUNK": f"{mt.CHUNK}LL", "THREADS": mt.THREADS}
-    assert cuda_on_cpu.nvcc_entries(mt.SOURCE, defines, tmp_path) == sorted(mt.KERNELS)
+    assert cuda_on_cpu.cuda_entries(mt.SOURCE, defines, tmp_path) == sorted(mt.KERNELS)
 
 
 @pytest.mark.skipif(BACKEND != "cupy", reason="the compiled kernels run under MINIDIST_BACKEND=cupy (make test-gpu)")

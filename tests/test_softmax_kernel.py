@@ -7,8 +7,6 @@ On CuPy (make test-gpu, or the emulator) the compiled kernel is compared too.
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
@@ -129,11 +127,11 @@ def test_gradient_refuses_mismatched_inputs():
         softmax_cuda.softmax_grad(p, p.astype(np.float64), True, kernels={})
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed here")
+@cuda_on_cpu.needs_cuda_compiler
 @pytest.mark.parametrize("real", ["float", "double"])
 def test_source_compiles_for_an_h100(tmp_path, real):
     defines = {"REAL": real, "THREADS": softmax_cuda.THREADS}
-    assert cuda_on_cpu.nvcc_entries(softmax_cuda.SOURCE, defines, tmp_path) == sorted(softmax_cuda.KERNELS)
+    assert cuda_on_cpu.cuda_entries(softmax_cuda.SOURCE, defines, tmp_path) == sorted(softmax_cuda.KERNELS)
 
 
 @pytest.mark.skipif(BACKEND != "cupy", reason="the compiled kernel runs under MINIDIST_BACKEND=cupy (make test-gpu)")
