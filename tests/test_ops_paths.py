@@ -203,3 +203,30 @@ def test_fused_kernels_equal_their_plain_functions():
     adamw_kernel()(g.reshape(-1)[:1000], decay, b1, b2, eps, 1 / bc2 ** 0.5, step, p, m, v)
     for a, b in ((p, q), (m, n), (v, w)):
         np.testing.assert_allclose(to_host(a), to_host(b), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.skipif(BACKEND != "cupy", reason="minidist's CUDA kernels need MINIDIST_BACKEND=cupy")
+@pytest.mark.parametrize("low", ["bfloat16", "float32"])
+def test_a_gpt_step_with_the_cuda_kernels_equals_one_without(monkeypatch, low):
+    """The model's loss and every parameter's gradient, with minidist's kernels (softmax and its
+    gradient, GELU, LayerNorm: under bf16 the ones that read and write bf16) and without them
+    (the xp forms and their casts): the same to bf16's rounding (float32: to float32's)."""
+    from minidist.backend import dtype
+    from minidist.nn import GPT, GPTConfig
+
+    ids = np.random.default_rng(0).integers(0, 256, size=(2, 17))
+    got = {}
+    for mode in ("auto", "off"):
+        monkeypatch.setenv("MINIDIST_CUDA_KERNELS", mode)
+        model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32, dtype="float32"))
+        if low == "float32":
+            loss = model(ids[:, :-1], ids[:, 1:])
+        else:
+            with ops.autocast(dtype(low)):
+                loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        got[mode] = [float(to_host(loss.data))] + [to_host(p.grad) for _, p in model.named_parameters()]
+    tol = 3e-2 if low == "bfloat16" else 1e-4
+    np.testing.assert_allclose(got["auto"][0], got["off"][0], rtol=tol)
+    for (name, _), a, b in zip(model.named_parameters(), got["auto"][1:], got["off"][1:]):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)

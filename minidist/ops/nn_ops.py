@@ -203,14 +203,14 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     if tuning.tuned():
         return _layer_norm_tuned(x, weight, bias, eps)
     cdt = compute_dtype(x.dtype)
-    X = to_dtype(x.data, cdt).reshape(-1, C)
     W = None if weight is None else to_dtype(weight.data, cdt)
     Bias = None if bias is None else to_dtype(bias.data, cdt)
-    fused = layernorm_cuda.why_not(X, W, Bias) is None  # CuPy: one kernel each way (layernorm_cuda.py)
+    # CuPy: one kernel each way (layernorm_cuda.py), reading and writing bfloat16 rows as they are
+    fused = layernorm_cuda.why_not(x.data.reshape(-1, C), W, Bias) is None
     if fused:
-        xhat, y, rstd = layernorm_cuda.forward(X, W, Bias, eps)  # rstd of shape (rows,) here
+        xhat, y, rstd = layernorm_cuda.forward(x.data.reshape(-1, C), W, Bias, eps)  # rstd of shape (rows,) here
     else:
-        xhat, y, rstd = _ln_forward(X, W, Bias, eps)
+        xhat, y, rstd = _ln_forward(to_dtype(x.data, cdt).reshape(-1, C), W, Bias, eps)
 
     def backward(g):
         g2d = to_dtype(g, cdt).reshape(-1, C)
@@ -218,7 +218,7 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
         gb = column_sums(g2d) if bias is not None and bias.requires_grad else None
         gx = None
         if x.requires_grad and fused:
-            gx = to_dtype(layernorm_cuda.backward(g2d, W, xhat, rstd).reshape(x.shape), x.dtype)
+            gx = to_dtype(layernorm_cuda.backward(g2d, W, xhat, rstd, x.dtype).reshape(x.shape), x.dtype)
         elif x.requires_grad:
             gh = g2d if W is None else g2d * W
             gx = _ln_input_grad(gh, xhat, rstd, gh.mean(axis=-1, keepdims=True),
