@@ -72,7 +72,27 @@ MODES = (("fp32", "none", "plain"), ("bf16", "bf16", "plain"),
          ("fp32 flash", "none", "blockwise"), ("bf16 flash", "bf16", "blockwise"))
 
 
-def measure(shape: dict, steps: int, warmup: int, smoke: bool, on_mode=None) -> dict:
+def kernel_table(fn, dev: str, rows: int = 15) -> dict:
+    """What one call of ``fn`` runs on the device, by time: CUPTI's kernel records through
+    torch.profiler (CuPy's kernels and cuBLAS's as well as PyTorch's), as the total kernel
+    time, the number of launches and the ``rows`` longest kernels (name, launches, ms).  On the
+    CPU smoke run: PyTorch's CPU ops instead (the plumbing, not a measurement)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+
+    def self_us(e):
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    events = sorted((e for e in prof.key_averages() if self_us(e) > 0), key=self_us, reverse=True)
+    return {"kernel_ms": sum(self_us(e) for e in events) / 1e3, "launches": sum(e.count for e in events),
+            "top": [{"name": e.key[:120], "launches": e.count, "ms": round(self_us(e) / 1e3, 3)}
+                    for e in events[:rows]]}
+
+
+def measure(shape: dict, steps: int, warmup: int, smoke: bool, on_mode=None, profile: bool = False) -> dict:
     """Tokens/s and MFU of both frameworks, fp32 and bf16, alternating step by step."""
     import numpy as np
     import torch
@@ -95,7 +115,7 @@ def measure(shape: dict, steps: int, warmup: int, smoke: bool, on_mode=None) -> 
     for mode, low_name, attention in MODES:
         try:
             out["modes"][mode] = _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info,
-                                               tf32, steps, warmup, smoke)
+                                               tf32, steps, warmup, smoke, profile)
         except Exception as e:  # one mode's failure (a kernel, a dtype) must not hide the others
             out["modes"][mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
         if on_mode:
@@ -103,7 +123,7 @@ def measure(shape: dict, steps: int, warmup: int, smoke: bool, on_mode=None) -> 
     return out
 
 
-def _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info, tf32, steps, warmup, smoke):
+def _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info, tf32, steps, warmup, smoke, profile):
     """One mode: both frameworks from the same weights, alternating step by step."""
     import numpy as np
     import torch
@@ -161,6 +181,9 @@ def _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info, tf32, 
                    "first_loss": losses[name][0], "last_loss": losses[name][-1]}
     r["ratio"] = r["minidist"]["tokens_per_s"] / r["torch"]["tokens_per_s"]
     r["target"] = 0.8 if low is None else 0.5
+    if profile:  # after the timing: the profiler's own cost stays out of the figures
+        for name, fn in (("minidist", step_minidist), ("torch", step_torch)):
+            r[name]["kernels"] = kernel_table(fn, dev)
     return r
 
 
@@ -201,6 +224,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a smaller GPT (4 x 512, seq 512) and 3 timed steps")
     ap.add_argument("--no-parallel", action="store_true", help="skip the 2-rank parallel modes")
     ap.add_argument("--tf32", action="store_true", help="minidist's float32 matmuls on TF32 (PyTorch's too)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one step of each framework: its kernels by time (in gpu.json)")
     ap.add_argument("--cpu-smoke", action="store_true", help="check the script on the CPU with a tiny model")
     ap.add_argument("--out", default=None, help="directory for gpu.json")
     args = ap.parse_args()
@@ -227,7 +252,7 @@ def main():
     shape = SMOKE if args.cpu_smoke else QUICK if args.quick else SHAPE
     steps = 2 if args.cpu_smoke else 3 if args.quick else args.steps
     result = measure(shape, steps, 1 if args.cpu_smoke else args.warmup, args.cpu_smoke,
-                     on_mode=lambda partial: write(dict(partial, title=title, partial=True)))
+                     on_mode=lambda partial: write(dict(partial, title=title, partial=True)), profile=args.profile)
     result["title"] = title
     print(f"{title}: {result['device']}, {shape}, median of {steps} steps")
     print(f"{'mode':<10} {'minidist tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'target':>7} "
@@ -244,6 +269,11 @@ def main():
         summary.append({"figure": f"minidist / PyTorch tokens/s, {mode}", "value": r["ratio"],
                         "note": f"target >= {r['target']}; MFU {100 * r['minidist']['mfu']:.1f}% vs "
                                 f"{100 * r['torch']['mfu']:.1f}%"})
+        for name in ("minidist", "torch") if "kernels" in r["minidist"] else ():
+            k = r[name]["kernels"]
+            print(f"  {name}: {k['kernel_ms']:.1f} ms on the device in {k['launches']} launches; longest:")
+            for row in k["top"][:8]:
+                print(f"    {row['ms']:>8.2f} ms {row['launches']:>5}x  {row['name'][:90]}")
     if not args.no_parallel:
         rows = parallel_lines(args.cpu_smoke, 3 if args.cpu_smoke or args.quick else 8)
         result["parallel"] = {"shape": PARALLEL_SHAPE, "ranks": 2, "rows": rows}

@@ -6,7 +6,8 @@ the kernel source is compiled as C++20 by the host compiler, and the ``blockDim.
 of a block run as fibers (``ucontext``) of one OS thread that share the block's
 ``__shared__`` arrays (static locals): each runs until its next ``__syncthreads``, then the
 next thread, and a new phase starts when all have arrived.  The blocks of a grid run one
-after another.
+after another.  A source without ``__syncthreads`` (an elementwise kernel) runs each thread
+to its end in turn, without fibers.
 Launch arguments are passed as an array of pointers, as ``cuLaunchKernel`` takes them.
 
 What it checks: the kernel's arithmetic, its indexing and its strided cooperative loops with
@@ -70,6 +71,18 @@ static void launch(void (*kernel)(A...), unsigned gx, unsigned gy, unsigned bx, 
     const std::size_t stack = 256 * 1024;
     gridDim = dim3{gx, gy, 1};
     blockDim = dim3{bx, 1, 1};
+#ifdef CUDA_ON_CPU_NO_BARRIERS
+    // no __syncthreads in the source: each thread runs to its end, one after another (no fibers)
+    uneven_barriers = 0;
+    for (unsigned y = 0; y < gy; ++y)
+        for (unsigned x = 0; x < gx; ++x)
+            for (unsigned t = 0; t < bx; ++t) {
+                blockIdx = dim3{x, y, 0};
+                threadIdx = dim3{t, 0, 0};
+                call_packed(kernel, args, std::index_sequence_for<A...>{});
+            }
+    return;
+#endif
     fibers.assign(bx, ucontext_t{});
     finished.assign(bx, 0);
     uneven_barriers = 0;
@@ -207,6 +220,8 @@ class Module:
         wrappers = "".join(
             f'extern "C" void launch_{n}(unsigned gx, unsigned gy, unsigned bx, void** args) '
             f"{{ launch({n}, gx, gy, bx, args); }}\n" for n in names)
+        if "__syncthreads" not in source:  # elementwise kernels: threads need not take turns
+            defines = dict(defines, CUDA_ON_CPU_NO_BARRIERS=1)
         text = PRELUDE + "".join(f"#define {k} {v}\n" for k, v in defines.items()) + source + LAUNCHER + wrappers
         tag = hashlib.sha1(text.encode()).hexdigest()[:16]
         folder = os.path.join(tempfile.gettempdir(), "minidist-cuda-on-cpu")

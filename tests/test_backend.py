@@ -115,6 +115,26 @@ def test_bench_gpu_skips_with_its_reason(tmp_path):
     assert result["skipped"] and "title" in result
 
 
+def test_bench_gpu_runs_its_modes_and_profiles_on_the_cpu(tmp_path):
+    """The script's own check (--cpu-smoke): every mode times both frameworks on a tiny GPT and,
+    with --profile, tables what one step of each runs (on a GPU: the kernels, by time)."""
+    import json
+
+    pytest.importorskip("torch")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--cpu-smoke", "--no-parallel",
+                        "--profile", "--steps", "1", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    modes = json.loads((tmp_path / "gpu.json").read_text())["modes"]
+    assert set(modes) == {"fp32", "bf16", "fp32 flash", "bf16 flash"}
+    for mode, m in modes.items():
+        assert "error" not in m, (mode, m)
+        assert m["ratio"] > 0 and m["minidist"]["first_loss"] > 0
+        table = m["torch"]["kernels"]
+        assert table["launches"] > 0 and table["top"][0]["ms"] > 0, mode
+        assert "kernel_ms" in m["minidist"]["kernels"]
+
+
 def test_the_summary_names_the_gpu_and_its_memory(monkeypatch):
     """On a GPU the summary gains a 'device' row (the name, total memory, what the pool holds);
     on NumPy it has none."""
