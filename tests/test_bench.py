@@ -244,8 +244,9 @@ def test_bench_plan_quick(quick_run):
 def test_bench_launches_quick(quick_run):
     """Operation counts of a step (2 layers in --quick): the loss and the clipping norm are its
     only device reads; minidist's CUDA kernels run as often as the model needs them: the
-    attention's (flash_cuda's three, or the softmax) once per layer, LayerNorm's two once per
-    LayerNorm, and the update's multi-tensor launches once per step."""
+    attention's (flash_cuda's three, or the softmax and its gradient) and GELU's two once per
+    layer, LayerNorm's two once per LayerNorm, each in its bf16 form under bf16, and the
+    update's multi-tensor launches once per step."""
     tmp_path, _ = quick_run
     with open(tmp_path / "launches.json") as f:
         r = json.load(f)
@@ -257,11 +258,13 @@ def test_bench_launches_quick(quick_run):
         assert m["ops"] == m["forward_backward"] + m["update"] and m["forward_backward"] > m["update"] > 0, (mode, m)
         assert m["d2h_copies"] == 2, (mode, m)
         kernels = m["kernel_launches"]
+        low = "_bf16" if mode.startswith("bf16") else ""
         if row["attention"] == "blockwise":
             want = {k: layers for k in ("flash_forward", "flash_backward_dq", "flash_backward_dkdv")}
         else:
-            want = {"softmax_rows_bf16" if mode.startswith("bf16") else "softmax_rows": layers}
-        want.update({"layer_norm_forward": 2 * layers + 1, "layer_norm_backward": 2 * layers + 1,
+            want = {"softmax_rows" + low: layers, "softmax_grad_rows" + low: layers}
+        want.update({"gelu_forward" + low: layers, "gelu_backward" + low: layers,
+                     "layer_norm_forward" + low: 2 * layers + 1, "layer_norm_backward" + low: 2 * layers + 1,
                      "sum_squares": 1, "adamw": 1})
         scale = kernels.pop("RawKernel:scale", 0)  # the clipping scale: only when the norm is above 1
         assert kernels == {f"RawKernel:{k}": n for k, n in want.items()} and scale <= 1, (mode, kernels)
