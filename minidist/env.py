@@ -113,13 +113,18 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "caches and BLAS threads; auto: tuned on NumPy, whole on CuPy (minidist/ops/tuning.py)"),
     Variable("MINIDIST_CUDA_KERNELS", _choice("auto", "off"), "'auto' or 'off'", "auto",
              "minidist's own CUDA kernels on CuPy (auto): FlashAttention for blockwise attention "
-             "(ops/flash_cuda.py), the causal softmax of plain attention (ops/softmax_cuda.py), "
-             "LayerNorm (ops/layernorm_cuda.py) and the one-launch optimizer step "
-             "(ops/multi_tensor_cuda.py); off: the xp forms they are tested against"),
+             "(ops/flash_cuda.py), the causal softmax of plain attention and its gradient "
+             "(ops/softmax_cuda.py), GELU (ops/gelu_cuda.py), LayerNorm (ops/layernorm_cuda.py) and "
+             "the one-launch optimizer step (ops/multi_tensor_cuda.py); off: the xp forms they are "
+             "tested against"),
     Variable("MINIDIST_CUBLAS_BATCHED", _choice("auto", "off"), "'auto' or 'off'", "auto",
-             "batched matrix products on CuPy call cuBLAS's strided batched GEMM on the arrays' own "
-             "strides (auto) or CuPy's matmul, which copies non-contiguous operands (off) "
-             "(minidist/ops/gemm.py)"),
+             "matrix products on CuPy call cuBLAS's strided batched GEMM on the arrays' own strides, "
+             "and write float32 products of bf16/fp16 operands directly (auto), or use CuPy's matmul, "
+             "which copies non-contiguous operands, and casts (off) (minidist/ops/gemm.py)"),
+    Variable("MINIDIST_CAUSAL_BLOCKS", _integer(1), "an integer >= 1", 4,
+             "plain causal attention with minidist's CUDA kernels cuts its T x T products into this "
+             "many query blocks and skips the masked ones above the diagonal, (n + 1) / 2n of the work; "
+             "1: whole products (minidist/ops/causal_blocks.py)"),
     Variable("MINIDIST_CUDA_AWARE_MPI", _switch, SWITCH, False,
              "the MPI library reads GPU memory: point-to-point messages pass CuPy arrays to MPI "
              "directly instead of staging them through host buffers (docs/gpu.md)"),

@@ -34,7 +34,7 @@ import math
 
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
-from . import cuda_source, gemm, softmax_cuda, tuning
+from . import causal_blocks, cuda_source, gemm, softmax_cuda, tuning
 from .blas_threads import parallel_for
 from .fused import elementwise
 from .nn_ops import _softmax_inplace
@@ -69,11 +69,14 @@ def _attend(qs, k, v, causal, out=None):
     P^T dO too (P_op is P itself when the dtypes agree).  P is float32 (for the softmax's
     gradient).  On CuPy the softmax is one CUDA kernel (softmax_cuda.py) with the same
     arithmetic; it reads bfloat16 scores as they are and writes P in both dtypes at once.
+    With the kernels, causal self-attention's products skip the masked blocks above the
+    diagonal (causal_blocks.py), in backward too.
     """
-    s = gemm.matmul(qs, k.swapaxes(-1, -2))
+    parts = _causal_parts(qs, k, causal)
+    s = causal_blocks.lower_scores(qs, k, parts) if parts else gemm.matmul(qs, k.swapaxes(-1, -2))
     if cuda_source.is_bf16(s) and softmax_cuda.why_not(s) is None:
         p, p_op = softmax_cuda.softmax(s, causal)
-        return p, p_op, gemm.matmul(p_op, v, out=out)
+        return p, p_op, _times(p_op, v, parts, out)
     s = to_dtype(s, compute_dtype(s.dtype))
     if softmax_cuda.why_not(s) is None:
         p = softmax_cuda.softmax(s, causal)
@@ -83,7 +86,27 @@ def _attend(qs, k, v, causal, out=None):
         p = _exp_shifted(s, s.max(axis=-1, keepdims=True))  # softmax: exp(s - rowmax) / rowsum
         p /= p.sum(axis=-1, keepdims=True)
     p_op = to_dtype(p, qs.dtype)
-    return p, p_op, gemm.matmul(p_op, v, out=out)
+    return p, p_op, _times(p_op, v, parts, out)
+
+
+def _causal_parts(qs, k, causal):
+    """The query blocks (causal_blocks.py) in which causal self-attention's products skip the
+    masked blocks above the diagonal, or None for whole products: only where the softmax
+    kernels run, which never read those blocks' unwritten scores."""
+    if not causal or qs.shape[-2] != k.shape[-2] or softmax_cuda.why_not(qs) is not None:
+        return None
+    parts = causal_blocks.blocks(qs.shape[-2])
+    return parts if len(parts) > 1 else None
+
+
+def _times(m, b, parts, out=None):
+    """m @ b for the probabilities (or dS) m: on the blocks at and below the diagonal with parts."""
+    return causal_blocks.lower_times(m, b, parts, out) if parts else gemm.matmul(m, b, out=out)
+
+
+def _t_times(m, b, parts, out=None):
+    """m^T @ b, likewise."""
+    return causal_blocks.lower_t_times(m, b, parts, out) if parts else gemm.matmul(m.swapaxes(-1, -2), b, out=out)
 
 
 @elementwise
@@ -106,15 +129,16 @@ def _attend_backward(qs, k, v, p, p_op, o, do, causal, out=(None, None, None)):
     products' dtype (bfloat16 under mixed precision) and writes dS in it; its delta is the
     row's sum of P * dP, equal to rowsum(dO * O) up to rounding."""
     low = qs.dtype
-    dv = gemm.matmul(p_op.swapaxes(-1, -2), do, out=out[2])
-    dp = gemm.matmul(do, v.swapaxes(-1, -2))  # dP, in the operands' dtype
+    parts = _causal_parts(qs, k, causal)
+    dv = _t_times(p_op, do, parts, out[2])
+    dp = causal_blocks.lower_scores(do, v, parts) if parts else gemm.matmul(do, v.swapaxes(-1, -2))  # operands' dtype
     if softmax_cuda.why_not(dp) is None and p.dtype == compute_dtype(dp.dtype):
         ds = softmax_cuda.softmax_grad(dp, p, causal)
     else:
         dp = to_dtype(dp, p.dtype)  # in float32
         delta = xp.einsum("...i,...i->...", to_dtype(do, p.dtype), to_dtype(o, p.dtype))[..., None]
         ds = to_dtype(_softmax_grad(dp, delta, p), low)
-    return gemm.matmul(ds, k, out=out[0]), gemm.matmul(ds.swapaxes(-1, -2), qs, out=out[1]), dv
+    return _times(ds, k, parts, out[0]), _t_times(ds, qs, parts, out[1]), dv
 
 
 # ------------------------------------------------------------------ per-slab kernels (CPU tuning)
