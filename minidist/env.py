@@ -121,10 +121,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "matrix products on CuPy call cuBLAS's strided batched GEMM on the arrays' own strides, "
              "and write float32 products of bf16/fp16 operands directly (auto), or use CuPy's matmul, "
              "which copies non-contiguous operands, and casts (off) (minidist/ops/gemm.py)"),
-    Variable("MINIDIST_CAUSAL_BLOCKS", _integer(1), "an integer >= 1", 4,
+    Variable("MINIDIST_CAUSAL_BLOCKS", _integer(1), "an integer >= 1", 1,
              "plain causal attention with minidist's CUDA kernels cuts its T x T products into this "
-             "many query blocks and skips the masked ones above the diagonal, (n + 1) / 2n of the work; "
-             "1: whole products (minidist/ops/causal_blocks.py)"),
+             "many query blocks and skips the masked ones above the diagonal, (n + 1) / 2n of the work "
+             "for n times the cuBLAS calls; 1: whole products (minidist/ops/causal_blocks.py)"),
     Variable("MINIDIST_CUDA_AWARE_MPI", _switch, SWITCH, False,
              "the MPI library reads GPU memory: point-to-point messages pass CuPy arrays to MPI "
              "directly instead of staging them through host buffers (docs/gpu.md)"),
