@@ -173,11 +173,11 @@ def strided_batched(a, b, gemm, out=None, dtype=None):
                      if all(_collapses(x, range(n, len(lead))) for x in (a, b, c)))
         batch = math.prod(lead[outer:])
         (ta, lda), (tb, ldb), (_, ldc) = _matrix(a), _matrix(b), _matrix(c)
+        first = (0,) * outer  # the inner batch strides are the same for every outer index
+        sa, sb, sc = (_batch_stride(x[first]) for x in (a, b, c))
         for idx in itertools.product(*(range(n) for n in lead[:outer])):
-            A, B, C = a[idx], b[idx], c[idx]
             # C^T (N x M, column-major) = B^T A^T: the operands swapped
-            gemm(tb, ta, N, M, K, B, ldb, _batch_stride(B), A, lda, _batch_stride(A), C, ldc,
-                 _batch_stride(C), batch)
+            gemm(tb, ta, N, M, K, b[idx], ldb, sb, a[idx], lda, sa, c[idx], ldc, sc, batch)
     if out is None:
         return c
     if c is not out:
@@ -189,20 +189,38 @@ def _cublas_gemm(transa, transb, m, n, k, A, lda, sa, B, ldb, sb, C, ldc, sc, ba
     """cublasGemmStridedBatchedEx on CuPy's handle and stream.  16-bit operands accumulate in
     float32 (tensor cores) and C is theirs or float32; float32 uses TF32 tensor cores only with
     CUPY_TF32=1 (--tf32), as CuPy's own matmul does."""
-    from cupy.cuda import device, runtime
+    from cupy.cuda import device
     from cupy_backends.cuda.libs import cublas
 
-    kinds = {"bfloat16": getattr(runtime, "CUDA_R_16BF", 14), "float16": runtime.CUDA_R_16F,
-             "float32": runtime.CUDA_R_32F, "float64": runtime.CUDA_R_64F}
-    name = xp.dtype(A.dtype).name
-    if name == "float64":
-        compute, scalar = cublas.CUBLAS_COMPUTE_64F, host.float64
-    elif name == "float32" and os.environ.get("CUPY_TF32", "0") not in ("", "0"):
-        compute, scalar = cublas.CUBLAS_COMPUTE_32F_FAST_TF32, host.float32
-    else:
-        compute, scalar = cublas.CUBLAS_COMPUTE_32F, host.float32
-    one, zero = host.ones((), scalar), host.zeros((), scalar)  # alpha, beta: host scalars cuBLAS reads
+    compute, one, zero, kind_a, kind_c = _call_constants(A.dtype, C.dtype)
     cublas.gemmStridedBatchedEx(
         device.get_cublas_handle(), transa, transb, m, n, k, one.ctypes.data,
-        A.data.ptr, kinds[name], lda, sa, B.data.ptr, kinds[name], ldb, sb, zero.ctypes.data,
-        C.data.ptr, kinds[xp.dtype(C.dtype).name], ldc, sc, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
+        A.data.ptr, kind_a, lda, sa, B.data.ptr, kind_a, ldb, sb, zero.ctypes.data,
+        C.data.ptr, kind_c, ldc, sc, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
+
+
+_constants: dict = {}
+
+
+def _call_constants(a_dtype, c_dtype):
+    """(compute type, alpha, beta, A's and B's data type, C's data type) of a call, made once
+    per dtype pair (this runs for every product: the host's time per call counts)."""
+    tf32 = os.environ.get("CUPY_TF32", "0") not in ("", "0")
+    key = (a_dtype, c_dtype, tf32)
+    if key not in _constants:
+        from cupy.cuda import runtime
+        from cupy_backends.cuda.libs import cublas
+
+        kinds = {"bfloat16": getattr(runtime, "CUDA_R_16BF", 14), "float16": runtime.CUDA_R_16F,
+                 "float32": runtime.CUDA_R_32F, "float64": runtime.CUDA_R_64F}
+        name = xp.dtype(a_dtype).name
+        if name == "float64":
+            compute, scalar = cublas.CUBLAS_COMPUTE_64F, host.float64
+        elif name == "float32" and tf32:
+            compute, scalar = cublas.CUBLAS_COMPUTE_32F_FAST_TF32, host.float32
+        else:
+            compute, scalar = cublas.CUBLAS_COMPUTE_32F, host.float32
+        # alpha, beta: host scalars cuBLAS reads (kept alive here with the rest)
+        _constants[key] = (compute, host.ones((), scalar), host.zeros((), scalar), kinds[name],
+                           kinds[xp.dtype(c_dtype).name])
+    return _constants[key]
