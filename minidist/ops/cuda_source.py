@@ -1,10 +1,12 @@
 """What minidist's own CUDA kernels share: whether they can run here, and their compilation.
 
-Each kernel module (``flash_cuda``, ``softmax_cuda``, ``layernorm_cuda``,
+Each kernel module (``flash_cuda``, ``softmax_cuda``, ``gelu_cuda``, ``layernorm_cuda``,
 ``multi_tensor_cuda``) holds its CUDA C source as a string beside the ``xp`` form it replaces.
 Its macros (the compute type ``REAL``, block sizes) specialise the source; CuPy's
 ``RawModule`` compiles it with NVRTC on first use, once per process and set of macros, and
 caches the binary on disk.  The same source runs on a CPU under tests/cuda_on_cpu.py.
+Pieces of source several kernels use are here: bfloat16 loads and stores (``BF16``) and the
+row-per-block reductions (``ROWS``).
 """
 
 from __future__ import annotations
@@ -88,4 +90,41 @@ __device__ __forceinline__ REAL load(const REAL* a, long long i) { return a[i]; 
 __device__ __forceinline__ float load(const unsigned short* a, long long i) { return bits_to_float((unsigned int)a[i] << 16); }
 __device__ __forceinline__ void store(REAL* a, long long i, REAL v) { a[i] = v; }
 __device__ __forceinline__ void store(unsigned short* a, long long i, REAL v) { a[i] = to_bf16((float)v); }
+"""
+
+
+# What the kernels with a thread block per row share (REAL the compute type, THREADS the
+# most threads a block has, blockDim.x a power of two): the block's row, and the sum and the
+# maximum of the threads' values through a shared array of THREADS slots.
+ROWS = r"""
+#define ROW_OF_BLOCK                                                                          \
+    __shared__ REAL part[THREADS];                                                            \
+    const long long row = blockIdx.x + (long long)blockIdx.y * gridDim.x;                     \
+    if (row >= rows) return; /* the same row for every thread of the block: all return */
+
+__device__ REAL block_sum(REAL v, REAL* part) {
+    const int t = threadIdx.x;
+    part[t] = v;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half /= 2) {
+        if (t < half) part[t] += part[t + half];
+        __syncthreads();
+    }
+    v = part[0];
+    __syncthreads();  // every thread has read the result before part is reused
+    return v;
+}
+
+__device__ REAL block_max(REAL v, REAL* part) {
+    const int t = threadIdx.x;
+    part[t] = v;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half /= 2) {
+        if (t < half && part[t + half] > part[t]) part[t] = part[t + half];
+        __syncthreads();
+    }
+    v = part[0];
+    __syncthreads();
+    return v;
+}
 """

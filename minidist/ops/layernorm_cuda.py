@@ -27,35 +27,22 @@ from . import cuda_source
 
 THREADS = 256  # threads per row at most (a power of two: the reductions halve it)
 
-SOURCE = cuda_source.BF16 + r"""
+SOURCE = cuda_source.BF16 + cuda_source.ROWS + r"""
 // REAL: float or double; blockDim.x a power of two, at most THREADS.  Arrays are (rows, C)
 // contiguous, w and b (C,), rstd (rows,).  Block r works on row r.
-
-// The sum of v over the block's threads, returned to every thread (parts: THREADS slots).
-__device__ REAL block_sum(REAL v, REAL* parts) {
-    parts[threadIdx.x] = v;
-    __syncthreads();
-    for (int half = blockDim.x / 2; half > 0; half /= 2) {
-        if (threadIdx.x < half) parts[threadIdx.x] += parts[threadIdx.x + half];
-        __syncthreads();
-    }
-    REAL total = parts[0];
-    __syncthreads();  // every thread has read it before parts is reused
-    return total;
-}
 
 // One row: x and y in T (REAL, or bfloat16 under mixed precision: read and written as such,
 // the arithmetic in REAL), xhat and rstd in REAL for backward.
 template <class T>
 __device__ void forward_row(const T* x, const REAL* w, const REAL* b, REAL* xhat, T* y, REAL* rstd, long long row,
-                            int C, REAL eps, REAL* parts) {
+                            int C, REAL eps, REAL* part) {
     x += row * C; xhat += row * C; y += row * C;
     REAL s = 0;
     for (int j = threadIdx.x; j < C; j += blockDim.x) s += load(x, j);
-    const REAL mean = block_sum(s, parts) / C;
+    const REAL mean = block_sum(s, part) / C;
     REAL q = 0;
     for (int j = threadIdx.x; j < C; j += blockDim.x) q += (load(x, j) - mean) * (load(x, j) - mean);
-    const REAL r = 1 / sqrt(block_sum(q, parts) / C + eps);
+    const REAL r = 1 / sqrt(block_sum(q, part) / C + eps);
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         REAL h = (load(x, j) - mean) * r;
         xhat[j] = h;
@@ -67,7 +54,7 @@ __device__ void forward_row(const T* x, const REAL* w, const REAL* b, REAL* xhat
 // One row's input gradient, written in T (g arrives in REAL: the weight's gradient needs it so).
 template <class T>
 __device__ void backward_row(const REAL* g, const REAL* w, const REAL* xhat, const REAL* rstd, T* dx, long long row,
-                             int C, REAL* parts) {
+                             int C, REAL* part) {
     g += row * C; xhat += row * C; dx += row * C;
     REAL s = 0, t = 0;
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
@@ -75,39 +62,34 @@ __device__ void backward_row(const REAL* g, const REAL* w, const REAL* xhat, con
         s += gh;
         t += gh * xhat[j];
     }
-    const REAL mean_gh = block_sum(s, parts) / C;
-    const REAL mean_ghx = block_sum(t, parts) / C;
+    const REAL mean_gh = block_sum(s, part) / C;
+    const REAL mean_ghx = block_sum(t, part) / C;
     const REAL r = rstd[row];
     for (int j = threadIdx.x; j < C; j += blockDim.x) store(dx, j, r * (g[j] * w[j] - mean_gh - xhat[j] * mean_ghx));
 }
 
-#define ROW_OF_BLOCK                                                         \
-    __shared__ REAL parts[THREADS];                                          \
-    const long long row = blockIdx.x + (long long)blockIdx.y * gridDim.x;    \
-    if (row >= rows) return; /* the same for every thread of the block */
-
 extern "C" __global__ void layer_norm_forward(const REAL* x, const REAL* w, const REAL* b, REAL* xhat, REAL* y,
                                               REAL* rstd, long long rows, int C, REAL eps) {
     ROW_OF_BLOCK
-    forward_row(x, w, b, xhat, y, rstd, row, C, eps, parts);
+    forward_row(x, w, b, xhat, y, rstd, row, C, eps, part);
 }
 
 extern "C" __global__ void layer_norm_forward_bf16(const unsigned short* x, const REAL* w, const REAL* b, REAL* xhat,
                                                    unsigned short* y, REAL* rstd, long long rows, int C, REAL eps) {
     ROW_OF_BLOCK
-    forward_row(x, w, b, xhat, y, rstd, row, C, eps, parts);
+    forward_row(x, w, b, xhat, y, rstd, row, C, eps, part);
 }
 
 extern "C" __global__ void layer_norm_backward(const REAL* g, const REAL* w, const REAL* xhat, const REAL* rstd,
                                                REAL* dx, long long rows, int C) {
     ROW_OF_BLOCK
-    backward_row(g, w, xhat, rstd, dx, row, C, parts);
+    backward_row(g, w, xhat, rstd, dx, row, C, part);
 }
 
 extern "C" __global__ void layer_norm_backward_bf16(const REAL* g, const REAL* w, const REAL* xhat, const REAL* rstd,
                                                     unsigned short* dx, long long rows, int C) {
     ROW_OF_BLOCK
-    backward_row(g, w, xhat, rstd, dx, row, C, parts);
+    backward_row(g, w, xhat, rstd, dx, row, C, part);
 }
 """
 

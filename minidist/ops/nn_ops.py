@@ -205,12 +205,13 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     cdt = compute_dtype(x.dtype)
     W = None if weight is None else to_dtype(weight.data, cdt)
     Bias = None if bias is None else to_dtype(bias.data, cdt)
+    x2d = x.data.reshape(-1, C)
     # CuPy: one kernel each way (layernorm_cuda.py), reading and writing bfloat16 rows as they are
-    fused = layernorm_cuda.why_not(x.data.reshape(-1, C), W, Bias) is None
+    fused = layernorm_cuda.why_not(x2d, W, Bias) is None
     if fused:
-        xhat, y, rstd = layernorm_cuda.forward(x.data.reshape(-1, C), W, Bias, eps)  # rstd of shape (rows,) here
+        xhat, y, rstd = layernorm_cuda.forward(x2d, W, Bias, eps)  # rstd of shape (rows,) here
     else:
-        xhat, y, rstd = _ln_forward(to_dtype(x.data, cdt).reshape(-1, C), W, Bias, eps)
+        xhat, y, rstd = _ln_forward(to_dtype(x2d, cdt), W, Bias, eps)
 
     def backward(g):
         g2d = to_dtype(g, cdt).reshape(-1, C)

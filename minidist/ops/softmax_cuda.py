@@ -33,40 +33,13 @@ from . import cuda_source
 
 THREADS = 128  # threads per row at most (a power of two: the reductions halve it)
 
-SOURCE = cuda_source.BF16 + r"""
+SOURCE = cuda_source.BF16 + cuda_source.ROWS + r"""
 // REAL: float or double; blockDim.x: a power of two, at most THREADS.  s, p: (rows, tk) contiguous;
 // row r is query r % tq of its (tq, tk) block; with causal it sees keys j <= r % tq.
 
-// The maximum and the sum of every thread's v over the block, through the shared array part.
-__device__ REAL block_max(REAL v, REAL* part) {
-    const int t = threadIdx.x;
-    part[t] = v;
-    __syncthreads();
-    for (int half = blockDim.x / 2; half > 0; half /= 2) {
-        if (t < half && part[t + half] > part[t]) part[t] = part[t + half];
-        __syncthreads();
-    }
-    v = part[0];
-    __syncthreads();  // every thread has read the result before part is reused
-    return v;
-}
-__device__ REAL block_sum(REAL v, REAL* part) {
-    const int t = threadIdx.x;
-    part[t] = v;
-    __syncthreads();
-    for (int half = blockDim.x / 2; half > 0; half /= 2) {
-        if (t < half) part[t] += part[t + half];
-        __syncthreads();
-    }
-    v = part[0];
-    __syncthreads();
-    return v;
-}
-
-// The block's row (into *row) and the keys [0, seen) it sees (the returned seen).
-__device__ int row_start(int tq, int tk, int causal, long long* row) {
-    *row = blockIdx.x + (long long)blockIdx.y * gridDim.x;
-    return causal ? min((int)(*row % tq) + 1, tk) : tk;
+// The keys [0, seen) that row `row` sees.
+__device__ int seen_keys(long long row, int tq, int tk, int causal) {
+    return causal ? min((int)(row % tq) + 1, tk) : tk;
 }
 
 // Softmax of one row of scores s (REAL or bfloat16) into p and, when p_low is given, p rounded
@@ -87,10 +60,8 @@ __device__ void softmax_row(const S* s, REAL* p, unsigned short* p_low, int seen
 }
 
 extern "C" __global__ void softmax_rows(const REAL* s, REAL* p, long long rows, int tq, int tk, int causal) {
-    __shared__ REAL part[THREADS];
-    long long row;
-    const int seen = row_start(tq, tk, causal, &row);
-    if (row >= rows) return;  // the same row for every thread of the block: all return together
+    ROW_OF_BLOCK
+    const int seen = seen_keys(row, tq, tk, causal);
     softmax_row(s + row * tk, p + row * tk, (unsigned short*)0, seen, tk, part);
 }
 
@@ -98,10 +69,8 @@ extern "C" __global__ void softmax_rows(const REAL* s, REAL* p, long long rows, 
 // rounded to bfloat16 (the operand of P V) out, in the same pass.
 extern "C" __global__ void softmax_rows_bf16(const unsigned short* s, REAL* p, unsigned short* p_low, long long rows,
                                              int tq, int tk, int causal) {
-    __shared__ REAL part[THREADS];
-    long long row;
-    const int seen = row_start(tq, tk, causal, &row);
-    if (row >= rows) return;
+    ROW_OF_BLOCK
+    const int seen = seen_keys(row, tq, tk, causal);
     softmax_row(s + row * tk, p + row * tk, p_low + row * tk, seen, tk, part);
 }
 
@@ -117,10 +86,8 @@ __device__ void softmax_grad_row(const G* dp, const REAL* p, G* ds, int seen, in
 
 extern "C" __global__ void softmax_grad_rows(const REAL* dp, const REAL* p, REAL* ds, long long rows, int tq, int tk,
                                              int causal) {
-    __shared__ REAL part[THREADS];
-    long long row;
-    const int seen = row_start(tq, tk, causal, &row);
-    if (row >= rows) return;
+    ROW_OF_BLOCK
+    const int seen = seen_keys(row, tq, tk, causal);
     softmax_grad_row(dp + row * tk, p + row * tk, ds + row * tk, seen, tk, part);
 }
 
@@ -128,10 +95,8 @@ extern "C" __global__ void softmax_grad_rows(const REAL* dp, const REAL* p, REAL
 // (the operand of dS K and dS^T Q); the arithmetic in float32.
 extern "C" __global__ void softmax_grad_rows_bf16(const unsigned short* dp, const REAL* p, unsigned short* ds,
                                                   long long rows, int tq, int tk, int causal) {
-    __shared__ REAL part[THREADS];
-    long long row;
-    const int seen = row_start(tq, tk, causal, &row);
-    if (row >= rows) return;
+    ROW_OF_BLOCK
+    const int seen = seen_keys(row, tq, tk, causal);
     softmax_grad_row(dp + row * tk, p + row * tk, ds + row * tk, seen, tk, part);
 }
 """
