@@ -49,7 +49,7 @@ test-fast: install
 # on the GPU, and the memory estimate against CuPy's pool.  pip install -e '.[gpu]' first.
 GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_gemm.py tests/test_flash_kernel.py \
 	tests/test_softmax_kernel.py tests/test_gelu_kernel.py tests/test_layernorm_kernel.py tests/test_multi_tensor_kernel.py \
-	tests/test_causal_blocks.py \
+	tests/test_causal_blocks.py tests/test_checkpoint.py \
 	tests/test_compose.py tests/test_context.py tests/test_data_parallel.py tests/test_tensor_parallel.py tests/test_pipeline.py \
 	tests/test_train_cli.py::test_memory_estimate_is_near_a_measured_step
 

@@ -123,6 +123,23 @@ def test_adamw_update_paths_agree():
         np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15)
 
 
+
+@pytest.mark.parametrize("path", ["whole", "tuned"])
+def test_column_sums_share_one_row_of_ones_and_stay_exact(path):
+    """The bias and LayerNorm gradients' column sums multiply by a cached row of ones: views of
+    one buffer per dtype that grows to the longest call, sums equal to sum(axis=0)."""
+    from minidist.ops import linalg
+
+    with tuning.use(path):
+        for rows in (3, 2000, 5, 2000):
+            g = from_host(rand(rows, 7))
+            np.testing.assert_allclose(to_host(linalg.column_sums(g)), to_host(g).sum(axis=0), rtol=1e-12, atol=1e-10)
+    first, longer = linalg.ones_row(5, xp.float64), linalg.ones_row(2000, xp.float64)
+    assert first.shape == (5,) and longer.shape == (2000,) and float(to_host(longer.sum())) == 2000
+    again = linalg.ones_row(7, xp.float64)
+    assert xp.may_share_memory(again, longer)  # no new row for a shorter call
+    assert not xp.may_share_memory(linalg.ones_row(7, xp.float32), again)  # one per dtype
+
 def test_training_steps_equal_on_both_paths():
     from minidist.config import RunConfig
     from minidist.testing import train_steps

@@ -11,7 +11,7 @@ accumulation (CuPy's tensor cores; see precision.py).
 from __future__ import annotations
 
 from ..autograd import Tensor, make_tensor
-from ..backend import BACKEND, is_low_precision, xp
+from ..backend import BACKEND, current_device, is_low_precision, xp
 from . import gemm, tuning
 from .basic import unbroadcast
 from .precision import compute_dtype, gemm_operands, to_dtype
@@ -55,11 +55,25 @@ def column_sums(g2d):
     into a float32 result (exact products, float32 accumulation); where that is not available
     it is summed with sum's dtype=float32."""
     if tuning.tuned() or (BACKEND == "cupy" and not is_low_precision(g2d.dtype)):
-        return xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d
+        return ones_row(g2d.shape[0], g2d.dtype) @ g2d
     cdt = compute_dtype(g2d.dtype)
     if gemm.direct(g2d.dtype, cdt) and cdt != g2d.dtype:
-        return gemm.matmul(xp.ones((1, g2d.shape[0]), dtype=g2d.dtype), g2d, dtype=cdt)[0]
+        return gemm.matmul(ones_row(g2d.shape[0], g2d.dtype)[None], g2d, dtype=cdt)[0]
     return g2d.sum(axis=0, dtype=cdt)
+
+
+_ones: dict = {}  # (dtype, device) -> the longest row of ones made so far
+
+
+def ones_row(n: int, dtype):
+    """n ones of ``dtype``: a view of one cached row per dtype and device (callers only read
+    it).  A step takes the column sums of a dozen gradients per layer, and on a GPU a fresh
+    row of ones is a kernel launch each time."""
+    key = (xp.dtype(dtype), current_device())
+    row = _ones.get(key)
+    if row is None or row.shape[0] < n:
+        row = _ones[key] = xp.ones(max(n, 1024), dtype=dtype)
+    return row[:n]
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:

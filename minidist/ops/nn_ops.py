@@ -277,8 +277,7 @@ def _layer_norm_tuned(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
     def backward(g):
         g2d = to_dtype(g, cdt).reshape(-1, C)
         gw = xp.einsum("ni,ni->i", g2d, xhat) if weight is not None and weight.requires_grad else None
-        # column sums as a GEMV (ones @ g) for the same reason as _row_means
-        gb = xp.ones(g2d.shape[0], dtype=cdt) @ g2d if bias is not None and bias.requires_grad else None
+        gb = column_sums(g2d) if bias is not None and bias.requires_grad else None
         gx = None
         if x.requires_grad:
             gx = xp.empty_like(X)

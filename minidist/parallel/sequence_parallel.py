@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from minidist.autograd import make_tensor
 from minidist.backend import xp
+from minidist.ops.linalg import column_sums
 from minidist.ops.precision import compute_dtype, gemm_operands, get_autocast_dtype, to_dtype
 from minidist.parallel import collective_matmul as cm
 
@@ -78,7 +79,7 @@ def all_gather_linear(x, w, b, tp: "TensorParallelLayers"):  # noqa: F821  (tens
 
             tp.gather_sequence(x.data, weight_grad)
         g2d = G.reshape(-1, G.shape[-1])
-        gb = xp.ones(g2d.shape[0], dtype=g2d.dtype) @ g2d if b is not None and b.requires_grad else None
+        gb = column_sums(g2d) if b is not None and b.requires_grad else None
         return gx, to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
 
     return make_tensor(to_dtype(y, _out_dtype(x.data, w.data)), (x, w, b), backward)
