@@ -125,6 +125,35 @@ def test_a_2d_weight_gradient_as_a_column_major_product(monkeypatch):
     assert calls == [(0, 1)]  # C^T = g^T (x^T)^T: g as it is, x^T's storage flagged transposed
 
 
+class _NoBatched16:
+    """NumPy as gemm's xp, except that matmul refuses batched 16-bit operands (CuPy 14 with
+    bfloat16)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def matmul(a, b, out=None):
+        if max(a.ndim, b.ndim) > 2 and a.dtype.itemsize == 2:
+            raise TypeError("batched 16-bit matmul")
+        return np.matmul(a, b, out=out)
+
+
+def test_with_the_switch_off_a_float32_batched_product_still_multiplies_16_bit_on_cublas(monkeypatch):
+    """MINIDIST_CUBLAS_BATCHED=off: a float32 product of batched 16-bit operands is their
+    product (cuBLAS, since the array library cannot batch them) cast to float32."""
+    monkeypatch.setattr(gemm, "xp", _NoBatched16())
+    monkeypatch.setattr(gemm, "_CUBLAS", True)
+    monkeypatch.setattr(gemm, "_SWITCH", "off")
+    monkeypatch.setattr(gemm, "_native_batched", {})
+    monkeypatch.setattr(gemm, "_cublas_gemm", numpy_gemm)
+    a, b = (x.astype(np.float16) for x in CASES["contiguous"]())
+    assert not gemm.direct(np.float16, np.float32)
+    got = gemm.matmul(a, b, dtype=np.float32)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, (a @ b).astype(np.float32))
+
+
 @pytest.mark.skipif(backend.BACKEND != "numpy", reason="NumPy: no cuBLAS to write another dtype")
 def test_without_cublas_a_change_of_dtype_casts_the_product():
     a, b = rand(3, 4).astype(np.float32), rand(4, 2).astype(np.float32)

@@ -128,11 +128,13 @@ def _attend_backward(qs, k, v, p, p_op, o, do, causal, out=(None, None, None)):
     On CuPy the softmax gradient is one kernel (softmax_cuda.py) that reads dP in the
     products' dtype (bfloat16 under mixed precision) and writes dS in it; its delta is the
     row's sum of P * dP, equal to rowsum(dO * O) up to rounding."""
-    low = qs.dtype
-    parts = _causal_parts(qs, k, causal)
+    low = qs.dtype  # dP = dO V^T comes out in it
+    kernel = softmax_cuda.why_not(qs) is None and p.dtype == compute_dtype(low)
+    # causal blocks leave dP's masked blocks unwritten: only the kernel, which never reads them, may use them
+    parts = _causal_parts(qs, k, causal) if kernel else None
     dv = _t_times(p_op, do, parts, out[2])
-    dp = causal_blocks.lower_scores(do, v, parts) if parts else gemm.matmul(do, v.swapaxes(-1, -2))  # operands' dtype
-    if softmax_cuda.why_not(dp) is None and p.dtype == compute_dtype(dp.dtype):
+    dp = causal_blocks.lower_scores(do, v, parts) if parts else gemm.matmul(do, v.swapaxes(-1, -2))
+    if kernel:
         ds = softmax_cuda.softmax_grad(dp, p, causal)
     else:
         dp = to_dtype(dp, p.dtype)  # in float32

@@ -69,7 +69,7 @@ def matmul(a, b, out=None, dtype=None):
         return strided_batched(a, b, _cublas_gemm, out, want)
     if dtype is None or a.dtype == b.dtype == want:
         return xp.matmul(a, b, out=out)
-    c = xp.matmul(a, b)
+    c = matmul(a, b)  # in the operands' dtype: through cuBLAS where CuPy cannot batch it
     c = c if c.dtype == want else c.astype(want)
     if out is None:
         return c
