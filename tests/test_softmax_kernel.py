@@ -60,16 +60,25 @@ def test_kernel_equals_the_reference(monkeypatch, dtype, tol, shape, causal):
 @on_numpy
 @needs_cxx
 @pytest.mark.parametrize("causal", [True, False])
-def test_bfloat16_scores_give_p_in_float32_and_bfloat16(monkeypatch, causal):
-    """Mixed precision: bf16 scores in, P in float32 (as the reference computes it from the
-    widened scores) and P rounded to bf16 exactly as astype rounds (to nearest even)."""
+def test_bfloat16_scores_give_p_in_bfloat16_and_their_rows_statistics(monkeypatch, causal):
+    """Mixed precision: bf16 scores in, P rounded to bf16 exactly as astype rounds the float32
+    P of the widened scores (to nearest even), and for backward the scores themselves with
+    each row's maximum and sum of exp(s - max) over the keys it sees."""
     monkeypatch.setattr(softmax_cuda, "THREADS", 4)
     bf16 = backend.bfloat16
     s = (np.random.default_rng(2).standard_normal((2, 3, 9, 9)) * 4).astype(bf16)
-    p, p_low = softmax_cuda.softmax(s, causal, kernels=emulated("float", 4))
-    assert p.dtype == np.float32 and p_low.dtype == bf16
-    np.testing.assert_allclose(p, reference(s.astype(np.float32), causal), rtol=2e-7, atol=2e-7)
-    np.testing.assert_array_equal(p_low.view(np.uint16), p.astype(bf16).view(np.uint16))
+    rows, p_low = softmax_cuda.softmax(s, causal, kernels=emulated("float", 4))
+    assert isinstance(rows, softmax_cuda.Rows) and rows.s is s and p_low.dtype == bf16
+    p32 = softmax_cuda.softmax(s.astype(np.float32), causal, kernels=emulated("float", 4))
+    np.testing.assert_array_equal(p_low.view(np.uint16), p32.astype(bf16).view(np.uint16))
+    np.testing.assert_allclose(p_low.astype(np.float32), reference(s.astype(np.float32), causal), rtol=1e-2, atol=1e-6)
+    x = s.astype(np.float64).reshape(-1, 9)
+    if causal:
+        x = np.where(np.triu(np.ones((9, 9), bool), k=1)[np.arange(x.shape[0]) % 9], -np.inf, x)
+    m = x.max(axis=1)
+    assert rows.stats.dtype == np.float32 and rows.stats.shape == (x.shape[0], 2)
+    np.testing.assert_array_equal(rows.stats[:, 0], m.astype(np.float32))
+    np.testing.assert_allclose(rows.stats[:, 1], np.exp(x - m[:, None]).sum(axis=1), rtol=1e-6)
 
 
 def reference_grad(dp, p):
@@ -102,21 +111,32 @@ def test_gradient_kernel_equals_the_reference(monkeypatch, dtype, tol, shape, ca
 @on_numpy
 @needs_cxx
 @pytest.mark.parametrize("causal", [True, False])
-def test_bfloat16_gradient_reads_and_writes_bfloat16(monkeypatch, causal):
-    """Mixed precision: dP in bf16 and P in float32 in, dS in bf16 out: the float32 arithmetic
-    on the widened dP, rounded once (to nearest even, as astype)."""
+def test_bfloat16_gradient_recomputes_p_with_the_forwards_bits(monkeypatch, causal):
+    """Mixed precision: dP in bf16 and the forward's Rows (bf16 scores, row statistics) in, dS
+    in bf16 out.  The recomputed P is the float32 P of the widened scores bit for bit, so dS is
+    the float32 kernel's result on (widened dP, that P) rounded once (to nearest even)."""
     monkeypatch.setattr(softmax_cuda, "THREADS", 4)
+    monkeypatch.setattr(cuda_source, "GRID_X", 7)
+    kernels = emulated("float", 4)
     bf16 = backend.bfloat16
     rng = np.random.default_rng(4)
-    p = reference(rng.standard_normal((2, 3, 9, 9)).astype(np.float32) * 4, causal)
+    s = (rng.standard_normal((2, 3, 9, 9)) * 4).astype(bf16)
     dp = rng.standard_normal((2, 3, 9, 9)).astype(bf16)
-    ds = softmax_cuda.softmax_grad(dp, p, causal, kernels=emulated("float", 4))
+    rows, p_low = softmax_cuda.softmax(s, causal, kernels=kernels)
+    ds = softmax_cuda.softmax_grad(dp, rows, causal, kernels=kernels)
     assert ds.dtype == bf16
-    want = reference_grad(dp.astype(np.float32), p)
-    np.testing.assert_allclose(ds.astype(np.float32), want, rtol=1e-2, atol=1e-6)
-    # the same bits as rounding the float32 result of the float32 kernel
-    ds32 = softmax_cuda.softmax_grad(dp.astype(np.float32), p, causal, kernels=emulated("float", 4))
+    p = softmax_cuda.softmax(s.astype(np.float32), causal, kernels=kernels)
+    ds32 = softmax_cuda.softmax_grad(dp.astype(np.float32), p, causal, kernels=kernels)
     np.testing.assert_array_equal(ds.view(np.uint16), ds32.astype(bf16).view(np.uint16))
+    np.testing.assert_allclose(ds.astype(np.float32), reference_grad(dp.astype(np.float32), p), rtol=1e-2, atol=1e-6)
+    if causal:  # the scores and dP above the diagonal are never read
+        hidden = np.triu(np.ones((9, 9), bool), k=1)
+        s_nan, dp_nan = (np.where(hidden, np.nan, a.astype(np.float32)).astype(bf16) for a in (s, dp))
+        rows_nan, p_low_nan = softmax_cuda.softmax(s_nan, causal, kernels=kernels)
+        np.testing.assert_array_equal(rows_nan.stats, rows.stats)
+        np.testing.assert_array_equal(p_low_nan.view(np.uint16), p_low.view(np.uint16))
+        got = softmax_cuda.softmax_grad(dp_nan, rows_nan, causal, kernels=kernels)
+        np.testing.assert_array_equal(got.view(np.uint16), ds.view(np.uint16))
 
 
 def test_gradient_refuses_mismatched_inputs():
@@ -125,6 +145,12 @@ def test_gradient_refuses_mismatched_inputs():
         softmax_cuda.softmax_grad(np.zeros((2, 4, 5), np.float32), p, True, kernels={})
     with pytest.raises(ValueError, match="P of dtype float64 with dP of dtype float32"):
         softmax_cuda.softmax_grad(p, p.astype(np.float64), True, kernels={})
+    if backend.bfloat16 is not None:  # bfloat16 dP takes the forward's Rows, not a float32 P
+        with pytest.raises(ValueError, match="P of dtype float32 with dP of dtype bfloat16"):
+            softmax_cuda.softmax_grad(p.astype(backend.bfloat16), p, True, kernels={})
+        rows = softmax_cuda.Rows(p.astype(backend.bfloat16), np.zeros((8, 2), np.float32))
+        with pytest.raises(ValueError, match="the Rows of bfloat16 scores with dP of dtype float32"):
+            softmax_cuda.softmax_grad(p, rows, True, kernels={})
 
 
 @cuda_on_cpu.needs_cuda_compiler
@@ -142,19 +168,18 @@ def test_compiled_kernel_equals_the_reference(dtype, tol):
     for causal in (True, False):
         got = backend.to_host(softmax_cuda.softmax(backend.from_host(s), causal))
         np.testing.assert_allclose(got, reference(s, causal), rtol=tol, atol=tol)
-    if dtype == "float32":  # bf16 scores: P in both dtypes from one kernel
+    if dtype == "float32":  # bf16 scores: P in bf16 and the Rows, from one kernel
         low = backend.from_host(s).astype(backend.bfloat16)
-        p, p_low = softmax_cuda.softmax(low, True)
-        np.testing.assert_allclose(backend.to_host(p), reference(backend.to_host(low.astype(np.float32)), True),
-                                   rtol=2e-7, atol=2e-7)
+        rows, p_low = softmax_cuda.softmax(low, True)
+        p32 = softmax_cuda.softmax(low.astype(np.float32), True)
         np.testing.assert_array_equal(backend.to_host(p_low.view("uint16")),
-                                      backend.to_host(p.astype(backend.bfloat16).view("uint16")))
+                                      backend.to_host(p32.astype(backend.bfloat16).view("uint16")))
     p = reference(s, True)
     dp = np.random.default_rng(5).standard_normal(s.shape).astype(dtype)
     got = softmax_cuda.softmax_grad(backend.from_host(dp), backend.from_host(p), True)
     np.testing.assert_allclose(backend.to_host(got), reference_grad(dp, p), rtol=tol * 10, atol=tol * 10)
-    if dtype == "float32":  # bf16 dP: dS in bf16, the float32 kernel's result rounded
+    if dtype == "float32":  # bf16 dP: dS in bf16, the float32 kernel's result on the same P rounded
         low = backend.from_host(dp).astype(backend.bfloat16)
-        got = softmax_cuda.softmax_grad(low, backend.from_host(p), True)
-        want = softmax_cuda.softmax_grad(low.astype(np.float32), backend.from_host(p), True).astype(backend.bfloat16)
+        got = softmax_cuda.softmax_grad(low, rows, True)
+        want = softmax_cuda.softmax_grad(low.astype(np.float32), p32, True).astype(backend.bfloat16)
         np.testing.assert_array_equal(backend.to_host(got.view("uint16")), backend.to_host(want.view("uint16")))

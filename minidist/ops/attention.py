@@ -68,7 +68,8 @@ def _attend(qs, k, v, causal, out=None):
     P is rounded back to the operands' dtype for P V: that is P_op, kept for backward's
     P^T dO too (P_op is P itself when the dtypes agree).  P is float32 (for the softmax's
     gradient).  On CuPy the softmax is one CUDA kernel (softmax_cuda.py) with the same
-    arithmetic; it reads bfloat16 scores as they are and writes P in both dtypes at once.
+    arithmetic; it reads bfloat16 scores as they are, writes P_op, and keeps the scores and
+    their rows' statistics as P (softmax_cuda.Rows), from which backward recomputes it.
     With the kernels, causal self-attention's products skip the masked blocks above the
     diagonal (causal_blocks.py), in backward too.
     """
@@ -129,7 +130,7 @@ def _attend_backward(qs, k, v, p, p_op, o, do, causal, out=(None, None, None)):
     products' dtype (bfloat16 under mixed precision) and writes dS in it; its delta is the
     row's sum of P * dP, equal to rowsum(dO * O) up to rounding."""
     low = qs.dtype  # dP = dO V^T comes out in it
-    kernel = softmax_cuda.why_not(qs) is None and p.dtype == compute_dtype(low)
+    kernel = isinstance(p, softmax_cuda.Rows) or (softmax_cuda.why_not(qs) is None and p.dtype == low)
     # causal blocks leave dP's masked blocks unwritten: only the kernel, which never reads them, may use them
     parts = _causal_parts(qs, k, causal) if kernel else None
     dv = _t_times(p_op, do, parts, out[2])
