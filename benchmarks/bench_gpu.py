@@ -92,7 +92,8 @@ def kernel_table(fn, dev: str, rows: int = 15) -> dict:
                     for e in events[:rows]]}
 
 
-def measure(shape: dict, steps: int, warmup: int, smoke: bool, on_mode=None, profile: bool = False) -> dict:
+def measure(shape: dict, steps: int, warmup: int, smoke: bool, on_mode=None, profile: bool = False,
+            modes=MODES) -> dict:
     """Tokens/s and MFU of both frameworks, fp32 and bf16, alternating step by step."""
     import numpy as np
     import torch
@@ -112,7 +113,7 @@ def measure(shape: dict, steps: int, warmup: int, smoke: bool, on_mode=None, pro
     tx, ty = torch.tensor(x, device=dev), torch.tensor(y, device=dev)
     out = {"device": info["name"], "device_total_bytes": info["total_bytes"], "shape": s, "tf32": tf32,
            "modes": {}}
-    for mode, low_name, attention in MODES:
+    for mode, low_name, attention in modes:
         try:
             out["modes"][mode] = _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info,
                                                tf32, steps, warmup, smoke, profile)
@@ -226,9 +227,17 @@ def main():
     ap.add_argument("--tf32", action="store_true", help="minidist's float32 matmuls on TF32 (PyTorch's too)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step of each framework: its kernels by time (in gpu.json)")
+    ap.add_argument("--modes", default=",".join(m[0] for m in MODES),
+                    help="the modes to measure, comma-separated (default: all: %(default)s)")
     ap.add_argument("--cpu-smoke", action="store_true", help="check the script on the CPU with a tiny model")
     ap.add_argument("--out", default=None, help="directory for gpu.json")
     args = ap.parse_args()
+    names = {m[0]: m for m in MODES}
+    wanted = [name.strip() for name in args.modes.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in names]
+    if unknown or not wanted:
+        ap.error(f"--modes {args.modes!r}: {', '.join(map(repr, unknown)) or 'none'} is not a mode "
+                 f"(the modes: {', '.join(names)})")
 
     def write(result):
         if args.out:
@@ -252,7 +261,8 @@ def main():
     shape = SMOKE if args.cpu_smoke else QUICK if args.quick else SHAPE
     steps = 2 if args.cpu_smoke else 3 if args.quick else args.steps
     result = measure(shape, steps, 1 if args.cpu_smoke else args.warmup, args.cpu_smoke,
-                     on_mode=lambda partial: write(dict(partial, title=title, partial=True)), profile=args.profile)
+                     on_mode=lambda partial: write(dict(partial, title=title, partial=True)), profile=args.profile,
+                     modes=[names[name] for name in wanted])
     result["title"] = title
     print(f"{title}: {result['device']}, {shape}, median of {steps} steps")
     print(f"{'mode':<10} {'minidist tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'target':>7} "

@@ -135,6 +135,13 @@ def test_bench_gpu_runs_its_modes_and_profiles_on_the_cpu(tmp_path):
         assert "kernel_ms" in m["minidist"]["kernels"]
 
 
+def test_bench_gpu_names_a_mode_it_does_not_have():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--modes", "fp32,bf61"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--modes 'fp32,bf61': 'bf61' is not a mode" in r.stderr, r.stderr
+    assert "fp32, bf16, fp32 flash, bf16 flash" in r.stderr
+
+
 def test_the_summary_names_the_gpu_and_its_memory(monkeypatch):
     """On a GPU the summary gains a 'device' row (the name, total memory, what the pool holds);
     on NumPy it has none."""
