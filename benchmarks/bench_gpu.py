@@ -92,6 +92,30 @@ def kernel_table(fn, dev: str, rows: int = 15) -> dict:
                     for e in events[:rows]]}
 
 
+def host_and_wait(step) -> dict:
+    """Is minidist's step bound by the host?  One call of ``step``, timed at its first read of a
+    device value (the loss, after backward): how long the host took to issue forward and
+    backward, and how long it then waited for the device to finish them.  A wait near zero
+    means the device ran out of work while the host was still issuing it."""
+    from minidist.parallel import strategy
+
+    read, times = strategy.host_read, []
+
+    def timed_read(x, why):
+        times.append(time.perf_counter())
+        value = read(x, why)
+        times.append(time.perf_counter())
+        return value
+
+    strategy.host_read = timed_read
+    try:
+        t0 = time.perf_counter()
+        step()
+    finally:
+        strategy.host_read = read
+    return {"issue_ms": (times[0] - t0) * 1e3, "wait_ms": (times[1] - times[0]) * 1e3}
+
+
 def measure(shape: dict, steps: int, warmup: int, smoke: bool, on_mode=None, profile: bool = False,
             modes=MODES) -> dict:
     """Tokens/s and MFU of both frameworks, fp32 and bf16, alternating step by step."""
@@ -185,6 +209,7 @@ def _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info, tf32, 
     if profile:  # after the timing: the profiler's own cost stays out of the figures
         for name, fn in (("minidist", step_minidist), ("torch", step_torch)):
             r[name]["kernels"] = kernel_table(fn, dev)
+        r["minidist"]["forward_backward"] = host_and_wait(step_minidist)
     return r
 
 
@@ -226,7 +251,9 @@ def main():
     ap.add_argument("--no-parallel", action="store_true", help="skip the 2-rank parallel modes")
     ap.add_argument("--tf32", action="store_true", help="minidist's float32 matmuls on TF32 (PyTorch's too)")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile one step of each framework: its kernels by time (in gpu.json)")
+                    help="also profile one step of each framework: its kernels by time, and for minidist "
+                         "how long the host issues forward and backward and then waits for the device "
+                         "(in gpu.json)")
     ap.add_argument("--modes", default=",".join(m[0] for m in MODES),
                     help="the modes to measure, comma-separated (default: all: %(default)s)")
     ap.add_argument("--cpu-smoke", action="store_true", help="check the script on the CPU with a tiny model")
@@ -284,6 +311,10 @@ def main():
             print(f"  {name}: {k['kernel_ms']:.1f} ms on the device in {k['launches']} launches; longest:")
             for row in k["top"][:8]:
                 print(f"    {row['ms']:>8.2f} ms {row['launches']:>5}x  {row['name'][:90]}")
+        if "forward_backward" in r["minidist"]:
+            fb = r["minidist"]["forward_backward"]
+            print(f"  minidist's forward and backward: issued by the host in {fb['issue_ms']:.1f} ms, which then "
+                  f"waited {fb['wait_ms']:.1f} ms for the device at the loss (near 0: bound by the host)")
     if not args.no_parallel:
         rows = parallel_lines(args.cpu_smoke, 3 if args.cpu_smoke or args.quick else 8)
         result["parallel"] = {"shape": PARALLEL_SHAPE, "ranks": 2, "rows": rows}

@@ -133,6 +133,8 @@ def test_bench_gpu_runs_its_modes_and_profiles_on_the_cpu(tmp_path):
         table = m["torch"]["kernels"]
         assert table["launches"] > 0 and table["top"][0]["ms"] > 0, mode
         assert "kernel_ms" in m["minidist"]["kernels"]
+        fb = m["minidist"]["forward_backward"]
+        assert fb["issue_ms"] > 0 and fb["wait_ms"] >= 0
 
 
 def test_bench_gpu_names_a_mode_it_does_not_have():
