@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 
 import numpy as np
+import pytest
 
 PRELUDE = r"""
 #include <algorithm>
@@ -153,13 +154,6 @@ def cuda_compiler() -> str | None:
     return "nvrtc" if nvrtc_library() else None
 
 
-def _skip_without_compiler():
-    import pytest
-
-    return pytest.mark.skipif(cuda_compiler() is None,
-                              reason="no CUDA compiler here (nvcc, or NVRTC: pip install nvidia-cuda-nvrtc-cu12)")
-
-
 def cuda_entries(source: str, defines: dict, folder, arch: str = "90") -> list[str] | None:
     """Compile ``source`` for the GPU architecture ``arch`` (90: an H100) with ``defines`` as
     macros, with nvcc or else NVRTC, and return the names of the kernels in its PTX.  None
@@ -181,7 +175,8 @@ def cuda_entries(source: str, defines: dict, folder, arch: str = "90") -> list[s
     return sorted(re.findall(r"\.entry\s+(\w+)", ptx))
 
 
-needs_cuda_compiler = _skip_without_compiler()  # a test's marker: it compiles CUDA source
+needs_cuda_compiler = pytest.mark.skipif(  # a test's marker: it compiles CUDA source
+    cuda_compiler() is None, reason="no CUDA compiler here (nvcc, or NVRTC: pip install nvidia-cuda-nvrtc-cu12)")
 
 
 def _nvrtc_ptx(source: str, options: list[str]) -> str:

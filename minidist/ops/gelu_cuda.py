@@ -26,12 +26,15 @@ BLOCKS = 4096  # blocks at most: each thread strides over the rest ("grid-stride
 SOURCE = cuda_source.BF16 + r"""
 // GELU_C = sqrt(2 / pi), GELU_A = 0.044715 (macros: the same numbers as nn_ops).  x, y, g, dx:
 // n contiguous elements of REAL or bfloat16.
+
+// t = tanh(u), u = GELU_C (v + GELU_A v^3): forward's and (recomputed) backward's
+__device__ __forceinline__ REAL gelu_tanh(REAL v) { return tanh((REAL)GELU_C * v * (1 + (REAL)GELU_A * v * v)); }
+
 template <class T>
 __device__ void gelu_forward_t(const T* x, T* y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const REAL v = load(x, i);
-        const REAL t = tanh((REAL)GELU_C * v * (1 + (REAL)GELU_A * v * v));
-        store(y, i, (REAL)0.5 * v * (1 + t));
+        store(y, i, (REAL)0.5 * v * (1 + gelu_tanh(v)));
     }
 }
 
@@ -39,7 +42,7 @@ template <class T>
 __device__ void gelu_backward_t(const T* x, const T* g, T* dx, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const REAL v = load(x, i);
-        const REAL t = tanh((REAL)GELU_C * v * (1 + (REAL)GELU_A * v * v));
+        const REAL t = gelu_tanh(v);
         const REAL du = (REAL)GELU_C * (1 + (REAL)(3.0 * GELU_A) * v * v);
         store(dx, i, load(g, i) * ((REAL)0.5 * (1 + t) + (REAL)0.5 * v * (1 - t * t) * du));
     }

@@ -15,8 +15,9 @@ Under mixed precision the activations between layers are bfloat16: the forward k
 bf16 rows and writes y in bf16, and the backward one writes dx in bf16, converting in
 registers, where the ``xp`` form casts the rows to float32 and the results back, a pass each.
 The arithmetic, xhat and rstd stay float32.  The parameters' gradients are column sums over
-the rows (``linalg.column_sums``), left to BLAS.  The reference's formulas in float32 or float64; the rounding can differ a little (the
-order of the sums, the GPU compiler's fused multiply-adds).  Switch: ``MINIDIST_CUDA_KERNELS=off``.  Tested on the CPU through
+the rows (``linalg.column_sums``), left to BLAS.  The reference's formulas in float32 or
+float64; the rounding can differ a little (the order of the sums, the GPU compiler's fused
+multiply-adds).  Switch: ``MINIDIST_CUDA_KERNELS=off``.  Tested on the CPU through
 tests/cuda_on_cpu.py (tests/test_layernorm_kernel.py) and compiled for an H100 where nvcc is.
 """
 

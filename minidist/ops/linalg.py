@@ -40,7 +40,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
                 gb = gemm.matmul(A.reshape(-1, A.shape[-1]).T, g.reshape(-1, g.shape[-1]), dtype=b.dtype)
             else:
                 gb = unbroadcast(gemm.matmul(A.swapaxes(-1, -2), g, dtype=b.dtype), b.shape)
-        return to_dtype(ga, a.dtype), to_dtype(gb, b.dtype)
+        return ga, gb
 
     return make_tensor(to_dtype(out, out_dtype), (a, b), backward)
 

@@ -219,7 +219,7 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
         gb = column_sums(g2d) if bias is not None and bias.requires_grad else None
         gx = None
         if x.requires_grad and fused:
-            gx = to_dtype(layernorm_cuda.backward(g2d, W, xhat, rstd, x.dtype).reshape(x.shape), x.dtype)
+            gx = layernorm_cuda.backward(g2d, W, xhat, rstd, x.dtype).reshape(x.shape)  # in x's dtype
         elif x.requires_grad:
             gh = g2d if W is None else g2d * W
             gx = _ln_input_grad(gh, xhat, rstd, gh.mean(axis=-1, keepdims=True),
