@@ -40,8 +40,18 @@ def test_the_three_products_equal_the_whole_ones(parts):
 
 
 @pytest.mark.skipif(BACKEND != "numpy", reason="NumPy arrays")
-def test_products_into_the_heads_of_a_fused_array():
-    """As self-attention uses them: operands and outputs are head views of (B, T, 3C) arrays."""
+@pytest.mark.parametrize("through", ["matmul", "cuBLAS's strided batched call (a NumPy model)"])
+def test_products_into_the_heads_of_a_fused_array(through, monkeypatch):
+    """As self-attention uses them: operands and outputs are head views of (B, T, 3C) arrays.
+    On a GPU each block is a strided batched cuBLAS call per batch element (ops/gemm.py),
+    modelled here as test_gemm.py models it."""
+    if through != "matmul":
+        from minidist.ops import gemm
+        from test_gemm import numpy_gemm
+
+        monkeypatch.setattr(gemm, "xp", np)
+        monkeypatch.setattr(gemm, "_CUBLAS", True)
+        monkeypatch.setattr(gemm, "_cublas_gemm", numpy_gemm)
     B, T, H, D = 2, 9, 3, 4
     parts = [(0, 4), (4, 9)]
 

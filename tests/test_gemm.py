@@ -1,6 +1,10 @@
 """minidist.ops.gemm: the strided batched GEMM's arguments, checked on the CPU against a NumPy
 model of cuBLAS's call, and (on a GPU) cuBLAS's bfloat16 product against float32."""
 
+import ctypes
+import sys
+import types
+
 import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
@@ -13,19 +17,23 @@ RNG = np.random.default_rng(0)
 
 def numpy_gemm(transa, transb, m, n, k, A, lda, sa, B, ldb, sb, C, ldc, sc, batch):
     """What cublasGemmStridedBatchedEx computes, on NumPy views of the same memory: column-major
-    matrices at A + i * sa (ld lda), op() transposing when the flag is set.  cuBLAS's own
-    argument checks come first (a wrong leading dimension is an error there)."""
+    matrices at A + i * sa (ld lda), op() transposing when the flag is set, A, B and C given as
+    (array, offset in elements from its first element) pairs.  cuBLAS's own argument checks
+    come first (a wrong leading dimension is an error there)."""
     assert transa in (0, 1) and transb in (0, 1) and min(m, n, k, batch) >= 1
     assert lda >= max(1, k if transa else m) and ldb >= max(1, n if transb else k) and ldc >= max(1, m)
-    assert not (np.may_share_memory(C, A) or np.may_share_memory(C, B)), "C aliases an operand"
+    assert min(A[1], B[1], C[1]) >= 0
+    assert not (np.may_share_memory(C[0], A[0]) or np.may_share_memory(C[0], B[0])), "C aliases an operand"
 
     def col_major(X, rows, cols, ld, stride):
-        it = X.itemsize
-        return as_strided(X, shape=(batch, rows, cols), strides=(stride * it, it, ld * it))
+        (X, offset), it = X, X[0].itemsize
+        start = as_strided(X, shape=(offset + 1,), strides=(it,))[offset:]  # the memory from that element on
+        return as_strided(start, shape=(batch, rows, cols), strides=(stride * it, it, ld * it))
 
     a = col_major(A, k, m, lda, sa).swapaxes(-1, -2) if transa else col_major(A, m, k, lda, sa)
     b = col_major(B, n, k, ldb, sb).swapaxes(-1, -2) if transb else col_major(B, k, n, ldb, sb)
-    col_major(C, m, n, ldc, sc)[...] = a.astype(C.dtype) @ b.astype(C.dtype)  # accumulated in C's dtype
+    c = col_major(C, m, n, ldc, sc)
+    c[...] = a.astype(c.dtype) @ b.astype(c.dtype)  # accumulated in C's dtype
 
 
 def rand(*shape):
@@ -73,6 +81,22 @@ def test_head_views_loop_over_the_batch_axis_only(monkeypatch):
     q, kt = _qkv_heads(B=2, H=3)
     gemm.strided_batched(q, kt, lambda *args: calls.append(args[-1]) or numpy_gemm(*args))
     assert calls == [3, 3]
+
+
+def test_a_plan_is_made_once_per_layout_and_keeps_no_data(monkeypatch):
+    """The calls' arguments depend on the operands' layouts only: the second and third products
+    of the same layouts reuse the first's plan, on new arrays, with the right results."""
+    monkeypatch.setattr(gemm, "xp", np)
+    gemm._plan.cache_clear()
+    for _ in range(3):
+        q, kt = _qkv_heads(B=3, H=2)
+        offsets = []
+        got = gemm.strided_batched(q, kt, lambda *args: offsets.append((args[5][1], args[8][1])) or numpy_gemm(*args))
+        np.testing.assert_allclose(got, q @ kt, rtol=1e-13, atol=1e-13)
+        # a batch element's K^T (cuBLAS's A: the operands are swapped) and Q start T * 3C further on
+        assert offsets == [(b * 5 * 3 * 2 * 4, b * 5 * 3 * 2 * 4) for b in range(3)]
+    info = gemm._plan.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
 
 
 @pytest.mark.parametrize("layout", ["heads of a (B, T, C) output", "transposed (copied back)", "contiguous"])
@@ -123,6 +147,70 @@ def test_a_2d_weight_gradient_as_a_column_major_product(monkeypatch):
     got = gemm.strided_batched(x.T, g, lambda *args: calls.append(args[:2]) or numpy_gemm(*args))
     np.testing.assert_allclose(got, x.T @ g, rtol=1e-13, atol=1e-13)
     assert calls == [(0, 1)]  # C^T = g^T (x^T)^T: g as it is, x^T's storage flagged transposed
+
+
+class _HostArray:
+    """A NumPy array dressed as a CuPy one for ``_cublas_gemm``: its address as ``data.ptr``."""
+
+    def __init__(self, a):
+        self.a, self.dtype, self.itemsize = a, a.dtype, a.itemsize
+        self.data = types.SimpleNamespace(ptr=a.ctypes.data)
+
+
+def _cublas_on_the_host(calls):
+    """Stand-ins for the modules ``_cublas_gemm`` imports: a cuBLAS whose gemmStridedBatchedEx
+    reads its arguments as cuBLAS does (addresses, CUDA data types, alpha and beta behind
+    pointers) and multiplies in host memory."""
+    kinds = {"float16": 2, "float32": 0, "float64": 1}
+    cublas = types.SimpleNamespace(CUBLAS_COMPUTE_64F=70, CUBLAS_COMPUTE_32F=68, CUBLAS_COMPUTE_32F_FAST_TF32=77,
+                                   CUBLAS_GEMM_DEFAULT=-1)
+    runtime = types.SimpleNamespace(CUDA_R_16F=2, CUDA_R_32F=0, CUDA_R_64F=1, CUDA_R_16BF=14)
+    device = types.SimpleNamespace(get_cublas_handle=lambda: "handle")
+
+    def at(ptr, kind, rows, cols, ld, stride, batch):
+        dt = np.dtype({v: k for k, v in kinds.items()}[kind])
+        n = (batch - 1) * stride + (cols - 1) * ld + rows  # elements spanned
+        mem = np.frombuffer((ctypes.c_char * (n * dt.itemsize)).from_address(ptr), dtype=dt)
+        return as_strided(mem, shape=(batch, rows, cols), strides=(stride * dt.itemsize, dt.itemsize, ld * dt.itemsize))
+
+    def gemm_ex(handle, transa, transb, m, n, k, alpha, A, ta_kind, lda, sa, B, tb_kind, ldb, sb, beta, C, tc_kind,
+                ldc, sc, batch, compute, algo):
+        assert handle == "handle" and algo == -1 and ta_kind == tb_kind
+        scalar = ctypes.c_double if compute == 70 else ctypes.c_float
+        assert (scalar.from_address(alpha).value, scalar.from_address(beta).value) == (1, 0)
+        a = at(A, ta_kind, k, m, lda, sa, batch).swapaxes(-1, -2) if transa else at(A, ta_kind, m, k, lda, sa, batch)
+        b = at(B, tb_kind, n, k, ldb, sb, batch).swapaxes(-1, -2) if transb else at(B, tb_kind, k, n, ldb, sb, batch)
+        c = at(C, tc_kind, m, n, ldc, sc, batch)
+        c[...] = a.astype(c.dtype) @ b.astype(c.dtype)
+        calls.append(compute)
+
+    cublas.gemmStridedBatchedEx = gemm_ex
+    return {"cupy": types.ModuleType("cupy"), "cupy.cuda": types.SimpleNamespace(device=device, runtime=runtime),
+            "cupy_backends": types.ModuleType("cupy_backends"), "cupy_backends.cuda": types.ModuleType("c"),
+            "cupy_backends.cuda.libs": types.SimpleNamespace(cublas=cublas)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_cublas_call_reads_the_operands_at_their_addresses(case, monkeypatch):
+    """``_cublas_gemm`` itself, on a stand-in cuBLAS that reads host memory at the addresses it
+    is given: each matrix's address (the array's plus its offset), the data types, the compute
+    type and alpha and beta make the product, in float64 and float32, and float16 into float32."""
+    monkeypatch.setattr(gemm, "xp", np)
+    monkeypatch.setattr(gemm, "_constants", {})
+    calls = []
+    for name, module in _cublas_on_the_host(calls).items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+    def on_the_host(*args):
+        return gemm._cublas_gemm(*(( _HostArray(x[0]), x[1]) if isinstance(x, tuple) else x for x in args))
+
+    for dt, out, compute in [(np.float64, None, 70), (np.float32, None, 68), (np.float16, np.float32, 68)]:
+        a, b = (x.astype(dt) for x in CASES[case]())
+        calls.clear()
+        got = gemm.strided_batched(a, b, on_the_host, dtype=out)
+        want = a.astype(np.float64) @ b.astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-12 if dt == np.float64 else 1e-5, atol=1e-5)
+        assert calls and set(calls) == {compute}
 
 
 class _NoBatched16:

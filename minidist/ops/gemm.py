@@ -23,9 +23,11 @@ cuBLAS is column-major.  A row-major (M, K) @ (K, N) = (M, N) product read in co
 C^T = B^T A^T: the same buffers with the operands swapped.  A transposed view's storage read in
 column order is the matrix itself, passed with the "transpose" flag.  Batch axes whose strides
 do not collapse into one (a head's view: batch stride T*3C, head stride D) become a loop of
-calls over the outer axes.  :func:`strided_batched` works all this out from the arrays'
-strides; it is plain Python over any ``gemm`` callable, so a CPU test checks it against
-NumPy with a NumPy model of the cuBLAS call.
+calls over the outer axes, each matrix an offset from its array's address (no views made).
+:func:`strided_batched` works all this out from the arrays' shapes and strides, once per
+layout (:func:`_plan`; a step repeats the same few dozen), since the host's time per product
+is what a fast GPU waits on; it is plain Python over any ``gemm`` callable, so a CPU test
+checks it against NumPy with a NumPy model of the cuBLAS call.
 
 The switch: ``MINIDIST_CUBLAS_BATCHED=off`` uses ``xp.matmul`` (CuPy's copies) except where
 CuPy cannot multiply at all (batched bfloat16).  NumPy always uses ``xp.matmul``.
@@ -33,6 +35,7 @@ CuPy cannot multiply at all (batched bfloat16).  NumPy always uses ``xp.matmul``
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -116,14 +119,19 @@ def _batches_natively(dt) -> bool:
     return _native_batched[dt]
 
 
-def _matrix(x):
-    """(transposed, leading dimension) of the matrices of ``x`` in cuBLAS's terms (elements),
-    or None when their strides fit no GEMM layout."""
-    r, c = x.shape[-2:]
-    it = x.itemsize
-    if any(st < 0 or st % it for st in x.strides[-2:]):
+def _layout(x):
+    """What a plan depends on: shape, strides (bytes) and item size, not the data."""
+    return x.shape, x.strides, x.itemsize
+
+
+@functools.lru_cache(maxsize=None)
+def _matrix(shape, strides, itemsize):
+    """(transposed, leading dimension) of the matrices of an array of this layout in cuBLAS's
+    terms (elements), or None when their strides fit no GEMM layout."""
+    r, c = shape[-2:]
+    if any(st < 0 or st % itemsize for st in strides):
         return None
-    s0, s1 = x.strides[-2] // it, x.strides[-1] // it
+    s0, s1 = strides[-2] // itemsize, strides[-1] // itemsize
     if (s1 == 1 or c == 1) and (r == 1 or s0 >= c):
         return 0, (s0 if r > 1 else c)  # rows contiguous: read in column order it is x^T
     if (s0 == 1 or r == 1) and (c == 1 or s1 >= r):
@@ -131,28 +139,52 @@ def _matrix(x):
     return None
 
 
-def _collapses(x, axes) -> bool:
-    """Do the batch ``axes`` of ``x`` (those longer than 1) step through memory with one stride?"""
-    steps = [(x.shape[i], x.strides[i]) for i in axes if x.shape[i] > 1]
-    return all(s1 == s2 * n2 for (_, s1), (n2, s2) in zip(steps, steps[1:])) and all(s >= 0 for _, s in steps)
+def _batch_strides(lead, shape, strides, itemsize):
+    """The strides (elements) of an operand's batch axes once broadcast to ``lead``: 0 where it
+    is broadcast (a missing axis or one of length 1)."""
+    pad = len(lead) - (len(shape) - 2)
+    return tuple(0 if i < pad or shape[i - pad] == 1 else strides[i - pad] // itemsize for i in range(len(lead)))
 
 
-def _batch_stride(x) -> int:
-    """The one stride (elements) between consecutive matrices of ``x``'s batch (0: one matrix)."""
-    steps = [x.strides[i] for i in range(x.ndim - 2) if x.shape[i] > 1]
-    return steps[-1] // x.itemsize if steps else 0
+def _collapses(lead, steps, n) -> bool:
+    """Do batch axes n.. (those longer than 1) step through memory with one stride?"""
+    inner = [(lead[i], steps[i]) for i in range(n, len(lead)) if lead[i] > 1]
+    return all(s1 == s2 * n2 for (_, s1), (n2, s2) in zip(inner, inner[1:]))
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(lead, la, lb, lc):
+    """The cuBLAS calls of C = A @ B for operands and result of layouts ``la``, ``lb``, ``lc``
+    (:func:`_layout`; A and B fit a GEMM layout, C is untransposed), batch dims ``lead``:
+    (transposed, leading dimension, batch stride) of A, the same of B, (leading dimension,
+    batch stride) of C, the batch of each call, and one (offset of A, of B, of C) in elements
+    per call.
+
+    A plan depends on the layouts only, so it is made once per shape and kept: a step asks
+    for the same few dozen layouts again and again, and the analysis below costs the host
+    tens of microseconds a product, more than the calls themselves."""
+    steps = [_batch_strides(lead, *x) for x in (la, lb, lc)]
+    # loop over the fewest outer batch axes that leave one stride per operand inside
+    outer = next(n for n in range(len(lead) + 1) if all(_collapses(lead, st, n) for st in steps))
+    inner = [i for i in range(outer, len(lead)) if lead[i] > 1]
+    sa, sb, sc = (st[inner[-1]] if inner else 0 for st in steps)
+    (ta, lda), (tb, ldb), (_, ldc) = (_matrix(*x) for x in (la, lb, lc))
+    offsets = [tuple(sum(i * s for i, s in zip(idx, st)) for st in steps)
+               for idx in itertools.product(*(range(n) for n in lead[:outer]))]
+    return ta, lda, sa, tb, ldb, sb, ldc, sc, math.prod(lead[outer:]), offsets
 
 
 def _writable_output(out, dtype) -> bool:
     """Can cuBLAS write the product straight into ``out``?  (C is never transposed.)"""
-    layout = _matrix(out) if out.dtype == dtype else None
+    layout = _matrix(*_layout(out)) if out.dtype == dtype else None
     return layout is not None and layout[0] == 0
 
 
 def strided_batched(a, b, gemm, out=None, dtype=None):
     """``a @ b`` through ``gemm``, a strided batched GEMM with cuBLAS's arguments
-    ``(transa, transb, m, n, k, A, lda, strideA, B, ldb, strideB, C, ldc, strideC, batch)``
-    (arrays for the pointers, strides in elements), written as ``dtype`` (default a's)."""
+    ``(transa, transb, m, n, k, A, lda, strideA, B, ldb, strideB, C, ldc, strideC, batch)``,
+    where A, B and C are (array, offset of the first matrix in elements) pairs (strides in
+    elements too), written as ``dtype`` (default a's)."""
     dtype = xp.dtype(a.dtype if dtype is None else dtype)
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"matmul shape mismatch: {tuple(a.shape)} @ {tuple(b.shape)}")
@@ -160,24 +192,18 @@ def strided_batched(a, b, gemm, out=None, dtype=None):
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     if out is not None and tuple(out.shape) != lead + (M, N):
         raise ValueError(f"matmul out has shape {tuple(out.shape)}, not {lead + (M, N)}")
-    a, b = (xp.broadcast_to(x, lead + x.shape[-2:]) for x in (a, b))  # views: stride 0 where broadcast
-    a, b = (x if _matrix(x) is not None else xp.ascontiguousarray(x) for x in (a, b))
+    a, b = (x if _matrix(*_layout(x)) is not None else xp.ascontiguousarray(xp.broadcast_to(x, lead + x.shape[-2:]))
+            for x in (a, b))
     into_out = out is not None and _writable_output(out, dtype) and not (
         xp.may_share_memory(out, a) or xp.may_share_memory(out, b))  # cuBLAS's C must not alias A or B
     c = out if into_out else xp.empty(lead + (M, N), dtype=dtype)
     if c.size and K == 0:
         c[...] = 0
     elif c.size:
-        # loop over the fewest outer batch axes that leave one stride per operand inside
-        outer = next(n for n in range(len(lead) + 1)
-                     if all(_collapses(x, range(n, len(lead))) for x in (a, b, c)))
-        batch = math.prod(lead[outer:])
-        (ta, lda), (tb, ldb), (_, ldc) = _matrix(a), _matrix(b), _matrix(c)
-        first = (0,) * outer  # the inner batch strides are the same for every outer index
-        sa, sb, sc = (_batch_stride(x[first]) for x in (a, b, c))
-        for idx in itertools.product(*(range(n) for n in lead[:outer])):
+        ta, lda, sa, tb, ldb, sb, ldc, sc, batch, offsets = _plan(lead, _layout(a), _layout(b), _layout(c))
+        for oa, ob, oc in offsets:
             # C^T (N x M, column-major) = B^T A^T: the operands swapped
-            gemm(tb, ta, N, M, K, b[idx], ldb, sb, a[idx], lda, sa, c[idx], ldc, sc, batch)
+            gemm(tb, ta, N, M, K, (b, ob), ldb, sb, (a, oa), lda, sa, (c, oc), ldc, sc, batch)
     if out is None:
         return c
     if c is not out:
@@ -186,25 +212,28 @@ def strided_batched(a, b, gemm, out=None, dtype=None):
 
 
 def _cublas_gemm(transa, transb, m, n, k, A, lda, sa, B, ldb, sb, C, ldc, sc, batch):
-    """cublasGemmStridedBatchedEx on CuPy's handle and stream.  16-bit operands accumulate in
-    float32 (tensor cores) and C is theirs or float32; float32 uses TF32 tensor cores only with
-    CUPY_TF32=1 (--tf32), as CuPy's own matmul does."""
+    """cublasGemmStridedBatchedEx on CuPy's handle and stream, A, B and C (array, offset) pairs.
+    16-bit operands accumulate in float32 (tensor cores) and C is theirs or float32; float32
+    uses TF32 tensor cores only with CUPY_TF32=1 (--tf32), as CuPy's own matmul does."""
     from cupy.cuda import device
     from cupy_backends.cuda.libs import cublas
 
-    compute, one, zero, kind_a, kind_c = _call_constants(A.dtype, C.dtype)
+    (a, oa), (b, ob), (c, oc) = A, B, C
+    compute, one, zero, kind_a, kind_c = _call_constants(a.dtype, c.dtype)
     cublas.gemmStridedBatchedEx(
-        device.get_cublas_handle(), transa, transb, m, n, k, one.ctypes.data,
-        A.data.ptr, kind_a, lda, sa, B.data.ptr, kind_a, ldb, sb, zero.ctypes.data,
-        C.data.ptr, kind_c, ldc, sc, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
+        device.get_cublas_handle(), transa, transb, m, n, k, one,
+        a.data.ptr + oa * a.itemsize, kind_a, lda, sa, b.data.ptr + ob * b.itemsize, kind_a, ldb, sb, zero,
+        c.data.ptr + oc * c.itemsize, kind_c, ldc, sc, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
 
 _constants: dict = {}
+_scalars: list = []  # the host scalars whose addresses _constants holds, kept alive
 
 
 def _call_constants(a_dtype, c_dtype):
-    """(compute type, alpha, beta, A's and B's data type, C's data type) of a call, made once
-    per dtype pair (this runs for every product: the host's time per call counts)."""
+    """(compute type, alpha's and beta's addresses, A's and B's data type, C's data type) of a
+    call, made once per dtype pair (this runs for every product: the host's time per call
+    counts)."""
     tf32 = os.environ.get("CUPY_TF32", "0") not in ("", "0")
     key = (a_dtype, c_dtype, tf32)
     if key not in _constants:
@@ -220,7 +249,7 @@ def _call_constants(a_dtype, c_dtype):
             compute, scalar = cublas.CUBLAS_COMPUTE_32F_FAST_TF32, host.float32
         else:
             compute, scalar = cublas.CUBLAS_COMPUTE_32F, host.float32
-        # alpha, beta: host scalars cuBLAS reads (kept alive here with the rest)
-        _constants[key] = (compute, host.ones((), scalar), host.zeros((), scalar), kinds[name],
-                           kinds[xp.dtype(c_dtype).name])
+        one, zero = host.ones((), scalar), host.zeros((), scalar)  # alpha, beta: host scalars cuBLAS reads
+        _scalars.extend((one, zero))
+        _constants[key] = (compute, one.ctypes.data, zero.ctypes.data, kinds[name], kinds[xp.dtype(c_dtype).name])
     return _constants[key]
