@@ -17,7 +17,9 @@ conversion to NumPy and record every device->host transfer.  Checked:
 (e) two emulated GPUs (``MINIDIST_EMULATED_GPUS=2``): each rank selects the GPU of its
     launcher's local rank, and the async collectives run on comm's progress thread (which, as
     every new thread in CUDA, starts on GPU 0) put their results on the rank's own GPU: no
-    array is used on another device than its thread's current one.
+    array is used on another device than its thread's current one;
+(f) with a CUDA-aware MPI (the emulator's stand-in), point-to-point messages between device
+    arrays and pp2 training pass the arrays to MPI unstaged, each once its queued work is done.
 """
 
 import json
@@ -247,3 +249,42 @@ def test_two_gpus_each_rank_on_its_own_and_nothing_crosses(name, args, numpy_los
         assert variable in LOCAL_RANK_VARIABLES and s["device_count"] == 2, s
         assert s["device"] == int(value) and s["allocated_devices"] == [s["device"]], s
     assert sorted(s["device"] for s in summaries) == [0, 1]
+
+
+# (f) A CUDA-aware MPI (MINIDIST_CUDA_AWARE_MPI=1): the point-to-point calls hand device arrays
+# to MPI as they are.  The emulator's stand-in (MINIDIST_EMULATED_CUDA_AWARE_MPI=1) lets MPI
+# read and write the arrays' memory, and refuses an array while its thread has device work
+# queued: MPI works outside the stream's order, so a send must wait for the kernels that wrote
+# the array (and for the copy that makes a strided view contiguous), and a receive for those
+# that still read memory the pool may reuse for it -- races on a GPU, errors here.
+P2P_BODIES = os.path.join(os.path.dirname(__file__), "mpi", "comm_p2p_bodies.py")
+
+
+@pytest.mark.parametrize("aware", [True, False], ids=["cuda-aware", "staged"])
+def test_point_to_point_between_device_arrays(aware):
+    from minidist.testing import run_mpi
+
+    flag = "1" if aware else "0"
+    env = emulated_env(MINIDIST_CUDA_AWARE_MPI=flag, MINIDIST_EMULATED_CUDA_AWARE_MPI=flag)
+    out = run_mpi(2, f"{P2P_BODIES}::device_p2p", timeout=90, env=env).stdout
+    counts = sorted(int(line.split(": ")[1].split()[0]) for line in out.splitlines() if "staged device->host" in line)
+    assert len(counts) == 2, out
+    # staged: every send copies to the host (2 steps x 4 sends); CUDA-aware: none
+    assert counts == ([0, 0] if aware else [8, 8]), out
+
+
+def test_pipeline_training_with_a_cuda_aware_mpi(numpy_losses, tmp_path_factory):
+    """pp2, whose activations and gradients travel by point-to-point messages, trains as the
+    NumPy run with the messages passed as device arrays, and they are not staged: the step's
+    device->host copies are the scalar collectives' and the counted reads."""
+    env = dict(MINIDIST_CUDA_AWARE_MPI="1", MINIDIST_EMULATED_CUDA_AWARE_MPI="1", MINIDIST_EMULATED_GPUS="2")
+    losses, transfers = emulated_run("pp2_cuda_aware", 2, ["--pp", "2"], tmp_path_factory, **env)
+    for got, want in zip(losses, numpy_losses, strict=True):
+        assert abs(got - want) <= 1e-9 * abs(want), (losses, numpy_losses)
+    _, staged_transfers = emulated_run("pp2", 2, ["--pp", "2"], tmp_path_factory)
+    p2p = os.path.join("comm", "p2p", "__init__.py")
+
+    def through_p2p(ts):
+        return [t for t in ts if _in_step(t) and any(f.endswith(p2p) for f, _, _ in t["stack"])]
+    assert through_p2p(staged_transfers), "the staged pp2 run sent nothing through p2p: is the check blind?"
+    assert not through_p2p(transfers)

@@ -46,6 +46,7 @@ from ..backend import BACKEND, host, xp
 _SWITCH = env.get("MINIDIST_CUBLAS_BATCHED")
 _native_batched: dict = {}  # dtype -> xp.matmul multiplies batches of it
 _GEMM_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_LAYOUTS_KEPT = 4096  # layouts whose analysis is remembered (bounded: generation meets a new T per token)
 
 
 def _has_cublas() -> bool:
@@ -124,7 +125,7 @@ def _layout(x):
     return x.shape, x.strides, x.itemsize
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=_LAYOUTS_KEPT)
 def _matrix(shape, strides, itemsize):
     """(transposed, leading dimension) of the matrices of an array of this layout in cuBLAS's
     terms (elements), or None when their strides fit no GEMM layout."""
@@ -152,7 +153,7 @@ def _collapses(lead, steps, n) -> bool:
     return all(s1 == s2 * n2 for (_, s1), (n2, s2) in zip(inner, inner[1:]))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=_LAYOUTS_KEPT)
 def _plan(lead, la, lb, lc):
     """The cuBLAS calls of C = A @ B for operands and result of layouts ``la``, ``lb``, ``lc``
     (:func:`_layout`; A and B fit a GEMM layout, C is untransposed), batch dims ``lead``:

@@ -5,6 +5,7 @@ non-zero on the first failure."""
 import math
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -296,6 +297,35 @@ def bfloat16_arrays():
 
     a = cupy.asarray(np.arange(4, dtype=np.float32)).astype(bfloat16)
     assert a.dtype == bfloat16 and (a.astype(np.float32) * 2).get().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+@check
+def mpi_reads_device_memory_only_when_cuda_aware_and_synchronized():
+    from mpi4py import MPI
+
+    def sendrecv(a, b):  # as minidist describes its messages: [buffer, MPI.BYTE]
+        MPI.COMM_SELF.Sendrecv([a, MPI.BYTE], 0, 0, [b, MPI.BYTE], 0, 0)
+
+    x, out = cupy.arange(6.0), cupy.zeros(6)
+    raises(TypeError, lambda: sendrecv(x, out))  # an MPI that is not CUDA-aware
+    cupy._CUDA_AWARE_MPI = True
+    try:
+        y = x * 2  # device work queued on this thread
+        raises(RuntimeError, lambda: sendrecv(y, out), "synchronize the stream first")
+        cupy.cuda.get_current_stream().synchronize()
+        sendrecv(y, out)
+        assert out.get().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+        z = y + 1
+        assert z.get()[0] == 1.0  # a blocking copy to the host waits for the queue too
+        sendrecv(z, out)
+        w = x * 3
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(cupy._tls.queued))
+        t.start()
+        t.join()
+        assert seen == [False] and cupy._tls.queued and w is not None  # per thread
+    finally:
+        cupy._CUDA_AWARE_MPI = False
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Rank bodies for tests/test_comm_p2p.py: point-to-point layer, groups, async, links."""
+import os
 import threading
 import time
 
@@ -147,3 +148,47 @@ def all_p2p_cases():
     groups_and_recent_ops()
     async_semantics()
     comm.barrier(comm.world())
+
+
+def device_p2p():
+    """Point-to-point messages between device arrays (run under the CuPy emulator, with or
+    without MINIDIST_EMULATED_CUDA_AWARE_MPI=1 and MINIDIST_CUDA_AWARE_MPI=1): blocking,
+    combined and nonblocking, from a strided view and into one, each right after the device
+    work that writes the array sent or frees memory the receive may get.  Prints how many
+    device->host copies the messages made."""
+    import cupy
+    from cupy import _emulator
+
+    from minidist.backend import xp
+
+    g = comm.world()
+    r, n = g.rank, g.size
+    right, left = (r + 1) % n, (r - 1) % n
+    base = xp.arange(24, dtype=xp.float64).reshape(4, 6)
+    _emulator.reset()
+    for step in range(2):
+        want = (base * (left + 1) + step).get()
+        x = base * (r + 1) + step  # a kernel writes what is sent next; device work is queued
+        if r % 2 == 0:
+            comm.send(x[:, ::2], right, g, tag=1)  # strided: a copy kernel makes it contiguous
+            x = x + 1  # queued again before the receive
+            got = comm.recv((4, 3), xp.float64, left, g, tag=1)
+        else:
+            got = comm.recv((4, 3), xp.float64, left, g, tag=1)
+            comm.send(x[:, ::2], right, g, tag=1)
+            x = x + 1
+        assert isinstance(got, cupy.ndarray) and np.array_equal(got.get(), want[:, ::2])
+        into = xp.zeros((4, 6))
+        comm.sendrecv(x, right, left, g, out=into, tag=2)
+        assert np.array_equal(into.get(), want + 1)
+        x = x * 2
+        into, strided = xp.zeros((4, 6)), xp.zeros((4, 12))
+        reqs = [comm.irecv(into, left, g, tag=3), comm.irecv(strided[:, ::2], left, g, tag=4),  # the view: staged
+                comm.isend(x, right, g, tag=3), comm.isend(x, right, g, tag=4)]
+        for req in reqs:
+            req.wait()
+        assert np.array_equal(into.get(), (want + 1) * 2)
+        assert np.array_equal(strided.get()[:, ::2], (want + 1) * 2) and not strided.get()[:, 1::2].any()
+    p2p = os.path.join("comm", "p2p", "__init__.py")
+    staged = [t for t in _emulator.transfers("d2h") if any(f.endswith(p2p) for f, _, _ in t.stack)]
+    print(f"rank {r}: {len(staged)} staged device->host copies", flush=True)

@@ -63,8 +63,9 @@ for the timeline only when it is set (one module-level None check before and aft
 # C-contiguous and on the host), so every dtype travels the same way and nothing is pickled.
 
 # With a CUDA-aware MPI (MINIDIST_CUDA_AWARE_MPI=1) the user-facing send/recv calls below hand
-# CuPy arrays to MPI as they are (mpi4py reads __cuda_array_interface__), after the stream's
-# queued work is done; the collectives' algorithms still stage through host memory.
+# CuPy arrays to MPI as they are (mpi4py passes their device address), after the stream's
+# queued work is done (_send_buffer, _receive_buffer); the collectives' algorithms still stage
+# through host memory.
 CUDA_AWARE = BACKEND == "cupy" and env.get("MINIDIST_CUDA_AWARE_MPI")
 
 
@@ -73,10 +74,25 @@ def _direct(a) -> bool:
     return a.flags.c_contiguous and (CUDA_AWARE or not on_device(a))
 
 
-def _host_contiguous(x) -> np.ndarray:
+def _receive_buffer(out):
+    """Where MPI writes a message for ``out``: ``out`` itself where it can (:func:`_direct`),
+    else a host buffer to stage it in.  A device ``out`` waits for the stream's queued work
+    first: MPI writes outside the stream's order, and the memory pool may have given ``out``
+    memory that queued kernels still read."""
+    if not _direct(out):
+        return np.empty(out.shape, out.dtype)
+    if on_device(out):
+        synchronize()
+    return out
+
+
+def _send_buffer(x):
+    """What MPI reads to send ``x``: its bytes, contiguous, on the host (staged there from
+    the device) or, with a CUDA-aware MPI, on the device."""
     if CUDA_AWARE and on_device(x):
-        synchronize()  # the kernels that wrote x must finish before MPI reads it
-        return xp.ascontiguousarray(x)
+        x = xp.ascontiguousarray(x)  # a copy kernel where x is a strided view
+        synchronize()  # the kernels that wrote x, and that copy, must finish before MPI reads it
+        return x
     h = to_host(x)  # a device array's copy is a staging span on the timeline (backend.to_host)
     if not isinstance(h, np.ndarray):
         raise TypeError(f"expected an array, got {type(x).__name__}")
@@ -314,17 +330,16 @@ def send(x, dst: int, group, tag: int = 0) -> None:
     """Blocking send of array ``x`` to group rank ``dst``."""
     dst, tag = _check_peer(dst, group, "dst"), _check_tag(tag)
     with stats.scope("send", None, group.name):
-        _send(group.user_comm, _host_contiguous(x), dst, tag)
+        _send(group.user_comm, _send_buffer(x), dst, tag)
 
 
 def recv_into(out, src: int, group, tag: int = 0):
     """Blocking receive into the preallocated array ``out`` (its size must match exactly)."""
     src, tag = _check_peer(src, group, "src"), _check_tag(tag)
-    direct = _direct(out)
-    buf = out if direct else np.empty(out.shape, out.dtype)
+    buf = _receive_buffer(out)
     with stats.scope("recv", None, group.name):
         _recv(group.user_comm, buf, src, tag)
-    if not direct:
+    if buf is not out:
         _stage_in(out, buf)
     return out
 
@@ -338,13 +353,12 @@ def sendrecv(x, dst: int, src: int, group, out=None, tag: int = 0):
     """Send ``x`` to ``dst`` and receive an array like ``x`` (or into ``out``) from ``src``."""
     dst, src = _check_peer(dst, group, "dst"), _check_peer(src, group, "src")
     tag = _check_tag(tag)
-    sendbuf = _host_contiguous(x)
+    sendbuf = _send_buffer(x)
     target = out if out is not None else xp.empty(x.shape, x.dtype)
-    direct = _direct(target)
-    buf = target if direct else np.empty(target.shape, target.dtype)
+    buf = _receive_buffer(target)
     with stats.scope("sendrecv", None, group.name):
         _sendrecv(group.user_comm, sendbuf, dst, buf, src, tag)
-    if not direct:
+    if buf is not target:
         _stage_in(target, buf)
     return target
 
@@ -383,7 +397,7 @@ class Request:
 def isend(x, dst: int, group, tag: int = 0) -> Request:
     """Start sending ``x`` to ``dst``; don't modify ``x`` before ``wait()``."""
     dst, tag = _check_peer(dst, group, "dst"), _check_tag(tag)
-    buf = _host_contiguous(x)
+    buf = _send_buffer(x)
     with stats.scope("isend", None, group.name):
         req = _isend(group.user_comm, buf, dst, tag)
     request = Request(group.user_comm, req, keep=buf)
@@ -394,10 +408,10 @@ def isend(x, dst: int, group, tag: int = 0) -> Request:
 def irecv(out, src: int, group, tag: int = 0) -> Request:
     """Start receiving into ``out`` from ``src``; ``wait()`` returns ``out``."""
     src, tag = _check_peer(src, group, "src"), _check_tag(tag)
-    direct = _direct(out)
-    staged = None if direct else np.empty(out.shape, out.dtype)
+    buf = _receive_buffer(out)
+    staged = None if buf is out else buf
     with stats.scope("irecv", None, group.name):
-        req = _irecv(group.user_comm, out if direct else staged, src, tag)
+        req = _irecv(group.user_comm, buf, src, tag)
     request = Request(group.user_comm, req, keep=None, out=out, staged=staged, src=src, tag=tag)
     request.group = group.name
     return request

@@ -42,6 +42,13 @@ What it emulates (the semantics of real CuPy that catch host/device mix-ups):
 * Device operations are counted (``_emulator.operations()``): every call that launches work,
   once, however it is built (a fused function's body is not counted again).  See _emulator.
 * ``cupyx.empty_pinned`` / ``zeros_pinned`` (plain NumPy arrays), ``cupyx.scatter_add``.
+* A CUDA-aware MPI, with ``MINIDIST_EMULATED_CUDA_AWARE_MPI=1``: arrays export
+  ``__cuda_array_interface__`` (and no ``__dlpack__``, which mpi4py would try first), so mpi4py
+  hands their memory to MPI as it hands a CuPy array's to a CUDA-aware MPI.  MPI works outside
+  the stream's order, so the export is refused while the calling thread has device work queued
+  since it last synchronized (a stream or device ``synchronize()``, or a blocking copy to the
+  host): the rule a program must follow on a GPU, where breaking it is a silent race.  Without
+  the variable arrays export nothing, and handing one to MPI fails.
 
 What it does not: no kernels of its own (RawModule's run on the CPU), no asynchrony, no
 speed, no device memory limit, no streams per device (a matmul's operands are checked like an
@@ -69,16 +76,23 @@ from . import _emulator
 
 __version__ = "13.3.0"  # the CuPy API mirrored (ufunc methods, fuse, ElementwiseKernel)
 EMULATED = True
+# The MPI beside this CuPy reads device memory (a CUDA-aware MPI): arrays then export
+# __cuda_array_interface__ (host memory here, which the real MPI reads and writes), so that a
+# program's CUDA-aware path runs; otherwise they export nothing and a device array handed to
+# MPI is an error (as it would be a crash with an MPI that is not CUDA-aware).
+_CUDA_AWARE_MPI = os.environ.get("MINIDIST_EMULATED_CUDA_AWARE_MPI", "0") == "1"
 
 # --------------------------------------------------------------------------- memory pool
 
 
 class _Local(threading.local):
     """Per host thread, as CUDA has it: the current device (0 in every new thread), the
-    Device context stack, and the op bookkeeping (nesting depth, buffers allocated so far)."""
+    Device context stack, the op bookkeeping (nesting depth, buffers allocated so far), and
+    whether the thread has issued device work since it last waited for its stream."""
     device = 0
     depth = 0
     allocs = 0
+    queued = False
 
     def __init__(self):
         self.stack = []
@@ -234,7 +248,12 @@ def _unwrap_kwargs(kw):
 
 def _to_host(a, kind, nbytes=None):
     _emulator.record("d2h", kind, a._a.nbytes if nbytes is None else nbytes)
+    _tls.queued = False  # a blocking copy to the host waits for the stream's queued work
     return a._a
+
+
+def _synchronized():
+    _tls.queued = False
 
 
 def _sync(kind, nbytes=8):
@@ -334,6 +353,7 @@ def _device_op(kind, inputs, compute, kernel=True, writes=False, check=True):
         if check and not kernel:
             _check_devices(_arrays(inputs, []), kind)
         _emulator.count_op(kind)
+        t.queued = True
     return r
 
 
@@ -822,8 +842,31 @@ class ndarray:
     def __deepcopy__(self, memo):
         return self._copy()
 
-    def __dlpack__(self, *a, **k):
-        raise TypeError("the emulated cupy.ndarray has no DLPack export")
+    @property
+    def __dlpack__(self):
+        if _CUDA_AWARE_MPI:  # absent, so that mpi4py takes __cuda_array_interface__ (it tries DLPack first)
+            raise AttributeError("__dlpack__")
+
+        def refuse(*a, **k):
+            raise TypeError("the emulated cupy.ndarray has no DLPack export")
+        return refuse
+
+    @property
+    def __cuda_array_interface__(self):
+        """Only with MINIDIST_EMULATED_CUDA_AWARE_MPI=1 (see the module's docstring): the
+        array's memory, for MPI to read and write as a CUDA-aware MPI does device memory, and
+        only once the calling thread has waited for the device work it queued."""
+        if not _CUDA_AWARE_MPI:
+            raise AttributeError("__cuda_array_interface__")
+        if _tls.queued:
+            raise RuntimeError(
+                "a device array was handed to MPI while this thread's queued device work may still "
+                "be running: MPI reads and writes device memory outside the stream's order (and the "
+                "memory pool may have given this array memory that queued kernels still read); "
+                "synchronize the stream first")
+        a = self._a
+        return {"shape": a.shape, "typestr": a.dtype.str, "data": (a.__array_interface__["data"][0], False),
+                "strides": None if a.flags.c_contiguous else a.strides, "version": 3, "stream": None}
 
 
 def _binary(name, reflected=False, inplace=False):
@@ -1031,7 +1074,7 @@ class _Device:
         _tls.device = _valid(self.id)
 
     def synchronize(self):
-        pass
+        _synchronized()
 
     compute_capability = property(lambda self: "90")
 
@@ -1075,7 +1118,7 @@ class _Stream:
         self.ptr = 0
 
     def synchronize(self):
-        pass
+        _synchronized()
 
     def use(self):
         return self
@@ -1155,7 +1198,7 @@ cuda.runtime.getDeviceCount = _device_count
 cuda.runtime.getDevice = _current
 cuda.runtime.setDevice = _set_device
 cuda.runtime.getDeviceProperties = _properties
-cuda.runtime.deviceSynchronize = lambda: None
+cuda.runtime.deviceSynchronize = _synchronized
 cuda.runtime.CUDARuntimeError = CUDARuntimeError
 cuda.runtime.runtimeGetVersion = lambda: 12040
 cuda.runtime.driverGetVersion = lambda: 12040
