@@ -24,6 +24,7 @@ conversion to NumPy and record every device->host transfer.  Checked:
 
 import json
 import os
+import re
 import sys
 from collections import Counter
 
@@ -267,7 +268,7 @@ def test_point_to_point_between_device_arrays(aware):
     flag = "1" if aware else "0"
     env = emulated_env(MINIDIST_CUDA_AWARE_MPI=flag, MINIDIST_EMULATED_CUDA_AWARE_MPI=flag)
     out = run_mpi(2, f"{P2P_BODIES}::device_p2p", timeout=90, env=env).stdout
-    counts = sorted(int(line.split(": ")[1].split()[0]) for line in out.splitlines() if "staged device->host" in line)
+    counts = sorted(int(n) for n in re.findall(r"rank \d+: (\d+) staged device->host copies", out))
     assert len(counts) == 2, out
     # staged: every send copies to the host (2 steps x 4 sends); CUDA-aware: none
     assert counts == ([0, 0] if aware else [8, 8]), out

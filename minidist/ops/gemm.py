@@ -128,7 +128,9 @@ def _layout(x):
 @functools.lru_cache(maxsize=_LAYOUTS_KEPT)
 def _matrix(shape, strides, itemsize):
     """(transposed, leading dimension) of the matrices of an array of this layout in cuBLAS's
-    terms (elements), or None when their strides fit no GEMM layout."""
+    terms (elements), or None when they fit no GEMM layout -- or when any stride, a batch
+    axis's too, is negative or not a whole number of elements: such an operand is copied
+    (an output, written through a copy), so :func:`_plan` only meets strides >= 0."""
     r, c = shape[-2:]
     if any(st < 0 or st % itemsize for st in strides):
         return None
@@ -170,8 +172,8 @@ def _plan(lead, la, lb, lc):
     inner = [i for i in range(outer, len(lead)) if lead[i] > 1]
     sa, sb, sc = (st[inner[-1]] if inner else 0 for st in steps)
     (ta, lda), (tb, ldb), (_, ldc) = (_matrix(*x) for x in (la, lb, lc))
-    offsets = [tuple(sum(i * s for i, s in zip(idx, st)) for st in steps)
-               for idx in itertools.product(*(range(n) for n in lead[:outer]))]
+    offsets = tuple(tuple(sum(i * s for i, s in zip(idx, st)) for st in steps)
+                    for idx in itertools.product(*(range(n) for n in lead[:outer])))
     return ta, lda, sa, tb, ldb, sb, ldc, sc, math.prod(lead[outer:]), offsets
 
 

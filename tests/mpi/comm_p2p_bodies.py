@@ -1,5 +1,6 @@
 """Rank bodies for tests/test_comm_p2p.py: point-to-point layer, groups, async, links."""
 import os
+import sys
 import threading
 import time
 
@@ -191,4 +192,5 @@ def device_p2p():
         assert np.array_equal(strided.get()[:, ::2], (want + 1) * 2) and not strided.get()[:, 1::2].any()
     p2p = os.path.join("comm", "p2p", "__init__.py")
     staged = [t for t in _emulator.transfers("d2h") if any(f.endswith(p2p) for f, _, _ in t.stack)]
-    print(f"rank {r}: {len(staged)} staged device->host copies", flush=True)
+    sys.stdout.write(f"rank {r}: {len(staged)} staged device->host copies\n")  # one write: ranks' lines do not merge
+    sys.stdout.flush()

@@ -258,6 +258,7 @@ def _synchronized():
 
 def _sync(kind, nbytes=8):
     _emulator.record("d2h", "sync:" + kind, nbytes)
+    _tls.queued = False  # a data-dependent shape read waits for the stream's queued work
 
 
 def _check_out(kw):
