@@ -311,12 +311,19 @@ def self_attention(qkv: Tensor, n_head: int, causal: bool = True, scale=None) ->
 
 
 def _self_attention_whole(qkv, X, out_dtype, B, T, H, D, causal, scale) -> Tensor:
-    """:func:`self_attention` as batched products on the (B, H, T, D) split of ``X``."""
+    """:func:`self_attention` as batched products on the (B, H, T, D) split of ``X``.
+
+    The split is a strided view, whose batch and head axes step through memory with two
+    strides, so each product is a cuBLAS call per batch element (gemm.py).  With causal blocks,
+    which multiply the calls by the blocks, the heads are copied contiguous first (one copy
+    each way per layer): every block is then one call over all (batch, head) pairs."""
     C = H * D
 
     def heads(a, part):  # part (0 = Q, 1 = K, 2 = V) of a (B, T, 3C) array as (B, H, T, D)
         return a[..., part * C:(part + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3)
 
+    if _causal_parts(heads(X, 0), heads(X, 1), causal):
+        return _self_attention_copied(qkv, X, out_dtype, B, T, H, D, scale)
     Qs, K, V = to_dtype(heads(X, 0) * scale, X.dtype), heads(X, 1), heads(X, 2)  # as in attention()
     Y = xp.empty((B, T, C), dtype=X.dtype)  # P V lands in its heads: no copy merges them
     P, P_op, O = _attend(Qs, K, V, causal, out=heads(Y, 0))
@@ -329,3 +336,20 @@ def _self_attention_whole(qkv, X, out_dtype, B, T, H, D, causal, scale) -> Tenso
         return (to_dtype(dX, qkv.dtype),)
 
     return make_tensor(to_dtype(Y, out_dtype), (qkv,), backward)
+
+
+def _self_attention_copied(qkv, X, out_dtype, B, T, H, D, scale) -> Tensor:
+    """Causal :func:`_self_attention_whole` on contiguous (3, B, H, T, D) copies of Q, K, V,
+    their gradients likewise, merged back into (B, T, 3C) at the end."""
+    QKV = xp.ascontiguousarray(X.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4))
+    Qs, K, V = to_dtype(QKV[0] * scale, X.dtype), QKV[1], QKV[2]
+    P, P_op, O = _attend(Qs, K, V, True)
+
+    def backward(g):
+        dO = xp.ascontiguousarray(to_dtype(g, O.dtype).reshape(B, T, H, D).transpose(0, 2, 1, 3))
+        dQKV = xp.empty_like(QKV)
+        _attend_backward(Qs, K, V, P, P_op, O, dO, True, out=tuple(dQKV))
+        dQKV[0] *= scale
+        return (to_dtype(dQKV.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * H * D), qkv.dtype),)
+
+    return make_tensor(to_dtype(O.transpose(0, 2, 1, 3).reshape(B, T, H * D), out_dtype), (qkv,), backward)

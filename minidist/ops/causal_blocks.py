@@ -21,10 +21,11 @@ two products rely on.  So the blocks are used only together with those kernels (
 on NumPy a test checks each product against the full one.  ``MINIDIST_CAUSAL_BLOCKS`` sets n;
 a block has at least ``MIN_ROWS`` rows, so short sequences stay whole.
 
-The price is n times the cuBLAS calls, and self-attention's head views already cost one call
-per batch element (gemm.py): where the GPU's work per step is small the host's calls can
-become the bottleneck.  Hence the default n = 1 (whole products) until a GPU measurement
-settles it (docs/gpu.md).
+The price is n times the cuBLAS calls, smaller ones, and (in self-attention, whose heads are
+strided views costing a call per batch element in gemm.py) a contiguous copy of Q, K and V
+and of their gradients, so that a block is one call over every (batch, head) pair
+(``attention._self_attention_copied``).  Hence the default n = 1 (whole products, no copies)
+until a GPU measurement settles it (docs/gpu.md).
 """
 
 from __future__ import annotations
