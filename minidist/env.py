@@ -124,7 +124,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("MINIDIST_CAUSAL_BLOCKS", _integer(1), "an integer >= 1", 1,
              "plain causal attention with minidist's CUDA kernels cuts its T x T products into this "
              "many query blocks and skips the masked ones above the diagonal, (n + 1) / 2n of the work "
-             "for n times the cuBLAS calls; 1: whole products (minidist/ops/causal_blocks.py)"),
+             "in n cuBLAS calls a product, on contiguous copies of self-attention's heads; 1: whole "
+             "products on the heads' views (minidist/ops/causal_blocks.py)"),
     Variable("MINIDIST_CUDA_AWARE_MPI", _switch, SWITCH, False,
              "the MPI library reads GPU memory: point-to-point messages pass CuPy arrays to MPI "
              "directly instead of staging them through host buffers (docs/gpu.md)"),
