@@ -167,21 +167,22 @@ def _cublas_on_the_host(calls):
     runtime = types.SimpleNamespace(CUDA_R_16F=2, CUDA_R_32F=0, CUDA_R_64F=1, CUDA_R_16BF=14)
     device = types.SimpleNamespace(get_cublas_handle=lambda: "handle")
 
-    def at(ptr, kind, rows, cols, ld, stride, batch):
+    def memory(ptr, kind, trans, rows, cols, ld, stride, batch):
+        """The host memory at ``ptr`` that a (rows x cols, op() applied) batch spans, as
+        numpy_gemm's (array, offset) pair."""
         dt = np.dtype({v: k for k, v in kinds.items()}[kind])
-        n = (batch - 1) * stride + (cols - 1) * ld + rows  # elements spanned
-        mem = np.frombuffer((ctypes.c_char * (n * dt.itemsize)).from_address(ptr), dtype=dt)
-        return as_strided(mem, shape=(batch, rows, cols), strides=(stride * dt.itemsize, dt.itemsize, ld * dt.itemsize))
+        rows, cols = (cols, rows) if trans else (rows, cols)  # as stored
+        n = (batch - 1) * stride + (cols - 1) * ld + rows
+        return np.frombuffer((ctypes.c_char * (n * dt.itemsize)).from_address(ptr), dtype=dt), 0
 
     def gemm_ex(handle, transa, transb, m, n, k, alpha, A, ta_kind, lda, sa, B, tb_kind, ldb, sb, beta, C, tc_kind,
                 ldc, sc, batch, compute, algo):
         assert handle == "handle" and algo == -1 and ta_kind == tb_kind
         scalar = ctypes.c_double if compute == 70 else ctypes.c_float
         assert (scalar.from_address(alpha).value, scalar.from_address(beta).value) == (1, 0)
-        a = at(A, ta_kind, k, m, lda, sa, batch).swapaxes(-1, -2) if transa else at(A, ta_kind, m, k, lda, sa, batch)
-        b = at(B, tb_kind, n, k, ldb, sb, batch).swapaxes(-1, -2) if transb else at(B, tb_kind, k, n, ldb, sb, batch)
-        c = at(C, tc_kind, m, n, ldc, sc, batch)
-        c[...] = a.astype(c.dtype) @ b.astype(c.dtype)
+        numpy_gemm(transa, transb, m, n, k, memory(A, ta_kind, transa, m, k, lda, sa, batch), lda, sa,
+                   memory(B, tb_kind, transb, k, n, ldb, sb, batch), ldb, sb,
+                   memory(C, tc_kind, 0, m, n, ldc, sc, batch), ldc, sc, batch)
         calls.append(compute)
 
     cublas.gemmStridedBatchedEx = gemm_ex
