@@ -18,6 +18,10 @@ the pieces that overlap what it needs (:func:`load`), so a run saved on dp2·tp2
 resumes on pp2·dp2, on cp2 or on one process.  Arrays are plain little-endian bytes; nothing
 is ever unpickled.
 
+Nothing a checkpoint says is trusted: every reader gets its metadata from
+``checkpoint_meta.read``, which checks every field (file names, sizes, shapes, dtypes, byte
+ranges, the tiling of the pieces) before any array file is opened or any array allocated.
+
 Atomic: the ranks write into ``DIR/.tmp-step-000123``; rank 0 writes the metadata last, renames
 the directory into place and only then points ``DIR/latest`` at it (a write and a rename).  A
 crash or a kill during a save leaves the previous checkpoint, and ``latest``, as they were.
@@ -30,22 +34,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import zlib
 
 import numpy as np
 
-FORMAT = "minidist-checkpoint-1"
-STEP_DIR = re.compile(r"^step-(\d{6,})$")
-#: Fields of the model that a checkpoint's arrays depend on: a resumed run must agree on them.
-MODEL_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "bias", "tie_embeddings", "dtype")
+from . import checkpoint_meta
+from .checkpoint_meta import FORMAT, MODEL_FIELDS, CheckpointError
 
 bytes_read = 0  # bytes this process read from checkpoint files (the resharding test counts them)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, damaged, or of another model (the message names the file)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -61,26 +58,20 @@ def resolve(path: str) -> str:
     latest checkpoint the previous good one."""
     if not os.path.isdir(path):
         raise CheckpointError(f"--resume {path}: no such checkpoint directory")
-    if os.path.exists(os.path.join(path, "metadata.json")):
+    if os.path.lexists(os.path.join(path, "metadata.json")):
         check(path)
         return path
-    latest = os.path.join(path, "latest")
-    if not os.path.exists(latest):
+    if not os.path.lexists(os.path.join(path, "latest")):
         raise CheckpointError(f"--resume {path}: not a checkpoint (no metadata.json) and no 'latest' in it")
-    with open(latest) as f:
-        name = f.read().strip()
-    chosen = os.path.join(path, name)
+    chosen = checkpoint_meta.latest(path)
+    name = os.path.basename(chosen)
     try:
         check(chosen)
     except CheckpointError as exc:
-        good = [d for d in _step_dirs(path) if d != name and _is_good(os.path.join(path, d))]
+        good = [d for d in checkpoint_meta.step_dirs(path) if d != name and _is_good(os.path.join(path, d))]
         hint = f"; the previous good one is {os.path.join(path, good[-1])}" if good else "; no other good checkpoint"
         raise CheckpointError(f"the latest checkpoint in {path} is damaged ({exc}){hint}") from None
     return chosen
-
-
-def _step_dirs(directory: str) -> list[str]:
-    return sorted(d for d in os.listdir(directory) if STEP_DIR.match(d))
 
 
 def _is_good(path: str) -> bool:
@@ -92,29 +83,15 @@ def _is_good(path: str) -> bool:
 
 
 def metadata(path: str) -> dict:
-    """The parsed ``metadata.json`` of checkpoint ``path``."""
-    file = os.path.join(path, "metadata.json")
-    try:
-        with open(file) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{file}: cannot be read ({exc})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{file}: not a {FORMAT} file")
-    return meta
+    """The ``metadata.json`` of checkpoint ``path``, every field checked (checkpoint_meta.py)."""
+    return checkpoint_meta.read(path)
 
 
 def check(path: str) -> dict:
-    """Cheap checks of a whole checkpoint (every rank may run them before training): the
-    metadata parses and every file has the size it should (a truncated file is named).  The
-    bytes themselves are checked piece by piece, by CRC, as they are read."""
-    meta = metadata(path)
-    for name, size in meta["files"].items():
-        file = os.path.join(path, name)
-        actual = os.path.getsize(file) if os.path.exists(file) else None
-        if actual != size:
-            raise CheckpointError(f"{file}: {'missing' if actual is None else f'{actual} bytes, expected {size}'}")
-    return meta
+    """Cheap checks of a whole checkpoint (every rank may run them before training): every
+    field of the metadata, and every file there with the size it should have (a truncated
+    file is named).  The bytes themselves are checked piece by piece, by CRC, as they are read."""
+    return metadata(path)
 
 
 def model_differences(meta: dict, model_config) -> list[str]:
@@ -337,7 +314,8 @@ def _host(array):
 class Reader:
     """This rank's view of a checkpoint: ``read(p, what, flat)`` gives the part of tensor
     ``p.name/what`` that ``p`` (its tensor-parallel slice) needs, reading only pieces that
-    overlap it; every piece read is checked against its CRC."""
+    overlap it; every piece read is checked against its CRC.  ``meta`` (default: read and
+    checked here) must come from :func:`metadata`: the reads trust its checked ranges."""
 
     def __init__(self, path: str, meta: dict | None = None):
         self.path = path
@@ -370,7 +348,7 @@ class Reader:
         return out if flat is not None else out.reshape(local_shape)
 
     def _assemble_flat(self, pieces, want: slice, dtype: str, size: int):
-        out = np.empty(want.stop - want.start, dtype=np.dtype(dtype))
+        out = np.empty(want.stop - want.start, dtype=checkpoint_meta.numpy_dtype(dtype))
         for pc in pieces:
             lo, hi = pc["flat"] if pc["flat"] is not None else (0, size)
             a, b = max(lo, want.start), min(hi, want.stop)
@@ -381,7 +359,7 @@ class Reader:
 
     def _global(self, entry):
         """The whole global tensor, from every saved tensor-parallel slice."""
-        shape, dtype = tuple(entry["global_shape"]), np.dtype(entry["dtype"])
+        shape, dtype = tuple(entry["global_shape"]), checkpoint_meta.numpy_dtype(entry["dtype"])
         by_spec = {}
         for pc in entry["pieces"]:
             by_spec.setdefault(tuple(pc["tp"]) if pc["tp"] is not None else None, []).append(pc)
@@ -438,7 +416,7 @@ def load_full(path: str) -> tuple[dict, dict]:
     """``(model config dict, {parameter name: whole array})`` of a checkpoint, gathered from any
     sharding on one process (for export and generation)."""
     path = resolve(path)
-    reader = Reader(path)
+    reader = Reader(path)  # the metadata checked again as it is read: the one this reader uses
     params = {key[:-len("/param")]: reader._global(entry)
               for key, entry in reader.meta["tensors"].items() if key.endswith("/param")}
     return reader.meta["model"], params

@@ -27,8 +27,10 @@ files on the host (the arrays come from ``checkpoint.load_full``, read from disk
 array library trains.
 
 Each output file is written to a temporary file in ``OUTDIR`` and renamed over the old one,
-so an existing export is replaced whole or not at all.  Bad input (a ``DIR`` that is not a
-checkpoint, a damaged one, an ``OUTDIR`` that is a file) stops with one line and exit code 2.
+so an existing export is replaced whole or not at all; nothing is written outside ``OUTDIR``
+(an ``OUTDIR`` that is a symbolic link is refused, links inside it are replaced, not followed).
+Bad input (a ``DIR`` that is not a checkpoint, a damaged or untrustworthy one: see
+``minidist/checkpoint_meta.py``; an ``OUTDIR`` that is a file) stops with one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -180,9 +182,12 @@ def hf_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
 
 
 def _replace(directory: str, name: str, write) -> str:
-    """``write(tmp)`` a file, then rename it over ``directory/name`` (atomic on one file system)."""
+    """``write(tmp)`` a file, then rename it over ``directory/name`` (atomic on one file system;
+    a link there is replaced, not followed)."""
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    if os.path.lexists(tmp):  # a leftover (or a link planted there): writing would follow it
+        os.remove(tmp)
     try:
         write(tmp)
         os.replace(tmp, final)
@@ -243,6 +248,8 @@ def main(argv=None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if os.path.islink(args.out):  # the files go inside OUTDIR itself, never where a link leads
+        parser.error(f"-o {args.out}: a symbolic link (to {os.readlink(args.out)}); give the directory itself")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"-o {args.out}: exists and is not a directory")
     if not os.path.isdir(args.checkpoint):
