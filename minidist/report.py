@@ -139,10 +139,12 @@ def memory_parts(held: dict, peak_bytes: int, state_mb: dict) -> dict:
     """Peak memory of the step (MiB) and its parts, from counted arrays: ``held`` (bytes of
     parameters, gradients and optimizer state at the step's start) plus ``peak_bytes`` (the
     most allocated on top during forward and backward) is the peak; ``state_mb`` (MiB held
-    after backward) gives parameters, gradients and optimizer state; activations are the
-    peak minus those three (with the step's temporaries and message buffers)."""
+    after the update) gives parameters and gradients, ``held`` the optimizer state (the
+    update creates it on the first step: it was not there at that step's peak); activations
+    are the peak minus those three (with the step's temporaries and message buffers)."""
     peak = (sum(held.values()) + (peak_bytes or 0)) / 2**20
-    parts = {k: float(state_mb[k]) for k in ("params", "grads", "optimizer")}
+    parts = {k: float(state_mb[k]) for k in ("params", "grads")}
+    parts["optimizer"] = held["optimizer"] / 2**20
     parts["activations"] = max(peak - sum(parts.values()), 0.0)
     return {"peak": peak, **parts}
 
