@@ -4,8 +4,13 @@ Under real mpiexec: ``--trace`` on --dp 2, --pp 2, --tp 2 and (4 ranks) --dp 2 -
 runs of a tiny GPT (3 steps)
 writes one merged Chrome trace: valid JSON, one process track per rank named by its mesh
 coordinates, only complete events, spans of one thread track disjoint or nested, the bytes
-on the message spans equal to comm.stats' counters of each rank, and each record's time
-breakdown summing to its step time.  Clocks: ranks whose tracer clocks are skewed by 1000 s
+on the message spans equal to comm.stats' counters of each rank.  Each record's time by
+part equals the parts read back from the file's own spans (each instant to the innermost
+main-thread span: computed here by a sweep, not by the library's code), and its parameters,
+gradients and optimizer state, on every rank, equal counts made from the model's shapes; the
+one-process run's activations match a measurement of the same step made in the test.  (The
+parts summing to the step time, or to the peak, would prove nothing: ``other`` and
+``activations`` are remainders.)  Clocks: ranks whose tracer clocks are skewed by 1000 s
 each line up again after the Cristian offsets, and stopping removes every hook.  HFU over MFU
 with activation checkpointing is the recomputed forward's share.  The breakdown itself on
 hand-made spans.
@@ -61,19 +66,104 @@ def check_trace(doc, ranks: int, payload: bool = True):
     return names, by_track
 
 
-def check_records(path, pipeline=False):
+MAIN_THREAD = ("compute (main thread)", "communication (main thread)")
+COMM = ("collective", "p2p", "wait", "message")
+PART_OF = {"compute": "compute", "optimizer": "optimizer", "bubble": "bubble", "sync": "compute"}
+
+
+def parts_from_file(doc, k: int, pid: int = 0) -> tuple:
+    """Step ``k``'s time by part on rank ``pid``, read from the trace file alone: the duration
+    of its ``step k`` span, and every instant of it given to the innermost main-thread span
+    that covers it (docs/tracing.md).  Swept over the elementary intervals between span
+    edges (the library walks a stack of spans instead); times in seconds."""
+    tids = {e["tid"] for e in doc["traceEvents"]
+            if e["pid"] == pid and e["name"] == "thread_name" and e["args"]["name"] in MAIN_THREAD}
+    mine = [e for e in spans(doc) if e["pid"] == pid and e["tid"] in tids]
+    (step,) = [e for e in mine if e["name"] == f"step {k}" and e["cat"] == "step"]
+    t0, t1 = step["ts"], step["ts"] + step["dur"]
+    inside = [e for e in mine if e["cat"] != "step" and e["ts"] >= t0 and e["ts"] + e["dur"] <= t1 + 1e-3]
+    edges = sorted({t0, t1, *(e["ts"] for e in inside), *(e["ts"] + e["dur"] for e in inside)})
+    parts = {"compute": 0.0, "comm": collections.Counter(), "bubble": 0.0, "optimizer": 0.0, "other": 0.0}
+    for a, b in zip(edges, edges[1:]):
+        if not t0 <= a < b <= t1:
+            continue
+        mid = (a + b) / 2
+        chain = sorted((e for e in inside if e["ts"] < mid < e["ts"] + e["dur"]), key=lambda e: (e["ts"], -e["dur"]))
+        part = "other", None  # no span: sampling the batch, the loop's Python
+        for depth, e in enumerate(chain):  # outermost first: a part may depend on the spans around
+            if e["cat"] in ("staging", "sync") and depth:
+                continue  # a host<->device copy counts for what it serves
+            if part[0] == "bubble":
+                continue  # everything inside a pipeline stage's wait is bubble
+            if e["cat"] in COMM:
+                part = "comm", (e.get("args") or {}).get("group")
+            elif e["cat"] == "staging":
+                part = "comm", "host<->device"
+            else:
+                part = PART_OF.get(e["cat"], "other"), None
+        if part[0] == "comm":
+            parts["comm"][part[1]] += (b - a) / 1e6
+        else:
+            parts[part[0]] += (b - a) / 1e6
+    parts["comm"] = dict(parts["comm"])
+    return step["dur"] / 1e6, parts
+
+
+# TINY's GPT-2 in numbers: width, vocabulary, positions, layers; float32 (4 bytes) parameters
+C, VOCAB, POSITIONS, LAYERS = 16, 256, 8, 2
+
+
+def expected_state_bytes(mesh: dict, rank: int, step: int) -> dict:
+    """Bytes of parameters, gradients and AdamW state that ``rank`` holds after backward in
+    step ``step``, counted from TINY's shapes (not from any array): each block has two
+    LayerNorms and the row-split layers' biases whole on every tensor-parallel rank, its four
+    matrices and the column-split biases split over ``tp``; the first pipeline stage holds the
+    token table (vocabulary split over ``tp``) and the positions, the last the final norm and
+    the tied table's copy; AdamW's two arrays per parameter exist from the first update on
+    (ZeRO-1's shards of them, over ``dp``, from the start)."""
+    dp, pp, tp = (mesh.get(k, 1) for k in ("dp", "pp", "tp"))
+    zero = mesh.get("zero", 0)
+    block = 4 * C + 2 * C + (3 * C * C + 3 * C + C * C + 4 * C * C + 4 * C + 4 * C * C) // tp
+    stage = (rank // tp) % pp  # tp innermost, then pp, dp outermost
+    n = LAYERS // pp * block
+    if stage == 0:
+        n += VOCAB * C // tp + POSITIONS * C
+    if stage == pp - 1:
+        n += 2 * C + (VOCAB * C // tp if pp > 1 else 0)
+    params = 4 * n
+    optimizer = 2 * params // dp if zero else 0 if step == 1 else 2 * params
+    return {"params": params, "grads": params, "optimizer": optimizer}
+
+
+def check_records(path, doc, mesh: dict, pipeline=False):
+    """Each record's time by part against the same parts read from the trace file's spans
+    (``parts_from_file``), and its memory parts against ``expected_state_bytes``: neither
+    side is the other's remainder, so a span given to the wrong part, a lost span, or a
+    state counted at the wrong moment makes them differ."""
     records = [json.loads(line) for line in open(path)]
-    assert len(records) == 3
+    assert [r["step"] for r in records] == [1, 2, 3]
+    world = mesh.get("dp", 1) * mesh.get("pp", 1) * mesh.get("tp", 1)
     for r in records:
+        step_s, want = parts_from_file(doc, r["step"])
         b = r["time_s"]
-        total = b["compute"] + b["bubble"] + b["optimizer"] + b["other"] + sum(b["comm"].values())
-        assert total == pytest.approx(r["step_time_s"], rel=1e-9, abs=1e-9)
-        assert b["compute"] > 0 and b["other"] >= 0
-        assert (b["bubble"] > 0) == pipeline
+        assert r["step_time_s"] == pytest.approx(step_s, abs=1e-8)
+        for part in ("compute", "bubble", "optimizer", "other"):
+            assert b[part] == pytest.approx(want[part], abs=1e-6), (r["step"], part, b, want)
+        assert b["comm"].keys() == want["comm"].keys(), (r["step"], b["comm"], want["comm"])
+        for group, seconds in want["comm"].items():
+            assert b["comm"][group] == pytest.approx(seconds, abs=1e-6), (r["step"], group, b, want)
+        assert b["compute"] > 0 and (b["bubble"] > 0) == pipeline
         assert r["hfu"] >= r["mfu"] > 0
-    parts = records[0]["mem_parts_mb"]  # measured on the first step
-    assert parts["peak"] == pytest.approx(parts["params"] + parts["grads"] + parts["optimizer"] + parts["activations"])
-    assert parts["params"] > 0 and parts["activations"] > 0
+    measured = [r for r in records if "mem_parts_mb" in r]
+    assert [r["step"] for r in measured] == [1, 2]  # the first step, and the one before each printed line
+    for r in measured:
+        rows = r.get("rank_mem_parts_mb", [r["mem_parts_mb"]])
+        assert len(rows) == world and rows[0] == r["mem_parts_mb"]
+        for rank, row in enumerate(rows):
+            want = expected_state_bytes(mesh, rank, r["step"])
+            got = {k: round(row[k] * 2**20) for k in want}
+            assert got == want, (r["step"], rank, got, want)
+            assert row["activations"] > 0
     return records
 
 
@@ -98,7 +188,7 @@ def test_dp2_trace_shows_async_gradient_reduction_on_its_own_track(tmp_path):
     assert any(e["cat"] == "wait" and e["args"]["group"] == "dp" for e in ev)  # the exposed part of it
     for r in range(2):
         assert {"F0", "B0", "optimizer"} <= {e["name"] for e in ev if e["pid"] == r}
-    records = check_records(metrics)
+    records = check_records(metrics, doc, {"dp": 2})
     assert "dp" in records[-1]["time_s"]["comm"]
     assert len(records[0]["rank_mem_parts_mb"]) == 2
 
@@ -117,7 +207,7 @@ def test_pp2_trace_has_microbatches_bubble_and_messages(tmp_path):
         sends = [e for e in mine if e["cat"] == "p2p" and e["name"] == "isend"]
         assert sends and all(e["args"]["group"] == "pp" and e["args"]["bytes_sent"] > 0 and e["args"]["peer"] == 1 - r
                              for e in sends)
-    check_records(metrics, pipeline=True)
+    check_records(metrics, doc, {"pp": 2}, pipeline=True)
 
 
 @pytest.mark.mpi
@@ -128,7 +218,7 @@ def test_tp2_trace_names_collectives_their_axis_and_algorithm(tmp_path):
     assert calls and all(e["args"]["algorithm"] and e["args"]["ranks"] == 2 for e in calls)
     assert {e["name"] for e in calls} & {"all_reduce", "all_gather", "reduce_scatter"}
     assert any(e["name"].startswith("block ") for e in spans(doc))
-    assert "tp" in check_records(metrics)[-1]["time_s"]["comm"]
+    assert "tp" in check_records(metrics, doc, {"tp": 2})[-1]["time_s"]["comm"]
 
 
 @pytest.mark.mpi
@@ -138,18 +228,57 @@ def test_dp2_tp2_names_both_axes_and_counts_every_byte(tmp_path):
     assert names == {0: "rank 0 (dp0 tp0)", 1: "rank 1 (dp0 tp1)", 2: "rank 2 (dp1 tp0)", 3: "rank 3 (dp1 tp1)"}
     groups = {e["args"].get("group") for e in spans(doc) if e["cat"] in ("collective", "p2p", "wait")}
     assert {"dp", "tp"} <= groups
-    assert {"dp", "tp"} <= set(check_records(metrics)[-1]["time_s"]["comm"])
+    assert {"dp", "tp"} <= set(check_records(metrics, doc, {"dp": 2, "tp": 2, "zero": 1})[-1]["time_s"]["comm"])
+
+
+def measured_activation_bytes(argv: list, step: int = 2) -> int:
+    """The activations of step ``step`` of the one-process run of ``argv``, measured here:
+    the same model and strategy built in this process (random tokens), tracemalloc's peak
+    during that step's forward and backward above what the step started with, less the
+    gradients counted from the shapes (``expected_state_bytes``).  The trainer's figure is
+    its peak minus its own counts of parameters, gradients and optimizer state."""
+    import tracemalloc
+
+    import numpy as np
+
+    from minidist.config import from_args
+    from minidist.data import Sampler
+    from minidist.flags import build_parser
+    from minidist.parallel.compose import build, build_mesh
+    from minidist.train import update
+
+    cfg = from_args(build_parser().parse_args(argv)).resolved(1)
+    _, strategy = build(cfg, build_mesh(cfg.parallel))
+    corpus = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
+    sampler = Sampler(corpus, cfg.data.seq_len, cfg.data.batch_size, cfg.model.seed)
+    tracemalloc.start()
+    try:
+        for k in range(1, step + 1):
+            x, y = sampler.batch(k - 1)
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            strategy.forward_backward(x, y, cfg.device.grad_accum)
+            peak = tracemalloc.get_traced_memory()[1] - base
+            update(strategy, None, cfg.optim.clip_grad)
+    finally:
+        tracemalloc.stop()
+    return peak - expected_state_bytes({}, 0, step)["grads"]
 
 
 def test_one_process_trace_and_hfu_with_recompute(tmp_path):
+    """Besides the trace and the record checks, the activations the record reports for its
+    second step against a measurement of the same step made here (measured_activation_bytes):
+    within 15% (this process's allocations are not the trainer's, byte for byte)."""
     from minidist.profile import model_flops_per_token
     from minidist.report import recompute_flops_per_token
 
     doc, metrics, _ = run(tmp_path, None, "--checkpoint-activations")
     names, _ = check_trace(doc, 1)
     assert names == {0: "rank 0"}
-    records = check_records(metrics)
+    records = check_records(metrics, doc, {})
     assert records[-1]["time_s"]["comm"] == {}
+    reported = records[1]["mem_parts_mb"]["activations"] * 2**20
+    assert reported == pytest.approx(measured_activation_bytes([*TINY, "--checkpoint-activations"]), rel=0.15)
     # HFU counts the recomputed forward of every block (PaLM appendix B): here 2 layers, C=16, T=8
     ratio = 1 + recompute_flops_per_token(2, 16, 8, True) / model_flops_per_token(2, 16, 8, 256)
     assert all(r["hfu"] / r["mfu"] == pytest.approx(ratio) for r in records)
