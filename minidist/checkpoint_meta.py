@@ -21,7 +21,8 @@ The rules, those of the format ``minidist.checkpoint`` writes:
   booleans), in their ranges; the mesh's sizes multiply to the world size;
 * the model config is one minidist builds (byte vocabulary, positive sizes, heads dividing
   the width, a known dtype and attention), and the tensors are exactly its parameters
-  (:func:`parameter_shapes`) and their optimizer states, each with the shape the config gives;
+  (:func:`parameter_shapes`) and their optimizer states, each with the shape and dtype the
+  config gives;
   on resume, ``minidist.flags`` then compares that config with the model being built;
 * dtypes come from :data:`DTYPES`;
 * a piece's tensor-parallel slice divides its dimension, its flat range lies inside the
@@ -235,7 +236,7 @@ class _Check:
         files = self.files(meta["files"], world)
         claimed = {name: [] for name in files}  # (start, stop, tensor) of every piece, per file
         for key, entry in meta["tensors"].items():
-            self.tensor(key, entry, shapes[key.rpartition("/")[0]], files, claimed)
+            self.tensor(key, entry, shapes[key.rpartition("/")[0]], model["dtype"], files, claimed)
         for name, ranges in claimed.items():
             ranges.sort()
             for (a0, a1, a), (b0, b1, b) in zip(ranges, ranges[1:]):
@@ -250,7 +251,7 @@ class _Check:
         for axis in MESH_AXES:
             self.integer(mesh[axis], f"mesh.{axis}", lo=1, hi=world)
         if _numel(mesh[a] for a in MESH_AXES) != world:
-            self.fail("mesh", f"{_show(mesh)} does not multiply to world_size {world}")
+            self.fail("mesh", f"sizes multiply to {_numel(mesh[a] for a in MESH_AXES)}, not world_size {world}")
 
     def model(self, model) -> dict:
         from .nn import ATTENTIONS
@@ -329,7 +330,7 @@ class _Check:
                 raise CheckpointError(f"{os.path.join(self.path, name)}: {actual} bytes, expected {size}")
         return files
 
-    def tensor(self, key: str, entry, shape: tuple, files: dict, claimed: dict) -> None:
+    def tensor(self, key: str, entry, shape: tuple, model_dtype: str, files: dict, claimed: dict) -> None:
         at = f"tensors[{_show(key)}]"
         self.kind(entry, dict, at, "a mapping")
         saved = self.kind(self.get(entry, "global_shape", at), list, f"{at}.global_shape", "a list of sizes")
@@ -340,6 +341,8 @@ class _Check:
         dtype = self.get(entry, "dtype", at)
         if dtype not in DTYPES:
             self.fail(f"{at}.dtype", f"is {_show(dtype)}: must be one of {', '.join(DTYPES)}")
+        if dtype != model_dtype:  # parameters and their optimizer states are kept in the model's dtype
+            self.fail(f"{at}.dtype", f"is {dtype}: the model's dtype is {model_dtype}")
         itemsize = numpy_dtype(dtype).itemsize
         pieces = self.kind(self.get(entry, "pieces", at), list, f"{at}.pieces", "a list")
         if not pieces:
