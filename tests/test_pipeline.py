@@ -1,4 +1,6 @@
-"""Pipeline parallelism equals the single-process run (float64), on 1, 2 and 4 ranks."""
+"""Pipeline parallelism equals the single-process run (float64), on 1, 2 and 4 ranks; on
+each rank, for every schedule, the most microbatches the runtime held in flight equals what
+the schedule simulator (simulate.py) finds for the same schedule."""
 import json
 import os
 import sys
@@ -14,6 +16,8 @@ import pipeline_bodies as B  # noqa: E402
 
 from minidist.nn import GPT  # noqa: E402
 from minidist.parallel.pipeline.runtime import PipelineRuntime, graph_activation_bytes  # noqa: E402
+from minidist.parallel.pipeline.schedules import make_schedule  # noqa: E402
+from minidist.parallel.pipeline.simulate import simulate  # noqa: E402
 
 
 def _group(size, rank=0):
@@ -23,14 +27,18 @@ def _group(size, rank=0):
 @pytest.mark.parametrize("schedule, M, V", [("gpipe", 4, 1), ("1f1b", 2, 1), ("looping", 2, 2),
                                              ("interleaved", 4, 2), ("naive", 2, 1)])
 def test_one_rank_pipeline_equals_serial(schedule, M, V):
-    """P = 1: every stage on this rank, activations handed over locally (no MPI)."""
+    """P = 1: every stage on this rank, activations handed over locally (no MPI).  The most
+    microbatches whose activations the runtime held at once is the schedule simulator's
+    count (simulate.simulate plays the same schedule with no model), not the runtime's own."""
     ref_losses, ref_state = B.serial_run(4)
     losses, state, pipe = B.pipeline_run(_group(1), schedule, M, V, layers=4)
+    assert len(losses) == len(ref_losses) == B.STEPS
     assert B._rel(losses, ref_losses) <= 1e-9
     assert state.keys() == ref_state.keys()
     for name in state:
         assert B._rel(state[name], ref_state[name]) <= 1e-9, name
-    assert pipe.stats["peak_in_flight"] == (M * V if schedule in ("gpipe", "looping") else pipe.stats["peak_in_flight"])
+    (expected,) = simulate(make_schedule(schedule, 1, M, V)).peak_in_flight
+    assert pipe.stats["peak_in_flight"] == expected, (pipe.stats["peak_in_flight"], expected)
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -184,6 +192,7 @@ def test_cli_pipeline_trains_like_one_process_and_reports_the_bubble(tmp_path):
     assert "pipeline bubble" in r2.stdout and "| bubble " in r2.stdout, r2.stdout
     ref = [json.loads(line) for line in one.read_text().splitlines()]
     got = [json.loads(line) for line in two.read_text().splitlines()]
+    assert len(ref) == len(got) == 5, (len(ref), len(got))
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b["loss"]) <= 1e-9 * abs(a["loss"]), (a["loss"], b["loss"])
     assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) <= 1e-9 * ref[-1]["val_loss"]

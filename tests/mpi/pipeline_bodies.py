@@ -11,7 +11,8 @@ from minidist import comm, ops
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, clip_grad_norm, no_decay_below_2d
 from minidist.parallel.pipeline.runtime import PipelineRuntime
-from minidist.parallel.pipeline.schedules import ORDERS, schedule_problem
+from minidist.parallel.pipeline.schedules import ORDERS, make_schedule, schedule_problem
+from minidist.parallel.pipeline.simulate import simulate
 
 STEPS, BATCH, SEQ = 5, 8, 8
 
@@ -89,9 +90,18 @@ def _rel(a, b):
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
+def _simulated_peak_in_flight(group, schedule, M, V=1) -> int:
+    """The most (microbatch, chunk) forwards awaiting their backward on this rank, from the
+    schedule simulator (simulate.py: the schedule played with no model and no runtime)."""
+    return simulate(make_schedule(schedule, group.size, M, V)).peak_in_flight[group.rank]
+
+
 def _check(label, group, run_kwargs, tol=1e-9):
+    """Losses and parameters against the serial run, and the runtime's measured peak of
+    activations in flight against the simulator's for the same schedule."""
     ref_losses, ref_state = serial_run(**{k: v for k, v in run_kwargs.items() if k not in ("schedule", "M", "V")})
     losses, state, pipe = pipeline_run(group, **run_kwargs)
+    assert len(losses) == len(ref_losses) == STEPS, f"{label}: {len(losses)} losses, serial {len(ref_losses)}"
     worst = _rel(losses, ref_losses)
     assert worst <= tol, f"{label}: losses {losses} vs serial {ref_losses} (rel {worst:.2e})"
     assert state, f"{label}: rank {group.rank} holds no parameters"
@@ -99,6 +109,9 @@ def _check(label, group, run_kwargs, tol=1e-9):
         err = _rel(value, ref_state[name])
         assert err <= tol, f"{label}: parameter {name} differs from serial by {err:.2e} (rel)"
         worst = max(worst, err)
+    peak = _simulated_peak_in_flight(group, run_kwargs["schedule"], run_kwargs["M"], run_kwargs.get("V", 1))
+    assert pipe.stats["peak_in_flight"] == peak, \
+        f"{label}: rank {group.rank} held {pipe.stats['peak_in_flight']} microbatches in flight, the schedule {peak}"
     return worst, pipe
 
 
@@ -147,13 +160,15 @@ def mixed_precision_close():
 
 
 def accounting():
-    """GPipe holds all M microbatches' activations, 1F1B at most P: measured peaks agree."""
+    """GPipe holds all M microbatches' activations, 1F1B at most P: measured peaks agree, with
+    the formulas and with the schedule simulator."""
     g = comm.world()
     P, M = g.size, 8
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
         _, _, pipe = pipeline_run(g, schedule, M, layers=P)
         peaks[schedule] = pipe.stats
+        assert pipe.stats["peak_in_flight"] == _simulated_peak_in_flight(g, schedule, M), (schedule, pipe.stats)
         assert 0.0 <= pipe.stats["bubble"] < 1.0 and pipe.stats["span_s"] > 0
     assert peaks["gpipe"]["peak_in_flight"] == M
     assert peaks["1f1b"]["peak_in_flight"] == min(P - g.rank, M)
@@ -237,6 +252,8 @@ def train_path_matrix():
         ref_losses, ref_params, _ = train_steps(_train_config(**common), STEPS, _CORPUS)
         run = _train_config(pp=2, dp=dp, **cfg)
         losses, params, _ = train_steps(run, STEPS, _CORPUS)
+        assert len(losses) == len(ref_losses) == STEPS + 1, (len(losses), len(ref_losses))  # and a validation loss
+        assert set(params) <= set(ref_params), sorted(set(params) - set(ref_params))
         if cfg.get("bucket_mb") == 0 and not cfg.get("no_overlap"):
             _check_overlap(run)
         err = max([_rel(losses, ref_losses)] + [_rel(v, ref_params[k]) for k, v in params.items()])
