@@ -58,21 +58,27 @@ def test_resume_is_bit_exact(n, mesh, tmp_path):
 @pytest.mark.mpi
 def test_a_checkpoint_of_dp2_tp2_zero1_resumes_on_other_meshes(tmp_path):
     """Saved on dp2·tp2 with ZeRO-1, resumed on pp2·dp2, cp2, one process and dp2·tp2 ZeRO-3:
-    the trajectory equals the uninterrupted single-process run to 1e-9."""
+    the trajectory equals the uninterrupted single-process run to 1e-9.  Each mesh saves into
+    a directory of its own, made empty for it, so the parameters compared are the ones that
+    mesh wrote (a save that wrote nothing cannot be judged on another mesh's checkpoint)."""
     (tmp_path / "one").mkdir(), (tmp_path / "ck").mkdir()
     straight, _ = _train(None, ["--save", str(tmp_path / "one")], tmp_path, "straight")
     saved, _ = _train(4, ["--dp", "2", "--tp", "2", "--zero", "1", "--save", str(tmp_path / "ck"),
                           "--save-every", "3"], tmp_path, "saved")
+    assert len(saved) == len(straight) == 6
     assert _rel(np.array(saved), np.array(straight)) < 1e-9
     want = _params(tmp_path / "one")
-    for n, mesh in [(4, ["--pp", "2", "--dp", "2"]), (2, ["--cp", "2"]), (None, []),
-                    (4, ["--dp", "2", "--tp", "2", "--zero", "3"])]:
-        out = tmp_path / "resumed"
-        out.mkdir(exist_ok=True)
+    for i, (n, mesh) in enumerate([(4, ["--pp", "2", "--dp", "2"]), (2, ["--cp", "2"]), (None, []),
+                                   (4, ["--dp", "2", "--tp", "2", "--zero", "3"])]):
+        out = tmp_path / f"resumed-{i}"
+        out.mkdir()
         losses, r = _train(n, mesh + ["--resume", str(tmp_path / "ck" / "step-000003"), "--save", str(out)],
-                           tmp_path, "resumed")
+                           tmp_path, f"resumed-{i}")
+        assert len(losses) == 3, (mesh, losses)
         assert _rel(np.array(losses), np.array(straight[3:])) < 1e-9, (mesh, losses, straight)
+        assert sorted(os.listdir(out)) == ["latest", "step-000006"], (mesh, os.listdir(out))
         got = _params(out)
+        assert got.keys() == want.keys(), (mesh, sorted(got.keys() ^ want.keys()))
         assert max(_rel(got[k], want[k]) for k in want) < 1e-9, mesh
 
 
@@ -273,7 +279,7 @@ def test_asynchronous_saving_writes_the_same_checkpoints(tmp_path):
     assert sorted(os.listdir(tmp_path / "async")) == sorted(os.listdir(tmp_path / "sync")) == names
     for step in names[1:]:
         a, s = _params(tmp_path / "async" / step), _params(tmp_path / "sync" / step)
-        assert all(np.array_equal(a[k], s[k]) for k in s), step
+        assert a.keys() == s.keys() and all(np.array_equal(a[k], s[k]) for k in s), step
 
 
 def test_a_resumed_run_prints_its_progress(tmp_path):
