@@ -173,6 +173,12 @@ def _metadata_link(save, meta):
     return "metadata.json: a link that leads outside"
 
 
+def _fifo(save, meta):
+    os.remove(save / STEP / "rank-00001.bin")
+    os.mkfifo(save / STEP / "rank-00001.bin")  # opening it would wait for a writer forever
+    return "rank-00001.bin: not a regular file"
+
+
 def _separator(save, meta):
     os.mkdir(save / STEP / "sub")
     shutil.copy(save / STEP / "rank-00000.bin", save / STEP / "sub" / "rank-00000.bin")
@@ -314,7 +320,7 @@ def _metadata_too_large(save, meta):
     return "larger than 67,108,864"
 
 
-RULES = [_link_outside, _step_link_outside, _latest_link, _metadata_link, _separator, _dotdot, _foreign_rank,
+RULES = [_link_outside, _step_link_outside, _latest_link, _metadata_link, _fifo, _separator, _dotdot, _foreign_rank,
          _negative_shape, _model_disagrees, _dtype_disagrees, _negative_nbytes, _beyond_the_file, _wrong_length,
          _gap, _overlap, _missing_slice, _bad_split, _shared_bytes, _nan_step, _string_size, _string_step,
          _bool_count, _missing_field, _bad_crc, _mesh, _huge_model, _unknown_tensor, _missing_tensor, _loss_scale,
