@@ -16,6 +16,7 @@ readable failures:
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import os
 import shutil
@@ -53,8 +54,32 @@ def train_steps(cfg, steps: int, corpus=None):
     ``{name: array}`` of every parameter this rank holds (its tensor-parallel slices of its
     pipeline stage, whole again under ZeRO-3), and ``{name: Shard or None}`` saying which slice.
     """
-    from minidist.backend import host
+    run = train_run(cfg, steps, corpus)
+    return run.losses, run.params, run.sharding
 
+
+@dataclasses.dataclass
+class TrainRun:
+    """What :func:`train_run` saw: besides :func:`train_steps`'s results, the parameters
+    before the first step (``initial``), the bytes of parameters, gradients and optimizer
+    state this rank held at the last update (``state_bytes``, from the arrays), the bytes it
+    sent on each group over the run (``sent``, comm.stats.bytes_by_group), what each update
+    did (``updates``: train.update's results, e.g. ``skipped`` and ``loss_scale``) and the strategy."""
+
+    losses: list
+    params: dict
+    sharding: dict
+    initial: dict
+    state_bytes: dict
+    sent: dict
+    updates: list
+    strategy: object
+
+
+def train_run(cfg, steps: int, corpus=None) -> TrainRun:
+    """:func:`train_steps` with what a test needs to check that the ranks split the work."""
+    from minidist.backend import host, to_host
+    from minidist.comm.stats import bytes_by_group
     from minidist.data import Sampler
     from minidist.optim import lr_at
     from minidist.parallel.compose import build, build_mesh
@@ -63,20 +88,23 @@ def train_steps(cfg, steps: int, corpus=None):
     if corpus is None:
         corpus = host.random.default_rng(1).integers(0, 256, 4000).astype(host.uint8)
     model, strategy = build(cfg, build_mesh(cfg.parallel))
+    sent0 = bytes_by_group()
+    initial = {k: host.array(to_host(v)) for k, v in strategy.parameters().items()}
     sampler = Sampler(corpus, cfg.data.seq_len, cfg.data.batch_size, cfg.model.seed)
     low, scaler = precision(cfg.device.mixed_precision)
-    o, losses = cfg.optim, []
+    o, losses, updates = cfg.optim, [], [{}]
     for step in range(steps):
         strategy.optimizer.lr = lr_at(step, o.lr, o.warmup, o.steps, o.min_lr)
         x, y = sampler.batch(step)
         losses.append(strategy.forward_backward(x, y, cfg.device.grad_accum, low, scaler.scale if scaler else 1.0))
-        update(strategy, scaler, o.clip_grad)
+        updates.append(update(strategy, scaler, o.clip_grad))
         strategy.metrics()
     losses.append(strategy.evaluate([sampler.batch(steps)], low))
-    sharding = {p.name: p.sharding for p in model.parameters()}
-    from minidist.backend import to_host
-
-    return losses, {k: host.array(to_host(v)) for k, v in strategy.parameters().items()}, sharding
+    sent = {g: n - sent0.get(g, 0) for g, n in bytes_by_group().items() if n != sent0.get(g, 0)}
+    return TrainRun(losses=losses, params={k: host.array(to_host(v)) for k, v in strategy.parameters().items()},
+                    sharding={p.name: p.sharding for p in model.parameters()}, initial=initial,
+                    state_bytes={k: round(v * 2**20) for k, v in updates[-1].get("state_mb", {}).items()},
+                    sent=sent, updates=updates[1:], strategy=strategy)
 
 
 def traced_peak_bytes(fn) -> int:
@@ -153,10 +181,10 @@ def _main(argv):
     path, _, func = target.partition("::")
     import runpy
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as `python SCRIPT` does: its siblings import
     if not func:
         runpy.run_path(path, run_name="__main__")
         return
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     namespace = runpy.run_path(path, run_name="__mpi_body__")
     if func not in namespace:
         raise SystemExit(f"{path} has no function {func!r}")

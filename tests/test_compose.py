@@ -3,7 +3,17 @@
 One parametrised equivalence matrix: each entry is a mesh, run once under mpiexec, with a few
 variants (data-parallel flavour, schedule, context implementation, per-device techniques);
 each variant's 5 steps in float64 must equal the single-process run to 1e-9 relative in the
-loss trajectory, the final validation loss and every parameter each rank holds.
+loss trajectory, the final validation loss and every parameter each rank holds (no gradient
+clipping, but in one variant: clipping would hide a gradient of the wrong scale from the
+losses).  The mixed-precision entries train 30 steps on real text and compare losses and
+parameters with the one-process run in the same precision, at bars set by the compute dtype's
+round-off (tests/mpi/compose_bodies.py says how).  Every entry also proves that its ranks
+split the work: their shares of the parameters and of the optimizer state, and the bytes they
+sent on each axis.
+
+The last test breaks runs on purpose (tests/mpi/faults.py) and shows that these checks fail:
+no gradient reduction over dp, negated gradients, a skipped update, fp16's loss scale never
+applied, gradients twice too large, every rank training the whole model alone.
 """
 import json
 import math
@@ -18,7 +28,7 @@ BODIES = os.path.join(os.path.dirname(__file__), "mpi", "compose_bodies.py")
 PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} where the design allows
     "dp2-pp2": [dict(dp=2, pp=2, zero=0, bucket_mb=0.0), dict(dp=2, pp=2, zero=1, schedule="gpipe", grad_accum=2),
                 dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, zero=3, schedule="interleaved", untied=True)],
-    "dp2-tp2": [dict(dp=2, tp=2, zero=0, sequence_parallel=True), dict(dp=2, tp=2, zero=1, tp_async="ring"),
+    "dp2-tp2": [dict(dp=2, tp=2, zero=0, sequence_parallel=True), dict(dp=2, tp=2, zero=1, tp_async="ring", clip_grad=0.05),
                 dict(dp=2, tp=2, zero=3, checkpoint_activations=True)],
     "dp2-cp2": [dict(dp=2, cp=2, zero=0), dict(dp=2, cp=2, zero=1, cp_impl="ulysses"),
                 dict(dp=2, cp=2, zero=3, grad_accum=2)],
@@ -37,10 +47,12 @@ TRIPLES = {  # 8 ranks
     "pp2-tp2-cp2": [dict(pp=2, tp=2, cp=2, sequence_parallel=True, zero=3)],
     "dp2-pp2-cp2": [dict(dp=2, pp=2, cp=2, hsdp_shard=2, grad_accum=2)],  # HSDP over (dp, cp) of a pipeline
 }
+BF16, FP16 = dict(dtype="float32", mixed_precision="bf16"), dict(dtype="float32", mixed_precision="fp16")
 MIXED = {  # float32 master weights, low-precision compute: close to one process's mixed-precision run
-    "dp2-pp2-tp2-bf16": [dict(dp=2, pp=2, tp=2, dtype="float32", mixed_precision="bf16", sequence_parallel=True),
-                         dict(dp=2, pp=2, tp=2, dtype="float32", mixed_precision="fp16", zero=3)],
-    "tp2-cp2-bf16": [dict(tp=2, cp=2, dtype="float32", mixed_precision="bf16", zero=1, cp_impl="ulysses")],
+    "dp2-pp2-tp2-bf16": [dict(dp=2, pp=2, tp=2, **BF16, sequence_parallel=True), dict(dp=2, pp=2, tp=2, **FP16, zero=3)],
+    "tp2-cp2-bf16": [dict(tp=2, cp=2, **BF16, zero=1, cp_impl="ulysses", sequence_parallel=True, tp_async="ring")],
+    "dp2-cp2-bf16": [dict(dp=2, cp=2, **BF16, zero=2)],
+    "dp2-tp2-fp16": [dict(dp=2, tp=2, **FP16, zero=0)],
 }
 FULL = {"dp2-pp2-tp2-cp2": [dict(dp=2, pp=2, tp=2, cp=2, zero=1, sequence_parallel=True, checkpoint_activations=True)]}
 
@@ -56,6 +68,39 @@ def _cases():
 def test_mesh_trains_like_one_process(ranks, variants):
     out = run_mpi(ranks, BODIES, json.dumps(variants), timeout=120 + 60 * len(variants) * ranks // 4).stdout
     assert out.count("equal to one process:") == len(variants), out
+
+
+FAULTS = [  # (variant, fault, what the failure must say)
+    (dict(dp=2, tp=2), "grad-scale-2x", "losses differ from one process"),  # no clipping: the losses see it
+    (dict(dp=2, tp=2, clip_grad=0.05), "grad-scale-2x", "parameters differ from one process"),  # clipped: only these
+    (MIXED["dp2-cp2-bf16"][0], "no-dp-reduce", "differ from one process"),
+    (MIXED["dp2-cp2-bf16"][0], "negate-grads", "differ from one process"),
+    (MIXED["dp2-cp2-bf16"][0], "skip-update", "differ from one process"),
+    (MIXED["dp2-tp2-fp16"][0], "no-dp-reduce", "differ from one process"),
+    (MIXED["dp2-tp2-fp16"][0], "no-loss-scale", "differ from one process"),
+    (dict(pp=2, tp=2), "alone", ("the blocks' parameters are not split over tp", "this rank holds blocks",
+                                 "ranks holding each block", "nothing sent on the pp axis",
+                                 "nothing sent on the tp axis")),
+    (dict(dp=2, cp=2, zero=1), "alone", ("bytes of optimizer state here", "the optimizer state adds up to",
+                                         "nothing sent on the dp axis", "nothing sent on the cp axis")),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("variant, fault, says", FAULTS,
+                         ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in v.items() if k in ('dp', 'pp', 'tp', 'cp', 'mixed_precision', 'clip_grad'))}"
+                              for v, f, _ in FAULTS])
+def test_a_broken_run_fails_the_matrix(variant, fault, says):
+    """The equivalence body, run with a bug injected into the parallel run only, must fail on
+    every rank with the check that catches that bug."""
+    from minidist.testing import MPIJobFailed
+
+    with pytest.raises(MPIJobFailed) as failed:
+        run_mpi(4, BODIES, json.dumps([variant]), fault, timeout=240)
+    text = str(failed.value)
+    for phrase in (says,) if isinstance(says, str) else says:
+        assert text.count(phrase) >= 1, f"{fault}: the failure does not say {phrase!r}:\n{text}"
+    assert "AssertionError" in text and "timed out" not in text, text
 
 
 # -- the composition table and the checks (no MPI) ---------------------------------------------

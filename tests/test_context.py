@@ -67,7 +67,6 @@ def test_context_parallel_trains_like_one_process():
     out = run_mpi(4, f"{BODIES}::train_all", timeout=240).stdout
     assert out.count("context done") == 4, out
     assert out.count("cp ok:") == 4 * 8, out
-    assert out.count("cp bf16 ok:") == 4 * 2, out
 
 
 @pytest.mark.mpi

@@ -22,7 +22,7 @@ def body(n, name, timeout=180, env=None):
 def test_every_zero_stage_equals_one_process(dp):
     out = body(dp, "matrix")
     for zero in range(4):
-        for variant in ("plain", "grad-accum 2", "checkpointing"):
+        for variant in ("plain", "grad-accum 2", "checkpointing", "clipped"):
             assert f"dp ok: dp={dp} zero={zero} {variant}" in out, out
     assert out.count("matrix done") == dp
 
@@ -30,7 +30,7 @@ def test_every_zero_stage_equals_one_process(dp):
 @pytest.mark.mpi
 def test_hsdp_equals_one_process():
     out = body(4, "hsdp")
-    assert out.count("hsdp ok") == 3, out
+    assert out.count("hsdp ok") == 4, out
 
 
 @pytest.mark.mpi

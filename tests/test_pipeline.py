@@ -83,7 +83,6 @@ def test_graph_activation_bytes_counts_the_kept_arrays():
 def test_two_ranks_every_schedule_equals_serial():
     out = run_mpi(2, f"{BODIES}::two_ranks", timeout=180).stdout
     assert "pipeline configs: 26 worst rel" in out, out
-    assert "pipeline bf16 ok" in out, out
     assert out.count("pipeline accounting ok") == 2, out
     assert out.count("train path ok: dp=1 x pp=2") == 5 and "train path done" in out, out
 

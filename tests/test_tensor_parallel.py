@@ -93,7 +93,6 @@ def test_training_equals_single_process_tp4_and_tp2():
         for mode in ("tensor", "sequence", "ring", "bidirectional", "untied head"):
             assert f"training ok: tp={n} {mode}" in out, out
     assert "activation checkpointing and 2 accumulated" in out and "tp=2 ring, activation" in out, out
-    assert out.count("bf16 within 2e-2") == 2, out
     assert out.count("training done") == 4, out
 
 

@@ -9,8 +9,8 @@ attention forward + backward and counts each rank's attention scores.
 import numpy as np
 from mpi4py import MPI
 
-from minidist import comm, ops
-from minidist.backend import bfloat16, from_host, to_host
+from minidist import comm
+from minidist.backend import from_host, to_host
 from minidist.autograd import Tensor
 from minidist.comm.group import Group
 from minidist.nn import GPT, GPTConfig
@@ -32,14 +32,13 @@ def _batches():
     return out
 
 
-def _serial(checkpoint=False, low=None, dtype="float64"):
-    model = GPT(GPTConfig(**{**CFG, "dtype": dtype}))
+def _serial(checkpoint=False):
+    model = GPT(GPTConfig(**CFG))
     model.checkpoint_activations = checkpoint
     opt = AdamW(model.parameters(), lr=1e-2)
     losses = []
     for x, y in _batches():
-        with ops.autocast(low):
-            loss = model(x, y)
+        loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -47,12 +46,11 @@ def _serial(checkpoint=False, low=None, dtype="float64"):
     return losses, model.state_dict()
 
 
-def _parallel(mesh, impl, attention="plain", block=None, checkpoint=False, grad_accum=1, low=None,
-              dtype="float64"):
+def _parallel(mesh, impl, attention="plain", block=None, checkpoint=False, grad_accum=1):
     """Train on ``mesh`` (dp x cp): batch rows split over dp, sequences over cp, gradients and
     the reported loss summed over the ("dp", "cp") group."""
     cp = ctx.ContextParallel(mesh.group("cp"), impl=impl, attention=attention, block=block)
-    model = GPT(GPTConfig(**{**CFG, "dtype": dtype}))
+    model = GPT(GPTConfig(**CFG))
     model.checkpoint_activations = checkpoint
     cp.install(model)
     opt = AdamW(model.parameters(), lr=1e-2)
@@ -64,8 +62,7 @@ def _parallel(mesh, impl, attention="plain", block=None, checkpoint=False, grad_
         total = 0.0
         for k in range(grad_accum):
             m = rows // grad_accum
-            with ops.autocast(low):
-                loss = cp.loss(model, xs[k * m:(k + 1) * m], ys[k * m:(k + 1) * m]) * (m / BATCH)
+            loss = cp.loss(model, xs[k * m:(k + 1) * m], ys[k * m:(k + 1) * m]) * (m / BATCH)
             loss.backward()
             total += loss.item()
         allreduce_gradients(model.parameters(), both)
@@ -102,13 +99,8 @@ def train_all():
     for name, kw in runs:
         losses, params, _ = _parallel(**kw)
         _compare(name, (losses, params), ref, rank)
-    # Mixed precision (bf16 activations and matmul inputs, float32 weights): the same
-    # roundings happen in a different order, so the losses agree to bf16's precision only.
-    ref_losses, _ = _serial(low=bfloat16, dtype="float32")
-    for impl in ("ring", "ulysses"):
-        losses, _, _ = _parallel(comm.Mesh(cp=4), impl, low=bfloat16, dtype="float32")
-        np.testing.assert_allclose(losses, ref_losses, rtol=2e-2, err_msg=f"{impl} bf16")
-        print(f"rank {rank}: cp bf16 ok: {impl} {losses[-1]:.4f} vs {ref_losses[-1]:.4f}", flush=True)
+    # Mixed precision, ring and Ulysses: tests/test_compose.py's mixed entries (real text,
+    # losses and parameters at bars from bf16's round-off).
     print(f"rank {rank}: context done", flush=True)
 
 
@@ -175,7 +167,7 @@ def strategy_matrix():
     def config(*flags):
         given = from_args(build_parser().parse_args(
             ["--layers", "2", "--d-model", "16", "--heads", "4", "--seq-len", "16", "--batch-size", "6",
-             "--dtype", "float64", "--lr", "1e-2", "--warmup", "1", "--clip-grad", "0.05", "--steps", str(STEPS),
+             "--dtype", "float64", "--lr", "1e-2", "--warmup", "1", "--clip-grad", "0", "--steps", str(STEPS),
              *flags]))
         world_size = given.parallel.world_size
         assert problems(given, world_size) == [], (flags, problems(given, world_size))

@@ -148,17 +148,6 @@ def equal_to_serial():
         print(f"pipeline configs: {len(configs)} worst rel {worst:.2e}", flush=True)
 
 
-def mixed_precision_close():
-    """bf16 activations through the pipeline: losses close to the serial bf16 run (the
-    low-precision roundings are the same ops, but sums run in another order)."""
-    g = comm.world()
-    ref, _ = serial_run(4, low="bfloat16", dtype="float32")
-    losses, _, _ = pipeline_run(g, "1f1b", 4, 1, layers=4, low="bfloat16", dtype="float32")
-    assert _rel(losses, ref) < 1e-2, (losses, ref)
-    if g.rank == 0:
-        print("pipeline bf16 ok", flush=True)
-
-
 def accounting():
     """GPipe holds all M microbatches' activations, 1F1B at most P: measured peaks agree, with
     the formulas and with the schedule simulator."""
@@ -197,7 +186,7 @@ def _train_config(**over):
     from minidist.parallel.compose import problems
 
     argv = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "11",
-            "--dtype", "float64", "--lr", "1e-2", "--warmup", "1", "--clip-grad", "0.05", "--steps", str(STEPS)]
+            "--dtype", "float64", "--lr", "1e-2", "--warmup", "1", "--clip-grad", "0", "--steps", str(STEPS)]
     given = from_args(build_parser().parse_args(argv))
     if "no_overlap" in over:
         over["overlap"] = not over.pop("no_overlap")
@@ -268,7 +257,6 @@ def train_path_matrix():
 
 def two_ranks():
     equal_to_serial()
-    mixed_precision_close()
     accounting()
     train_path_matrix()
 

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from minidist import comm, nn, ops
 from minidist.autograd import Tensor
-from minidist.backend import bfloat16, from_host, to_host
+from minidist.backend import from_host, to_host
 from minidist.comm.group import Group
 from minidist.comm.mesh import Mesh
 from minidist.config import RunConfig
@@ -270,16 +270,8 @@ def training_matches_serial():
                     "and 2 accumulated micro-batches", sp=True, checkpoint=True, grad_accum=2)
     _check_training(pair, serial[False], batches, "tp=2 ring, activation checkpointing",
                     sp=True, overlap="ring", checkpoint=True)
-    # Mixed precision (bf16 matmuls, fp32 master weights): rounding differs (each rank rounds
-    # its partial products), so the check is loose; it catches a wrong gradient, not round-off.
-    low = np.dtype(bfloat16)
-    serial_bf16 = _train(compose.build(_config(dtype="float32"), None)[1], batches, low=low)
-    for mode, sp, overlap in MODES[2:3]:  # ring: sequence parallel and the collective matmul
-        _, strategy = compose.build(_config(2, sp, overlap, dtype="float32"), pair)
-        tp_bf16 = _train(strategy, batches, low=low)
-        np.testing.assert_allclose(tp_bf16, serial_bf16, rtol=2e-2, err_msg=f"bf16 {mode}")
-        if pair.world.rank == 0:
-            print(f"training ok: tp=2 {mode} bf16 within 2e-2 of the serial bf16 run", flush=True)
+    # Mixed precision: tests/test_compose.py's mixed entries (30 steps on real text, losses and
+    # parameters at bars from bf16's round-off, sequence parallel and the ring matmul among them).
     print(f"training done on rank {world.rank}", flush=True)
 
 
