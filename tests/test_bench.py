@@ -2,7 +2,8 @@
 smallest form, once per session, and each writes the JSON its table is made from.  No timing
 is asserted here (benchmarks check speed, tests never do: the machines are shared and noisy),
 only that every row is there and every number is sane, and that the driver says what it runs,
-skips what cannot run with a reason, and shows a failing part's output."""
+skips what cannot run with a reason, and shows a failing part's output.  A part that ran
+and wrote no JSON fails (only a part skipped with its reason may leave none)."""
 import importlib
 import importlib.util
 import json
@@ -52,17 +53,53 @@ def test_run_all_quick_says_what_it_runs(quick_run):
     assert all(durations[name] > 0 for name in parts if name != "model")
 
 
+# The JSON each part of run_all.py writes (a part it skips, with its reason, writes none).
+RESULTS = {"collectives": "collectives.json", "model": "model_step.json", "ddp": "ddp.json",
+           "tensor": "tensor_parallel.json", "context": "context.json", "pipeline": "pipeline.json",
+           "compose": "compose.json", "tracing": "tracing.json", "plan": "plan.json", "gpu": "gpu.json",
+           "checkpoint": "checkpoint.json", "launches": "launches.json"}
+
+
+def _skipped(stdout: str) -> set:
+    """The parts the driver said it skipped (``[k/n] name: skipped: reason``)."""
+    parts = _import("run_all").PARTS
+    return {p.name for k, p in enumerate(parts, 1) if f"[{k}/{len(parts)}] {p.name}: skipped: " in stdout}
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_every_part_that_ran_wrote_its_json(quick_run):
+    """A part that exits 0 without writing its JSON fails here: the only parts allowed no file
+    are those the driver named as skipped, with a reason (the tests below read the files)."""
+    out, stdout = quick_run
+    parts = _import("run_all").PARTS
+    assert {p.name for p in parts} == set(RESULTS)  # a new part needs its file named here
+    skipped = _skipped(stdout)
+    for k, p in enumerate(parts, 1):
+        path = out / RESULTS[p.name]
+        if p.name in skipped:
+            assert not path.exists(), (p.name, "skipped, yet a result file is there")
+            continue
+        assert f"[{k}/{len(parts)}] {p.name}: done in" in stdout, p.name
+        assert path.exists(), f"{p.name} finished without writing {path.name}"
+        with open(path) as f:
+            assert json.load(f), path.name
+
+
 def test_run_all_writes_one_report(quick_run):
     """REPORT.md: the machine at the top, then a section per benchmark whose figures are
-    numbers read from its JSON (no part unreadable)."""
+    numbers read from its JSON (no part unreadable).  A missing JSON fails unless its part
+    was skipped with a reason."""
     out, stdout = quick_run
     assert "report: " in stdout
     text = (out / "REPORT.md").read_text()
     assert text.index("## The machine") < text.index("CPU: ") < text.index("MPI: ")
+    skipped = {RESULTS[name] for name in _skipped(stdout)}
     for name in ("collectives.json", "model_step.json", "ddp.json", "pipeline.json", "compose.json",
                  "checkpoint.json", "context.json", "tensor_parallel.json", "tracing.json", "plan.json",
                  "launches.json"):
-        if (out / name).exists():
+        assert (out / name).exists() or name in skipped, f"{name} missing, and its part was not skipped"
+        if name not in skipped:
             section = text.split(f"(`{name}`)", 1)[1].split("\n## ", 1)[0]
             rows = [r for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
             assert rows and all("could not be read" not in r and "unreadable" not in r for r in rows), section
