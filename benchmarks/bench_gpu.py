@@ -67,7 +67,7 @@ def skip_reason(smoke: bool) -> str | None:
 
 # (mode, --mixed-precision, minidist's attention): the plain attention (T x T probabilities,
 # batched products) and the blockwise one, which runs as the FlashAttention CUDA kernels of
-# minidist/ops/flash_cuda.py on CuPy.  PyTorch runs its own fused attention in every mode.
+# minidist/ops/cuda/flash.py on CuPy.  PyTorch runs its own fused attention in every mode.
 MODES = (("fp32", "none", "plain"), ("bf16", "bf16", "plain"),
          ("fp32 flash", "none", "blockwise"), ("bf16 flash", "bf16", "blockwise"))
 

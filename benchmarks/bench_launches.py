@@ -26,11 +26,11 @@ PyTorch's default on CUDA (on the CPU they default to a loop over the tensors).
 The model is bench_gpu.py's GPT (12 layers, 12 heads, d_model 768, seq 1024, batch 8) with the
 same number of layers and heads but a smaller d_model, sequence and batch (COUNT_SHAPE): the
 number of operations does not depend on the sizes (no loop runs over rows, tiles or elements
-on the host; the blockwise attention is flash_cuda's kernels, one launch per call).  Each
+on the host; the blockwise attention is cuda.flash's kernels, one launch per call).  Each
 count is checked at a second, larger size (SIZE_CHECK_SHAPE) and the result says whether they
 agree.  A step is forward, backward, gradient clipping at 1.0 and the AdamW update, counted
 after one warm-up step; fp32 and ``--mixed-precision bf16`` (PyTorch: bf16 autocast), with
-minidist's plain attention and its blockwise one (flash_cuda's RawKernels under the emulator,
+minidist's plain attention and its blockwise one (cuda.flash's RawKernels under the emulator,
 which compiles them as C++ for the CPU: that row is skipped without a C++ compiler).
 
     python benchmarks/bench_launches.py [--quick] [--out DIR]

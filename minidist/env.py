@@ -113,14 +113,14 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "caches and BLAS threads; auto: tuned on NumPy, whole on CuPy (minidist/ops/tuning.py)"),
     Variable("MINIDIST_CUDA_KERNELS", _choice("auto", "off"), "'auto' or 'off'", "auto",
              "minidist's own CUDA kernels on CuPy (auto): FlashAttention for blockwise attention "
-             "(ops/flash_cuda.py), the causal softmax of plain attention and its gradient "
-             "(ops/softmax_cuda.py), GELU (ops/gelu_cuda.py), LayerNorm (ops/layernorm_cuda.py) and "
-             "the one-launch optimizer step (ops/multi_tensor_cuda.py); off: the xp forms they are "
+             "(ops/cuda/flash.py), the causal softmax of plain attention and its gradient "
+             "(ops/cuda/softmax.py), GELU (ops/cuda/gelu.py), LayerNorm (ops/cuda/layernorm.py) and "
+             "the one-launch optimizer step (ops/cuda/multi_tensor.py); off: the xp forms they are "
              "tested against"),
     Variable("MINIDIST_CUBLAS_BATCHED", _choice("auto", "off"), "'auto' or 'off'", "auto",
              "matrix products on CuPy call cuBLAS's strided batched GEMM on the arrays' own strides, "
              "and write float32 products of bf16/fp16 operands directly (auto), or use CuPy's matmul, "
-             "which copies non-contiguous operands, and casts (off) (minidist/ops/gemm.py)"),
+             "which copies non-contiguous operands, and casts (off) (minidist/ops/cuda/gemm.py)"),
     Variable("MINIDIST_CAUSAL_BLOCKS", _integer(1), "an integer >= 1", 1,
              "plain causal attention with minidist's CUDA kernels cuts its T x T products into this "
              "many query blocks and skips the masked ones above the diagonal, (n + 1) / 2n of the work "

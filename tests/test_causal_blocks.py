@@ -43,10 +43,10 @@ def test_the_three_products_equal_the_whole_ones(parts):
 @pytest.mark.parametrize("through", ["matmul", "cuBLAS's strided batched call (a NumPy model)"])
 def test_products_into_the_heads_of_a_fused_array(through, monkeypatch):
     """As self-attention uses them: operands and outputs are head views of (B, T, 3C) arrays.
-    On a GPU each block is a strided batched cuBLAS call per batch element (ops/gemm.py),
+    On a GPU each block is a strided batched cuBLAS call per batch element (ops/cuda/gemm.py),
     modelled here as test_gemm.py models it."""
     if through != "matmul":
-        from minidist.ops import gemm
+        from minidist.ops.cuda import gemm
         from test_gemm import numpy_gemm
 
         monkeypatch.setattr(gemm, "xp", np)

@@ -10,7 +10,7 @@ conversion to NumPy and record every device->host transfer.  Checked:
 (c) that a training step brings nothing to the host except through ``backend.to_host``
     (host_read and the MPI staging go through it): any other read is a synchronisation the
     step does not account for;
-(d) ``--attention blockwise``, which on CuPy runs flash_cuda's CUDA kernels (the emulator's
+(d) ``--attention blockwise``, which on CuPy runs cuda.flash's CUDA kernels (the emulator's
     RawModule compiles them for the CPU with tests/cuda_on_cpu.py) and on NumPy the batched-
     product reference: equal losses check the kernels in training, forward and backward, one
     process and under Ulysses, float64 and float32, and the launch record shows they ran;
@@ -160,8 +160,8 @@ def test_a_step_reads_only_the_scalars_its_algorithm_needs(name, nprocs, args, t
         assert reads.get("loss", 0) == (0 if name == "pp2" else 1) and reads.get("gradient norm", 0) <= 1, reads
 
 
-# --attention blockwise: flash_cuda's kernels under the emulator (head size 8 here, within
-# flash_cuda.MAX_HEAD_DIM), blockwise.py's batched products on NumPy.  Ulysses' inner attention is
+# --attention blockwise: cuda.flash's kernels under the emulator (head size 8 here, within
+# cuda.flash.MAX_HEAD_DIM), blockwise.py's batched products on NumPy.  Ulysses' inner attention is
 # the blockwise op, on all heads' share of each rank.  float32: the kernels and the reference sum
 # in different orders, so the losses agree to float32's rounding, not bit for bit.
 BLOCKWISE = ["--attention", "blockwise"]
@@ -195,7 +195,7 @@ def test_flash_kernels_train_as_the_numpy_reference(name, nprocs, args, dtype, r
 
 
 def test_the_flash_kernels_read_nothing_back_in_a_step(tmp_path_factory):
-    """The kernels' wrappers (flash_cuda.forward/backward) keep everything on the device."""
+    """The kernels' wrappers (cuda.flash.forward/backward) keep everything on the device."""
     _needs_a_compiler()
     _, transfers = emulated_run("blockwise", None, BLOCKWISE + ["--dtype", "float64"], tmp_path_factory)
     step = [t for t in transfers if _in_step(t)]

@@ -1,7 +1,7 @@
-"""The FlashAttention CUDA kernels (minidist/ops/flash_cuda.py) against the blockwise reference.
+"""The FlashAttention CUDA kernels (minidist/ops/cuda/flash.py) against the blockwise reference.
 
 No GPU is needed: the kernel source runs on the CPU under tests/cuda_on_cpu.py (each thread
-block as fibers handing over at __syncthreads), called through flash_cuda's own forward/backward
+block as fibers handing over at __syncthreads), called through cuda.flash's own forward/backward
 wrappers.  Where nvcc exists, the same source is also compiled for an H100 (sm_90), which
 catches what a host compiler accepts but CUDA does not.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from minidist.backend import BACKEND
-from minidist.ops import blockwise, flash_cuda
+from minidist.ops import blockwise, cuda
 
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
 if cuda_on_cpu.compiler() is None:
@@ -26,12 +26,12 @@ on_numpy = pytest.mark.skipif(BACKEND != "numpy", reason="the CPU emulation of t
 
 def emulated(real: str, head_dim: int, block_n: int | None = None) -> dict:
     """The kernels compiled for the CPU, callable like CuPy's: kernel(grid, block, args)."""
-    defines = flash_cuda.defines(real, head_dim)
+    defines = cuda.flash.defines(real, head_dim)
     if block_n is not None:
         defines["BLOCK_N"] = str(block_n)
-    module = cuda_on_cpu.Module(flash_cuda.SOURCE, defines)
+    module = cuda_on_cpu.Module(cuda.flash.SOURCE, defines)
     return {name: (lambda grid, block, args, name=name: module.launch(name, grid, block[0], args))
-            for name in flash_cuda.KERNELS}
+            for name in cuda.flash.KERNELS}
 
 
 def reference(q, k, v, do, scale, causal, q0, k0):
@@ -54,15 +54,15 @@ def reference(q, k, v, do, scale, causal, q0, k0):
     (True, 10, 10, 20, 20),    # the diagonal pair of a later chunk
 ])
 def test_kernels_equal_the_blockwise_reference(monkeypatch, dtype, tol, causal, tq, tk, q0, k0):
-    monkeypatch.setattr(flash_cuda, "THREADS", 4)  # several blocks and threads at these sizes
+    monkeypatch.setattr(cuda.flash, "THREADS", 4)  # several blocks and threads at these sizes
     rng = np.random.default_rng(0)
     B, H, D = 2, 3, 8
     q, do = (rng.standard_normal((B, H, tq, D)).astype(dtype) for _ in range(2))
     k, v = (rng.standard_normal((B, H, tk, D)).astype(dtype) for _ in range(2))
     scale = 1 / np.sqrt(D)
     kernels = emulated("double" if dtype == np.float64 else "float", D, block_n=3)
-    o, lse = flash_cuda.forward(q, k, v, scale, causal, q0, k0, kernels=kernels)
-    dq, dk, dv = flash_cuda.backward(q, k, v, o, lse, do, scale, causal, q0, k0, kernels=kernels)
+    o, lse = cuda.flash.forward(q, k, v, scale, causal, q0, k0, kernels=kernels)
+    dq, dk, dv = cuda.flash.backward(q, k, v, o, lse, do, scale, causal, q0, k0, kernels=kernels)
     want = reference(q, k, v, do, scale, causal, q0, k0)
     for name, got, ref in zip(("O", "L", "dQ", "dK", "dV"), (o, lse, dq, dk, dv), want):
         assert got.dtype == dtype and got.shape == ref.shape, name
@@ -72,9 +72,9 @@ def test_kernels_equal_the_blockwise_reference(monkeypatch, dtype, tol, causal, 
 @on_numpy
 def test_a_query_that_sees_no_key_gets_zeros_and_minus_infinity(monkeypatch):
     """A ring-attention pair where the keys all lie after the queries: nothing is seen."""
-    monkeypatch.setattr(flash_cuda, "THREADS", 4)
+    monkeypatch.setattr(cuda.flash, "THREADS", 4)
     q = np.ones((1, 1, 4, 8))
-    o, lse = flash_cuda.forward(q, q, q, 0.5, True, q0=0, k0=4, kernels=emulated("double", 8))
+    o, lse = cuda.flash.forward(q, q, q, 0.5, True, q0=0, k0=4, kernels=emulated("double", 8))
     assert not o.any() and np.isneginf(lse).all()
 
 
@@ -82,18 +82,18 @@ def test_tiles_fit_the_shared_memory_of_a_block():
     """Two tiles per kernel within the 48 KiB a block may declare statically."""
     for real, size in (("float", 4), ("double", 8)):
         for d in (16, 64, 128):
-            n = flash_cuda.block_n(size, d)
+            n = cuda.flash.block_n(size, d)
             assert 2 * n * d * size + 2 * n * size <= 48 * 1024 and n >= 8
 
 
 @cuda_on_cpu.needs_cuda_compiler
 @pytest.mark.parametrize("real, head_dim", [("float", 64), ("double", 64), ("float", 128), ("double", 128)])
 def test_source_compiles_for_an_h100(tmp_path, real, head_dim):
-    defines = flash_cuda.defines(real, head_dim)
-    assert cuda_on_cpu.cuda_entries(flash_cuda.SOURCE, defines, tmp_path) == sorted(flash_cuda.KERNELS)
+    defines = cuda.flash.defines(real, head_dim)
+    assert cuda_on_cpu.cuda_entries(cuda.flash.SOURCE, defines, tmp_path) == sorted(cuda.flash.KERNELS)
 
 
-@pytest.mark.skipif(flash_cuda.why_not(16) is not None, reason="the kernels run under MINIDIST_BACKEND=cupy "
+@pytest.mark.skipif(cuda.flash.why_not(16) is not None, reason="the kernels run under MINIDIST_BACKEND=cupy "
                     "(make test-gpu; or the CuPy emulator of tests/emulated_gpu)")
 @pytest.mark.parametrize("dtype, tol", [("float64", 1e-12), ("float32", 2e-5)])
 def test_compiled_kernels_equal_the_reference_in_training(dtype, tol):
@@ -108,13 +108,13 @@ def test_compiled_kernels_equal_the_reference_in_training(dtype, tol):
 
     def run(kernel_off: bool):
         ts = [Tensor(from_host(a), requires_grad=True) for a in (q, k, v)]
-        before = flash_cuda.why_not
+        before = cuda.flash.why_not
         if kernel_off:
-            flash_cuda.why_not = lambda head_dim: "off for the reference"
+            cuda.flash.why_not = lambda head_dim: "off for the reference"
         try:
             y = ops.blockwise_attention(*ts, block=16)
         finally:
-            flash_cuda.why_not = before
+            cuda.flash.why_not = before
         (y * Tensor(from_host(g))).sum().backward()
         return [to_host(y.data)] + [to_host(t.grad) for t in ts]
 

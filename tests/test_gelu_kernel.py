@@ -1,4 +1,4 @@
-"""The GELU CUDA kernels (minidist/ops/gelu_cuda.py) against nn_ops' xp form.
+"""The GELU CUDA kernels (minidist/ops/cuda/gelu.py) against nn_ops' xp form.
 
 On the CPU the source runs under tests/cuda_on_cpu.py on NumPy arrays; where nvcc exists it
 also compiles for an H100.  On CuPy (make test-gpu, or the emulator) gelu's values and
@@ -12,7 +12,7 @@ import pytest
 
 from minidist import backend
 from minidist.backend import BACKEND
-from minidist.ops import gelu_cuda, nn_ops
+from minidist.ops import cuda, nn_ops
 
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
 
@@ -22,9 +22,9 @@ C, A = nn_ops._GELU_C, nn_ops._GELU_A
 
 
 def emulated(real: str) -> dict:
-    module = cuda_on_cpu.Module(gelu_cuda.SOURCE, {"REAL": real, "GELU_C": repr(C), "GELU_A": repr(A)})
+    module = cuda_on_cpu.Module(cuda.gelu.SOURCE, {"REAL": real, "GELU_C": repr(C), "GELU_A": repr(A)})
     return {name: (lambda grid, block, args, name=name: module.launch(name, grid, block[0], args))
-            for name in gelu_cuda.KERNELS}
+            for name in cuda.gelu.KERNELS}
 
 
 def reference(x, g):
@@ -37,12 +37,12 @@ def reference(x, g):
 @pytest.mark.parametrize("dtype, real, tol", [(np.float64, "double", 1e-13), (np.float32, "float", 1e-5)])  # tanh near -1: cancellation
 @pytest.mark.parametrize("shape", [(3, 5, 7), (1,), (2, 700)])  # one block; several, the grid striding
 def test_kernels_equal_the_reference(monkeypatch, dtype, real, tol, shape):
-    monkeypatch.setattr(gelu_cuda, "THREADS", 8)
-    monkeypatch.setattr(gelu_cuda, "BLOCKS", 5)  # 40 threads stride over 1400 elements
+    monkeypatch.setattr(cuda.gelu, "THREADS", 8)
+    monkeypatch.setattr(cuda.gelu, "BLOCKS", 5)  # 40 threads stride over 1400 elements
     rng = np.random.default_rng(0)
     x, g = (rng.standard_normal(shape).astype(dtype) * 3 for _ in range(2))
     kernels = emulated(real)
-    y, dx = gelu_cuda.forward(x, C, A, kernels=kernels), gelu_cuda.backward(x, g, C, A, kernels=kernels)
+    y, dx = cuda.gelu.forward(x, C, A, kernels=kernels), cuda.gelu.backward(x, g, C, A, kernels=kernels)
     for name, got, want in zip(("y", "dx"), (y, dx), reference(x, g)):
         assert got.dtype == dtype and got.shape == shape, name
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=name)
@@ -56,10 +56,10 @@ def test_bfloat16_in_and_out_is_the_float32_result_rounded():
     rng = np.random.default_rng(1)
     x, g = (rng.standard_normal((4, 33)).astype(bf16) for _ in range(2))
     kernels = emulated("float")
-    y, dx = gelu_cuda.forward(x, C, A, kernels=kernels), gelu_cuda.backward(x, g, C, A, kernels=kernels)
+    y, dx = cuda.gelu.forward(x, C, A, kernels=kernels), cuda.gelu.backward(x, g, C, A, kernels=kernels)
     assert y.dtype == dx.dtype == bf16
-    y32 = gelu_cuda.forward(x.astype(np.float32), C, A, kernels=kernels)
-    dx32 = gelu_cuda.backward(x.astype(np.float32), g.astype(np.float32), C, A, kernels=kernels)
+    y32 = cuda.gelu.forward(x.astype(np.float32), C, A, kernels=kernels)
+    dx32 = cuda.gelu.backward(x.astype(np.float32), g.astype(np.float32), C, A, kernels=kernels)
     np.testing.assert_array_equal(y.view(np.uint16), y32.astype(bf16).view(np.uint16))
     np.testing.assert_array_equal(dx.view(np.uint16), dx32.astype(bf16).view(np.uint16))
     want = reference(x.astype(np.float32), g.astype(np.float32))
@@ -69,14 +69,14 @@ def test_bfloat16_in_and_out_is_the_float32_result_rounded():
 
 def test_backward_refuses_a_gradient_of_another_shape():
     with pytest.raises(ValueError, match=r"gradient shape \(3,\) != input shape \(4,\)"):
-        gelu_cuda.backward(np.zeros(4), np.zeros(3), C, A, kernels={})
+        cuda.gelu.backward(np.zeros(4), np.zeros(3), C, A, kernels={})
 
 
 @cuda_on_cpu.needs_cuda_compiler
 @pytest.mark.parametrize("real", ["float", "double"])
 def test_source_compiles_for_an_h100(tmp_path, real):
     defines = {"REAL": real, "GELU_C": repr(C), "GELU_A": repr(A)}
-    assert cuda_on_cpu.cuda_entries(gelu_cuda.SOURCE, defines, tmp_path) == sorted(gelu_cuda.KERNELS)
+    assert cuda_on_cpu.cuda_entries(cuda.gelu.SOURCE, defines, tmp_path) == sorted(cuda.gelu.KERNELS)
 
 
 @pytest.mark.skipif(BACKEND != "cupy", reason="the compiled kernels run under MINIDIST_BACKEND=cupy (make test-gpu)")
@@ -94,7 +94,7 @@ def test_gelu_equals_with_and_without_the_kernels(monkeypatch, dtype, tol):
     for mode in ("auto", "off"):
         monkeypatch.setenv("MINIDIST_CUDA_KERNELS", mode)
         x = Tensor(backend.from_host(x0).astype(dt), requires_grad=True)
-        assert (gelu_cuda.why_not(x.data) is None) == (mode == "auto")
+        assert (cuda.gelu.why_not(x.data) is None) == (mode == "auto")
         y = gelu(x)
         assert y.dtype == dt
         y.backward(backend.from_host(g0).astype(dt))

@@ -1,4 +1,4 @@
-"""minidist.ops.gemm: the strided batched GEMM's arguments, checked on the CPU against a NumPy
+"""minidist.ops.cuda.gemm: the strided batched GEMM's arguments, checked on the CPU against a NumPy
 model of cuBLAS's call, and (on a GPU) cuBLAS's bfloat16 product against float32."""
 
 import ctypes
@@ -10,7 +10,7 @@ import pytest
 from numpy.lib.stride_tricks import as_strided
 
 from minidist import backend
-from minidist.ops import gemm
+from minidist.ops.cuda import gemm
 
 RNG = np.random.default_rng(0)
 

@@ -1,4 +1,4 @@
-"""The LayerNorm CUDA kernels (minidist/ops/layernorm_cuda.py) against the formulas' xp form.
+"""The LayerNorm CUDA kernels (minidist/ops/cuda/layernorm.py) against the formulas' xp form.
 
 On the CPU the source runs under tests/cuda_on_cpu.py on NumPy arrays; where nvcc exists it
 also compiles for an H100.  On CuPy (make test-gpu, or the emulator) layer_norm's values and
@@ -12,9 +12,7 @@ import pytest
 
 from minidist import backend
 from minidist.backend import BACKEND
-from minidist.ops import layernorm_cuda as ln
-
-from minidist.ops import cuda_source
+from minidist.ops.cuda import layernorm as ln, source
 
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
 
@@ -43,7 +41,7 @@ def reference(x, w, b, g, eps):
 @pytest.mark.parametrize("rows, C", [(9, 13), (3, 2), (5, 40)])  # rows shorter and longer than the block
 def test_kernels_equal_the_reference(monkeypatch, dtype, real, tol, rows, C):
     monkeypatch.setattr(ln, "THREADS", 8)
-    monkeypatch.setattr(cuda_source, "GRID_X", 4)  # several grid rows, the last partly idle
+    monkeypatch.setattr(source, "GRID_X", 4)  # several grid rows, the last partly idle
     rng = np.random.default_rng(0)
     x, g = (rng.standard_normal((rows, C)).astype(dtype) * 3 + 1 for _ in range(2))
     w, b = (rng.standard_normal(C).astype(dtype) for _ in range(2))

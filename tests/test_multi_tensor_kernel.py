@@ -1,4 +1,4 @@
-"""The multi-tensor kernels (minidist/ops/multi_tensor_cuda.py): one launch for many arrays.
+"""The multi-tensor kernels (minidist/ops/cuda/multi_tensor.py): one launch for many arrays.
 
 On the CPU the kernel source runs under tests/cuda_on_cpu.py on NumPy arrays (the address
 table holds their own addresses) and is compared with the per-array arithmetic; where nvcc
@@ -13,7 +13,7 @@ import pytest
 
 from minidist import backend
 from minidist.backend import BACKEND
-from minidist.ops import multi_tensor_cuda as mt
+from minidist.ops.cuda import multi_tensor as mt
 from minidist.optim.functional import adamw_hyper, adamw_update
 
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)

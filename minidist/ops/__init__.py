@@ -1,11 +1,17 @@
-"""Differentiable ops with hand-written backward passes.
+"""Differentiable ops with hand-written backward passes, written as NumPy (``xp``) code.
 
-Modules: ``basic`` (arithmetic with broadcasting, reductions, shape ops, indexing),
+The ops: ``basic`` (arithmetic with broadcasting, reductions, shape ops, indexing),
 ``linalg`` (matmul, linear), ``nn_ops`` (gelu, softmax, layer_norm, embedding,
 cross_entropy), ``attention`` (fused scaled dot-product attention), ``blockwise`` (the same
 attention in tiles with the online softmax, FlashAttention) and ``precision``
 (autocast, cast).  Importing this package also attaches operator sugar to
 :class:`~minidist.autograd.Tensor` (``a + b``, ``a @ b``, ``x[:, 1:3]``, ``x.sum()``...).
+
+How they run: ``tuning`` picks whole-array or CPU-tuned for the whole process; the CPU-tuned
+path spreads work over the BLAS threads (``blas_threads``); ``fused`` makes elementwise
+``xp`` code one kernel under CuPy, and ``causal_blocks`` skips causal attention's masked
+blocks.  The GPU speed-ups are in ``cuda/``: minidist's CUDA kernels and cuBLAS's strided
+batched GEMM, each replacing a piece of an op above on CuPy (its docstring says when).
 """
 
 from __future__ import annotations

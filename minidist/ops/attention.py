@@ -34,8 +34,9 @@ import math
 
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
-from . import causal_blocks, cuda_source, gemm, softmax_cuda, tuning
+from . import causal_blocks, cuda, tuning
 from .blas_threads import parallel_for
+from .cuda import gemm
 from .fused import elementwise
 from .nn_ops import _softmax_inplace
 from .precision import compute_dtype, gemm_operands, to_dtype
@@ -67,20 +68,20 @@ def _attend(qs, k, v, causal, out=None):
     cores, fp32 accumulation), the scores are widened to float32 for the mask and softmax, and
     P is rounded back to the operands' dtype for P V: that is P_op, kept for backward's
     P^T dO too (P_op is P itself when the dtypes agree).  P is float32 (for the softmax's
-    gradient).  On CuPy the softmax is one CUDA kernel (softmax_cuda.py) with the same
+    gradient).  On CuPy the softmax is one CUDA kernel (``cuda/softmax.py``) with the same
     arithmetic; it reads bfloat16 scores as they are, writes P_op, and keeps the scores and
-    their rows' statistics as P (softmax_cuda.Rows), from which backward recomputes it.
+    their rows' statistics as P (``cuda.softmax.Rows``), from which backward recomputes it.
     With the kernels, causal self-attention's products skip the masked blocks above the
     diagonal (causal_blocks.py), in backward too.
     """
     parts = _causal_parts(qs, k, causal)
     s = causal_blocks.lower_scores(qs, k, parts) if parts else gemm.matmul(qs, k.swapaxes(-1, -2))
-    if cuda_source.is_bf16(s) and softmax_cuda.why_not(s) is None:
-        p, p_op = softmax_cuda.softmax(s, causal)
+    if cuda.source.is_bf16(s) and cuda.softmax.why_not(s) is None:
+        p, p_op = cuda.softmax.softmax(s, causal)
         return p, p_op, _times(p_op, v, parts, out)
     s = to_dtype(s, compute_dtype(s.dtype))
-    if softmax_cuda.why_not(s) is None:
-        p = softmax_cuda.softmax(s, causal)
+    if cuda.softmax.why_not(s) is None:
+        p = cuda.softmax.softmax(s, causal)
     else:
         if causal:
             s += causal_mask(s.shape[-2], s.shape[-1], s.dtype)
@@ -94,7 +95,7 @@ def _causal_parts(qs, k, causal):
     """The query blocks (causal_blocks.py) in which causal self-attention's products skip the
     masked blocks above the diagonal, or None for whole products: only where the softmax
     kernels run, which never read those blocks' unwritten scores."""
-    if not causal or qs.shape[-2] != k.shape[-2] or softmax_cuda.why_not(qs) is not None:
+    if not causal or qs.shape[-2] != k.shape[-2] or cuda.softmax.why_not(qs) is not None:
         return None
     parts = causal_blocks.blocks(qs.shape[-2])
     return parts if len(parts) > 1 else None
@@ -126,17 +127,17 @@ def _attend_backward(qs, k, v, p, p_op, o, do, causal, out=(None, None, None)):
     """(dQ unscaled -- the caller multiplies by the scale --, dK, dV) of :func:`_attend`,
     written into the arrays of ``out`` where given.
 
-    On CuPy the softmax gradient is one kernel (softmax_cuda.py) that reads dP in the
+    On CuPy the softmax gradient is one kernel (``cuda/softmax.py``) that reads dP in the
     products' dtype (bfloat16 under mixed precision) and writes dS in it; its delta is the
     row's sum of P * dP, equal to rowsum(dO * O) up to rounding."""
     low = qs.dtype  # dP = dO V^T comes out in it
-    kernel = isinstance(p, softmax_cuda.Rows) or (softmax_cuda.why_not(qs) is None and p.dtype == low)
+    kernel = isinstance(p, cuda.softmax.Rows) or (cuda.softmax.why_not(qs) is None and p.dtype == low)
     # causal blocks leave dP's masked blocks unwritten: only the kernel, which never reads them, may use them
     parts = _causal_parts(qs, k, causal) if kernel else None
     dv = _t_times(p_op, do, parts, out[2])
     dp = causal_blocks.lower_scores(do, v, parts) if parts else gemm.matmul(do, v.swapaxes(-1, -2))
     if kernel:
-        ds = softmax_cuda.softmax_grad(dp, p, causal)
+        ds = cuda.softmax.softmax_grad(dp, p, causal)
     else:
         dp = to_dtype(dp, p.dtype)  # in float32
         delta = xp.einsum("...i,...i->...", to_dtype(do, p.dtype), to_dtype(o, p.dtype))[..., None]
@@ -314,7 +315,7 @@ def _self_attention_whole(qkv, X, out_dtype, B, T, H, D, causal, scale) -> Tenso
     """:func:`self_attention` as batched products on the (B, H, T, D) split of ``X``.
 
     The split is a strided view, whose batch and head axes step through memory with two
-    strides, so each product is a cuBLAS call per batch element (gemm.py).  With causal blocks,
+    strides, so each product is a cuBLAS call per batch element (``cuda/gemm.py``).  With causal blocks,
     which multiply the calls by the blocks, the heads are copied contiguous first (one copy
     each way per layer): every block is then one call over all (batch, head) pairs."""
     C = H * D

@@ -31,7 +31,7 @@ them on the chunks of the sequence that meet on one rank.
 
 This batched-matmul form (every (batch, head) pair in each product) is the reference.  On
 CuPy, :func:`blockwise_attention` runs the same recurrence as fused CUDA kernels instead
-(``flash_cuda.py``; ``MINIDIST_CUDA_KERNELS=off`` keeps this form), checked against it.  With
+(``cuda/flash.py``; ``MINIDIST_CUDA_KERNELS=off`` keeps this form), checked against it.  With
 low-precision operands the products here run in that dtype and the running state, softmax
 and gradients in float32.
 """
@@ -42,8 +42,9 @@ import math
 
 from ..autograd import Tensor, make_tensor
 from ..backend import xp
-from . import flash_cuda, gemm
+from . import cuda
 from .basic import reshape, split, transpose
+from .cuda import gemm
 from .precision import compute_dtype, gemm_operands, to_dtype
 
 SKIP = "skip"  # a tile where no query sees any key
@@ -174,7 +175,7 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, block: int = 128, causa
     if q.ndim < 2 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"attention shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if flash_cuda.why_not(q.shape[-1]) is None and q.shape[-2] and k.shape[-2]:
+    if cuda.flash.why_not(q.shape[-1]) is None and q.shape[-2] and k.shape[-2]:
         return _flash_kernel_attention(q, k, v, causal, scale)
     (Q, K, V), out_dtype = gemm_operands(q.data, k.data, v.data)
     Qs = Q * scale
@@ -194,17 +195,17 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, block: int = 128, causa
 
 
 def _flash_kernel_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
-    """:func:`blockwise_attention` as the fused CUDA kernels of ``flash_cuda`` (CuPy only).
+    """:func:`blockwise_attention` as the fused CUDA kernels of ``cuda.flash`` (CuPy only).
     Low-precision operands are widened to float32, the dtype the reference's softmax and
     gradients run in (so backward holds float32 copies: twice the reference's bf16 operands);
     the output comes back in the autocast dtype like the reference's."""
     (Q, K, V), out_dtype = gemm_operands(q.data, k.data, v.data)
     cdt = compute_dtype(Q.dtype)
     Q, K, V = (xp.ascontiguousarray(to_dtype(a, cdt)) for a in (Q, K, V))  # once, for both passes
-    O, lse = flash_cuda.forward(Q, K, V, scale, causal)
+    O, lse = cuda.flash.forward(Q, K, V, scale, causal)
 
     def backward(g):
-        dQ, dK, dV = flash_cuda.backward(Q, K, V, O, lse, to_dtype(g, cdt), scale, causal)
+        dQ, dK, dV = cuda.flash.backward(Q, K, V, O, lse, to_dtype(g, cdt), scale, causal)
         return to_dtype(dQ, q.dtype), to_dtype(dK, k.dtype), to_dtype(dV, v.dtype)
 
     return make_tensor(to_dtype(O, out_dtype), (q, k, v), backward)

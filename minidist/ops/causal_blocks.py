@@ -15,14 +15,14 @@ the T x T arrays), which together do (n + 1) / 2n of the work, 5/8 with n = 4:
 * ``lower_t_times(m, b)``: m^T b (dV = P^T dO, dK = dS^T Qs): rows [j0, j1) of the result
   are columns [j0, j1) of m, rows [j0, T), times rows [j0, T) of b.
 
-The unwritten parts of S and dP are never read: the softmax kernels (``softmax_cuda``) read
+The unwritten parts of S and dP are never read: the softmax kernels (``cuda.softmax``) read
 a row only up to its diagonal and write P and dS with zeros beyond it, the zeros the last
 two products rely on.  So the blocks are used only together with those kernels (on CuPy);
 on NumPy a test checks each product against the full one.  ``MINIDIST_CAUSAL_BLOCKS`` sets n;
 a block has at least ``MIN_ROWS`` rows, so short sequences stay whole.
 
 The price is n times the cuBLAS calls, smaller ones, and (in self-attention, whose heads are
-strided views costing a call per batch element in gemm.py) a contiguous copy of Q, K and V
+strided views costing a call per batch element in ``cuda/gemm.py``) a contiguous copy of Q, K and V
 and of their gradients, so that a block is one call over every (batch, head) pair
 (``attention._self_attention_copied``).  Hence the default n = 1 (whole products, no copies)
 until a GPU measurement settles it (docs/gpu.md).
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from .. import env
 from ..backend import xp
-from . import gemm
+from .cuda import gemm
 
 MIN_ROWS = 128  # rows of a query block at least: smaller products use the GPU poorly
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from ..autograd import Tensor, make_tensor
 from ..backend import BACKEND, current_device, is_low_precision, xp
-from . import gemm, tuning
+from . import tuning
 from .basic import unbroadcast
+from .cuda import gemm
 from .precision import compute_dtype, gemm_operands, to_dtype
 
 

@@ -16,8 +16,8 @@ import math
 
 from ..autograd import Tensor, make_tensor
 from ..backend import from_host, host, xp
+from . import cuda, tuning
 from .basic import check_index, scatter_add_rows
-from . import gelu_cuda, layernorm_cuda, tuning
 from .blas_threads import parallel_for, row_chunks
 from .fused import elementwise
 from .linalg import column_sums
@@ -52,16 +52,16 @@ def gelu(x: Tensor) -> Tensor:
         gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
 
     Whole-array: one fused kernel each way under CuPy; with minidist's CUDA kernels
-    (gelu_cuda.py) one kernel each way that reads and writes x's own dtype, bfloat16
+    (``cuda/gelu.py``) one kernel each way that reads and writes x's own dtype, bfloat16
     included, and recomputes t in backward.  On a CPU (``tuning.tuned()``) the same arithmetic
     runs in cache-sized blocks over the BLAS threads: :func:`_gelu_blocked`.
     """
     if tuning.tuned():
         return _gelu_blocked(x)
-    if gelu_cuda.why_not(x.data) is None:
+    if cuda.gelu.why_not(x.data) is None:
         X = x.data
-        return make_tensor(gelu_cuda.forward(X, _GELU_C, _GELU_A), (x,),
-                           lambda g: (gelu_cuda.backward(X, g, _GELU_C, _GELU_A),))
+        return make_tensor(cuda.gelu.forward(X, _GELU_C, _GELU_A), (x,),
+                           lambda g: (cuda.gelu.backward(X, g, _GELU_C, _GELU_A),))
     cdt = compute_dtype(x.dtype)
     X = to_dtype(x.data, cdt)
     y, t = _gelu_forward(X)
@@ -206,10 +206,10 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     W = None if weight is None else to_dtype(weight.data, cdt)
     Bias = None if bias is None else to_dtype(bias.data, cdt)
     x2d = x.data.reshape(-1, C)
-    # CuPy: one kernel each way (layernorm_cuda.py), reading and writing bfloat16 rows as they are
-    fused = layernorm_cuda.why_not(x2d, W, Bias) is None
+    # CuPy: one kernel each way (``cuda/layernorm.py``), reading and writing bfloat16 rows as they are
+    fused = cuda.layernorm.why_not(x2d, W, Bias) is None
     if fused:
-        xhat, y, rstd = layernorm_cuda.forward(x2d, W, Bias, eps)  # rstd of shape (rows,) here
+        xhat, y, rstd = cuda.layernorm.forward(x2d, W, Bias, eps)  # rstd of shape (rows,) here
     else:
         xhat, y, rstd = _ln_forward(to_dtype(x2d, cdt), W, Bias, eps)
 
@@ -219,7 +219,7 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
         gb = column_sums(g2d) if bias is not None and bias.requires_grad else None
         gx = None
         if x.requires_grad and fused:
-            gx = layernorm_cuda.backward(g2d, W, xhat, rstd, x.dtype).reshape(x.shape)  # in x's dtype
+            gx = cuda.layernorm.backward(g2d, W, xhat, rstd, x.dtype).reshape(x.shape)  # in x's dtype
         elif x.requires_grad:
             gh = g2d if W is None else g2d * W
             gx = _ln_input_grad(gh, xhat, rstd, gh.mean(axis=-1, keepdims=True),

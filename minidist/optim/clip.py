@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from minidist.backend import host_read, xp
-from minidist.ops import multi_tensor_cuda
+from minidist.ops.cuda import multi_tensor
 
 
 def grad_norm_sq(params) -> float:
@@ -43,11 +43,11 @@ def total_sum_of_squares(arrays) -> float:
     """The sum of the squares of every array's elements (float64), brought to the host once:
     on a GPU one synchronisation per step instead of one per gradient (the same additions in
     the same order as summing :func:`sum_of_squares` of each).  On CuPy, arrays of one dtype
-    go through one multi-tensor kernel (ops.multi_tensor_cuda: the same squares in float64,
+    go through one multi-tensor kernel (ops.cuda.multi_tensor: the same squares in float64,
     added in another order) instead of a few launches each."""
     arrays = list(arrays)
-    if multi_tensor_cuda.why_not(arrays) is None:
-        return float(host_read(multi_tensor_cuda.sum_of_squares(arrays), "gradient norm"))
+    if multi_tensor.why_not(arrays) is None:
+        return float(host_read(multi_tensor.sum_of_squares(arrays), "gradient norm"))
     total = None
     for a in arrays:
         s = _squares(a)
@@ -65,8 +65,8 @@ def scale_grads(params, factor: float):
     if factor == 1.0:
         return
     grads = [p.grad for p in params if p.grad is not None]
-    if multi_tensor_cuda.why_not(grads) is None:
-        multi_tensor_cuda.scale(grads, factor)  # one launch for all of them
+    if multi_tensor.why_not(grads) is None:
+        multi_tensor.scale(grads, factor)  # one launch for all of them
         return
     for g in grads:
         g *= factor

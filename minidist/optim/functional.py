@@ -47,7 +47,7 @@ def _flat_view(a):
 
 def adamw_hyper(step, lr, beta1, beta2, wd):
     """(decay, 1/sqrt(bias correction 2), step size) of an AdamW step: the per-array numbers
-    the fused kernels take (ops.fused.adamw_kernel, ops.multi_tensor_cuda.adamw)."""
+    the fused kernels take (ops.fused.adamw_kernel, ops.cuda.multi_tensor.adamw)."""
     return 1.0 - lr * wd, 1.0 / math.sqrt(1.0 - beta2**step), lr / (1.0 - beta1**step)
 
 

@@ -17,7 +17,7 @@ The classes only keep state and loop; the arithmetic is in :mod:`minidist.optim.
 from __future__ import annotations
 
 from minidist.backend import xp
-from minidist.ops import multi_tensor_cuda
+from minidist.ops.cuda import multi_tensor
 
 from .functional import adamw_hyper, adamw_update, sgd_update
 
@@ -172,13 +172,13 @@ class AdamW(Optimizer):
                      self.betas[0], self.betas[1], self.eps, self.decay_of(p))
 
     def _update_all(self, items):
-        """On CuPy, every parameter in one multi-tensor launch (ops.multi_tensor_cuda: the
+        """On CuPy, every parameter in one multi-tensor launch (ops.cuda.multi_tensor: the
         arithmetic of adamw_update's fused kernel); elsewhere one adamw_update each."""
         arrays = [a for p, st in items for a in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]
-        if multi_tensor_cuda.why_not(arrays) is not None:
+        if multi_tensor.why_not(arrays) is not None:
             return super()._update_all(items)
         b1, b2 = self.betas
         hyper = [adamw_hyper(st["step"], self.lr, b1, b2, self.decay_of(p)) for p, st in items]
-        multi_tensor_cuda.adamw([p.data for p, _ in items], [p.grad for p, _ in items],
+        multi_tensor.adamw([p.data for p, _ in items], [p.grad for p, _ in items],
                                 [st["exp_avg"] for _, st in items], [st["exp_avg_sq"] for _, st in items],
                                 hyper, b1, b2, self.eps)

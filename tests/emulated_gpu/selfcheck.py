@@ -267,9 +267,9 @@ extern "C" __global__ void scaled_reverse(const REAL* x, REAL* y, int n, REAL a)
 
 
 @check
-def raw_module_runs_cuda_source_in_place():
+def raw_module_runs_cuda_code_in_place():
     if _emulator_compiler() is None:
-        print("skip raw_module_runs_cuda_source_in_place: no C++ compiler")
+        print("skip raw_module_runs_cuda_code_in_place: no C++ compiler")
         return
     mod = cupy.RawModule(code=RAW_SOURCE, options=("-std=c++14", "-DREAL=double", "-D", "WIDTH=4"))
     k = mod.get_function("scaled_reverse")

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import math
 
-from ..backend import xp
-from . import cuda_source
+from ...backend import xp
+from . import source
 
 MAX_HEAD_DIM = 128
 THREADS = 64  # query (or key) rows per thread block: one row per thread
@@ -222,7 +222,7 @@ def defines(real: str, head_dim: int) -> dict[str, str]:
 
 def why_not(head_dim: int) -> str | None:
     """Why the kernels do not run for this head size here (None when they do)."""
-    if (reason := cuda_source.unavailable()) is not None:
+    if (reason := source.unavailable()) is not None:
         return reason
     if head_dim > MAX_HEAD_DIM:
         return f"head size {head_dim} > {MAX_HEAD_DIM}"
@@ -232,7 +232,7 @@ def why_not(head_dim: int) -> str | None:
 def compiled(real: str, head_dim: int) -> dict:
     """The kernels for (real, head_dim) by name, compiled once per process with CuPy's
     ``RawModule``; each is called as ``kernel(grid, block, args)``."""
-    return cuda_source.compiled(SOURCE, defines(real, head_dim), KERNELS)
+    return source.compiled(SOURCE, defines(real, head_dim), KERNELS)
 
 
 def _real(dtype) -> str:

@@ -1,8 +1,8 @@
 """What minidist's own CUDA kernels share: whether they can run here, and their compilation.
 
-Each kernel module (``flash_cuda``, ``softmax_cuda``, ``gelu_cuda``, ``layernorm_cuda``,
-``multi_tensor_cuda``) holds its CUDA C source as a string beside the ``xp`` form it replaces.
-Its macros (the compute type ``REAL``, block sizes) specialise the source; CuPy's
+Each kernel module of this package (``flash``, ``softmax``, ``gelu``, ``layernorm``,
+``multi_tensor``) holds its CUDA C source as a string; the ``xp`` form it replaces is in
+``minidist.ops``.  Its macros (the compute type ``REAL``, block sizes) specialise the source; CuPy's
 ``RawModule`` compiles it with NVRTC on first use, once per process and set of macros, and
 caches the binary on disk.  The same source runs on a CPU under tests/cuda_on_cpu.py.
 Pieces of source several kernels use are here: bfloat16 loads and stores (``BF16``) and the
@@ -11,8 +11,8 @@ row-per-block reductions (``ROWS``).
 
 from __future__ import annotations
 
-from .. import env
-from ..backend import BACKEND, bfloat16, xp
+from ... import env
+from ...backend import BACKEND, bfloat16, xp
 
 
 def unavailable() -> str | None:

@@ -23,12 +23,12 @@ tests/cuda_on_cpu.py (tests/test_layernorm_kernel.py) and compiled for an H100 w
 
 from __future__ import annotations
 
-from ..backend import bfloat16, xp
-from . import cuda_source
+from ...backend import bfloat16, xp
+from . import source
 
 THREADS = 256  # threads per row at most (a power of two: the reductions halve it)
 
-SOURCE = cuda_source.BF16 + cuda_source.ROWS + r"""
+SOURCE = source.BF16 + source.ROWS + r"""
 // REAL: float or double; blockDim.x a power of two, at most THREADS.  Arrays are (rows, C)
 // contiguous, w and b (C,), rstd (rows,).  Block r works on row r.
 
@@ -100,11 +100,11 @@ KERNELS = ("layer_norm_forward", "layer_norm_forward_bf16", "layer_norm_backward
 def why_not(x2d, w, b) -> str | None:
     """Why the kernels do not run for these arrays here (None when they do): x2d float32 or
     float64 with w and b alike, or x2d bfloat16 with float32 w and b (mixed precision)."""
-    if (reason := cuda_source.unavailable()) is not None:
+    if (reason := source.unavailable()) is not None:
         return reason
     if w is None or b is None:
         return "no weight or no bias (the kernels apply both)"
-    real = xp.float32 if cuda_source.is_bf16(x2d) else x2d.dtype
+    real = xp.float32 if source.is_bf16(x2d) else x2d.dtype
     if real not in (xp.float32, xp.float64) or w.dtype != real or b.dtype != real:
         return (f"dtypes {x2d.dtype}, {w.dtype}, {b.dtype} (float32 or float64 throughout, or bfloat16 "
                 f"with float32 parameters, needed)")
@@ -115,21 +115,21 @@ def why_not(x2d, w, b) -> str | None:
 
 def compiled(real: str) -> dict:
     """The kernels for ``real`` ('float' or 'double') by name, compiled once (CuPy RawModule)."""
-    return cuda_source.compiled(SOURCE, {"REAL": real, "THREADS": THREADS}, KERNELS)
+    return source.compiled(SOURCE, {"REAL": real, "THREADS": THREADS}, KERNELS)
 
 
 def _launch(kernel, rows: int, C: int, args):
-    kernel(*cuda_source.row_launch(rows, C, THREADS), args)
+    kernel(*source.row_launch(rows, C, THREADS), args)
 
 
 def forward(x2d, w, b, eps: float, kernels=None):
     """(xhat, y, rstd) of the rows of ``x2d`` (rows, C): y in x2d's dtype, xhat and rstd (shape
     (rows,)) in the parameters' (float32 for bfloat16 rows)."""
-    x2d, w, b = cuda_source.contiguous(x2d), cuda_source.contiguous(w), cuda_source.contiguous(b)
+    x2d, w, b = source.contiguous(x2d), source.contiguous(w), source.contiguous(b)
     rows, C = x2d.shape
-    kernels = kernels or compiled(cuda_source.real(w.dtype))
+    kernels = kernels or compiled(source.real(w.dtype))
     xhat, y, rstd = xp.empty(x2d.shape, dtype=w.dtype), xp.empty_like(x2d), xp.empty(rows, dtype=w.dtype)
-    _launch(kernels["layer_norm_forward" + ("_bf16" if cuda_source.is_bf16(x2d) else "")], rows, C,
+    _launch(kernels["layer_norm_forward" + ("_bf16" if source.is_bf16(x2d) else "")], rows, C,
             (x2d, w, b, xhat, y, rstd, xp.int64(rows), xp.int32(C), w.dtype.type(eps)))
     return xhat, y, rstd
 
@@ -138,11 +138,11 @@ def backward(g2d, w, xhat, rstd, dtype=None, kernels=None):
     """dx of the rows, given the output's gradient ``g2d`` and forward's xhat and rstd (all in
     the parameters' dtype): in bfloat16 when ``dtype`` is bfloat16 (the kernel rounds), else in
     g2d's dtype."""
-    g2d = cuda_source.contiguous(g2d)
+    g2d = source.contiguous(g2d)
     rows, C = g2d.shape
-    kernels = kernels or compiled(cuda_source.real(g2d.dtype))
+    kernels = kernels or compiled(source.real(g2d.dtype))
     low = bfloat16 is not None and dtype == bfloat16
     dx = xp.empty(g2d.shape, dtype=bfloat16 if low else g2d.dtype)
     _launch(kernels["layer_norm_backward" + ("_bf16" if low else "")], rows, C,
-            (g2d, cuda_source.contiguous(w), xhat, rstd, dx, xp.int64(rows), xp.int32(C)))
+            (g2d, source.contiguous(w), xhat, rstd, dx, xp.int64(rows), xp.int32(C)))
     return dx

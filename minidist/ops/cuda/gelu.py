@@ -17,13 +17,13 @@ nvcc is.
 
 from __future__ import annotations
 
-from ..backend import xp
-from . import cuda_source
+from ...backend import xp
+from . import source
 
 THREADS = 256  # threads per block
 BLOCKS = 4096  # blocks at most: each thread strides over the rest ("grid-stride loop")
 
-SOURCE = cuda_source.BF16 + r"""
+SOURCE = source.BF16 + r"""
 // GELU_C = sqrt(2 / pi), GELU_A = 0.044715 (macros: the same numbers as nn_ops).  x, y, g, dx:
 // n contiguous elements of REAL or bfloat16.
 
@@ -66,9 +66,9 @@ KERNELS = ("gelu_forward", "gelu_backward", "gelu_forward_bf16", "gelu_backward_
 
 def why_not(x) -> str | None:
     """Why the kernels do not run for the activation ``x`` here (None when they do)."""
-    if (reason := cuda_source.unavailable()) is not None:
+    if (reason := source.unavailable()) is not None:
         return reason
-    if x.dtype not in (xp.float32, xp.float64) and not cuda_source.is_bf16(x):
+    if x.dtype not in (xp.float32, xp.float64) and not source.is_bf16(x):
         return f"an activation of dtype {x.dtype} (the kernels read float32, float64 or bfloat16)"
     if x.size == 0:
         return "an empty array"
@@ -78,20 +78,20 @@ def why_not(x) -> str | None:
 def compiled(real: str, c: float, a: float) -> dict:
     """The kernels for ``real`` ('float' or 'double') and the constants (c, a), by name,
     compiled once (CuPy RawModule)."""
-    return cuda_source.compiled(SOURCE, {"REAL": real, "GELU_C": repr(c), "GELU_A": repr(a)}, KERNELS)
+    return source.compiled(SOURCE, {"REAL": real, "GELU_C": repr(c), "GELU_A": repr(a)}, KERNELS)
 
 
 def _launch(kernels, name, x, arrays):
     n = x.size
-    kernel = kernels[name + ("_bf16" if cuda_source.is_bf16(x) else "")]
+    kernel = kernels[name + ("_bf16" if source.is_bf16(x) else "")]
     kernel((min(BLOCKS, -(-n // THREADS)), 1), (THREADS,), (*arrays, xp.int64(n)))
 
 
 def forward(x, c: float, a: float, kernels=None):
     """gelu(x) (tanh form, constants c and a) as a new array of x's dtype and shape."""
-    x = cuda_source.contiguous(x)
+    x = source.contiguous(x)
     y = xp.empty_like(x)
-    _launch(kernels or compiled(cuda_source.real(x.dtype), c, a), "gelu_forward", x, (x, y))
+    _launch(kernels or compiled(source.real(x.dtype), c, a), "gelu_forward", x, (x, y))
     return y
 
 
@@ -99,8 +99,8 @@ def backward(x, g, c: float, a: float, kernels=None):
     """g * gelu'(x), a new array of x's dtype (``g`` is taken in that dtype)."""
     if tuple(g.shape) != tuple(x.shape):
         raise ValueError(f"gelu backward: gradient shape {tuple(g.shape)} != input shape {tuple(x.shape)}")
-    x = cuda_source.contiguous(x)
-    g = cuda_source.contiguous(g if g.dtype == x.dtype else g.astype(x.dtype))
+    x = source.contiguous(x)
+    g = source.contiguous(g if g.dtype == x.dtype else g.astype(x.dtype))
     dx = xp.empty_like(x)
-    _launch(kernels or compiled(cuda_source.real(x.dtype), c, a), "gelu_backward", x, (x, g, dx))
+    _launch(kernels or compiled(source.real(x.dtype), c, a), "gelu_backward", x, (x, g, dx))
     return dx

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..backend import xp
-from . import cuda_source
+from ...backend import xp
+from . import source
 
 THREADS = 128  # threads per row at most (a power of two: the reductions halve it)
 
-SOURCE = cuda_source.BF16 + cuda_source.ROWS + r"""
+SOURCE = source.BF16 + source.ROWS + r"""
 // REAL: float or double; blockDim.x: a power of two, at most THREADS.  s, p: (rows, tk) contiguous;
 // row r is query r % tq of its (tq, tk) block; with causal it sees keys j <= r % tq.
 
@@ -132,9 +132,9 @@ extern "C" __global__ void softmax_grad_rows_bf16(const unsigned short* dp, cons
 
 def why_not(s) -> str | None:
     """Why the kernels do not run for scores (or their gradient) ``s`` here (None when they do)."""
-    if (reason := cuda_source.unavailable()) is not None:
+    if (reason := source.unavailable()) is not None:
         return reason
-    if s.dtype not in (xp.float32, xp.float64) and not cuda_source.is_bf16(s):
+    if s.dtype not in (xp.float32, xp.float64) and not source.is_bf16(s):
         return f"scores of dtype {s.dtype} (the kernels read float32, float64 or bfloat16)"
     if s.ndim < 2 or s.shape[-1] == 0 or s.size == 0:
         return "no rows of scores"
@@ -146,14 +146,14 @@ KERNELS = ("softmax_rows", "softmax_rows_bf16", "softmax_grad_rows", "softmax_gr
 
 def compiled(real: str) -> dict:
     """The kernels for ``real`` ('float' or 'double') by name, compiled once (CuPy RawModule)."""
-    return cuda_source.compiled(SOURCE, {"REAL": real, "THREADS": THREADS}, KERNELS)
+    return source.compiled(SOURCE, {"REAL": real, "THREADS": THREADS}, KERNELS)
 
 
 def _launch(kernel, s, arrays, causal):
     tq, tk = s.shape[-2], s.shape[-1]
     rows = s.size // tk
     args = (*arrays, xp.int64(rows), xp.int32(tq), xp.int32(tk), xp.int32(bool(causal)))
-    kernel(*cuda_source.row_launch(rows, tk, THREADS), args)
+    kernel(*source.row_launch(rows, tk, THREADS), args)
 
 
 class Rows(NamedTuple):
@@ -169,9 +169,9 @@ def softmax(s, causal: bool, kernels=None):
     dtype; for bfloat16 scores the pair (:class:`Rows` of s, P in bfloat16).  ``kernels``:
     :func:`compiled`'s (the default) or a stand-in with the same calls (the tests' CPU
     emulation)."""
-    s = cuda_source.contiguous(s)
-    kernels = kernels or compiled(cuda_source.real(s.dtype))
-    if cuda_source.is_bf16(s):
+    s = source.contiguous(s)
+    kernels = kernels or compiled(source.real(s.dtype))
+    if source.is_bf16(s):
         stats, p_low = xp.empty((s.size // max(s.shape[-1], 1), 2), dtype=xp.float32), xp.empty_like(s)
         _launch(kernels["softmax_rows_bf16"], s, (s, stats, p_low), causal)
         return Rows(s, stats), p_low
@@ -185,19 +185,19 @@ def softmax_grad(dp, p, causal: bool, kernels=None):
     :func:`softmax`, as a new array of dp's dtype: float32/float64 with p an array of the same
     dtype and shape, or bfloat16 with p the :class:`Rows` of bfloat16 scores (mixed
     precision).  ``kernels`` as in :func:`softmax`."""
-    bf16 = cuda_source.is_bf16(dp)
-    if bf16 != isinstance(p, Rows) or (bf16 and not cuda_source.is_bf16(p.s)) or (not bf16 and p.dtype != dp.dtype):
+    bf16 = source.is_bf16(dp)
+    if bf16 != isinstance(p, Rows) or (bf16 and not source.is_bf16(p.s)) or (not bf16 and p.dtype != dp.dtype):
         got = f"the Rows of {p.s.dtype} scores" if isinstance(p, Rows) else f"P of dtype {p.dtype}"
         raise ValueError(f"softmax_grad: {got} with dP of dtype {dp.dtype} (bfloat16 dP takes the Rows of "
                          f"bfloat16 scores, float32/float64 dP a P of its dtype)")
     shape = p.s.shape if bf16 else p.shape
     if tuple(dp.shape) != tuple(shape):
         raise ValueError(f"softmax_grad: dP shape {tuple(dp.shape)} != P shape {tuple(shape)}")
-    dp = cuda_source.contiguous(dp)
-    kernels = kernels or compiled(cuda_source.real(dp.dtype))
+    dp = source.contiguous(dp)
+    kernels = kernels or compiled(source.real(dp.dtype))
     ds = xp.empty_like(dp)
     if bf16:
         _launch(kernels["softmax_grad_rows_bf16"], dp, (dp, p.s, p.stats, ds), causal)
     else:
-        _launch(kernels["softmax_grad_rows"], dp, (dp, cuda_source.contiguous(p), ds), causal)
+        _launch(kernels["softmax_grad_rows"], dp, (dp, source.contiguous(p), ds), causal)
     return ds

@@ -40,8 +40,8 @@ import itertools
 import math
 import os
 
-from .. import env
-from ..backend import BACKEND, host, xp
+from ... import env
+from ...backend import BACKEND, host, xp
 
 _SWITCH = env.get("MINIDIST_CUBLAS_BATCHED")
 _native_batched: dict = {}  # dtype -> xp.matmul multiplies batches of it

@@ -25,8 +25,8 @@ addresses are the host arrays' own.
 
 from __future__ import annotations
 
-from ..backend import current_device, host, xp
-from . import cuda_source
+from ...backend import current_device, host, xp
+from . import source
 
 CHUNK = 1 << 16  # elements per thread block
 THREADS = 256
@@ -91,7 +91,7 @@ KERNELS = ("sum_squares", "scale", "adamw")
 
 def why_not(arrays) -> str | None:
     """Why these arrays do not go through one launch here (None when they do)."""
-    if (reason := cuda_source.unavailable()) is not None:
+    if (reason := source.unavailable()) is not None:
         return reason
     if not arrays:
         return "no arrays"
@@ -108,7 +108,7 @@ _tables: dict = {}
 
 def compiled(real: str) -> dict:
     """The kernels for ``real`` ('float' or 'double') by name, compiled once (CuPy RawModule)."""
-    return cuda_source.compiled(SOURCE, {"REAL": real, "CHUNK": f"{CHUNK}LL", "THREADS": THREADS}, KERNELS)
+    return source.compiled(SOURCE, {"REAL": real, "CHUNK": f"{CHUNK}LL", "THREADS": THREADS}, KERNELS)
 
 
 def _chunks(sizes: tuple):
@@ -142,7 +142,7 @@ def _launch(kernels, name, arrays, addresses, *args):
 
 
 def _kernels(arrays, kernels):
-    return kernels or compiled(cuda_source.real(arrays[0].dtype))
+    return kernels or compiled(source.real(arrays[0].dtype))
 
 
 def sum_of_squares(arrays, kernels=None):
