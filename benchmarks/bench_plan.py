@@ -66,8 +66,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="4 configurations, 6 steps")
     ap.add_argument("--out", default=None, help="directory for plan.json (and the calibration)")
     args = ap.parse_args()
-    from minidist.plan.machine import calibrate
-    from minidist.plan.validate import CONFIGS, validate
+    from minidist.plan.validate import CONFIGS, calibrate, validate
 
     import tempfile
 

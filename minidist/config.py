@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 ATTENTIONS = ("plain", "blockwise")       # one rank's attention (nn.attention_function)
 CP_IMPLEMENTATIONS = ("ring", "ulysses")  # context parallelism (parallel/context.py)
 TP_OVERLAPS = ("ring", "bidirectional")   # collective matmuls (parallel/collective_matmul.py)
+VIRTUAL = ("interleaved", "looping")       # pipeline schedules with several model chunks per rank
 
 
 @dataclass
@@ -144,8 +145,6 @@ class RunConfig:
         others = p.pp * p.tp * p.cp
         dp = p.dp if p.dp is not None else max(1, (world_size or others) // others)
         schedule = p.schedule or ("1f1b" if p.pp > 1 else None)
-        from .parallel.pipeline.schedules import VIRTUAL
-
         parallel = dataclasses.replace(
             p, dp=dp, zero=p.zero if p.zero is not None else (3 if p.hsdp_shard else 0),
             cp_impl=p.cp_impl or "ring", bucket_mb=25.0 if p.bucket_mb is None else p.bucket_mb,

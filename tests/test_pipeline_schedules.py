@@ -1,16 +1,17 @@
 """Pipeline schedules as data, checked by simulation (no MPI)."""
 import pytest
 
+from minidist.config import VIRTUAL
 from minidist.parallel.pipeline import schedules as S
 from minidist.parallel.pipeline.schedules import Action, make_schedule
-from minidist.parallel.pipeline.simulate import Deadlock, _message_key, simulate
+from minidist.parallel.pipeline.simulate import Deadlock, _message_key, main, simulate
 
 
 def _valid_configs():
     for name in S.ORDERS:
         for P in (1, 2, 3, 4, 5):
             for M in (1, 2, 3, 4, 6, 8, 9):
-                for V in ((1,) if name not in S.VIRTUAL else (1, 2, 3)):
+                for V in ((1,) if name not in VIRTUAL else (1, 2, 3)):
                     if S.schedule_problem(name, P, M, V) is None:
                         yield name, P, M, V
 
@@ -129,16 +130,16 @@ def test_message_tags_are_distinct():
 
 
 def test_command_line_chart(capsys):
-    assert S.main(["--schedule", "1f1b", "--pp", "4", "-m", "8"]) == 0
+    assert main(["--schedule", "1f1b", "--pp", "4", "-m", "8"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("rank ")]
     assert len(rows) == 4
     assert rows[3].split("|")[1].split()[:7] == [".", ".", ".", "F0", "B0", "B0", "F1"]
     assert "formula (P-1)/(M+P-1) = 27.3%" in out
-    assert S.main(["--schedule", "interleaved", "--pp", "2", "-m", "4"]) == 0
+    assert main(["--schedule", "interleaved", "--pp", "2", "-m", "4"]) == 0
     assert "F0a" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
-        S.main(["--schedule", "gpipe", "--pp", "2", "-m", "4", "-v", "2"])
+        main(["--schedule", "gpipe", "--pp", "2", "-m", "4", "-v", "2"])
     assert exc.value.code == 2
     assert "has no virtual stages" in capsys.readouterr().err
 
@@ -148,10 +149,10 @@ def test_png(tmp_path, capsys):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert S.main(["--schedule", "gpipe", "--pp", "2", "-m", "2", "--png", str(path)]) == 1
+        assert main(["--schedule", "gpipe", "--pp", "2", "-m", "2", "--png", str(path)]) == 1
         assert "needs matplotlib" in capsys.readouterr().err
         return
-    assert S.main(["--schedule", "gpipe", "--pp", "2", "-m", "2", "--png", str(path)]) == 0
+    assert main(["--schedule", "gpipe", "--pp", "2", "-m", "2", "--png", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

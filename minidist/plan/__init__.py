@@ -7,10 +7,11 @@ and a few stated efficiency assumptions, for one mesh or every mesh; ``--validat
 it against real minidist runs on this machine.  Modules, one idea each:
 
 * :mod:`.model`: parameters, FLOPs and activation bytes of a transformer's shape;
-* :mod:`.machine`: the machines (presets; this machine measured by ``--calibrate``);
+* :mod:`.machine`: the machines (presets; the probes that measure this machine);
 * :mod:`.cost`: the step's time, memory and MFU on one mesh, and why a mesh is infeasible;
 * :mod:`.search`: every mesh enumerated, the feasible ones ranked;
-* :mod:`.validate`: predicted vs measured on real runs here.
+* :mod:`.validate`: real runs here: this machine calibrated (``--calibrate``), predicted vs
+  measured (``--validate``).
 
     python -m minidist.plan --preset llama3-405b --machine h100-nvlink-ib --gpus 8192 \\
         --seq-len 8192 --global-batch-tokens 16777216 [--mesh tp=8,cp=1,pp=16,dp=64 | --top 5] [--json]

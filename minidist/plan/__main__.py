@@ -9,9 +9,10 @@ from dataclasses import replace
 
 from ..cli_checks import int_in
 from .cost import PRECISIONS, SCHEDULES, estimate, problems
-from .machine import PRESETS as MACHINES, calibrate, calibration_path, load
+from .machine import PRESETS as MACHINES, calibration_path, load
 from .model import PRESETS as MODELS, ModelSpec, num_params
 from .search import search, settings
+from .validate import calibrate, main as validate_main
 
 # The global batch each preset was trained with (Llama 3: 16M tokens; GPT-3 175B: 3.2M).
 DEFAULT_BATCH = {"llama3-405b": 16 * 2**20, "llama3-70b": 16 * 2**20, "gpt3-175b": 1536 * 2048,
@@ -110,8 +111,6 @@ def main(argv=None) -> int:
             calibrate(args.calibration)
             return 0
         if args.validate:
-            from .validate import main as validate_main
-
             return validate_main(args)
         model = model_of(args)
         machine = load(args.machine, args.calibration)

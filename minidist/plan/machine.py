@@ -16,9 +16,11 @@ from):
   for minidist on a CPU, where a single thread makes progress only while it waits);
 * memory per device and the share of it a run may plan to fill (``mem_usable``).
 
-``this-machine`` is measured by :func:`calibrate` (GEMM rates per dtype on one core, the
-element-wise bandwidth, minidist's per-operation overhead from two tiny real steps, and the
-point-to-point bandwidth and latency between two local ranks) and stored as JSON.
+The probes that measure ``this-machine`` are here (GEMM rates per dtype on one core, the
+element-wise bandwidth, minidist's per-operation overhead from tiny real steps, and the
+point-to-point bandwidth and latency between two local ranks);
+:func:`minidist.plan.validate.calibrate` runs them, with one real step that prices
+minidist's element-wise work through the cost model, and stores the machine as JSON.
 """
 
 from __future__ import annotations
@@ -303,32 +305,6 @@ def fixed_costs(repeats: int = 2) -> dict:
     return {"block_mb_s": a, "block_step_s": b, "mb_overhead_s": c, "step_overhead": d}
 
 
-PROBE_SHAPE = dict(layers=2, d_model=64, heads=4, seq_len=32, batch_size=16)  # not one of --validate's shapes
-
-
-def _with_elementwise_rate(machine: Machine, log=print) -> Machine:
-    """``machine`` with the rate of minidist's element-wise work (norms, GELU, softmax, the
-    residual and bias adds, their backward, each allocating its result) measured from one real
-    single-process step of a small model: the step's time less what the model prices for its
-    matmuls and fixed costs, over the activation bytes the model says it moves."""
-    from dataclasses import replace
-
-    from .validate import predict_parts, run
-
-    meas = run(PROBE_SHAPE, {}, steps=10)
-    loaded = replace(machine, load=meas["load"])
-    without = predict_parts(replace(loaded, mem_bw=1e30), PROBE_SHAPE, {})["step_s"]
-    per_byte = predict_parts(replace(loaded, mem_bw=1.0), PROBE_SHAPE, {})["step_s"] - without
-    rest = meas["step_s"] - without
-    if rest <= 0:
-        log("  element-wise work: hidden in the noise of the probe; the copy bandwidth stays")
-        return machine
-    rate = per_byte / rest
-    log(f"  minidist's element-wise work: {rate / 1e9:.2f} GB/s of activations (a real {PROBE_SHAPE['layers']}-block "
-        f"d{PROBE_SHAPE['d_model']} step, {meas['step_s'] * 1e3:.1f} ms, background load {meas['load']:.1f})")
-    return replace(machine, mem_bw=rate, notes={**machine.notes, "copy_bw": machine.mem_bw})
-
-
 def _sync_probe(out_path: str, reps: int = 60) -> None:
     """Under mpiexec -n 3 on fewer cores: the extra seconds per synchronisation (a scalar
     all-reduce) between stretches of ~2 ms of arithmetic, over the same loop without it."""
@@ -387,47 +363,3 @@ def measure_sync(cores: int, log=print) -> float:
     log(f"  a sync point on {ranks} ranks over {cores} cores costs {extra * 1e3:.2f} ms: a descheduled partner's "
         f"slice {slice_s * 1e3:.2f} ms")
     return slice_s
-
-
-def calibrate(path: str | None = None, log=print) -> Machine:
-    """Measure this machine (about 40 s) and write it to ``path`` (default: the calibration
-    file); returns it."""
-    from ..blas_env import blas_threads
-
-    env = dict(os.environ, **blas_threads(1))
-    code = "import json, minidist.plan.machine as m; print(json.dumps(m.measure_compute()))"
-    compute = json.loads(subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True,
-                                        text=True, timeout=300).stdout)
-    log(f"  GEMM on one core: {compute['peak']['float32'] / 1e9:.1f} GFLOP/s float32, "
-        f"{compute['peak']['float64'] / 1e9:.1f} float64; element-wise {compute['mem_bw'] / 1e9:.1f} GB/s")
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    code = f"import minidist.plan.machine as m; m._p2p_probe({out!r})"
-    subprocess.run(mpiexec(2) + [sys.executable, "-c", code], check=True, env=env, capture_output=True,
-                   timeout=300)
-    with open(out) as f:
-        p2p = json.load(f)
-    os.unlink(out)
-    log(f"  point-to-point between two local ranks: {p2p['latency'] * 1e6:.1f} us, {p2p['bw'] / 1e9:.2f} GB/s; "
-        f"a collective call's own cost {p2p['coll_overhead_s'] * 1e6:.0f} us")
-    fixed = fixed_costs()
-    log(f"  minidist's fixed costs (tiny steps): {fixed['block_mb_s'] * 1e3:.2f} ms per block and microbatch, "
-        f"{fixed['block_step_s'] * 1e3:.2f} ms per block and step, {fixed['mb_overhead_s'] * 1e3:.2f} ms per "
-        f"microbatch and {fixed['step_overhead'] * 1e3:.2f} ms per step outside the blocks")
-    cores = os.cpu_count() or 1
-    from .. import cli_checks
-
-    machine = Machine(
-        name="this-machine", peak=compute["peak"], mem_bytes=float(cli_checks.available_memory_bytes() or 8e9),
-        mem_bw=compute["mem_bw"], links=(Link("shared memory", INF, p2p["bw"], p2p["latency"]),),
-        gemm_eff=1.0, attn_eff=1.0, link_eff=1.0, mem_usable=0.8,
-        overlap=0.0, **fixed, cores=cores, coll_overhead_s=p2p["coll_overhead_s"], sync_slice_s=measure_sync(cores, log),
-        notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0],
-               "numpy_op_s": compute["numpy_op_s"]})
-    machine = _with_elementwise_rate(machine, log)
-    path = calibration_path(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(machine.to_json(), f, indent=1)
-    log(f"  written to {path}")
-    return machine

@@ -1,4 +1,9 @@
-"""``python -m minidist.plan --validate``: the cost model against real minidist runs here.
+"""``python -m minidist.plan --calibrate`` and ``--validate``: this machine measured, and the
+cost model against real minidist runs here.
+
+:func:`calibrate` runs the probes of :mod:`.machine` and one real single-process step whose
+time, less what the cost model prices for the matmuls and fixed costs, gives the rate of
+minidist's element-wise work; it writes ``this-machine``'s calibration file.
 
 Each configuration trains a small GPT for a few steps under ``mpiexec`` (one BLAS thread per
 rank, as every minidist launcher pins it) with ``--metrics-jsonl``; the measured step time is
@@ -26,7 +31,8 @@ import time
 from dataclasses import replace
 
 from .cost import FLOAT32, Plan, estimate
-from .machine import busy_seconds, calibrate, calibration_path, load, mpiexec, others_load
+from .machine import (INF, Link, Machine, busy_seconds, calibration_path, fixed_costs, load, measure_sync, mpiexec,
+                      others_load)
 from .model import ModelSpec
 
 # Small enough that all of them take 2-4 minutes on 2 cores, large enough that the
@@ -56,10 +62,6 @@ def plan_of(mesh: dict) -> Plan:
 
 def model_of(shape: dict) -> ModelSpec:
     return ModelSpec("validation", shape["layers"], shape["d_model"], shape["heads"], 256, shape["seq_len"])
-
-
-def predict_parts(machine, shape: dict, mesh: dict) -> dict:
-    return predict(machine, shape, mesh)
 
 
 def predict(machine, shape: dict, mesh: dict) -> dict:
@@ -107,6 +109,72 @@ def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
     last = [r for r in rows if "peak_mem_mb" in r][-1]  # the last traced step (not the first: it allocates the state)
     peak_mb = max(last.get("rank_peak_mem_mb") or [last["peak_mem_mb"]])
     return {"step_s": statistics.median(untraced), "peak_bytes": peak_mb * 2**20, "steps": len(rows), "load": load}
+
+
+PROBE_SHAPE = dict(layers=2, d_model=64, heads=4, seq_len=32, batch_size=16)  # not one of --validate's shapes
+
+
+def _with_elementwise_rate(machine: Machine, log=print) -> Machine:
+    """``machine`` with the rate of minidist's element-wise work (norms, GELU, softmax, the
+    residual and bias adds, their backward, each allocating its result) measured from one real
+    single-process step of a small model: the step's time less what the model prices for its
+    matmuls and fixed costs, over the activation bytes the model says it moves."""
+    meas = run(PROBE_SHAPE, {}, steps=10)
+    loaded = replace(machine, load=meas["load"])
+    without = predict(replace(loaded, mem_bw=1e30), PROBE_SHAPE, {})["step_s"]
+    per_byte = predict(replace(loaded, mem_bw=1.0), PROBE_SHAPE, {})["step_s"] - without
+    rest = meas["step_s"] - without
+    if rest <= 0:
+        log("  element-wise work: hidden in the noise of the probe; the copy bandwidth stays")
+        return machine
+    rate = per_byte / rest
+    log(f"  minidist's element-wise work: {rate / 1e9:.2f} GB/s of activations (a real {PROBE_SHAPE['layers']}-block "
+        f"d{PROBE_SHAPE['d_model']} step, {meas['step_s'] * 1e3:.1f} ms, background load {meas['load']:.1f})")
+    return replace(machine, mem_bw=rate, notes={**machine.notes, "copy_bw": machine.mem_bw})
+
+
+def calibrate(path: str | None = None, log=print) -> Machine:
+    """Measure this machine (about 40 s) and write it to ``path`` (default: the calibration
+    file); returns it."""
+    from ..blas_env import blas_threads
+
+    env = dict(os.environ, **blas_threads(1))
+    code = "import json, minidist.plan.machine as m; print(json.dumps(m.measure_compute()))"
+    compute = json.loads(subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True,
+                                        text=True, timeout=300).stdout)
+    log(f"  GEMM on one core: {compute['peak']['float32'] / 1e9:.1f} GFLOP/s float32, "
+        f"{compute['peak']['float64'] / 1e9:.1f} float64; element-wise {compute['mem_bw'] / 1e9:.1f} GB/s")
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    code = f"import minidist.plan.machine as m; m._p2p_probe({out!r})"
+    subprocess.run(mpiexec(2) + [sys.executable, "-c", code], check=True, env=env, capture_output=True,
+                   timeout=300)
+    with open(out) as f:
+        p2p = json.load(f)
+    os.unlink(out)
+    log(f"  point-to-point between two local ranks: {p2p['latency'] * 1e6:.1f} us, {p2p['bw'] / 1e9:.2f} GB/s; "
+        f"a collective call's own cost {p2p['coll_overhead_s'] * 1e6:.0f} us")
+    fixed = fixed_costs()
+    log(f"  minidist's fixed costs (tiny steps): {fixed['block_mb_s'] * 1e3:.2f} ms per block and microbatch, "
+        f"{fixed['block_step_s'] * 1e3:.2f} ms per block and step, {fixed['mb_overhead_s'] * 1e3:.2f} ms per "
+        f"microbatch and {fixed['step_overhead'] * 1e3:.2f} ms per step outside the blocks")
+    cores = os.cpu_count() or 1
+    from .. import cli_checks
+
+    machine = Machine(
+        name="this-machine", peak=compute["peak"], mem_bytes=float(cli_checks.available_memory_bytes() or 8e9),
+        mem_bw=compute["mem_bw"], links=(Link("shared memory", INF, p2p["bw"], p2p["latency"]),),
+        gemm_eff=1.0, attn_eff=1.0, link_eff=1.0, mem_usable=0.8,
+        overlap=0.0, **fixed, cores=cores, coll_overhead_s=p2p["coll_overhead_s"], sync_slice_s=measure_sync(cores, log),
+        notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0],
+               "numpy_op_s": compute["numpy_op_s"]})
+    machine = _with_elementwise_rate(machine, log)
+    path = calibration_path(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(machine.to_json(), f, indent=1)
+    log(f"  written to {path}")
+    return machine
 
 
 def validate(machine, steps: int = 8, log=print, configs=None) -> dict:

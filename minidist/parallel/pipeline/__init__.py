@@ -2,8 +2,10 @@
 
 Start reading at ``schedules.py``:
 
-* :mod:`.schedules` - schedules as pure data (naive, GPipe, 1F1B, interleaved, looping), a
-  simulator that checks them and a text / matplotlib chart, the pipeline flags' checks; no MPI.
+* :mod:`.schedules` - schedules as pure data (naive, GPipe, 1F1B, interleaved, looping) and
+  the pipeline flags' checks; no MPI.
+* :mod:`.simulate` - a schedule run on a clock, which checks it, and its text / matplotlib
+  chart (``python -m minidist.parallel.pipeline.simulate``); no MPI.
 * :mod:`.runtime` - one runtime that executes any schedule for this rank's stage(s).
 
 The training loop reaches the runtime through ``parallel/strategy.py`` (one pass of the

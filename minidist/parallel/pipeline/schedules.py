@@ -11,8 +11,8 @@ schedule is nothing but that order, written down as data::
 
 No MPI and no model here: the runtime (``runtime.py``) executes any schedule,
 ``simulate.py`` runs one on a clock to check it (no deadlock, every send received once,
-forward before backward, the bubble equals its formula) and draws it, and ``python -m
-minidist.parallel.pipeline.schedules --schedule 1f1b --pp 4 -m 8`` prints that chart.
+forward before backward, the bubble equals its formula) and draws it (``python -m
+minidist.parallel.pipeline.simulate --schedule 1f1b --pp 4 -m 8`` prints that chart).
 
 The schedules (``P`` ranks, ``M`` microbatches, ``V`` model chunks per rank):
 
@@ -42,6 +42,8 @@ the gradient of its output from stage ``s+1`` and sends its input's gradient to 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from minidist.config import VIRTUAL
 
 FORWARD, BACKWARD = "F", "B"
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
@@ -160,9 +162,6 @@ ORDERS = {"naive": naive_order, "gpipe": gpipe_order, "1f1b": one_f_one_b_order,
           "interleaved": interleaved_order, "looping": looping_order}
 """Schedule name -> compute-order function ``(P, M, rank, V) -> [Action]``."""
 
-VIRTUAL = ("interleaved", "looping")
-"""The schedules with several model chunks per rank (``--virtual-stages``)."""
-
 
 # -------------------------------------------------------------------------- checks
 def schedule_problem(name: str, P: int, M: int, V: int = 1, num_layers: int | None = None) -> str | None:
@@ -276,40 +275,3 @@ def theoretical_bubble(name: str, P: int, M: int, V: int = 1) -> float:
     if name == "naive":
         return (P - 1) / P
     return (P - 1) / (V * M + P - 1)
-
-
-def main(argv=None) -> int:
-    import argparse
-    import sys
-
-    p = argparse.ArgumentParser(prog="python -m minidist.parallel.pipeline.schedules",
-                                description="Print (or draw) a pipeline schedule as a time x rank chart.")
-    p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(ORDERS)} (default: 1f1b)")
-    p.add_argument("--pp", type=int, default=4, help="pipeline ranks P (default: 4)")
-    p.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches M (default: 8)")
-    p.add_argument("-v", "--virtual-stages", type=int, default=None,
-                   help="model chunks per rank V (interleaved/looping only; default: 2 for them, else 1)")
-    p.add_argument("--png", default=None, metavar="FILE", help="also draw the chart into FILE with matplotlib")
-    args = p.parse_args(argv)
-    from .simulate import chart, save_png
-
-    V = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule in VIRTUAL else 1)
-    problem = schedule_problem(args.schedule, args.pp, args.microbatches, V)
-    if problem:
-        p.exit(2, f"{p.prog}: error: {problem}\n")
-    schedule = make_schedule(args.schedule, args.pp, args.microbatches, V)
-    print(chart(schedule))
-    if args.png:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("--png needs matplotlib, which is not installed: pip install 'minidist[plot]' "
-                  "(or pip install matplotlib); the text chart above is complete", file=sys.stderr)
-            return 1
-        save_png(schedule, args.png)
-        print(f"wrote {args.png}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -7,15 +7,19 @@ received once; forward before backward) and measures it: each rank's idle share,
 which for every schedule equals its formula (``schedules.theoretical_bubble``), and the most
 microbatches whose activations a rank holds at once.  :func:`chart` prints the time x rank
 chart, :func:`measured_chart` draws a real run's timeline the same way, :func:`save_png` with
-matplotlib.
+matplotlib, and the command line prints (or draws) any schedule's chart::
+
+    python -m minidist.parallel.pipeline.simulate --schedule interleaved --pp 4 -m 8 -v 2 [--png FILE]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schedules import (BACKWARD, COMPUTE, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, Schedule,
-                        model_stage, stage_location, theoretical_bubble)
+from minidist.config import VIRTUAL
+
+from .schedules import (BACKWARD, COMPUTE, FORWARD, ORDERS, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action,
+                        Schedule, make_schedule, model_stage, schedule_problem, stage_location, theoretical_bubble)
 
 @dataclass
 class Simulation:
@@ -212,3 +216,39 @@ def save_png(schedule: Schedule, path: str, sim: Simulation | None = None) -> No
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m minidist.parallel.pipeline.simulate",
+                                description="Print (or draw) a pipeline schedule as a time x rank chart.")
+    p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(ORDERS)} (default: 1f1b)")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks P (default: 4)")
+    p.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches M (default: 8)")
+    p.add_argument("-v", "--virtual-stages", type=int, default=None,
+                   help="model chunks per rank V (interleaved/looping only; default: 2 for them, else 1)")
+    p.add_argument("--png", default=None, metavar="FILE", help="also draw the chart into FILE with matplotlib")
+    args = p.parse_args(argv)
+
+    V = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule in VIRTUAL else 1)
+    problem = schedule_problem(args.schedule, args.pp, args.microbatches, V)
+    if problem:
+        p.exit(2, f"{p.prog}: error: {problem}\n")
+    schedule = make_schedule(args.schedule, args.pp, args.microbatches, V)
+    print(chart(schedule))
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--png needs matplotlib, which is not installed: pip install 'minidist[plot]' "
+                  "(or pip install matplotlib); the text chart above is complete", file=sys.stderr)
+            return 1
+        save_png(schedule, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
