@@ -108,7 +108,7 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
                 if c.save and (step == o.steps or (c.save_every and step % c.save_every == 0)):
                     save(cfg, strategy, step, scaler, saver)
                     saved = step
-                if c.save and interrupt.requested(strategy.world):  # Ctrl-C with --save: stop here
+                if c.save and interrupt.requested(strategy.world):  # Ctrl-C or SIGTERM with --save: stop here
                     if saver is not None:
                         saver.wait()
                     if saved != step:
@@ -186,12 +186,16 @@ def resume(cfg, strategy, scaler, report) -> int:
 
 
 class Interrupted(Exception):
-    """Ctrl-C (SIGINT) during step ``step``; ``metrics`` holds the finished steps' records;
-    ``saved``: the final checkpoint written before stopping (with --save)."""
+    """Ctrl-C (SIGINT) or SIGTERM during step ``step``; ``metrics`` holds the finished steps'
+    records; ``saved``: the final checkpoint written before stopping (with --save); ``code``:
+    the exit code (130, or 143 for SIGTERM: minidist/interrupt.py)."""
 
     def __init__(self, step: int, metrics: list, saved: str | None = None):
+        from .interrupt import received
+
+        what, self.code = received()
         where = f"after step {step - 1}, saved in {saved}" if saved else f"at step {step}"
-        super().__init__(f"interrupted {where}")
+        super().__init__(f"{what} {where}")
         self.step, self.metrics = step, metrics
 
 
@@ -320,14 +324,15 @@ def main(argv=None):
     t0 = time.perf_counter()
     parser = build_parser()
     cfg = validate(parser.parse_args(argv), parser)
-    if cfg.parallel.world_size > 1:  # Ctrl-C: rank 0 acts, the others follow (minidist/interrupt.py)
-        interrupt.install()
+    # Ctrl-C and SIGTERM: rank 0 acts, the others follow (minidist/interrupt.py)
+    interrupt.install(cfg.parallel.world_size)
     try:
         data = load_data(cfg)
     except (ValueError, OSError) as exc:  # bad input found while loading: no traceback
         parser.error(str(exc))
     except KeyboardInterrupt:
-        parser.exit(130, f"{parser.prog}: interrupted before the first step\n" if world_rank() == 0 else None)
+        what, code = interrupt.received()
+        parser.exit(code, f"{parser.prog}: {what} before the first step\n" if world_rank() == 0 else None)
     if world_rank() == 0 and (warning := not_text_warning(cfg.data.data, data[0].data)):
         print(f"{parser.prog}: warning: {warning}", file=sys.stderr, flush=True)
     try:
@@ -348,7 +353,7 @@ def main(argv=None):
 
         sentinel.before_abort()  # an exit on purpose, not a crash: the ranks the launcher ends are not blamed
         os._exit(2)
-    except Interrupted as stop:  # Ctrl-C: one line, the summary of the finished steps, exit 130
+    except Interrupted as stop:  # Ctrl-C or SIGTERM: one line, the summary of the finished steps, exit 130 or 143
         if world_rank() != 0:  # rank 0 ends the job (MPI_Abort): leaving first would read as a crash
             time.sleep(60)
         if world_rank() == 0:
@@ -357,9 +362,9 @@ def main(argv=None):
             if stop.metrics:
                 print(summary_table(stop.metrics, time.perf_counter() - t0), flush=True)
         if cfg.parallel.world_size > 1:
-            interrupt.stop_everyone()  # rank 0 ends every rank with MPI_Abort(130)
+            interrupt.stop_everyone(stop.code)  # rank 0 ends every rank with MPI_Abort(130 or 143)
         sys.stdout.flush()
-        os._exit(130)  # without MPI's finalisation: collectives were left half-way
+        os._exit(stop.code)  # without MPI's finalisation: collectives were left half-way
     if world_rank() == 0 and not metrics:  # resumed at (or past) the last step
         print(f"nothing to train: the checkpoint already ends at or after step {cfg.optim.steps} (--steps)",
               flush=True)

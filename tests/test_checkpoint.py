@@ -296,10 +296,13 @@ def test_a_resumed_run_prints_its_progress(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [None, 2])
-def test_ctrl_c_with_save_writes_a_final_checkpoint(tmp_path, ranks):
+@pytest.mark.parametrize("sig, words, code", [(signal.SIGINT, "interrupted", 130),
+                                              (signal.SIGTERM, "stopped by SIGTERM", 143)])
+def test_ctrl_c_with_save_writes_a_final_checkpoint(tmp_path, ranks, sig, words, code):
     """With --save, Ctrl-C stops after the step in progress, once every rank has saved it: the
     latest checkpoint is that step's, the metrics file holds every step up to it, the trace
-    every rank's spans of those steps, exit 130."""
+    every rank's spans of those steps, exit 130.  SIGTERM (a scheduler's preemption; mpiexec
+    forwards it to every rank) is the same stop, with its own words and exit code 143."""
     ck, metrics, trace_file = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "trace.json"
     ck.mkdir()
     args = [a for a in ARGS if a not in ("--steps", "6")] + ["--steps", "100000", "--save", str(ck),
@@ -313,15 +316,15 @@ def test_ctrl_c_with_save_writes_a_final_checkpoint(tmp_path, ranks):
         deadline = time.time() + 120
         while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
             time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, (proc.returncode, out, err)
+    assert proc.returncode == code, (proc.returncode, out, err)
     done = len(metrics.read_text().splitlines())
     lines = [line for line in err.splitlines() if line.strip() and "MPI_Abort" not in line]
-    assert len(lines) == 1 and f"interrupted after step {done}, saved in {ck / f'step-{done:06d}'}" in lines[0], err
+    assert len(lines) == 1 and f"{words} after step {done}, saved in {ck / f'step-{done:06d}'}" in lines[0], err
     assert (ck / "latest").read_text().strip() == f"step-{done:06d}"
     from minidist.checkpoint import check
     assert check(str(ck / f"step-{done:06d}"))["step"] == done

@@ -25,11 +25,14 @@ def _strict_lines(path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks, mesh", [(2, []), (4, ["--tp", "2"])])
-def test_ctrl_c_stops_the_run_with_one_line_the_summary_and_exit_130(tmp_path, ranks, mesh):
+@pytest.mark.parametrize("ranks, mesh, sig, words, code", [
+    (2, [], signal.SIGINT, "interrupted", 130), (4, ["--tp", "2"], signal.SIGINT, "interrupted", 130),
+    (None, [], signal.SIGTERM, "stopped by SIGTERM", 143), (2, [], signal.SIGTERM, "stopped by SIGTERM", 143)])
+def test_ctrl_c_stops_the_run_with_one_line_the_summary_and_exit_130(tmp_path, ranks, mesh, sig, words, code):
+    """Without --save too: SIGTERM (how a scheduler preempts a job) stops as Ctrl-C does, exit 143."""
     metrics = tmp_path / "m.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    cmd = mpiexec_command(ranks) + [sys.executable, "-m", "minidist.train", *TINY, *mesh, "--steps", "100000",
+    cmd = (mpiexec_command(ranks) if ranks else []) + [sys.executable, "-m", "minidist.train", *TINY, *mesh, "--steps", "100000",
                                 "--log-every", "1000", "--metrics-jsonl", str(metrics)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
@@ -37,18 +40,18 @@ def test_ctrl_c_stops_the_run_with_one_line_the_summary_and_exit_130(tmp_path, r
         deadline = time.time() + 120
         while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
             time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends to mpiexec
+        proc.send_signal(sig)  # SIGINT: what Ctrl-C in the terminal sends to mpiexec
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, (proc.returncode, out, err)
+    assert proc.returncode == code, (proc.returncode, out, err)
     # minidist's one line; MPICH adds one of its own saying that rank 0 called MPI_Abort(130)
     lines = [line for line in err.splitlines() if line.strip() and "MPI_Abort" not in line]
-    assert len(lines) == 1 and "interrupted at step" in lines[0] and "Traceback" not in err, err
+    assert len(lines) == 1 and f"{words} at step" in lines[0] and "Traceback" not in err, err
     rows = _strict_lines(metrics)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 5
-    step = int(lines[0].split("interrupted at step ")[1].split()[0])
+    step = int(lines[0].split(f"{words} at step ")[1].split()[0])
     assert step == len(rows) + 1, (step, len(rows))  # the step in progress; the finished ones are written
     (steps_row,) = [line for line in out.splitlines() if line.startswith("steps ")]
     assert "summary" in out and steps_row.split("|")[1].strip() == str(len(rows)), out  # the summary so far
