@@ -37,7 +37,8 @@ WIDTH = dict(n_layer=4, n_head=4, d_model=256)
 
 def _forward_backward(model, x, y):
     """One process's forward and backward of the whole batch (the training loop's call)."""
-    from minidist.parallel.strategy import OneReplica, Strategy
+    from minidist.parallel.data import OneReplica
+    from minidist.parallel.strategy import Strategy
 
     return Strategy(model, OneReplica(model, None)).forward_backward(x, y)
 

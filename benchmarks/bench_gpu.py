@@ -156,7 +156,8 @@ def _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info, tf32, 
     from minidist.backend import synchronize, to_host
     from minidist.nn import GPT, GPTConfig
     from minidist.optim import AdamW
-    from minidist.parallel.strategy import OneReplica, Strategy
+    from minidist.parallel.data import OneReplica
+    from minidist.parallel.strategy import Strategy
     from minidist.profile import gpu_peak_gflops, measure_peak_gflops
     from minidist.torch_reference import TorchGPT
     from minidist.train import precision, update

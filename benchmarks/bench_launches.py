@@ -83,7 +83,8 @@ def _minidist_counts(shape: dict, modes, steps_warm: int = 1) -> dict:
     from minidist.backend import to_host
     from minidist.nn import GPT, GPTConfig
     from minidist.optim import AdamW
-    from minidist.parallel.strategy import OneReplica, Strategy
+    from minidist.parallel.data import OneReplica
+    from minidist.parallel.strategy import Strategy
     from minidist.train import precision, update
 
     s = shape

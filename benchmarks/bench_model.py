@@ -31,7 +31,8 @@ def measure(threads: int, reps: int) -> dict:
     from minidist.nn import GPT, GPTConfig
     from minidist.optim import AdamW
     from minidist.profile import measure_peak_gflops, model_flops_per_token
-    from minidist.parallel.strategy import OneReplica, Strategy
+    from minidist.parallel.data import OneReplica
+    from minidist.parallel.strategy import Strategy
     from minidist.torch_reference import TorchGPT
 
     torch.set_num_threads(threads)

@@ -39,7 +39,8 @@ MLP_QUICK = dict(batch=2, seq_len=32, d_model=64)
 # ----------------------------------------------------------------- inside mpiexec
 def _forward_backward(model, x, y):
     """One process's forward and backward of the whole batch (the training loop's call)."""
-    from minidist.parallel.strategy import OneReplica, Strategy
+    from minidist.parallel.data import OneReplica
+    from minidist.parallel.strategy import Strategy
 
     return Strategy(model, OneReplica(model, None)).forward_backward(x, y)
 

@@ -33,7 +33,8 @@ from minidist import comm  # noqa: E402
 from minidist.comm.stats import reset_stats, stats  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
 from minidist.optim import AdamW  # noqa: E402
-from minidist.parallel.strategy import DataParallel, Strategy  # noqa: E402
+from minidist.parallel.data import DistributedDataParallel  # noqa: E402
+from minidist.parallel.strategy import Strategy  # noqa: E402
 
 
 def run(mode, args, mesh, batch):
@@ -42,8 +43,8 @@ def run(mode, args, mesh, batch):
     bucket_mb = 1e6 if mode == "one bucket" else args.bucket_mb
     # The textbook ring all-reduce: 2(N-1)/N·X bytes per rank for any bucket (the automatic
     # choice would take recursive doubling for small buckets, log2(N)·X bytes but fewer rounds).
-    dp = DataParallel(model, opt, mesh.group("dp"), bucket_mb=bucket_mb, overlap=mode != "no overlap",
-                      algorithm="ring")
+    dp = DistributedDataParallel(model, opt, mesh.group("dp"), bucket_mb=bucket_mb, overlap=mode != "no overlap",
+                                 algorithm="ring")
     strategy = Strategy(model, dp, mesh)  # for this rank's rows of the global batch
     x, y = batch
     rows = []
@@ -62,7 +63,7 @@ def run(mode, args, mesh, batch):
     psi = sum(p.size for p in dp.params)
     compute, exposed, step, sent = np.median(np.array(rows[1:] or rows), axis=0)  # the first step warms up
     return dict(mode=mode, compute=compute, exposed=exposed, step=step, sent=sent, psi=psi,
-                buckets=len(dp.ddp.buckets), first=dp.ddp.reducer.launch_times[0] - dp.ddp.reducer.backward_end)
+                buckets=len(dp.buckets), first=dp.reducer.launch_times[0] - dp.reducer.backward_end)
 
 
 def main():

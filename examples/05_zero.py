@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from minidist import comm  # noqa: E402
 from minidist.config import RunConfig  # noqa: E402
 from minidist.parallel.compose import build  # noqa: E402
-from minidist.parallel.zero import memory_formula  # noqa: E402
+from minidist.parallel.data.zero import memory_formula  # noqa: E402
 
 PAPER = {0: lambda P, N: 16 * P, 1: lambda P, N: 4 * P + 12 * P / N,
          2: lambda P, N: 2 * P + 14 * P / N, 3: lambda P, N: 16 * P / N}
@@ -32,7 +32,7 @@ def run(stage, args, mesh, batch):
     cfg = RunConfig().replace(model=dict(layers=args.layers, d_model=args.width, heads=4),
                               data=dict(seq_len=args.seq), optim=dict(lr=1e-3),
                               parallel=dict(dp=mesh.size("dp"), zero=stage)).resolved()
-    model, strategy = build(cfg, mesh)  # AdamW; DDP, ZeRO-1/2 (strategy.data.zero) or FSDP (.data.fsdp)
+    model, strategy = build(cfg, mesh)  # AdamW; DDP, ZeRO-1/2 or FSDP: strategy.data
     psi = sum(int(np.prod(p.global_shape)) for p in model.parameters())  # FSDP has freed the full arrays
     x, y = batch
     times = []
@@ -45,9 +45,8 @@ def run(stage, args, mesh, batch):
         times.append(time.perf_counter() - t0)
     mine, live = psi, None
     if stage:
-        sharded = strategy.data.fsdp if stage == 3 else strategy.data.zero
-        mine = sharded.shard_numel
-        live = sharded.max_live_blocks if stage == 3 else None
+        mine = strategy.data.shard_numel
+        live = strategy.data.max_live_blocks if stage == 3 else None
     return psi, mine, held, memory_formula(stage, psi, mine, 4, 2), float(np.median(times[1:] or times)), live
 
 

@@ -33,7 +33,7 @@ from minidist.autograd import no_grad  # noqa: E402
 from minidist.comm import p2p  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
 from minidist.optim import SGD  # noqa: E402
-from minidist.parallel.strategy import DataParallel  # noqa: E402
+from minidist.parallel.data import DistributedDataParallel  # noqa: E402
 
 
 def model_and_opt(args):
@@ -123,7 +123,7 @@ def sequential(args, text, val):
 def bsp(args, text, val, g):
     """DDP over all ranks: each step consumes one batch per rank at the same parameters."""
     model, opt = model_and_opt(args)
-    dp = DataParallel(model, opt, g)
+    dp = DistributedDataParallel(model, opt, g)
     curve = []
     for step in range(args.updates // g.size):
         xs, ys = corpus_batch(text, 1000 + step * g.size + g.rank, args)

@@ -8,7 +8,8 @@ from minidist import ops
 from minidist.backend import dtype
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, DynamicLossScaler
-from minidist.parallel.strategy import OneReplica, Strategy
+from minidist.parallel.data import OneReplica
+from minidist.parallel.strategy import Strategy
 
 
 def forward_backward(model, x, y, grad_accum=1, low_dtype=None, loss_scale=1.0):

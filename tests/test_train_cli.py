@@ -129,7 +129,8 @@ def test_memory_estimate_is_near_a_measured_step(checkpoint, accum):
     from minidist.cli_checks import training_memory_bytes
     from minidist.nn import GPT, GPTConfig
     from minidist.optim import AdamW
-    from minidist.parallel.strategy import OneReplica, Strategy
+    from minidist.parallel.data import OneReplica
+    from minidist.parallel.strategy import Strategy
     from minidist.profile import PeakMemory
 
     shape = dict(n_layer=2, d_model=64, n_head=2, seq_len=64)

@@ -78,7 +78,7 @@ def build(cfg, mesh=None):
     """``(model, strategy)`` for the resolved run configuration ``cfg`` on ``mesh`` (a
     ``comm.Mesh``; None for one process).  Collective over the mesh: every rank calls it."""
     from ..nn import GPT
-    from .replicas import data_parallel
+    from . import data
     from .strategy import Strategy
     from .tensor import tensor_parallel_layers
 
@@ -95,8 +95,8 @@ def build(cfg, mesh=None):
         from .pipeline.runtime import PipelineRuntime
         pipeline = PipelineRuntime(model, mesh.group("pp"), p.schedule, p.microbatches, p.virtual_stages)
     optimizer = make_optimizer(cfg.optim, model.parameters())
-    data = data_parallel(model, optimizer, p, mesh)                            # 4. data
-    return model, Strategy(model, data, mesh, context, pipeline)             # 5. the loop's interface
+    replicas = data.apply(model, optimizer, p, mesh)                           # 4. data
+    return model, Strategy(model, replicas, mesh, context, pipeline)         # 5. the loop's interface
 
 
 def model_config(cfg):

@@ -18,8 +18,8 @@ Inside, one step of a ``dp x pp x tp x cp`` run goes:
   is exactly the single-process loss, and so are the gradients;
 * the micro-batch runs through the model (tensor-parallel layers communicate inside it), or
   through the **pipeline** schedule of this rank's stage (parallel/pipeline/runtime.py);
-* the **data-parallel part** (parallel/replicas.py, :func:`data_parallel`: one replica, DDP, ZeRO-1/2 or ZeRO-3 /
-  HSDP) reduces the gradients over the ``("dp", "cp")`` group, the ranks holding the same
+* the **data-parallel part** (parallel/data/, :func:`~minidist.parallel.data.apply`: one replica, DDP,
+  ZeRO-1/2 or ZeRO-3 / HSDP) reduces the gradients over the ``("dp", "cp")`` group, the ranks holding the same
   parameters; with a pipeline and a tied embedding the first and last stage first add their
   two partial embedding gradients.
 
@@ -37,10 +37,7 @@ from ..autograd import no_grad
 from ..backend import host_read, xp
 from ..data import shard
 from ..optim.clip import clip_coefficient, scale_grads, total_sum_of_squares
-from .data import any_rank, reduce_sum
-# The data-parallel parts a Strategy holds (parallel/replicas.py), importable from here too.
-from .replicas import (Bucketed, DataParallel, FullyShardedDataParallel, OneReplica, Zero12,  # noqa: F401
-                       data_parallel)
+from .data.allreduce import any_rank, reduce_sum
 
 
 class Strategy:

@@ -234,7 +234,7 @@ class Step:
         seqs_mb = global_batch_tokens // m.seq_len // p.dp // p.microbatches
         return Step(m, mc, p, pr, minidist, share, seqs_mb * m.seq_len / p.cp, seqs_mb, stage_blocks(m.layers, p.pp),
                     p.virtual if p.schedule == "interleaved" and p.pp > 1 else 1,
-                    # minidist's ZeRO-3 recomputes every block in backward (parallel/fsdp.py)
+                    # minidist's ZeRO-3 recomputes every block in backward (parallel/data/fsdp.py)
                     p.checkpoint or (minidist and p.zero == 3),
                     p.sequence_parallel and p.tp > 1 and not minidist)
 

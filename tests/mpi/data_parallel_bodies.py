@@ -19,7 +19,7 @@ from minidist.nn import GPT
 from minidist.optim import lr_at
 from minidist.parallel.compose import build, build_mesh, model_config
 from minidist.parallel.data import DistributedDataParallel, allreduce_gradients
-from minidist.parallel.zero import memory_formula
+from minidist.parallel.data.zero import memory_formula
 from minidist.testing import train_run, train_steps
 from minidist.train import update
 
@@ -105,8 +105,8 @@ def hsdp():
         ref = run(_cfg(**over))
         got = run_keeping(_cfg(**over, dp=4, hsdp_shard=2))
         compare(f"hsdp {variant}", ref, got)
-        f = got[2].data.fsdp
-        assert f.group.size == 2 and f.replicate_group.size == 2
+        f = got[2].data
+        assert f.group.size == 4 and f.shard_group.size == 2 and f.replicate_group.size == 2
         if MPI.COMM_WORLD.rank == 0:
             print(f"hsdp ok: {variant}", flush=True)
 
@@ -116,13 +116,12 @@ def memory_and_live_params():
     n = MPI.COMM_WORLD.Get_size()
     for zero in (0, 1, 2, 3):
         losses, params, strategy, held = run_keeping(_cfg(model={"layers": 4}, dp=n, zero=zero, bucket_mb=0.002))
-        sharded = {1: "zero", 2: "zero", 3: "fsdp"}.get(zero)
         numel = sum(int(v.size) for v in params.values())
-        mine = getattr(strategy.data, sharded).shard_numel if zero else numel
+        mine = strategy.data.shard_numel if zero else numel
         want = memory_formula(zero, numel, mine, 8, 2)
         assert held == want, (zero, held, want)
         if zero == 3:
-            z = strategy.data.fsdp
+            z = strategy.data
             blocks = sorted((u.numel * 8 for u in z.block_units), reverse=True)
             assert z.max_live_blocks <= 2, z.max_live_blocks
             assert z.max_live_bytes <= z.root.numel * 8 + blocks[0] + blocks[1], z.max_live_bytes
@@ -147,7 +146,7 @@ def textbook_equals_bucketed():
     for bucketed in (False, True):
         model = make_model(cfg)
         params = model.parameters()
-        ddp = DistributedDataParallel(params, g, bucket_mb=0.004) if bucketed else None
+        ddp = DistributedDataParallel(model, None, g, bucket_mb=0.004) if bucketed else None
         x = np.random.default_rng(g.rank).integers(0, 256, (2, 9))
         loss = model(x[:, :-1], x[:, 1:]) * 0.5
         loss.backward()
@@ -167,7 +166,7 @@ def overlap_timeline():
     cfg = _cfg(model={"layers": 4, "d_model": 32})
     for overlap in (True, False):
         model = make_model(cfg)
-        ddp = DistributedDataParallel(model.parameters(), g, bucket_mb=0.01, overlap=overlap)
+        ddp = DistributedDataParallel(model, None, g, bucket_mb=0.01, overlap=overlap)
         x = np.random.default_rng(0).integers(0, 256, (4, 9))
         ddp.reducer.reset_timeline()
         model(x[:, :-1], x[:, 1:]).backward()
@@ -189,7 +188,7 @@ def ring_bytes():
 
     g = comm.world()
     model = make_model(_cfg())
-    ddp = DistributedDataParallel(model.parameters(), g, bucket_mb=0.004, algorithm="ring")
+    ddp = DistributedDataParallel(model, None, g, bucket_mb=0.004, algorithm="ring")
     x = np.random.default_rng(0).integers(0, 256, (2, 9))
     reset_stats()
     model(x[:, :-1], x[:, 1:]).backward()

@@ -26,7 +26,7 @@ import numpy as np
 NAMES = ("no-dp-reduce", "negate-grads", "grad-scale-2x", "skip-update", "no-loss-scale", "alone")
 
 # The modules whose ``comm`` carries the data-parallel gradient reductions (DDP, ZeRO-1/2, FSDP).
-_DATA_MODULES = ("minidist.parallel.data", "minidist.parallel.zero", "minidist.parallel.fsdp")
+_DATA_MODULES = ("minidist.parallel.data.ddp", "minidist.parallel.data.zero", "minidist.parallel.data.fsdp")
 
 
 class _Done:

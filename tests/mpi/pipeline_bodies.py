@@ -68,7 +68,8 @@ def pipeline_run(group, schedule, M, V=1, layers=4, ckpt=False, untied=False, ac
                  dtype="float64"):
     """The training loop's calls on a pipeline over ``group`` (every rank the whole batch): the
     schedule's passes, the tied-embedding sum, the whole model's gradient norm (clipping)."""
-    from minidist.parallel.strategy import OneReplica, Strategy
+    from minidist.parallel.data import OneReplica
+    from minidist.parallel.strategy import Strategy
     from minidist.train import update
 
     model = GPT(_config(layers, untied, dtype))

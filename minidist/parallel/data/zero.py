@@ -32,20 +32,18 @@ With gradient accumulation, stages 0-1 accumulate full gradients locally and red
 last micro-step (``no_sync``); stages 2-3 reduce-scatter every micro-step into the gradient
 shard, which is what keeps their gradient memory at Ψ_r.
 
-Here: :class:`ShardedOptimizer` (the update rule on the shards), :class:`ShardedDataParallel`
-(what every stage shares), :class:`ZeRO` (stages 1-2) and :func:`memory_formula` (the table);
-parallel/strategy.py's ``Zero12`` and ``FullyShardedDataParallel`` put them in a run.
+Here: :class:`ShardedOptimizer` (the update rule on the shards), :class:`ZeRO` (stages 1-2:
+DDP's buckets and hooks with other collectives), what the sharded stages share with fsdp.py
+(the shards' gradients, checkpoint pieces) and :func:`memory_formula` (the table).
 """
 
 from __future__ import annotations
 
-import contextlib
-
-from .. import comm
-from ..backend import from_host, to_host, xp
-from ..optim.functional import adamw_update, sgd_update
-from ..optim.optimizers import SGD, AdamW
-from .data import BucketedReducer, broadcast_parameters, check_identical
+from ... import comm
+from ...backend import from_host, to_host, xp
+from ...optim.functional import adamw_update, sgd_update
+from ...optim.optimizers import SGD, AdamW
+from .ddp import DistributedDataParallel
 from .flat import FlatUnit, Shard
 
 
@@ -82,35 +80,9 @@ class ShardedOptimizer:
         return sum(a.nbytes for st in self.state for a in st.values())
 
 
-class ShardedDataParallel:
-    """What every ZeRO stage shares: the trainable parameters made identical over ``group``
-    (and ``replicate_group``, HSDP) before anything is sharded, the optimizer of the shards,
-    ``zero_grad`` and the shard sizes.  A subclass sets ``units`` and ``shards``, then calls
-    :meth:`_shard_optimizer`."""
-
-    reducer = None  # the gradient hooks' BucketedReducer (stages 1-2; stage 3 has none)
-
-    def __init__(self, model, group, optimizer, replicate_group=None):
-        self.model, self.group, self.replicate_group = model, group, replicate_group
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        # Each parameter's weight decay, read while the parameters are whole (stage 3 frees them).
-        self._decay = {id(p): optimizer.decay_of(p) for p in self.params}
-        for g in (group, replicate_group):
-            if g is not None:
-                broadcast_parameters(self.params, g)
-                check_identical(self.params, g)
-
-    def _shard_optimizer(self, template):
-        self.optimizer = ShardedOptimizer(template, self.units, self.shards, self._decay)
-
-    @staticmethod
-    def _accumulate(shard, result):
-        """Add a reduce-scatter's result into ``shard.grad`` (micro-steps accumulate there)."""
-        result = from_host(result)  # a fresh array from the reduce-scatter: ours to keep
-        if shard.grad is None:
-            shard.grad = result
-        else:
-            shard.grad += result
+class Sharded:
+    """What ZeRO's stages share (here and fsdp.py): ``units`` and this rank's ``shards`` of them,
+    updated by ``shard_optimizer``."""
 
     def zero_grad(self):
         for shard in self.shards:
@@ -122,38 +94,37 @@ class ShardedDataParallel:
     def shard_numel(self) -> int:
         return sum(u.shard_numel for u in self.units)
 
+    def checkpoint_scalars(self) -> dict:
+        return {"optimizer_steps": self.shard_optimizer.step_count}
 
-class ZeRO(ShardedDataParallel):
+
+class ZeRO(Sharded, DistributedDataParallel):
     """ZeRO stage 1 or 2 of ``model`` over ``group``, updating with ``optimizer``'s rule
     (stage 3 is fsdp.FSDP).
 
-    The units are the gradient buckets (a bucket and its unit lay out the same parameters in
-    the same order), and the full parameters are views of one flat array per unit, which
-    the all-gather after the update fills.  ``zero.reducer`` launches each bucket's collective
-    from the gradient hooks (parallel/strategy.py's Zero12 opens and closes them around each
-    micro-step, as for DDP), then ``zero.step()`` (update the shards, all-gather the
-    parameters), ``zero.zero_grad()``.  ``zero.grad_holders`` are the objects with ``.grad``
-    to unscale and clip: the full gradients (stage 1) or the gradient shards (stage 2).
+    DDP's buckets and gradient hooks, with other collectives: stage 1 all-reduces each bucket
+    as DDP does, stage 2 reduce-scatters it and frees the full gradients, so a rank keeps only
+    its gradient shard.  The units are the buckets (a bucket and its unit lay out the same
+    parameters in the same order), and the full parameters are views of one flat array per
+    unit, which the all-gather after the update fills.  ``optimizer`` stays the loop's (its
+    learning rate is read at each step); ``shard_optimizer`` updates the shards.
     """
 
-    def __init__(self, model, group, stage: int, optimizer, bucket_mb: float = 25.0, overlap: bool = True):
+    def __init__(self, model, optimizer, group, stage: int, bucket_mb: float = 25.0, overlap: bool = True):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO here is stage 1 or 2, got {stage!r} (stage 3: fsdp.FSDP)")
-        super().__init__(model, group, optimizer)
         self.stage = stage
-        # Stage 1 all-reduces each bucket, as DDP does; stage 2 reduce-scatters it and frees
-        # the full gradients, so a rank keeps only its gradient shard.
-        launch, land = ((self._all_reduce, self._land_all_reduced) if stage == 1
-                        else (self._reduce_scatter, self._land_reduce_scattered))
-        self.reducer = BucketedReducer(self.params, bucket_mb, overlap, launch, land)
-        buckets = self.reducer.buckets
-        self.units = [FlatUnit(b.params, group.rank, group.size, f"bucket{i}") for i, b in enumerate(buckets)]
-        self.unit_of_bucket = {id(b): i for i, b in enumerate(buckets)}
+        super().__init__(model, optimizer, group, bucket_mb, overlap)
+        self.reduces_every_micro_step = stage == 2  # a rank keeps only its gradient shard
+        # Stage 1 clips the full, all-reduced gradients (the same on every rank: count them
+        # once); stage 2 clips the disjoint gradient shards (count every rank's).
+        self.counts_in_norm = stage == 2 or group.rank == 0
+        self.name = f"ZeRO-{stage} over {group.size} ranks"
+        self.units = [FlatUnit(b.params, group.rank, group.size, f"bucket{i}") for i, b in enumerate(self.buckets)]
+        self.unit_of_bucket = {id(b): i for i, b in enumerate(self.buckets)}
         self.full = [self._flatten_params(u) for u in self.units]  # the parameters' storage
         self.shards = [Shard(full[u.lo:u.hi]) for u, full in zip(self.units, self.full)]
-        self._shard_optimizer(optimizer)
-        # Stage 1's gradients are whole (and the same on every rank); stage 2's are shards.
-        self.grad_holders = self.params if stage == 1 else self.shards
+        self.shard_optimizer = ShardedOptimizer(optimizer, self.units, self.shards, decay_of(optimizer, self.params))
 
     def _flatten_params(self, unit):
         full = unit.flatten([p.data for p in unit.params])
@@ -162,22 +133,21 @@ class ZeRO(ShardedDataParallel):
         return full
 
     # -- from the gradient hooks ---------------------------------------------------------------
-    def _all_reduce(self, bucket):
-        return comm.all_reduce(bucket.pack_grads(), self.group, async_op=True)
-
-    def _reduce_scatter(self, bucket):
+    def _launch(self, bucket):
+        if self.stage == 1:
+            return comm.all_reduce(bucket.pack_grads(), self.group, async_op=True)
         return comm.reduce_scatter(bucket.pack_grads(free=True), self.group, async_op=True)
 
-    def _land_all_reduced(self, bucket, result):
+    def _land(self, bucket, result):
+        i = self.unit_of_bucket[id(bucket)]
+        if self.stage == 2:
+            accumulate(self.shards[i], result)
+            return
         # A bucket and its unit lay out the same parameters in the same order, so the
         # shard's gradient is a slice of the all-reduced bucket: no copy.
-        i = self.unit_of_bucket[id(bucket)]
         flat = from_host(result)
         bucket.unpack_grads(flat)
         self.shards[i].grad = flat[self.units[i].lo:self.units[i].hi]
-
-    def _land_reduce_scattered(self, bucket, result):
-        self._accumulate(self.shards[self.unit_of_bucket[id(bucket)]], result)
 
     def _all_gather_params(self):
         for full, shard in zip(self.full, self.shards):
@@ -185,15 +155,20 @@ class ZeRO(ShardedDataParallel):
             gathered = comm.all_gather(mine, self.group)
             full[...] = from_host(gathered)
 
-    # -- the loop's interface (parallel/strategy.py's Zero12 drives the hooks: micro_step) --------
-    @contextlib.contextmanager
-    def evaluating(self):
-        """Nothing to gather: stages 1-2 keep the full parameters."""
-        yield
+    # -- the loop's protocol (replica.py) --------------------------------------------------------
+    @property
+    def grad_holders(self):
+        """Stage 1's gradients are whole (and the same on every rank); stage 2's are shards."""
+        return self.params if self.stage == 1 else self.shards
+
+    def grad_segments(self):
+        if self.stage == 1:
+            return super().grad_segments()
+        return shard_segments(self.units, self.shards)
 
     def step(self):
         """Update this rank's shards, then all-gather them into the full parameters."""
-        self.optimizer.step()
+        self.shard_optimizer.step()
         self._all_gather_params()
 
     def memory_bytes(self) -> dict:
@@ -202,7 +177,59 @@ class ZeRO(ShardedDataParallel):
         # Stage 1's shard gradients are slices of the all-reduced buckets, counted above.
         shard_grads = sum(s.grad.nbytes for s in self.shards if s.grad is not None) if self.stage == 2 else 0
         return {"params": sum(f.nbytes for f in self.full), "grads": full_grads + shard_grads,
-                "optimizer": self.optimizer.nbytes()}
+                "optimizer": self.shard_optimizer.nbytes()}
+
+    def owned_state(self):
+        if self.writes_replicas:  # the full parameters are the same on every rank after the step
+            for p in self.params:
+                yield p, "param", None, p.data
+        yield from owned_shards(self.units, self.shard_optimizer.state)
+
+    def load_state(self, reader):
+        for p in self.params:
+            p.data[...] = from_host(reader.read(p, "param"))  # views into the flat storage the shards slice
+        load_shards(reader, self.units, self.shard_optimizer)
+
+
+# --------------------------------------------------------------------------------------------
+# The sharded stages' helpers (here and fsdp.py)
+# --------------------------------------------------------------------------------------------
+def decay_of(optimizer, params) -> dict:
+    """Each parameter's weight decay by id, read while the parameters are whole (stage 3 frees them)."""
+    return {id(p): optimizer.decay_of(p) for p in params}
+
+
+def accumulate(shard, result):
+    """Add a reduce-scatter's result into ``shard.grad`` (micro-steps accumulate there)."""
+    result = from_host(result)  # a fresh array from the reduce-scatter: ours to keep
+    if shard.grad is None:
+        shard.grad = result
+    else:
+        shard.grad += result
+
+
+def shard_segments(units, shards):
+    """``(parameter, its stretch of the shard's gradient)`` for every shard (ZeRO-2/3)."""
+    for unit, piece in zip(units, shards):
+        if piece.grad is not None:
+            for p, s, _ in unit.segments():
+                yield p, piece.grad[s]
+
+
+def owned_shards(units, state):
+    """The optimizer state's pieces in a ZeRO rank's flat shards, per parameter stretch."""
+    for unit, st in zip(units, state):
+        for p, s, flat in unit.segments():
+            for key, array in st.items():
+                yield p, key, flat, array[s]
+
+
+def load_shards(reader, units, optimizer):
+    for unit, st in zip(units, optimizer.state):
+        for p, s, flat in unit.segments():
+            for key, array in st.items():
+                array[s] = from_host(reader.read(p, key, flat))
+    optimizer.step_count = reader.meta["scalars"]["optimizer_steps"]
 
 
 def memory_formula(stage: int, numel: int, shard_numel: int, itemsize: int, state_arrays: int) -> dict:

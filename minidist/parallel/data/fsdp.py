@@ -21,49 +21,63 @@ and the root unit (the embedding, final LayerNorm and head).
   same shard (:func:`hsdp_groups` makes both groups).
 
 FSDP reaches into the model through one hook: it replaces ``GPT.block_runner`` by
-:meth:`FSDP._run_block`, which gathers each block's shards around the block.
+:meth:`FSDP._run_block`, which gathers each block's shards around the block.  ``group`` is
+the whole data-parallel group (the loss is summed over it); ``shard_group`` the ranks the
+shards are split over (the same group, or HSDP's groups of K).
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from .. import comm
-from ..autograd import Tensor, enable_grad, is_grad_enabled, no_grad, run_backward
-from ..backend import from_host, to_host
-from ..ops import autocast, get_autocast_dtype
+from ... import comm
+from ...autograd import Tensor, enable_grad, is_grad_enabled, no_grad, run_backward
+from ...backend import from_host, to_host
+from ...ops import autocast, get_autocast_dtype
+from .allreduce import broadcast_parameters, check_identical
 from .flat import FlatUnit, Shard
-from .zero import ShardedDataParallel
+from .replica import OneReplica
+from .zero import Sharded, ShardedOptimizer, accumulate, decay_of, load_shards, owned_shards, shard_segments
 
 _FREED = None  # what a parameter's .data is between uses
 
 
-class FSDP(ShardedDataParallel):
-    """ZeRO stage 3 of ``model`` over ``group`` (the shard group), updating with
+class FSDP(Sharded, OneReplica):
+    """ZeRO stage 3 of ``model`` over ``shard_group`` (None: all of ``group``), updating with
     ``optimizer``'s rule; ``replicate_group`` makes it HSDP.
 
-    The training loop's calls: ``with fsdp.micro_step(last): loss.backward()`` (gather the
-    root unit and prefetch the first block; afterwards reduce-scatter the root's gradients and
-    wait for the blocks'), ``fsdp.step()`` (update the shards; nothing to gather: the next
-    forward gathers), ``fsdp.zero_grad()``.  ``grad_holders`` are the shards (disjoint within
-    the shard group; HSDP's replicas hold the same ones).  ``max_live_blocks`` and
-    ``max_live_bytes`` record the most block units and full-parameter bytes alive at once.
+    The loop's calls (the protocol of replica.py): ``with fsdp.micro_step(last): ...backward()``
+    (gather the root unit and prefetch the first block; afterwards reduce-scatter the root's
+    gradients and wait for the blocks'), ``fsdp.step()`` (update the shards; nothing to
+    gather: the next forward gathers), ``fsdp.zero_grad()``.  ``grad_holders`` are the shards
+    (disjoint within the shard group; HSDP's replicas hold the same ones).  ``max_live_blocks``
+    and ``max_live_bytes`` record the most block units and full-parameter bytes alive at once.
     """
 
     stage = 3
+    reduces_every_micro_step = True  # each block's gradients are reduce-scattered in its backward
 
-    def __init__(self, model, group, optimizer, replicate_group=None):
-        super().__init__(model, group, optimizer, replicate_group)
+    def __init__(self, model, optimizer, group, shard_group=None, replicate_group=None):
+        super().__init__(model, optimizer, group)
+        self.shard_group, self.replicate_group = shard_group or group, replicate_group
+        decay = decay_of(optimizer, self.params)  # while the parameters are whole
+        for g in (self.shard_group, replicate_group):
+            if g is not None:
+                broadcast_parameters(self.params, g)
+                check_identical(self.params, g)
         self._shard_units(model)
-        self._shard_optimizer(optimizer)
-        self.grad_holders = self.shards
+        self.shard_optimizer = ShardedOptimizer(optimizer, self.units, self.shards, decay)
+        # The shards are disjoint within a shard group; HSDP's replicas hold the same ones.
+        self.counts_in_norm = replicate_group is None or replicate_group.rank == 0
+        self.name = (f"HSDP: ZeRO-3 over {self.shard_group.size} ranks x {replicate_group.size} replicas"
+                     if replicate_group is not None else f"ZeRO-3 (FSDP) over {self.shard_group.size} ranks")
 
     def _shard_units(self, model):
         """One unit per block and a root unit of the rest; keep this rank's shard, free the rest."""
         blocks = [b for b in model.h if b is not None]  # a pipeline stage keeps only its blocks
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         root = [p for p in self.params if id(p) not in in_blocks]
-        g = self.group
+        g = self.shard_group
         self.root = FlatUnit(root, g.rank, g.size, "root")
         self.block_units = [FlatUnit([p for p in b.parameters() if p.requires_grad], g.rank, g.size, f"h.{i}")
                             for i, b in enumerate(blocks)]
@@ -88,7 +102,7 @@ class FSDP(ShardedDataParallel):
             return
         self.live.add(i)
         self._count_live()
-        self._inflight[i] = comm.all_gather(to_host(self.shards[i].data), self.group, async_op=True)
+        self._inflight[i] = comm.all_gather(to_host(self.shards[i].data), self.shard_group, async_op=True)
 
     def _prefetch(self, i):
         """Start gathering block unit i (1..L) while the current block computes."""
@@ -138,7 +152,7 @@ class FSDP(ShardedDataParallel):
             grads = run_backward([out], [g], capture=[inp] + unit.params)
             self._free(i)
             flat = to_host(unit.flatten([grads.get(id(p)) for p in unit.params]))
-            self._pending_rs.append((i, comm.reduce_scatter(flat, self.group, async_op=True)))
+            self._pending_rs.append((i, comm.reduce_scatter(flat, self.shard_group, async_op=True)))
             return (grads.get(id(inp)),)
 
         out = Tensor(y.data)
@@ -146,7 +160,7 @@ class FSDP(ShardedDataParallel):
         out._ctx = ((x,), backward_fn)
         return out
 
-    # -- the loop's interface --------------------------------------------------------------------
+    # -- the loop's protocol (replica.py) --------------------------------------------------------
     @contextlib.contextmanager
     def evaluating(self):
         """The root unit's parameters gathered for a forward pass without backward."""
@@ -157,7 +171,7 @@ class FSDP(ShardedDataParallel):
             self._free(0)
 
     @contextlib.contextmanager
-    def micro_step(self, last: bool, before_reduce=None):
+    def micro_step(self, last: bool, pipelined: bool = False):
         """One micro-batch's forward and backward (or a pipeline pass); every micro-step
         reduce-scatters into the gradient shards.  ``before_reduce`` runs on the root unit's
         full gradients first (a pipeline's tied-embedding sum).  HSDP: on the last, the shards'
@@ -165,8 +179,8 @@ class FSDP(ShardedDataParallel):
         self._gather_root()
         self._prefetch(1)
         yield
-        if before_reduce is not None:
-            before_reduce()
+        if self.before_reduce is not None:
+            self.before_reduce()
         self._finish_backward()
         if last and self.replicate_group is not None:
             for shard in self.shards:
@@ -185,18 +199,25 @@ class FSDP(ShardedDataParallel):
             flat = to_host(root.flatten([p.grad for p in root.params]))
             for p in root.params:
                 p.grad = None
-            self._pending_rs.append((0, comm.reduce_scatter(flat, self.group, async_op=True)))
+            self._pending_rs.append((0, comm.reduce_scatter(flat, self.shard_group, async_op=True)))
         for i, handle in self._pending_rs:
-            self._accumulate(self.shards[i], handle.wait())
+            accumulate(self.shards[i], handle.wait())
         self._pending_rs = []
         self._free(0)
         for i in list(self._inflight):  # a prefetch nobody used (a 1-block model): drain it
             self._inflight.pop(i).wait()
             self._free(i)
 
+    @property
+    def grad_holders(self):
+        return self.shards
+
+    def grad_segments(self):
+        return shard_segments(self.units, self.shards)
+
     def step(self):
         """Update this rank's shards; the parameters stay sharded until the next gather."""
-        self.optimizer.step()
+        self.shard_optimizer.step()
 
     def memory_bytes(self) -> dict:
         """Bytes of parameters, gradients and optimizer state this rank holds now, from the arrays."""
@@ -204,23 +225,38 @@ class FSDP(ShardedDataParallel):
             p.data.nbytes for p in self.params if p.data is not _FREED)
         full_grads = sum(p.grad.nbytes for p in self.params if p.grad is not None)
         shard_grads = sum(s.grad.nbytes for s in self.shards if s.grad is not None)
-        return {"params": params, "grads": full_grads + shard_grads, "optimizer": self.optimizer.nbytes()}
+        return {"params": params, "grads": full_grads + shard_grads, "optimizer": self.shard_optimizer.nbytes()}
 
-    def full_parameters(self) -> dict:
+    def parameters(self) -> dict:
         """Every parameter's full array by name, all-gathered from the shards (every rank calls it)."""
         out = {}
         for unit, shard in zip(self.units, self.shards):
             if not unit.params:
                 continue
-            full = from_host(comm.all_gather(to_host(shard.data), self.group))
+            full = from_host(comm.all_gather(to_host(shard.data), self.shard_group))
             out.update({p.name: v.copy() for p, v in zip(unit.params, unit.views(full))})
         return out
+
+
+    def owned_state(self):
+        if not self.counts_in_norm:  # an HSDP replica other than the first
+            return
+        for unit, piece in zip(self.units, self.shards):
+            for p, s, flat in unit.segments():
+                yield p, "param", flat, piece.data[s]
+        yield from owned_shards(self.units, self.shard_optimizer.state)
+
+    def load_state(self, reader):
+        for unit, piece in zip(self.units, self.shards):
+            for p, s, flat in unit.segments():
+                piece.data[s] = from_host(reader.read(p, "param", flat))
+        load_shards(reader, self.units, self.shard_optimizer)
 
 
 def hsdp_groups(dp_group, shard_size: int):
     """Split the data-parallel group into shard groups of ``shard_size`` consecutive ranks and
     replica groups of the ranks at the same position in each: (shard group, replicate group)."""
-    from ..comm.group import Group
+    from ...comm.group import Group
 
     n, r = dp_group.size, dp_group.rank
     if shard_size < 1 or n % shard_size:
