@@ -57,7 +57,7 @@ def worker(out_path: str, quick: bool, reps: int, meshes: list) -> None:
         sampler = Sampler(corpus, cfg.data.seq_len, cfg.data.batch_size, 0)
         tracer = trace.Tracer(world.rank, trace.rank_label(cfg.parallel.mesh_sizes(), world.rank))
         tracer.offset = trace.clock_offset(world, tracer.clock)
-        tracer.wrap_blocks(model)
+        tracer.wrap(strategy)
 
         def step(k, traced):
             if traced:

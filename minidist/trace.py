@@ -43,8 +43,9 @@ import time
 from minidist import backend
 
 active = None
-"""The running :class:`Tracer` (None: tracing off).  Code that adds spans reads it once
-(``tr = trace.active``) and does nothing more when it is None."""
+"""The running :class:`Tracer` (None: tracing off).  The spans of the step, the pipeline and
+the blocks come from wrappers :meth:`Tracer.wrap` puts on the seams of the model and the
+strategy, which check it; the loop itself holds no tracing."""
 
 CLOCK_TAG, LENGTH_TAG, EVENTS_TAG = 29990, 29991, 29992  # below comm's reserved tags and the pipeline's
 MAIN_TRACKS = ("compute", "comm")
@@ -104,21 +105,46 @@ class Tracer:
         cat = "sync" if kind == "host read" else "staging"  # a read waits for the device's queue
         self.events.append((track, kind, cat, t0, self.clock(), {"bytes": int(nbytes)}))
 
-    def wrap_blocks(self, model) -> None:
-        """Time each transformer block's forward (``model.block_runner``; backward runs in
-        the autograd graph, inside the microbatch's backward span)."""
+    def wrap(self, strategy) -> None:
+        """Time what a training step runs, at the seams the model and the strategy name:
+        each micro-batch's forward and backward (``Strategy.micro_forward`` / ``micro_backward``)
+        or, with a pipeline, each F and B of the schedule and each wait for a stage's input (the
+        bubble), and each transformer block's forward (``model.block_runner``; backward runs in
+        the autograd graph, inside the micro-batch's backward span).  The code timed holds no
+        tracing of its own: these wrappers are the instrument."""
+        from minidist.parallel.pipeline.schedules import RECV_ACT
+
+        model, pipe = strategy.model, strategy.pipeline
         index = {id(b): i for i, b in enumerate(model.h) if b is not None}
-        inner, clock, events, tracer = model.block_runner, self.clock, self.events, self
+        self._time(model, "block_runner", lambda block, x: (f"block {index.get(id(block), '?')}", "compute", None))
+        if pipe is None:
+            self._time(strategy, "micro_forward", lambda m, *_: (f"F{m}", "compute", {"op": "forward", "microbatch": m}))
+            self._time(strategy, "micro_backward",
+                       lambda m, *_: (f"B{m}", "compute", {"op": "backward", "microbatch": m}))
+            return
+        chunk = (lambda c: f" chunk {c}") if pipe.V > 1 else (lambda c: "")
+        for method, op in (("_forward", "forward"), ("_backward", "backward")):
+            self._time(pipe, method, lambda m, c, op=op: (f"{op[0].upper()}{m}{chunk(c)}", "compute",
+                                                          {"op": op, "microbatch": m, "chunk": c,
+                                                           "stage": pipe.stages[c]}))
+        self._time(pipe, "_receive", lambda a: ("idle", "bubble", {
+            "waits_for": "activation" if a.op == RECV_ACT else "gradient", "microbatch": a.microbatch, "peer": a.peer}))
 
-        def runner(block, x):
+    def _time(self, owner, method: str, describe) -> None:
+        """Replace ``owner.method`` by a timed call: a span ``describe(*args)`` = (name, cat,
+        args) on the compute track, while this tracer is the active one."""
+        inner, clock, events, tracer = getattr(owner, method), self.clock, self.events, self
+
+        def timed(*args):
             if active is not tracer:  # tracing stopped (or toggled off between steps, as the benchmark does)
-                return inner(block, x)
+                return inner(*args)
             t0 = clock()
-            y = inner(block, x)
-            events.append(("compute", f"block {index.get(id(block), '?')}", "compute", t0, clock(), None))
-            return y
+            out = inner(*args)
+            name, cat, info = describe(*args)
+            events.append(("compute", name, cat, t0, clock(), info))
+            return out
 
-        model.block_runner = runner
+        setattr(owner, method, timed)
 
     def step_done(self, first: int) -> None:
         """A training step's spans began at ``events[first]`` and have ended.  Past

@@ -74,7 +74,16 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
     peak = cfg.report.peak_gflops or _measured_peak(cfg, low)
     report = Reporter(cfg, strategy, world, world_rank() == 0, log, peak)
     if not cfg.report.quiet:
-        report.log(start_line(cfg, len(sampler.data), peak, strategy))
+        line = start_line(cfg, len(sampler.data), peak, strategy)
+        if mesh is not None:  # more ranks than cores: what MPI's waits do (minidist/oversubscribed.py)
+            from mpi4py import MPI
+
+            from .comm.nodes import ranks_sharing_this_node
+            from .oversubscribed import note
+
+            if words := note(ranks_sharing_this_node(), MPI.Get_library_version()):
+                line += f"; {words}"
+        report.log(line)
     memory, tracer = PeakMemory(), None
     if cfg.report.trace:  # spans on every rank, clocks aligned with rank 0 (minidist/trace.py)
         from . import comm
@@ -84,7 +93,7 @@ def train(cfg: RunConfig, log=print, data=None) -> list:
         tracer.meta = {"mesh": p.mesh_sizes(), "schedule": p.schedule, "microbatches": p.microbatches,
                        "virtual_stages": p.virtual_stages, "steps": cfg.optim.steps}
         trace.start(tracer, comm.world() if world > 1 else None)
-        tracer.wrap_blocks(model)
+        tracer.wrap(strategy)
     start = resume(cfg, strategy, scaler, report)
     step = saved = start
     if cfg.checkpoint.save:
@@ -318,12 +327,12 @@ def _bytes_sent(world: int) -> dict:
 
 def main(argv=None):
     from . import interrupt
-    from .checkpoint import CheckpointError
     from .report import expected_step_bytes, grid_text, summary_table
 
     t0 = time.perf_counter()
     parser = build_parser()
-    cfg = validate(parser.parse_args(argv), parser)
+    cfg = validate(parser.parse_args(argv), parser)  # sets each rank's BLAS threads: before NumPy loads
+    from .checkpoint import CheckpointError  # imports NumPy
     # Ctrl-C and SIGTERM: rank 0 acts, the others follow (minidist/interrupt.py)
     interrupt.install(cfg.parallel.world_size)
     try:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from .. import ops, trace
+from .. import ops
 from ..autograd import no_grad
 from ..backend import host_read, xp
 from ..data import shard
@@ -77,7 +77,6 @@ class Strategy:
     def forward_backward(self, x, y, grad_accum: int = 1, low_dtype=None, loss_scale: float = 1.0) -> float:
         """Accumulate into the gradients the gradient of the global batch's mean loss (times
         ``loss_scale``), reduced over the data-parallel group; return that loss."""
-        tr = trace.active  # the timeline's spans of each microbatch (minidist/trace.py)
         if self.pipeline is not None:  # each pass returns its loss as a number (read once per pass)
             local = 0.0
             for xs, ys, share, last in self.micro_batches(x, y, grad_accum):
@@ -89,16 +88,19 @@ class Strategy:
         local = xp.zeros((), dtype=xp.float64)
         for m, (xs, ys, share, last) in enumerate(self.micro_batches(x, y, grad_accum)):
             with self.data.micro_step(last):
-                t0 = tr.clock() if tr is not None else 0.0
-                with ops.autocast(low_dtype):
-                    loss = self.model(xs, ys)
-                t1 = tr.clock() if tr is not None else 0.0
-                (loss * (share * loss_scale)).backward()
-                if tr is not None:
-                    tr.add("compute", f"F{m}", "compute", t0, t1, {"op": "forward", "microbatch": m})
-                    tr.add("compute", f"B{m}", "compute", t1, tr.clock(), {"op": "backward", "microbatch": m})
+                loss = self.micro_forward(m, xs, ys, low_dtype)
+                self.micro_backward(m, loss, share * loss_scale)
             local = local + loss.data.astype(xp.float64) * share
         return self.reduce_loss(float(host_read(local, "loss")))
+
+    def micro_forward(self, m: int, xs, ys, low_dtype=None):
+        """Micro-batch ``m``'s forward: its mean loss.  (A seam: a tracer times it, trace.py.)"""
+        with ops.autocast(low_dtype):
+            return self.model(xs, ys)
+
+    def micro_backward(self, m: int, loss, weight: float):
+        """Micro-batch ``m``'s backward of ``weight`` x its loss, into the gradients.  (A seam.)"""
+        (loss * weight).backward()
 
     def _pipeline_pass(self, xs, ys, share, last, low_dtype, loss_scale) -> float:
         """One pass of the schedule.  Gradient hooks open only around each chunk's last

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 
-from minidist import comm, ops, trace
+from minidist import comm, ops
 from minidist.autograd import Parameter, Tensor, no_grad
 from minidist.backend import dtype as backend_dtype, host, host_read, xp
 from minidist.data import shard
@@ -143,8 +143,6 @@ class PipelineRuntime:
         in receives) and keep the measured ``timeline`` [(start_s, end_s, Action)] of F and B."""
         busy = wait = 0.0
         self.timeline = []
-        tr = trace.active  # the timeline's spans (minidist/trace.py), when tracing
-        skew = 0.0 if tr is None else tr.clock() - time.perf_counter()  # its clock may differ (tests skew it)
         for i, a in enumerate(self.actions):
             if a.op in (FORWARD, BACKWARD):
                 self._post_receives(i)
@@ -153,11 +151,6 @@ class PipelineRuntime:
                 end = time.perf_counter()
                 busy += end - start
                 self.timeline.append((start - t0, end - t0, a))
-                if tr is not None:
-                    tr.add("compute", f"{a.op}{a.microbatch}" + (f" chunk {a.chunk}" if self.V > 1 else ""), "compute",
-                           start + skew, end + skew,
-                           {"op": "forward" if a.op == FORWARD else "backward", "microbatch": a.microbatch,
-                            "chunk": a.chunk, "stage": self.stages[a.chunk]})
             elif a.op in (SEND_ACT, SEND_GRAD):
                 self._send(a)
             else:
@@ -165,10 +158,6 @@ class PipelineRuntime:
                 self._receive(a)
                 end = time.perf_counter()
                 wait += end - start
-                if tr is not None:  # idle: this stage waits for its input (the bubble)
-                    tr.add("compute", "idle", "bubble", start + skew, end + skew,
-                           {"waits_for": "activation" if a.op == RECV_ACT else "gradient", "microbatch": a.microbatch,
-                            "peer": a.peer})
         return busy, wait
 
     STAT_KEYS = ("busy_s", "recv_wait_s", "span_s", "bubble", "peak_activation_bytes", "peak_in_flight")
