@@ -164,6 +164,12 @@ def _compose(d):
     return rows
 
 
+def _oversubscribed(d):
+    return [(f"{r['arm']} / one process tokens/s, {d.get('cores')} cores", r["median_vs_one_process"],
+             f"{r['median_tokens_per_s']:,.0f} tokens/s; target >= {d.get('target', 0.25)} for 8 ranks")
+            for r in d.get("results", []) if r["arm"].startswith("8 ranks")]
+
+
 def _checkpoint(d):
     return [(f"checkpoint save at {d.get('mesh')}: sharded / gathered-by-rank-0 time", d["sharded_save_s"] / d["gathered_save_s"],
              f"{max(d['bytes_written_per_rank']):,} B per rank vs {d['whole_bytes']:,} B whole"),
@@ -202,6 +208,7 @@ READERS = {
     "context.json": ("long sequences", _context),
     "pipeline.json": ("pipeline bubbles vs formula", _pipeline),
     "compose.json": ("4D composition", _compose),
+    "oversubscribed.json": ("more ranks than cores", _oversubscribed),
     "checkpoint.json": ("checkpoints", _checkpoint),
 }
 

@@ -63,6 +63,8 @@ PARTS = [
          "bytes per axis vs the formulas", [], ["--quick"], full_s=120, quick_s=10),
     Part("tracing", "bench_trace.py", "tracing overhead: a traced vs an untraced step on dp2, pp2, tp2",
          [], ["--quick"], full_s=40, quick_s=5),
+    Part("oversubscribed", "bench_oversubscribed.py", "more ranks than cores: the README's 8-rank command vs one "
+         "process on the same model and batch", [], ["--quick"], full_s=240, quick_s=15),
     Part("plan", "bench_plan.py", "the planner: predicted vs measured step time and peak memory here, and the "
          "Llama 3 405B rows", [], ["--quick"], full_s=110, quick_s=25),
     # Where there is no GPU (or no CuPy) it writes gpu.json with the reason and stops in a second.
@@ -81,7 +83,7 @@ def missing_requirement(part: Part) -> str | None:
     """Why ``part`` cannot run here (one line), or None."""
     if part.name == "model" and importlib.util.find_spec("torch") is None:
         return "PyTorch is not installed (pip install -e '.[torch]'; `make bench` tries that first)"
-    if part.name in ("collectives", "ddp", "tensor", "context", "pipeline", "tracing", "plan"):
+    if part.name in ("collectives", "ddp", "tensor", "context", "pipeline", "tracing", "plan", "oversubscribed"):
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py is not installed (make install)"
         local = os.path.join(os.path.dirname(sys.executable), "mpiexec")

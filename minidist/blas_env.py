@@ -36,10 +36,12 @@ def pin_blas_threads(threads: int | None = None) -> None:
     """Let this process's BLAS start ``threads`` threads (default: its share of the cores among
     the ranks of this machine under mpiexec, else leave it alone), unless the user set it."""
     if threads is None:
-        local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+        from .oversubscribed import local_ranks
+
+        local = local_ranks()
         if local is None and not any(v in os.environ for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):
             return  # one process: its BLAS may use every core
-        ranks = int(local or os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+        ranks = local or int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
         threads = max(1, (os.cpu_count() or 1) // ranks)
     for var in BLAS_THREAD_VARS:
         os.environ.setdefault(var, str(threads))

@@ -16,6 +16,7 @@ from .cli_checks import (InputError, available_memory_bytes, check_input_file, c
                          float_in, int_in, training_memory_bytes)
 from . import env
 from .blas_env import pin_blas_threads
+from .oversubscribed import prepare as prepare_yield
 from .config import ATTENTIONS, CP_IMPLEMENTATIONS, TP_OVERLAPS, RunConfig, from_args
 from .parallel.pipeline.schedules import ORDERS
 
@@ -207,6 +208,7 @@ def _validate(args) -> RunConfig:
         check_input_file("--data", args.data)
     check_output_files({"--metrics-jsonl": args.metrics_jsonl, "--trace": args.trace}, {"--data": args.data})
     pin_blas_threads()  # under mpiexec each rank's BLAS gets its share of the cores; before NumPy loads
+    prepare_yield()  # more ranks than cores: MPI's waits yield (minidist/oversubscribed.py); before MPI starts
     if args.timeout_s is not None:  # the communication watchdog's timeout, read when minidist.comm is imported
         os.environ["MINIDIST_TIMEOUT_S"] = repr(args.timeout_s)
         if "minidist.comm.watchdog" in sys.modules:  # already imported (train used as a library)

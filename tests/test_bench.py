@@ -57,7 +57,7 @@ def test_run_all_quick_says_what_it_runs(quick_run):
 RESULTS = {"collectives": "collectives.json", "model": "model_step.json", "ddp": "ddp.json",
            "tensor": "tensor_parallel.json", "context": "context.json", "pipeline": "pipeline.json",
            "compose": "compose.json", "tracing": "tracing.json", "plan": "plan.json", "gpu": "gpu.json",
-           "checkpoint": "checkpoint.json", "launches": "launches.json"}
+           "checkpoint": "checkpoint.json", "launches": "launches.json", "oversubscribed": "oversubscribed.json"}
 
 
 def _skipped(stdout: str) -> set:

@@ -65,9 +65,11 @@ EnvError (a ValueError) here, before anything else loads.
 """
 
 from minidist import env as _env
+from minidist.oversubscribed import prepare as _prepare
 
 if _env.problem() is not None:
     raise _env.problem()  # raised here, not deep inside an import: the traceback stays a few lines
+_prepare()  # more ranks than cores: MPI's waits yield; before the imports below start MPI
 
 from minidist.comm.check import check_enabled, set_check
 from minidist.comm.collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather,

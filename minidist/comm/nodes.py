@@ -36,6 +36,7 @@ CHECKED_AXES = ("tp", "cp")
 """The axes whose groups should stay inside a node (their traffic is per layer)."""
 
 _ids: tuple | None = None  # node_ids()'s answer, once computed
+_sharing = 0  # how many ranks share this rank's memory (its real node), found by node_ids()
 
 
 def ranks_per_node() -> int | None:
@@ -54,7 +55,7 @@ def node_ids(world=None) -> tuple[int, ...]:
     the order of each node's lowest rank.  Collective over the world group ``world``
     (default ``comm.world()``): every rank calls it.  Cached after the first call; also
     tells the simulated link (links.py) where the node boundaries are."""
-    global _ids
+    global _ids, _sharing
     if _ids is not None:
         return _ids
     g = world_group() if world is None else world
@@ -67,6 +68,7 @@ def node_ids(world=None) -> tuple[int, ...]:
     local = g.comm.Split_type(MPI.COMM_TYPE_SHARED, key=g.rank)
     try:
         lowest = int(MPI.Group.Translate_ranks(local.Get_group(), [0], MPI.COMM_WORLD.Get_group())[0])
+        _sharing = local.Get_size()
     finally:
         local.Free()
     me = g.world_ranks[g.rank]
@@ -85,6 +87,12 @@ def node_ids(world=None) -> tuple[int, ...]:
     _ids = tuple(by_world[r] for r in sorted(by_world))
     links.set_nodes(_ids)
     return _ids
+
+
+def ranks_sharing_this_node() -> int:
+    """How many ranks share this rank's machine (its real node, whatever
+    ``MINIDIST_RANKS_PER_NODE`` pretends); after :func:`node_ids`, 0 before."""
+    return _sharing
 
 
 def _ranges(ranks) -> str:
