@@ -18,6 +18,20 @@ Three choices here serve the parallel strategies built on top:
   ``parallel.tensor.TensorParallelLayers`` splits them over a tensor-parallel group, so one
   GPT class serves every mode.
 
+**The seams.**  Every parallel axis (and the tracer) changes the model only through these,
+each a constructor argument or one method of :class:`GPT`; nothing else of the model is
+replaced or deleted from outside:
+
+=====================  ===========================================  ==========================
+seam                   what it sets                                 who uses it
+=====================  ===========================================  ==========================
+``layers``             how every layer is built (split or not)      tensor parallelism
+``use_attention``      every block's attention function             context parallelism
+``use_positions``      the positions of the tokens a rank embeds    context parallelism
+``use_block_runner``   how one block runs (given the plain runner)  ZeRO-3 / FSDP, the tracer
+``keep_stage``         the blocks and the ends a stage keeps        the pipeline
+=====================  ===========================================  ==========================
+
 Linear weights are stored ``(in_features, out_features)`` so the forward pass is ``x @ W``.
 """
 
@@ -303,7 +317,39 @@ class GPT(Module):
         self.ln_f = layers.layer_norm(cfg.d_model, dt)
         self.lm_head = None if cfg.tie_embeddings else layers.column(cfg.d_model, cfg.vocab_size, dt, bias=False)
         self.checkpoint_activations = False
+        self._positions = None  # use_positions: None is 0..T-1 of sequences of length T
         init_parameters(self, cfg.seed)
+
+    # -- the seams (module docstring) ----------------------------------------------------------
+    def use_attention(self, fn) -> None:
+        """Every block's attention becomes ``fn(qkv, n_head) -> y`` (ring or Ulysses attention)."""
+        for block in self.h:
+            if block is not None:
+                block.attn.attention = fn
+
+    def use_positions(self, fn) -> None:
+        """``fn(T) -> (positions, length)``: the places in their sequences of the T tokens of each
+        row this rank embeds, and the whole sequences' length (context parallelism: this rank's
+        slice of sequences cp times longer)."""
+        self._positions = fn
+
+    def use_block_runner(self, make) -> None:
+        """One block now runs as ``make(runner)(block, x)``, ``runner`` the way it ran so far (ZeRO-3
+        gathers the block's shards around it; the tracer times it)."""
+        self.block_runner = make(self.block_runner)
+
+    def keep_stage(self, blocks, embedding: bool, token_embedding: bool, head: bool) -> None:
+        """Keep only the blocks whose indices are in ``blocks`` (the others become None, so
+        block i keeps its index and name), the position embedding if ``embedding``, the token
+        embedding if ``token_embedding`` (the first stage, and the last one when the head is
+        tied to it), the final LayerNorm and the head if ``head``: a pipeline stage."""
+        self.h = [b if i in blocks else None for i, b in enumerate(self.h)]
+        if not embedding:
+            self.wpe = None
+        if not token_embedding:
+            self.wte = None
+        if not head:
+            self.ln_f = self.lm_head = None
 
     # -- the pieces a pipeline stage runs ----------------------------------------------------
     def embed(self, ids) -> Tensor:
@@ -321,8 +367,7 @@ class GPT(Module):
         return x
 
     def block_runner(self, block, x: Tensor) -> Tensor:
-        """Run one block.  A strategy may replace it on the instance (ZeRO-3 gathers the
-        block's sharded parameters around it: ``model.block_runner = ...``)."""
+        """Run one block (the seam ``use_block_runner`` wraps it)."""
         return checkpoint(block, x) if self.checkpoint_activations else block(x)
 
     def head(self, x: Tensor) -> Tensor:
@@ -338,9 +383,10 @@ class GPT(Module):
 
     def token_positions(self, T: int):
         """The places in their sequences of the T tokens of each row this rank embeds, 0..T-1,
-        and the length of the whole sequences (context parallelism replaces this hook by its
-        slice of sequences cp times longer: ``model.token_positions = ...``).  Made on the host,
-        where the embedding checks them for free (``ops.basic.check_index``)."""
+        and the length of the whole sequences (or what ``use_positions`` set).  Made on the
+        host, where the embedding checks them for free (``ops.basic.check_index``)."""
+        if self._positions is not None:
+            return self._positions(T)
         return host.arange(T), T
 
     def forward(self, ids, targets=None):

@@ -116,7 +116,8 @@ class Tracer:
 
         model, pipe = strategy.model, strategy.pipeline
         index = {id(b): i for i, b in enumerate(model.h) if b is not None}
-        self._time(model, "block_runner", lambda block, x: (f"block {index.get(id(block), '?')}", "compute", None))
+        model.use_block_runner(lambda runner: self._timed(runner, lambda block, x: (
+            f"block {index.get(id(block), '?')}", "compute", None)))
         if pipe is None:
             self._time(strategy, "micro_forward", lambda m, *_: (f"F{m}", "compute", {"op": "forward", "microbatch": m}))
             self._time(strategy, "micro_backward",
@@ -131,9 +132,13 @@ class Tracer:
             "waits_for": "activation" if a.op == RECV_ACT else "gradient", "microbatch": a.microbatch, "peer": a.peer}))
 
     def _time(self, owner, method: str, describe) -> None:
-        """Replace ``owner.method`` by a timed call: a span ``describe(*args)`` = (name, cat,
-        args) on the compute track, while this tracer is the active one."""
-        inner, clock, events, tracer = getattr(owner, method), self.clock, self.events, self
+        """Replace ``owner.method`` (a seam of the strategy or the pipeline) by a timed call."""
+        setattr(owner, method, self._timed(getattr(owner, method), describe))
+
+    def _timed(self, inner, describe):
+        """``inner`` timed: a span ``describe(*args)`` = (name, cat, args) on the compute track,
+        while this tracer is the active one."""
+        clock, events, tracer = self.clock, self.events, self
 
         def timed(*args):
             if active is not tracer:  # tracing stopped (or toggled off between steps, as the benchmark does)
@@ -144,7 +149,7 @@ class Tracer:
             events.append(("compute", name, cat, t0, clock(), info))
             return out
 
-        setattr(owner, method, timed)
+        return timed
 
     def step_done(self, first: int) -> None:
         """A training step's spans began at ``events[first]`` and have ended.  Past

@@ -253,9 +253,8 @@ class ContextParallel:
     def install(self, model) -> None:
         """Every block's attention -> this implementation; the embedding's positions -> this
         rank's slice of the sequence (the model then takes this rank's tokens, see :meth:`shard`)."""
-        for block in model.h:
-            block.attn.attention = self.attention_function()
-        model.token_positions = lambda t: (self.positions(t * self.group.size), t * self.group.size)
+        model.use_attention(self.attention_function())
+        model.use_positions(lambda t: (self.positions(t * self.group.size), t * self.group.size))
 
     def shard(self, x, y):
         """This rank's tokens of a (B, T) batch of inputs and targets.

@@ -20,8 +20,8 @@ and the root unit (the embedding, final LayerNorm and head).
   gradient shards then all-reduced over the replica group of the N/K ranks holding the
   same shard (:func:`hsdp_groups` makes both groups).
 
-FSDP reaches into the model through one hook: it replaces ``GPT.block_runner`` by
-:meth:`FSDP._run_block`, which gathers each block's shards around the block.  ``group`` is
+FSDP reaches into the model through one seam, ``GPT.use_block_runner``: each block runs in
+:meth:`FSDP._run_block`, which gathers the block's shards around it.  ``group`` is
 the whole data-parallel group (the loss is summed over it); ``shard_group`` the ranks the
 shards are split over (the same group, or HSDP's groups of K).
 """
@@ -94,7 +94,7 @@ class FSDP(Sharded, OneReplica):
         self.max_live_blocks = 0   # the most block units alive at once (asserted by the tests)
         self.max_live_bytes = 0    # the most full-parameter bytes alive at once
         self._pending_rs = []      # (unit index, handle) of block reduce-scatters in flight
-        model.block_runner = self._run_block
+        model.use_block_runner(lambda plain: self._run_block)
 
     # -- gather, prefetch, free ----------------------------------------------------------------
     def _launch_gather(self, i):
@@ -131,7 +131,7 @@ class FSDP(Sharded, OneReplica):
 
     # -- a block: gathered around its forward, recomputed and reduce-scattered in backward ------
     def _run_block(self, block, x):
-        """GPT.block_runner under FSDP: gather, prefetch the next block, run, free."""
+        """A block under FSDP (the model's block runner): gather, prefetch the next block, run, free."""
         i = self.unit_index[id(block)]
         self._gathered(i)
         self._prefetch(i + 1)

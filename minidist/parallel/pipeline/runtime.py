@@ -88,15 +88,9 @@ class PipelineRuntime:
         self.stats = {}
 
     def _keep_only_this_stage(self):
-        m = self.model
-        mine = {i for s in self.stages for i in layer_range(s, m.config.n_layer, self.S)}
-        m.h = [b if i in mine else None for i, b in enumerate(m.h)]
-        if not self.is_first:
-            m.wpe = None
-            if not (self.is_last and self.tied):
-                m.wte = None
-        if not self.is_last:
-            m.ln_f = m.lm_head = None
+        mine = {i for s in self.stages for i in layer_range(s, self.model.config.n_layer, self.S)}
+        self.model.keep_stage(mine, embedding=self.is_first, token_embedding=self.is_first or (self.is_last and self.tied),
+                              head=self.is_last)
 
     # ------------------------------------------------------------------------ one step
     def forward_backward(self, x, y, weight: float = 1.0, low_dtype=None, loss_scale: float = 1.0,
