@@ -41,12 +41,13 @@ import os
 import re
 import stat
 
+from minidist.layout.mesh import AXES
+
 FORMAT = "minidist-checkpoint-1"
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 PART_FILE = re.compile(r"^rank-(\d{5,9})\.bin$")  # the names checkpoint._write_part gives
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 STATES = ("param", "exp_avg", "exp_avg_sq", "momentum_buffer")  # the optimizers' state_keys
-MESH_AXES = ("dp", "pp", "cp", "tp")
 #: Fields of the model that a checkpoint's arrays depend on: a resumed run must agree on them.
 MODEL_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "bias", "tie_embeddings", "dtype")
 MAX_METADATA_BYTES = 64 * 2**20  # far above any minidist run's (about 20 KB per layer and rank)
@@ -245,13 +246,13 @@ class _Check:
                               f"{_show(a)} and {_show(b)}")
 
     def mesh(self, mesh, world: int) -> None:
-        self.kind(mesh, dict, "mesh", f"a mapping of {', '.join(MESH_AXES)} to sizes")
-        if sorted(mesh) != sorted(MESH_AXES):
-            self.fail("mesh", f"has {len(mesh)} axes: must have exactly {', '.join(MESH_AXES)}")
-        for axis in MESH_AXES:
+        self.kind(mesh, dict, "mesh", f"a mapping of {', '.join(AXES)} to sizes")
+        if sorted(mesh) != sorted(AXES):
+            self.fail("mesh", f"has {len(mesh)} axes: must have exactly {', '.join(AXES)}")
+        for axis in AXES:
             self.integer(mesh[axis], f"mesh.{axis}", lo=1, hi=world)
-        if _numel(mesh[a] for a in MESH_AXES) != world:
-            self.fail("mesh", f"sizes multiply to {_numel(mesh[a] for a in MESH_AXES)}, not world_size {world}")
+        if _numel(mesh[a] for a in AXES) != world:
+            self.fail("mesh", f"sizes multiply to {_numel(mesh[a] for a in AXES)}, not world_size {world}")
 
     def model(self, model) -> dict:
         from .nn import ATTENTIONS

@@ -126,7 +126,7 @@ def pipeline_timelines(doc: dict, t0: float, t1: float):
     mesh = run.get("mesh", {})
     if mesh.get("pp", 1) < 2:
         return None
-    from minidist.comm.mesh import MeshLayout
+    from minidist.layout.mesh import MeshLayout
 
     layout = MeshLayout(**mesh)
     ranks = [layout.rank_of(dp=0, pp=s, cp=0, tp=0) for s in range(mesh["pp"])]

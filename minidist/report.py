@@ -317,7 +317,7 @@ def _pipeline_rows(timed: list) -> list:
 def grid_text(p) -> str:
     """The grid of the mesh ``p`` (a ParallelConfig): each rank's coordinates and which ranks
     form each tp / cp / pp / dp group (tp innermost), printed under the summary."""
-    from .comm.mesh import MeshLayout
+    from .layout.mesh import MeshLayout
 
     return MeshLayout(**p.mesh_sizes()).describe()
 

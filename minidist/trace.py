@@ -447,7 +447,7 @@ def stop() -> None:
 
 def rank_label(mesh_sizes: dict, rank: int) -> str:
     """``rank 5 (dp1 pp0 tp1)``: the rank and its coordinates on the axes of size > 1."""
-    from minidist.comm.mesh import MeshLayout
+    from minidist.layout.mesh import MeshLayout
 
     if all(n == 1 for n in mesh_sizes.values()):
         return f"rank {rank}"

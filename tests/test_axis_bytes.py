@@ -74,7 +74,6 @@ def test_group_names_follow_the_mesh():
     assert t.group_names(dp=2, cp=2)["dp"] == "dp+cp"  # the reduction group: ("dp", "cp")
     assert t.group_names(cp=2)["dp"] == "cp"
     assert t.by_group({"dp": 5, "cp": 7, "tp": 0, "pp": 0, "world": 1}, cp=2) == {"cp": 12, "world": 1}
-    assert t.coords_of(5, dp=2, pp=2, tp=2) == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
 
 
 def test_expected_step_bytes_reads_a_run_configuration():

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from minidist.comm.mesh import AXES, MeshLayout, all_axis_sets, canonical_axes
+from minidist.layout.mesh import AXES, MeshLayout, all_axis_sets, canonical_axes
 from minidist.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "mesh_bodies.py")

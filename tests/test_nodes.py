@@ -5,7 +5,7 @@ import os
 import pytest
 
 from minidist.comm import links, nodes
-from minidist.comm.mesh import MeshLayout
+from minidist.layout.mesh import MeshLayout
 from minidist.config import ParallelConfig
 from minidist.testing import run_mpi
 

@@ -29,7 +29,7 @@ from minidist import env
 from minidist.comm import links
 from minidist.comm.collectives import all_gather
 from minidist.comm.group import world as world_group
-from minidist.comm.mesh import MeshLayout
+from minidist.layout.mesh import MeshLayout
 
 RANKS_PER_NODE = "MINIDIST_RANKS_PER_NODE"
 CHECKED_AXES = ("tp", "cp")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from itertools import combinations
 
-AXES = ("dp", "pp", "tp", "cp")
+from ..layout.mesh import AXES
 
 #: Every pair of axes and every data-parallel flavour, with "yes" or the reason it is refused.
 #: The target of the design is no refusal at all; each entry is tested by the equivalence matrix.

@@ -12,61 +12,24 @@ intersection of four cuts of the work:
 * ``cp``: its part of every sequence (ring attention's zig-zag chunks, or Ulysses' T/C),
 * ``dp``: its rows of the global batch.
 
-The ranks are ordered as in the seeds and :mod:`minidist.comm.mesh`: ``tp`` innermost
+The ranks are ordered as :mod:`minidist.layout.mesh` numbers them: ``tp`` innermost
 (consecutive ranks, which share a node's fastest links), then ``cp``, then ``pp``, ``dp``
 outermost::
 
     rank = ((dp * PP + pp) * CP + cp) * TP + tp
 
 :func:`placement` lists it as data, :func:`describe` as a table, :func:`draw` as a PNG.
-Pure arithmetic, no MPI: importing this module does not start MPI (``comm.mesh`` would, so
-its five lines of rank arithmetic are written out here; a test keeps them equal).
+Pure arithmetic, no MPI: importing this module does not start MPI.
 """
 
 from __future__ import annotations
 
 from minidist.data import shard_bounds
 from minidist.config import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
+from minidist.layout.mesh import AXES, MeshLayout
 from minidist.parallel.pipeline.schedules import layer_range, model_stage
 
-AXES = ("dp", "pp", "cp", "tp")
-"""Outermost (slowest-varying rank index) to innermost, as ``minidist.comm.mesh.AXES``."""
-
 MAX_DRAWN_RANKS = 256  # beyond this the boxes are too small to read; describe() still works
-
-
-# ------------------------------------------------------------------ rank arithmetic
-def coords(rank: int, shape: dict) -> dict:
-    """``{"dp": .., "pp": .., "cp": .., "tp": ..}`` of ``rank``: its mixed-radix digits."""
-    out = {}
-    for axis in reversed(AXES):  # the innermost digit first
-        rank, out[axis] = divmod(rank, shape[axis])
-    return {a: out[a] for a in AXES}
-
-
-def rank_of(c: dict, shape: dict) -> int:
-    """The rank at coordinates ``c`` (the inverse of :func:`coords`)."""
-    rank = 0
-    for axis in AXES:
-        rank = rank * shape[axis] + c[axis]
-    return rank
-
-
-def axis_groups(axis: str, shape: dict) -> list[tuple[int, ...]]:
-    """The groups along one axis: ranks equal on every other axis, in coordinate order.
-
-    ``axis_groups("tp", {"dp": 2, "pp": 2, "cp": 2, "tp": 2})`` is ``[(0, 1), (2, 3), ...]``.
-    """
-    world = _world(shape)
-    firsts = [r for r in range(world) if coords(r, shape)[axis] == 0]
-    return [tuple(rank_of({**coords(r, shape), axis: i}, shape) for i in range(shape[axis])) for r in firsts]
-
-
-def _world(shape: dict) -> int:
-    n = 1
-    for axis in AXES:
-        n *= shape[axis]
-    return n
 
 
 # ------------------------------------------------------------------ what each coordinate holds
@@ -147,10 +110,10 @@ def placement(dp: int, pp: int, tp: int, cp: int, n_layer: int, n_head: int, seq
     it holds, over the whole sequence, inside attention).
     """
     _check(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, virtual_stages, cp_impl)
-    shape = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+    layout = MeshLayout(dp=dp, pp=pp, tp=tp, cp=cp)
     out = []
-    for rank in range(_world(shape)):
-        c = coords(rank, shape)
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
         rows = batch_rows(c["dp"], dp, batch_size)
         entry = {"rank": rank, **c,
                  "layers": stage_layers(c["pp"], pp, n_layer, virtual_stages),
@@ -200,7 +163,7 @@ def describe(dp: int, pp: int, tp: int, cp: int, n_layer: int, n_head: int, seq_
     ``rank  5  dp0 pp1 cp0 tp1 | layers 2-3 +lm_head | heads 2-3 | tokens 0-3,12-15 | rows 0-3``
     """
     table = placement(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, virtual_stages, cp_impl)
-    shape = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+    layout = MeshLayout(dp=dp, pp=pp, tp=tp, cp=cp)
     lines = [f"4D grid dp={dp} x pp={pp} x cp={cp} x tp={tp} = {len(table)} ranks "
              "(tp innermost: consecutive ranks; dp outermost)",
              f"model: {n_layer} layers" + (f" in {pp * virtual_stages} stages ({virtual_stages} per pp rank)"
@@ -212,9 +175,9 @@ def describe(dp: int, pp: int, tp: int, cp: int, n_layer: int, n_head: int, seq_
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += [" | ".join(f.ljust(w) for f, w in zip(r, widths)).rstrip() for r in rows]
     for axis in reversed(AXES):
-        groups = " ".join("[" + " ".join(map(str, g)) + "]" for g in axis_groups(axis, shape))
+        groups = " ".join("[" + " ".join(map(str, g)) + "]" for g in layout.partition(axis))
         key = "cp ulysses" if axis == "cp" and cp_impl == "ulysses" else axis
-        note = "size 1: every rank alone" if shape[axis] == 1 else GROUP_NOTES[key]
+        note = "size 1: every rank alone" if layout.shape[axis] == 1 else GROUP_NOTES[key]
         lines.append(f"{axis} groups: {groups}  ({note})")
     return "\n".join(lines)
 
@@ -285,8 +248,7 @@ def draw(dp: int, pp: int, tp: int, cp: int, n_layer: int, n_head: int, seq_len:
                 fontsize=7, color="0.35")
         ax.text(x + 0.14, y - 0.52, "\n".join(_box_lines(p)), ha="left", va="top", fontsize=7.5,
                 family="monospace", linespacing=1.25)
-    shape = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
-    for group in axis_groups("tp", shape) if tp > 1 else []:
+    for group in MeshLayout(dp=dp, pp=pp, tp=tp, cp=cp).partition("tp") if tp > 1 else []:
         c = table[group[0]]
         ax.add_patch(Rectangle((x_of(c), y_of(c) - H), tp * W, H, fill=False, edgecolor="tab:blue",
                                linewidth=1.6, linestyle="--"))

@@ -41,10 +41,10 @@ from .collective_bytes import (SMALL_ALL_REDUCE_BYTES, SMALL_ALL_REDUCE_BYTES_WI
                                SMALL_BROADCAST_BYTES, acc_itemsize, all_gather_bytes, all_reduce_bytes,
                                all_to_all_bytes, broadcast_bytes, doubling_messages, reduce_scatter_bytes, split)
 from .pipeline.schedules import layer_range, model_stage
+from ..layout.mesh import AXES, MeshLayout
 
 
 SCALAR = 8  # a float64 scalar (loss, squared norm, overflow flag) as one all-reduce element
-AXES = ("dp", "pp", "tp", "cp")
 
 
 # ------------------------------------------------------------------ the model's parameters
@@ -354,23 +354,10 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
         out["dp"] = fsdp_bytes(units, b, n_dp, r_dp, [actions] * grad_accum)
     else:
         out["dp"] = dp_bytes(numels, b, n_dp, r_dp, zero, bucket_mb, grad_accum)
-    world, r_world = dp * pp * tp * cp, _world_rank(dp, pp, tp, cp, c)
+    world, r_world = dp * pp * tp * cp, MeshLayout(dp=dp, pp=pp, tp=tp, cp=cp).rank_of(**c)
     out["dp"] += all_reduce_bytes(1, SCALAR, n_dp, r_dp)  # the loss, summed over the reduction group
     out["world"] += (clip_grad + fp16) * all_reduce_bytes(1, SCALAR, world, r_world)  # norm, overflow
     return out
-
-
-def _world_rank(dp, pp, tp, cp, c) -> int:
-    """The mesh's layout (comm/mesh.py): tp innermost, then cp, pp; dp outermost."""
-    return ((c["dp"] * pp + c["pp"]) * cp + c["cp"]) * tp + c["tp"]
-
-
-def coords_of(rank: int, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1) -> dict[str, int]:
-    """The mesh coordinates of world rank ``rank`` (comm/mesh.py's layout, without MPI)."""
-    out = {}
-    for axis, n in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp)):  # innermost first
-        rank, out[axis] = divmod(rank, n)
-    return {a: out[a] for a in ("dp", "pp", "cp", "tp")}
 
 
 def expected_step_bytes(cfg, rank: int = 0) -> dict[str, int]:
@@ -382,7 +369,7 @@ def expected_step_bytes(cfg, rank: int = 0) -> dict[str, int]:
     low = dev.mixed_precision in ("bf16", "fp16")
     per_axis = step_bytes(
         n_layer=m.layers, d_model=m.d_model, n_head=m.heads, seq_len=cfg.data.seq_len,
-        batch_size=cfg.data.batch_size, coords=coords_of(rank, **sizes), block_size=m.block_size,
+        batch_size=cfg.data.batch_size, coords=MeshLayout(**sizes).coords(rank), block_size=m.block_size,
         tied=not m.untied, itemsize={"float32": 4, "float64": 8}[m.dtype], act_itemsize=2 if low else None,
         grad_accum=dev.grad_accum, microbatches=p.microbatches, virtual_stages=p.virtual_stages,
         schedule=p.schedule, zero=p.zero, sequence_parallel=p.sequence_parallel, cp_impl=p.cp_impl,

@@ -3,7 +3,8 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist import comm
-from minidist.comm.mesh import AXES, Mesh, all_axis_sets
+from minidist.comm.mesh import Mesh
+from minidist.layout.mesh import AXES, all_axis_sets
 
 
 def _member_world_ranks(mpi_comm):
