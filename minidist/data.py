@@ -23,6 +23,8 @@ import sysconfig
 
 import numpy as np
 
+from minidist.layout.split import shard_bounds
+
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 
 # Directories never read for the default corpus: installed third-party packages are not the
@@ -138,32 +140,6 @@ def split_corpus(data, val_fraction: float = 0.05):
 
 
 # -- sampler ----------------------------------------------------------------------------------
-
-
-def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` of ``parts`` consecutive pieces of ``n`` rows sized like
-    ``np.array_split``: the first ``n % parts`` pieces get one extra row (some may be empty).
-    The one split rule of minidist: batches over ranks, micro-batches, ZeRO's flat shards and
-    every collective's blocks (comm/algorithms/blocks.py) all cut this way."""
-    q, extra = divmod(n, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + q + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
-def shard_bounds(rows: int, index: int, count: int) -> tuple[int, int]:
-    """``(start, stop)`` of block ``index`` of ``count`` non-empty blocks of ``rows`` rows
-    (:func:`split_bounds`)."""
-    if not (isinstance(count, (int, np.integer)) and count >= 1):
-        raise ValueError(f"shard count must be a positive integer, got {count!r}")
-    if not (isinstance(index, (int, np.integer)) and 0 <= index < count):
-        raise ValueError(f"shard index must be in 0..{count - 1}, got {index!r}")
-    if count > rows:
-        raise ValueError(f"cannot split {rows} rows into {count} non-empty shards")
-    return split_bounds(rows, count)[index]
 
 
 def shard(x, index: int, count: int):

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 from minidist.data import (
-    ByteTokenizer, Sampler, entropy_bigram, entropy_unigram, load_corpus, shard, shard_bounds,
+    ByteTokenizer, Sampler, entropy_bigram, entropy_unigram, load_corpus, shard,
     split_corpus, stdlib_source_files,
 )
+from minidist.layout.split import shard_bounds
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ Start reading at ``algorithms/ring.py``.  The modules, from the wire up:
   progress.py       async collectives: one FIFO worker thread per group
   group.py          Group: a communicator, its async twin, scratch buffers, the plan cache
   algorithms/       the textbook algorithms, one short function each, with their step schedules:
-    blocks.py       split_bounds (N blocks like np.array_split), the all-gather rows rule
+    blocks.py       the all-gather rows rule (the blocks: layout/split.py, as np.array_split)
     ring.py         ring reduce-scatter, all-gather, all-reduce (start here)
     doubling.py     recursive doubling / halving, Rabenseifner
     pairwise.py     pairwise reduce-scatter and all-to-all, the 2-rank all-gather swap

@@ -17,7 +17,7 @@ import numpy as np
 from minidist.backend import on_device
 from minidist.comm import check, fast, reduction
 from minidist.comm.algorithms import doubling, oneshot, pairwise, pipelined, ring, trees
-from minidist.comm.algorithms.blocks import split_bounds
+from minidist.layout.split import split_bounds
 from minidist.comm.launch import (check_algorithm as _algorithm, check_group as _check_group,
                                   check_out as _check_out, host_array as _host, launch as _launch)
 

@@ -12,7 +12,7 @@ import numpy as np
 from minidist.backend import bfloat16, on_device
 from minidist.comm import check
 from minidist.comm.launch import check_group as _check_group, host_array as _host, launch as _launch
-from minidist.comm.algorithms.blocks import split_bounds
+from minidist.layout.split import split_bounds
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, TAG_META, _isend, _recv, _send, _waitall
 
 

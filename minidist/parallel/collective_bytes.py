@@ -10,19 +10,13 @@ bytes per mesh axis.
 
 from __future__ import annotations
 
-from ..data import split_bounds
+from ..layout.split import split_sizes
 
 # The size thresholds of comm/reducing.py and comm/collectives.py (copied: importing
 # minidist.comm would start MPI; tests/mpi/axis_bytes_bodies.py checks they agree).
 SMALL_ALL_REDUCE_BYTES = 512 << 10
 SMALL_ALL_REDUCE_BYTES_WIDE = 512 << 10
 SMALL_BROADCAST_BYTES = 256 * 1024
-
-def split(n: int, parts: int) -> list[int]:
-    """Sizes of ``parts`` pieces of ``n`` like ``np.array_split`` (data.split_bounds, the one
-    split rule): the first ``n % parts`` pieces one larger."""
-    return [stop - start for start, stop in split_bounds(n, parts)]
-
 
 def acc_itemsize(itemsize: int) -> int:
     """Bytes per element a reduction sends: float16/bfloat16 are reduced in float32
@@ -58,7 +52,7 @@ def all_reduce_bytes(numel: int, itemsize: int, n: int, r: int, algorithm: str =
         algorithm = "recursive_doubling" if numel * b <= limit or numel < n else "pairwise"
     if algorithm == "recursive_doubling":
         return doubling_messages(n, r) * numel * b
-    blocks = split(numel, n)
+    blocks = split_sizes(numel, n)
     if algorithm == "ring":  # ring reduce-scatter sends every block but r, the all-gather every block but r+1
         return (2 * numel - blocks[r] - blocks[(r + 1) % n]) * b
     if algorithm == "pairwise":
@@ -84,7 +78,7 @@ def reduce_scatter_bytes(rows: int, row_numel: int, itemsize: int, n: int, r: in
     into another rank's block: (N-1)/N X for even blocks (Thakur et al. 2005)."""
     if n == 1:
         return 0
-    return (rows - split(rows, n)[r]) * row_numel * acc_itemsize(itemsize)
+    return (rows - split_sizes(rows, n)[r]) * row_numel * acc_itemsize(itemsize)
 
 
 def all_gather_bytes(rows_of: list[int], row_bytes: int, r: int) -> int:
@@ -121,4 +115,4 @@ def broadcast_bytes(nbytes: int, n: int, r: int, root: int) -> int:
 def all_to_all_bytes(rows: int, row_bytes: int, n: int, r: int) -> int:
     """Bytes rank r sends in ``comm.all_to_all`` of ``rows`` rows: every part but its own
     (pairwise.pairwise_all_to_all), (N-1)/N X for even parts."""
-    return (rows - split(rows, n)[r]) * row_bytes if n > 1 else 0
+    return (rows - split_sizes(rows, n)[r]) * row_bytes if n > 1 else 0

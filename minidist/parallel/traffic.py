@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from .collective_bytes import (SMALL_ALL_REDUCE_BYTES, SMALL_ALL_REDUCE_BYTES_WIDE,  # noqa: F401 (re-exported)
                                SMALL_BROADCAST_BYTES, acc_itemsize, all_gather_bytes, all_reduce_bytes,
-                               all_to_all_bytes, broadcast_bytes, doubling_messages, reduce_scatter_bytes, split)
+                               all_to_all_bytes, broadcast_bytes, doubling_messages, reduce_scatter_bytes)
+from ..layout.split import split_sizes
 from .pipeline.schedules import layer_range, model_stage
 from ..layout.mesh import AXES, MeshLayout
 
@@ -126,7 +127,7 @@ def dp_bytes(numels: list[int], itemsize: int, n: int, r: int, zero: int = 0, bu
         else:
             total += all_reduce_bytes(numel, itemsize, n, r)
         if zero in (1, 2):
-            total += all_gather_bytes(split(numel, n), itemsize, r)  # a 1-d shard: a row is an element
+            total += all_gather_bytes(split_sizes(numel, n), itemsize, r)  # a 1-d shard: a row is an element
     return total
 
 
@@ -141,7 +142,7 @@ def fsdp_bytes(units: list[int], itemsize: int, n: int, r: int, passes: list[lis
     once, every block twice, each unit reduce-scattered once, per micro-step."""
     if n == 1:
         return 0
-    gather = [all_gather_bytes(split(u, n), itemsize, r) for u in units]
+    gather = [all_gather_bytes(split_sizes(u, n), itemsize, r) for u in units]
     scatter = [reduce_scatter_bytes(u, 1, itemsize, n, r) for u in units]
     total = 0
     for actions in passes:
@@ -210,7 +211,7 @@ def tp_bytes(rows: list[int], tokens: int, d_model: int, n_layer: int, block_siz
             blocks = n_layer * ar(n * d_model) * (6 if checkpoint else 4)
             total += blocks + embed * ar(n * d_model, itemsize) + head * (ar(n * d_model) + loss)
             continue
-        gather = lambda b: all_gather_bytes(split(tokens, tp), rows_k * d_model * b, r)  # noqa: E731  (by token)
+        gather = lambda b: all_gather_bytes(split_sizes(tokens, tp), rows_k * d_model * b, r)  # noqa: E731  (by token)
         ag, rs = gather(act_itemsize), reduce_scatter_bytes(tokens, rows_k * d_model, act_itemsize, tp, r)
         small = lambda k: ar(k, itemsize)  # noqa: E731  (a replicated parameter's gradient)
         per_block = (2 * ag + 2 * rs) * (2 if checkpoint else 1) + 4 * ag + 2 * rs \
@@ -328,14 +329,14 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
     b, ba = itemsize, act_itemsize or itemsize
     block_size = block_size or seq_len
     n_dp, r_dp = dp * cp, c["dp"] * cp + c["cp"]  # the reduction group: dp outer, cp inner
-    parts = split(split(batch_size, dp)[c["dp"]], grad_accum)  # each micro-step's (pipeline pass's) rows
+    parts = split_sizes(split_sizes(batch_size, dp)[c["dp"]], grad_accum)  # each micro-step's (pipeline pass's) rows
     V = virtual_stages if pp > 1 else 1
     S, stages = pp * V, rank_stages(c["pp"], pp, V)
     layers = [l for s in stages for l in layer_range(s, n_layer, S)]  # this rank's blocks, by chunk
     first, last = 0 in stages, S - 1 in stages
     numels = param_numels(n_layer, d_model, vocab, block_size, tied, tp, stages, S)
     tokens = seq_len // cp
-    micro = [split(p, microbatches) for p in parts] if pp > 1 else [[p] for p in parts]
+    micro = [split_sizes(p, microbatches) for p in parts] if pp > 1 else [[p] for p in parts]
     rows = [m for pass_rows in micro for m in pass_rows]  # every forward/backward's rows
     recompute = checkpoint_activations or zero == 3
     out = {

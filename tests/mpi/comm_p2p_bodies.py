@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from minidist import comm
 from minidist.backend import bfloat16
-from minidist.comm.algorithms.blocks import split_bounds
+from minidist.layout.split import split_bounds
 
 DTYPES = [np.float16, bfloat16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_]
 

@@ -53,7 +53,7 @@ def _unreduced_comm(real):
         out = x[lo:hi].copy()
         return _Done(out) if async_op else out
 
-    from minidist.data import split_bounds
+    from minidist.layout.split import split_bounds
 
     proxy = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
     proxy.all_reduce, proxy.reduce_scatter = all_reduce, reduce_scatter

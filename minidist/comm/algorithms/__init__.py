@@ -22,6 +22,6 @@ evengather.py      all-gather of equal blocks into out= (one-shot,     (N-1) X_o
                    doubling or ring schedules)
 trees.py           binomial broadcast / reduce, dissemination barrier  root: log2(N) X
 pipelined.py       chunked ring reduce-scatter, chain broadcast/reduce X (chains)
-blocks.py          split_bounds: N blocks like np.array_split
+blocks.py          the all-gather rows rule (blocks: layout/split.py)
 =================  ==================================================  =========================
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm.algorithms.blocks import split_bounds
+from minidist.layout.split import split_bounds
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _recv, _send, _sendrecv
 
 # Actions of a recursive-doubling schedule (see recursive_doubling_schedule).

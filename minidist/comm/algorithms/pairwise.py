@@ -15,7 +15,8 @@ import math
 
 import numpy as np
 
-from minidist.comm.algorithms.blocks import ROWS_RULE, split_bounds
+from minidist.comm.algorithms.blocks import ROWS_RULE
+from minidist.layout.split import split_bounds
 from minidist.comm.algorithms.pipelined import chunks, num_chunks, pipelined_step
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _exchange, _sendrecv

@@ -20,7 +20,7 @@ for large X; for small X its 2(N-1) latencies lose to doubling's log2 N (doublin
 
 import numpy as np
 
-from minidist.comm.algorithms.blocks import split_bounds
+from minidist.layout.split import split_bounds
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _sendrecv
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist.comm import reduction, stats
-from minidist.comm.algorithms.blocks import split_bounds
+from minidist.layout.split import split_bounds
 from minidist.comm.algorithms.doubling import (EXCHANGE, GIVE, RESULT_IN, RESULT_OUT, TAKE, doubling_gather_steps,
                                                recursive_doubling_schedule)
 from minidist.comm.algorithms.ring import ring_steps

@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist.comm import reduction, stats
-from minidist.comm.algorithms.blocks import split_bounds
+from minidist.layout.split import split_bounds
 from minidist.comm.algorithms.doubling import halving_steps
 from minidist.comm.algorithms.oneshot import add_in_rank_order, operands, peers
 from minidist.comm.algorithms.pairwise import pairwise_steps

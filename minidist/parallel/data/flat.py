@@ -15,7 +15,7 @@ decay or not) need to know which parameter each stretch of the shard belongs to:
 from __future__ import annotations
 
 from ...backend import xp
-from ...comm.algorithms.blocks import split_bounds
+from ...layout.split import split_bounds
 
 
 class Shard:
