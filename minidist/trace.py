@@ -118,22 +118,17 @@ class Tracer:
         index = {id(b): i for i, b in enumerate(model.h) if b is not None}
         model.use_block_runner(lambda runner: self._timed(runner, lambda block, x: (
             f"block {index.get(id(block), '?')}", "compute", None)))
-        if pipe is None:
-            self._time(strategy, "micro_forward", lambda m, *_: (f"F{m}", "compute", {"op": "forward", "microbatch": m}))
-            self._time(strategy, "micro_backward",
-                       lambda m, *_: (f"B{m}", "compute", {"op": "backward", "microbatch": m}))
-            return
-        chunk = (lambda c: f" chunk {c}") if pipe.V > 1 else (lambda c: "")
-        for method, op in (("_forward", "forward"), ("_backward", "backward")):
-            self._time(pipe, method, lambda m, c, op=op: (f"{op[0].upper()}{m}{chunk(c)}", "compute",
-                                                          {"op": op, "microbatch": m, "chunk": c,
-                                                           "stage": pipe.stages[c]}))
-        self._time(pipe, "_receive", lambda a: ("idle", "bubble", {
-            "waits_for": "activation" if a.op == RECV_ACT else "gradient", "microbatch": a.microbatch, "peer": a.peer}))
-
-    def _time(self, owner, method: str, describe) -> None:
-        """Replace ``owner.method`` (a seam of the strategy or the pipeline) by a timed call."""
-        setattr(owner, method, self._timed(getattr(owner, method), describe))
+        chunk = (lambda c: f" chunk {c}") if pipe is not None and pipe.V > 1 else (lambda c: "")
+        seams = [(strategy, "micro_forward", lambda m, *_: (f"F{m}", "compute", {"op": "forward", "microbatch": m})),
+                 (strategy, "micro_backward", lambda m, *_: (f"B{m}", "compute", {"op": "backward", "microbatch": m}))
+                 ] if pipe is None else [
+            (pipe, method, lambda m, c, op=op: (f"{op[0].upper()}{m}{chunk(c)}", "compute",
+                                                {"op": op, "microbatch": m, "chunk": c, "stage": pipe.stages[c]}))
+            for method, op in (("_forward", "forward"), ("_backward", "backward"))] + [
+            (pipe, "_receive", lambda a: ("idle", "bubble", {"waits_for": "activation" if a.op == RECV_ACT else "gradient",
+                                                             "microbatch": a.microbatch, "peer": a.peer}))]
+        for owner, method, describe in seams:  # the strategy's or the pipeline's seam, timed
+            setattr(owner, method, self._timed(getattr(owner, method), describe))
 
     def _timed(self, inner, describe):
         """``inner`` timed: a span ``describe(*args)`` = (name, cat, args) on the compute track,
