@@ -149,7 +149,7 @@ def crossover_variants(collective, size, g):
     """The algorithms on either side of a size threshold, as callables.  all_reduce names
     them with ``algorithm=`` (plans are cached per algorithm); all_gather and
     reduce_scatter cache plans for "auto" only, so each side sets the one-shot threshold
-    (collectives.ONE_SHOT_BYTES, reducing.ONE_SHOT_BYTES) before every call and runs on a
+    (collectives.ALL_GATHER_ONE_SHOT_BYTES, reducing.REDUCE_SCATTER_ONE_SHOT_BYTES) before every call and runs on a
     group of its own, whose plans it keeps."""
     import numpy as np
     from mpi4py import MPI
@@ -169,11 +169,11 @@ def crossover_variants(collective, size, g):
         res = np.empty(x.size * n if collective == "all_gather" else x.size // n, np.float32)  # one each (cache)
         if collective == "all_gather":
             def fn(grp=grp, limit=limit, res=res):
-                C.ONE_SHOT_BYTES = C.ONE_SHOT_MAX_RANKS = limit
+                C.ALL_GATHER_ONE_SHOT_BYTES = C.ONE_SHOT_MAX_RANKS = limit
                 return comm.all_gather(x, grp, out=res)
         else:
             def fn(grp=grp, limit=limit, res=res):
-                R.ONE_SHOT_BYTES = limit
+                R.REDUCE_SCATTER_ONE_SHOT_BYTES = limit
                 return comm.reduce_scatter(x, grp, out=res)
         variants[name] = fn
     return variants

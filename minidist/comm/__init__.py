@@ -46,7 +46,7 @@ Start reading at ``algorithms/ring.py``.  The modules, from the wire up:
   reduction.py      sum/avg/max/min; float16/bfloat16 accumulated in float32
   check.py          argument checks; MINIDIST_CHECK_COLLECTIVES signature agreement
   launch.py         argument coercion; run a collective here or on the progress thread
-  reducing.py       all_reduce, reduce_scatter, reduce (algorithm choice and thresholds)
+  reducing.py       all_reduce, reduce_scatter, reduce (algorithm choice; thresholds: layout/thresholds.py)
   rooted.py         scatter, gather
   collectives.py    all_gather, broadcast, all_to_all, ppermute, barrier (and re-exports)
   mesh.py           Mesh(dp, pp, tp, cp): a Group per set of axes

@@ -42,8 +42,8 @@ barrier         dissemination, ceil(log2 N) rounds           0
 =============== ============================================ ==============================
 
 ``algorithm=`` forces one (the tests force each).  Each threshold between the latency- and
-the bandwidth-optimal algorithms is a module constant; its measurements are in
-docs/perf-notes.md.
+the bandwidth-optimal algorithms is a constant of minidist/layout/thresholds.py; its
+measurements are in docs/perf-notes.md.
 """
 
 from __future__ import annotations
@@ -62,14 +62,9 @@ from minidist.comm.launch import (check_algorithm as _algorithm, check_group as 
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _isend, _recv, _waitall
 from minidist.comm.reducing import all_reduce, reduce, reduce_scatter
 from minidist.comm.rooted import gather, scatter
+# Read as this module's names, so that a test or a benchmark can move one for the comm layer alone.
+from minidist.layout.thresholds import ALL_GATHER_ONE_SHOT_BYTES, ONE_SHOT_MAX_RANKS, SMALL_BROADCAST_BYTES
 
-# broadcast: binomial tree up to this size, pipelined chain above (docs/perf-notes.md).
-SMALL_BROADCAST_BYTES = 256 * 1024
-# all_gather into out= of N equal blocks: the one-shot round up to ONE_SHOT_BYTES of result
-# on any number of ranks, and at every size on up to ONE_SHOT_MAX_RANKS ranks; rounds
-# (doubling or ring) otherwise (docs/perf-notes.md, "All-gather crossover").
-ONE_SHOT_BYTES = 256 << 10
-ONE_SHOT_MAX_RANKS = 4
 
 
 # ------------------------------------------------------------ data movement
@@ -115,7 +110,8 @@ def all_gather_algorithm(n: int, x, out, algorithm: str = "auto") -> str:
     """Which all-gather runs, the same on every rank (it depends on shapes only):
     "copy" (one rank); with an ``out=`` of N equal blocks, "direct" (one-shot round: small
     results, and every size on up to ONE_SHOT_MAX_RANKS ranks), "doubling" (N a power of
-    two) or "even_ring", except that two ranks above ONE_SHOT_BYTES swap their blocks
+    two) or "even_ring", except that two ranks above ALL_GATHER_ONE_SHOT_BYTES swap their
+    blocks
     straight from x ("pair_even": the one-shot round's messages, which its cached plan sends
     on persistent requests); otherwise "pair" (two ranks, one swap), "ring_rows" (forced
     ring) or "bruck"."""
@@ -123,7 +119,7 @@ def all_gather_algorithm(n: int, x, out, algorithm: str = "auto") -> str:
         return "copy"
     if algorithm != "bruck" and evengather.applies(n, out):
         if algorithm == "auto":
-            small = out.nbytes <= ONE_SHOT_BYTES
+            small = out.nbytes <= ALL_GATHER_ONE_SHOT_BYTES
             if n == 2 and not small:  # the swap straight from x: the one-shot round's messages, no copy
                 return "pair_even" if n <= ONE_SHOT_MAX_RANKS else "pair"
             algorithm = "direct" if small or n <= ONE_SHOT_MAX_RANKS else "doubling" if n & (n - 1) == 0 else "ring"

@@ -3,8 +3,8 @@
 of a call).
 
 Each picks a latency-optimal algorithm for small messages and a bandwidth-optimal one for
-large ones, at thresholds measured on the development machine (module constants; their
-measurements are in docs/perf-notes.md); ``algorithm=`` overrides the choice per call.
+large ones, at thresholds measured on the development machine (minidist/layout/thresholds.py;
+their measurements are in docs/perf-notes.md); ``algorithm=`` overrides the choice per call.
 float16 and bfloat16 accumulate in float32 (reduction.py).
 """
 
@@ -17,20 +17,13 @@ import numpy as np
 from minidist.backend import on_device
 from minidist.comm import check, fast, reduction
 from minidist.comm.algorithms import doubling, oneshot, pairwise, pipelined, ring, trees
-from minidist.layout.split import split_bounds
 from minidist.comm.launch import (check_algorithm as _algorithm, check_group as _check_group,
                                   check_out as _check_out, host_array as _host, launch as _launch)
-
-# all_reduce: recursive doubling up to these sizes, pairwise reduce-scatter + all-gather
-# above (docs/perf-notes.md, "All-reduce crossover").
-SMALL_ALL_REDUCE_BYTES = 512 << 10       # groups of 2
-SMALL_ALL_REDUCE_BYTES_WIDE = 512 << 10  # groups of 3 or more
-# reduce: binomial tree below, pipelined chain above (docs/perf-notes.md).
-SMALL_REDUCE_BYTES = 256 * 1024
-# reduce_scatter: the one-shot exchange up to ONE_SHOT_BYTES of input, pairwise exchange
-# from PAIRWISE_BYTES up on more than two ranks (docs/perf-notes.md, "Reduce-scatter crossovers").
-ONE_SHOT_BYTES = 256 << 10
-PAIRWISE_BYTES = 1 << 20
+from minidist.layout.split import split_bounds
+# The thresholds are read as this module's names, so that a test or a benchmark can move one
+# for the comm layer alone.
+from minidist.layout.thresholds import (PAIRWISE_BYTES, REDUCE_SCATTER_ONE_SHOT_BYTES, SMALL_ALL_REDUCE_BYTES,
+                                        SMALL_ALL_REDUCE_BYTES_WIDE, SMALL_REDUCE_BYTES)
 
 
 def all_reduce(x, g, op: str = "sum", async_op: bool = False, *, algorithm: str = "auto", out=None):
@@ -117,7 +110,8 @@ def reduce_scatter(x, g, op: str = "sum", async_op: bool = False, *, algorithm: 
     """Reduce all ranks' ``x``, then rank i keeps part i of axis 0 (``np.array_split`` sizes).
 
     Every algorithm sends and receives (N-1)/N * X bytes per rank; they differ in rounds.
-    Up to ONE_SHOT_BYTES: the one-shot exchange (oneshot.py), every block sent to its owner
+    Up to REDUCE_SCATTER_ONE_SHOT_BYTES: the one-shot exchange (oneshot.py), every block sent to its
+    owner
     in a single round, the N copies of a block then added in rank order.  Medium inputs:
     recursive halving on 4, 8, 16, ... ranks (log2 N rounds), else the pipelined ring (N-1
     steps; Patarasuk & Yuan 2009).  From PAIRWISE_BYTES up on more than two ranks: pairwise
@@ -153,7 +147,7 @@ def reduce_scatter_algorithm(n: int, nbytes: int, algorithm: str = "auto") -> st
     """The reduce-scatter for an input of ``nbytes`` on ``n`` ranks (see reduce_scatter)."""
     if algorithm != "auto":
         return algorithm
-    if nbytes <= ONE_SHOT_BYTES:
+    if nbytes <= REDUCE_SCATTER_ONE_SHOT_BYTES:
         return "direct"
     if n > 2 and nbytes >= PAIRWISE_BYTES:
         return "pairwise"

@@ -11,12 +11,7 @@ bytes per mesh axis.
 from __future__ import annotations
 
 from ..layout.split import split_sizes
-
-# The size thresholds of comm/reducing.py and comm/collectives.py (copied: importing
-# minidist.comm would start MPI; tests/mpi/axis_bytes_bodies.py checks they agree).
-SMALL_ALL_REDUCE_BYTES = 512 << 10
-SMALL_ALL_REDUCE_BYTES_WIDE = 512 << 10
-SMALL_BROADCAST_BYTES = 256 * 1024
+from ..layout.thresholds import SMALL_ALL_REDUCE_BYTES, SMALL_ALL_REDUCE_BYTES_WIDE, SMALL_BROADCAST_BYTES
 
 def acc_itemsize(itemsize: int) -> int:
     """Bytes per element a reduction sends: float16/bfloat16 are reduced in float32

@@ -37,8 +37,7 @@ ring attention compute in float32.  Sequence parallelism under mixed precision i
 
 from __future__ import annotations
 
-from .collective_bytes import (SMALL_ALL_REDUCE_BYTES, SMALL_ALL_REDUCE_BYTES_WIDE,  # noqa: F401 (re-exported)
-                               SMALL_BROADCAST_BYTES, acc_itemsize, all_gather_bytes, all_reduce_bytes,
+from .collective_bytes import (acc_itemsize, all_gather_bytes, all_reduce_bytes,
                                all_to_all_bytes, broadcast_bytes, doubling_messages, reduce_scatter_bytes)
 from ..layout.split import split_sizes
 from .pipeline.schedules import layer_range, model_stage

@@ -355,15 +355,15 @@ def fast_paths():
 @contextlib.contextmanager
 def _direct_lanes(g, on):
     """The one-shot (oneshot.py) lanes at their thresholds, or (on=False) never taken."""
-    saved = R.ONE_SHOT_BYTES, C.ONE_SHOT_BYTES, C.ONE_SHOT_MAX_RANKS
+    saved = R.REDUCE_SCATTER_ONE_SHOT_BYTES, C.ALL_GATHER_ONE_SHOT_BYTES, C.ONE_SHOT_MAX_RANKS
     if not on:
-        R.ONE_SHOT_BYTES = C.ONE_SHOT_BYTES = -1
+        R.REDUCE_SCATTER_ONE_SHOT_BYTES = C.ALL_GATHER_ONE_SHOT_BYTES = -1
         C.ONE_SHOT_MAX_RANKS = 0
     g._plans.clear()
     try:
         yield
     finally:
-        R.ONE_SHOT_BYTES, C.ONE_SHOT_BYTES, C.ONE_SHOT_MAX_RANKS = saved
+        R.REDUCE_SCATTER_ONE_SHOT_BYTES, C.ALL_GATHER_ONE_SHOT_BYTES, C.ONE_SHOT_MAX_RANKS = saved
         g._plans.clear()
 
 
@@ -609,7 +609,7 @@ def bound_plans():
     # caller's arrays once they come twice in a row, held by weak reference only, so that
     # the plan never keeps a large out alive.
     mine, big_out = np.empty((40000, 2), np.float32), np.empty((40000 * n, 2), np.float32)
-    saved, C.ONE_SHOT_BYTES = C.ONE_SHOT_BYTES, 1 << 30  # one-shot at this size on any N
+    saved, C.ALL_GATHER_ONE_SHOT_BYTES = C.ALL_GATHER_ONE_SHOT_BYTES, 1 << 30  # one-shot at this size on any N
     key = (("all_gather", (40000 * n, 2)), np.dtype(np.float32), (40000, 2))
 
     def gather_steps(x, out, steps, what):
@@ -650,7 +650,7 @@ def bound_plans():
         gather_steps(mine.copy(), other, [step], "a new x each call")
     if n > 1 and no_plans_when_off(g):
         assert plan.held is not None and plan.held.x() is mine and plan.held.out() is other
-    C.ONE_SHOT_BYTES = saved
+    C.ALL_GATHER_ONE_SHOT_BYTES = saved
     comm.barrier(g)
     print(f"rank {r}: bound plans passed")
 
