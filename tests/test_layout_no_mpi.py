@@ -1,0 +1,25 @@
+"""The layout's arithmetic, the planner's cost model, the schedule simulator and the run's
+memory estimate import without starting MPI (mpi4py.MPI initialises MPI when imported), so
+the planner and the checks before a launch run on one process without mpiexec."""
+import pkgutil
+import subprocess
+import sys
+
+import minidist.layout
+
+LAYOUT = [f"minidist.layout.{m.name}" for m in pkgutil.iter_modules(minidist.layout.__path__)]
+OTHERS = ["minidist.plan.cost", "minidist.plan.search", "minidist.parallel.pipeline.simulate", "minidist.flags",
+          "minidist.parallel.grid", "minidist.parallel.traffic"]
+
+
+def test_layout_has_its_modules():
+    assert {"minidist.layout.mesh", "minidist.layout.split", "minidist.layout.thresholds"} <= set(LAYOUT)
+
+
+def test_importing_them_does_not_start_mpi():
+    code = ("import sys\n"
+            f"for name in {LAYOUT + OTHERS!r}:\n"
+            "    __import__(name)\n"
+            "print('mpi4py.MPI' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
