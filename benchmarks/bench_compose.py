@@ -1,6 +1,6 @@
 """4D composition on 4 ranks: tokens/s of dp4, dp2·tp2, pp2·tp2 and tp2·cp2, each relative to
 one rank, all measured in one run; and the bytes each rank sent per step on each axis next
-to the closed-form formulas (minidist/parallel/traffic.py).
+to the closed-form formulas (minidist/layout/traffic.py).
 
     python benchmarks/bench_compose.py [--out DIR] [--quick] [--rounds 3] [--steps 6]
 
@@ -86,9 +86,9 @@ def _bytes_by_group() -> dict:
 
 
 def _expected(cfg) -> dict:
-    """The formulas' bytes per step for rank 0 (parallel/traffic.py), where they exist."""
+    """The formulas' bytes per step for rank 0 (layout/traffic.py), where they exist."""
     try:
-        from minidist.parallel.traffic import expected_step_bytes
+        from minidist.layout.traffic import expected_step_bytes
     except ImportError:
         return {}
     return expected_step_bytes(cfg, rank=0)

@@ -19,12 +19,12 @@ parallelism for long sequences.  Every rank holds the intersection of four cuts:
 
 The ranks are numbered ``((dp * PP + pp) * CP + cp) * TP + tp``, as in minidist.comm.mesh.
 
-Rank 0 prints the grid (minidist.parallel.grid.describe: each rank's coordinates, layers,
+Rank 0 prints the grid (minidist.layout.grid.describe: each rank's coordinates, layers,
 heads, tokens and batch rows, then the groups of every axis) and, when matplotlib is
 installed, draws it into --png.  Then every rank trains a tiny GPT for a few steps with the
 composed mesh as the training command does (minidist.train), and rank 0 prints a table of
 the bytes every rank sent on each axis in the last step next to the closed-form formula
-(minidist.parallel.traffic).  Flags this script does not know are passed on to minidist.train (e.g.
+(minidist.layout.traffic).  Flags this script does not know are passed on to minidist.train (e.g.
 ``--schedule gpipe``).  Without mpiexec (one process) only the grid is shown.
 """
 import argparse
@@ -36,7 +36,7 @@ from minidist.blas_env import pin_blas_threads
 pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: 16 ranks already share the cores
 
 from minidist.flags import world_rank, world_size  # noqa: E402  (reads the launcher's environment, no MPI)
-from minidist.parallel import grid  # noqa: E402
+from minidist.layout import grid  # noqa: E402
 
 
 def parse(argv=None):
@@ -120,14 +120,14 @@ def main(argv=None) -> int:
 
 def show_axis_bytes(cfg, sent: dict) -> None:
     """Every rank's bytes sent in the last step on each axis's group, next to the closed-form
-    formula for that rank (minidist.parallel.traffic): dp the gradient reduction (ring or
+    formula for that rank (minidist.layout.traffic): dp the gradient reduction (ring or
     doubling all-reduce, 2(N-1)/N of the stage's gradients for a ring), pp the activations
     and gradients at each microbatch boundary, tp Megatron's two all-reduces per block and
     direction, cp the K/V blocks of every ring step; "world" the step's agreed scalars."""
     import numpy as np
 
     from minidist import comm
-    from minidist.parallel.traffic import expected_step_bytes, group_names
+    from minidist.layout.traffic import expected_step_bytes, group_names
 
     world = comm.world()
     p = cfg.parallel

@@ -187,7 +187,7 @@ def progress_line(r: dict, steps: int, history: list, mem_bytes: int) -> str:
 def summary_table(metrics: list, wall_s: float, expected_bytes: dict | None = None) -> str:
     """The end-of-run table (rank 0): steps, final losses, throughput, MFU, peak memory, time;
     under mpiexec the mesh, communication, and the bytes of the last step on each group of
-    the mesh next to ``expected_bytes`` (the formulas of parallel/traffic.py, where they apply).
+    the mesh next to ``expected_bytes`` (the formulas of layout/traffic.py, where they apply).
 
     Throughput and MFU are over the steps after the first (which pays for warm-up), as
     total tokens (FLOPs) over total step time.
@@ -294,7 +294,7 @@ def _bytes_text(sent: dict, expected: dict) -> str:
 def expected_step_bytes(cfg) -> dict:
     """Rank 0's bytes per step on each group from the closed-form formulas ({} where there is
     no formula: collective matmuls, HSDP)."""
-    from .parallel.traffic import expected_step_bytes as formula
+    from .layout.traffic import expected_step_bytes as formula
 
     try:
         return formula(cfg, rank=0)

@@ -1,5 +1,5 @@
 """Bytes per mesh axis: ``comm.stats.bytes_by_group()`` against the closed-form formulas of
-``minidist.parallel.traffic``, exactly (integer bytes).
+``minidist.layout.traffic``, exactly (integer bytes).
 
 The MPI bodies live in tests/mpi/axis_bytes_bodies.py: the counters on every path a byte can
 take (collectives on any thread, cached plans, plain point-to-point), then one training step
@@ -11,12 +11,10 @@ two model axes (tp x cp, pp x tp, pp x cp), ZeRO-1/2/3 beside tp, cp and pp, and
 mixed precision.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 
-from minidist.parallel import traffic as t
+from minidist.layout import traffic as t
 from minidist.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "axis_bytes_bodies.py")
@@ -26,13 +24,7 @@ def body(name, timeout=300):
     return run_mpi(4, f"{BODIES}::{name}", timeout=timeout).stdout
 
 
-# -- the formulas alone (no MPI) ----------------------------------------------------------------
-def test_traffic_imports_no_mpi():
-    code = ("import sys, minidist.parallel.traffic\n"
-            "assert 'mpi4py' not in sys.modules and 'minidist.comm' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
+# -- the formulas alone (no MPI: tests/test_layout_no_mpi.py) ------------------------------------
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
 def test_algorithm_costs_are_the_textbook_ones_on_even_blocks(n):
     X = 64 * n * 8  # float64, divisible into n blocks

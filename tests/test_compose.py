@@ -166,12 +166,12 @@ def test_a_bad_cross_axis_setting_is_one_line_on_every_rank():
 @pytest.mark.mpi
 def test_bytes_per_axis_of_a_3d_run_equal_the_formulas(tmp_path):
     """The training command's metrics give the bytes rank 0 sent in each step on each group of
-    a dp2·pp2·tp2 mesh; they equal parallel/traffic.py's closed forms to the byte (ring or
+    a dp2·pp2·tp2 mesh; they equal layout/traffic.py's closed forms to the byte (ring or
     doubling all-reduce of the gradients on dp, activations and gradients per microbatch
     boundary on pp, Megatron's all-reduces per block on tp, the scalars over the world)."""
     from minidist.config import from_args
     from minidist.flags import build_parser
-    from minidist.parallel.traffic import expected_step_bytes
+    from minidist.layout.traffic import expected_step_bytes
     from minidist.testing import run_train
 
     out = tmp_path / "m.jsonl"

@@ -12,7 +12,7 @@ thread may send its own messages: each thread charges its own traffic to its own
 Every byte sent is also charged to the *group* it travels on (``Group.name``; a ``comm.Mesh``
 names its groups by their axes of size > 1: "tp", "pp", "dp", "dp+cp"...), so
 :func:`bytes_by_group` says what this rank sent on each mesh axis, e.g. per training step
-(parallel/traffic.py gives the same numbers from closed-form formulas; tests/test_axis_bytes.py
+(layout/traffic.py gives the same numbers from closed-form formulas; tests/test_axis_bytes.py
 compares them).  The scope of each collective and of each public send/recv names its group.
 """
 
@@ -259,7 +259,7 @@ def bytes_by_group() -> dict[str, int]:
     every thread (progress threads included), the cached plans and the plain point-to-point
     calls; groups with nothing sent are left out.  On a ``comm.Mesh`` the names are its axes
     ("dp", "pp", "tp", "cp", "dp+cp", ...): the bytes this rank sent per mesh axis.  Snapshot
-    it around a training step and subtract (parallel/traffic.py has the formulas)."""
+    it around a training step and subtract (layout/traffic.py has the formulas)."""
     totals: dict[str, int] = {}
     with _lock:
         per_thread = [s.groups for s in states]

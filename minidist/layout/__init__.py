@@ -7,8 +7,12 @@ the runtime (comm/, parallel/, the training command) and the planner (plan/):
             coordinate arithmetic of a dp x pp x cp x tp grid (MeshLayout)
   split.py  the one split rule: n rows in np.array_split's pieces (split_bounds, shard_bounds)
   thresholds.py  the collectives' size thresholds (where each changes algorithm)
+  grid.py   who holds what on the 4D grid (layers, heads, tokens, batch rows): a table, a picture
+  collective_bytes.py  what one collective call sends from one rank, in closed form
+  traffic.py  the bytes each rank sends per optimizer step on each mesh axis
 
 Importing any module here never starts MPI (tests/test_layout_no_mpi.py checks it): they
 import nothing from minidist outside this folder, except minidist.config where a module
-needs the run's settings.
+needs the run's settings and the pipeline's schedules (parallel/pipeline/schedules.py, pure
+data: which stage holds which layers, the order of a rank's actions).
 """

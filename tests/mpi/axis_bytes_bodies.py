@@ -7,7 +7,7 @@ calls, and the plain point-to-point calls a pipeline uses.
 ``step_matrix`` (dp2 x tp2, dp2 x pp2, dp2 x cp2), ``more_settings`` and ``composed``: a
 training step (``strategy.forward_backward`` then ``train.update``, the run built from the
 training flags as ``python -m minidist.train`` builds it) measured with bytes_by_group must
-equal ``parallel.traffic.step_bytes`` to the byte on every rank and group; the second step
+equal ``layout.traffic.step_bytes`` to the byte on every rank and group; the second step
 too (its repeated collectives run as cached plans).
 """
 import sys
@@ -16,7 +16,7 @@ import numpy as np
 
 from minidist import comm
 from minidist.comm.stats import bytes_by_group, reset_stats, stats
-from minidist.parallel import traffic
+from minidist.layout import traffic
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "8",
         "--dtype", "float64", "--steps", "2", "--eval-every", "0", "--quiet"]
@@ -193,7 +193,7 @@ def composed():
 
 
 # mixed precision: float32 master weights, bf16 / fp16 activations (not with sequence
-# parallelism: see parallel/traffic.py's docstring)
+# parallelism: see layout/traffic.py's docstring)
 MIXED = [
     ["--dp", "2", "--tp", "2", "--mixed-precision", "bf16", "--grad-accum", "2"],
     ["--dp", "2", "--pp", "2", "--mixed-precision", "fp16", "--untied"],

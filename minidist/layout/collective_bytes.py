@@ -4,14 +4,14 @@ One function per collective, for the algorithm minidist's comm layer picks for t
 (comm/reducing.py, comm/collectives.py): a small all-reduce is recursive doubling (log2(N)
 messages of X, plus the fold-in of a non-power-of-two count), a large one the ring's
 2(N-1)/N X; uneven blocks split as np.array_split does; float16/bfloat16 are reduced in
-float32, 4 bytes per element on the wire.  parallel/traffic.py sums them into a step's
+float32, 4 bytes per element on the wire.  traffic.py sums them into a step's
 bytes per mesh axis.
 """
 
 from __future__ import annotations
 
-from ..layout.split import split_sizes
-from ..layout.thresholds import SMALL_ALL_REDUCE_BYTES, SMALL_ALL_REDUCE_BYTES_WIDE, SMALL_BROADCAST_BYTES
+from .split import split_sizes
+from .thresholds import SMALL_ALL_REDUCE_BYTES, SMALL_ALL_REDUCE_BYTES_WIDE, SMALL_BROADCAST_BYTES
 
 def acc_itemsize(itemsize: int) -> int:
     """Bytes per element a reduction sends: float16/bfloat16 are reduced in float32

@@ -7,7 +7,7 @@ coordinates, the model and the step's settings.  They are exact, to the byte, fo
 as it stands: tests/test_axis_bytes.py measures steps on real meshes and compares.  Each
 axis is one function, each collective's cost one function:
 
-* the **algorithms** (parallel/collective_bytes.py): what each collective sends per rank,
+* the **algorithms** (collective_bytes.py): what each collective sends per rank,
   for the algorithm the comm layer picks at that size;
 * the **axes**: :func:`dp_bytes` (gradient reduction: DDP, ZeRO-1/2) and :func:`fsdp_bytes`
   (ZeRO-3), :func:`tp_bytes` (Megatron-LM), :func:`cp_bytes` (Ring Attention,
@@ -39,9 +39,10 @@ from __future__ import annotations
 
 from .collective_bytes import (acc_itemsize, all_gather_bytes, all_reduce_bytes,
                                all_to_all_bytes, broadcast_bytes, doubling_messages, reduce_scatter_bytes)
-from ..layout.split import split_sizes
-from .pipeline.schedules import layer_range, model_stage
-from ..layout.mesh import AXES, MeshLayout
+from minidist.parallel.pipeline.schedules import layer_range, model_stage
+
+from .mesh import AXES, MeshLayout
+from .split import split_sizes
 
 
 SCALAR = 8  # a float64 scalar (loss, squared norm, overflow flag) as one all-reduce element
@@ -171,7 +172,7 @@ def compute_actions(pp: int, pp_rank: int, schedule: str | None, microbatches: i
     pipeline schedule's (pipeline/schedules.py, pure data), or one forward and one backward."""
     if pp == 1:
         return [("F", chunk_units[0]), ("B", chunk_units[0])]
-    from .pipeline.schedules import COMPUTE, make_schedule
+    from minidist.parallel.pipeline.schedules import COMPUTE, make_schedule
 
     actions = make_schedule(schedule, pp, microbatches, virtual_stages).actions[pp_rank]
     return [(a.op, chunk_units[a.chunk]) for a in actions if a.op in COMPUTE]
