@@ -18,6 +18,7 @@ from . import env
 from .blas_env import pin_blas_threads
 from .oversubscribed import prepare as prepare_yield
 from .config import ATTENTIONS, CP_IMPLEMENTATIONS, TP_OVERLAPS, RunConfig, from_args
+from .layout.memory import zero_divisors
 from .parallel.pipeline.schedules import ORDERS
 
 
@@ -312,13 +313,8 @@ def memory_estimate(cfg: RunConfig) -> dict:
                                 score_values=score_values(cfg), tp=p.tp, sequence_parallel=p.sequence_parallel)
     states = 2 if cfg.optim.optimizer == "adamw" else 1
     shard = p.hsdp_shard or p.dp * p.cp  # ZeRO's partition: the data-parallel (dp x cp) group, or HSDP's
-    weights, grads, state = (1 / p.tp,) * 3
-    if p.zero >= 1:
-        state /= shard
-    if p.zero >= 2:
-        grads /= shard
-    if p.zero >= 3:
-        weights /= shard
+    div = zero_divisors(p.zero, shard)
+    weights, grads, state = (1 / p.tp / div[part] for part in ("params", "grads", "optimizer"))
     key = "weights, gradients and optimizer state"
     est[key] = int(est[key] * (weights + grads + states * state) / (2 + states))
     ranks = local_ranks(p.world_size)

@@ -14,7 +14,7 @@ OTHERS = ["minidist.plan.cost", "minidist.plan.search", "minidist.parallel.pipel
 
 def test_layout_has_its_modules():
     assert {"minidist.layout.mesh", "minidist.layout.split", "minidist.layout.thresholds", "minidist.layout.grid",
-            "minidist.layout.collective_bytes", "minidist.layout.traffic"} <= set(LAYOUT)
+            "minidist.layout.collective_bytes", "minidist.layout.traffic", "minidist.layout.memory"} <= set(LAYOUT)
 
 
 def test_importing_them_does_not_start_mpi():

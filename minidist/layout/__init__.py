@@ -10,6 +10,7 @@ the runtime (comm/, parallel/, the training command) and the planner (plan/):
   grid.py   who holds what on the 4D grid (layers, heads, tokens, batch rows): a table, a picture
   collective_bytes.py  what one collective call sends from one rank, in closed form
   traffic.py  the bytes each rank sends per optimizer step on each mesh axis
+  memory.py  ZeRO's memory table: what each stage partitions of a rank's training state
 
 Importing any module here never starts MPI (tests/test_layout_no_mpi.py checks it): they
 import nothing from minidist outside this folder, except minidist.config where a module

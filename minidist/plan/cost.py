@@ -42,6 +42,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from ..layout.memory import zero_divisors
 from .machine import Machine
 from .model import (ModelSpec, activation_bytes_per_token, attention_flops, block_matmul_flops, block_params,
                     embedding_params, head_flops, model_flops_per_token)
@@ -424,9 +425,9 @@ def memory_parts(m: ModelSpec, p: Plan, pr: Precision, global_batch_tokens: int,
     # blocks (the in-flight count falls with the stage), or the last (the head and the logits).
     for r in sorted({0, blocks.index(max(blocks)), p.pp - 1}):
         psi = _stage_params(m, p, r)
-        parts = {"params": psi * pr.param / (nd if p.zero == 3 else 1),
-                 "grads": psi * pr.grad / (nd if p.zero >= 2 else 1),
-                 "optimizer": psi * pr.optim / (nd if p.zero >= 1 else 1)}
+        div = zero_divisors(p.zero, nd)
+        parts = {"params": psi * pr.param / div["params"], "grads": psi * pr.grad / div["grads"],
+                 "optimizer": psi * pr.optim / div["optimizer"]}
         if ckpt:
             parts["activations"] = blocks[r] * block_input * in_flight(p, r) + block
         else:
