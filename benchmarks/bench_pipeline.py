@@ -54,7 +54,7 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
     from minidist.nn import GPT, GPTConfig
     from minidist.optim import AdamW
     from minidist.parallel.pipeline.runtime import PipelineRuntime
-    from minidist.parallel.pipeline.schedules import theoretical_bubble
+    from minidist.layout.schedules import theoretical_bubble
 
     g = comm.world()
     P, M = g.size, shape["microbatches"]
@@ -129,7 +129,7 @@ def replay(schedule, timelines) -> float:
     """The bubble the schedule would have with the compute times measured in this step and
     free, instant messages (simulate.simulate with measured costs), mean over ranks: what
     the measured bubble would be without any communication or runtime overhead."""
-    from minidist.parallel.pipeline.simulate import simulate
+    from minidist.layout.simulate import simulate
 
     seconds = {(r, a.op, a.microbatch, a.chunk): end - start
                for r, row in enumerate(timelines) for start, end, a in row}

@@ -4,7 +4,7 @@
 
 An 8-layer GPT is cut into one stage per rank (two chunks per rank for the looped
 schedules) and trained for a few steps with each schedule of
-``minidist.parallel.pipeline.schedules``: naive model parallelism, GPipe, 1F1B, interleaved
+``minidist.layout.schedules``: naive model parallelism, GPipe, 1F1B, interleaved
 1F1B and the breadth-first looping pipeline.  For each one the script prints
 
 * the schedule's chart as simulated (equal stages, free messages: the textbook picture),
@@ -31,8 +31,8 @@ import numpy as np  # noqa: E402  (after the thread settings)
 from minidist import comm  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
 from minidist.optim import AdamW  # noqa: E402
-from minidist.parallel.pipeline import schedules as S  # noqa: E402
-from minidist.parallel.pipeline.simulate import chart, measured_chart, simulate  # noqa: E402
+from minidist.layout import schedules as S  # noqa: E402
+from minidist.layout.simulate import chart, measured_chart, simulate  # noqa: E402
 from minidist.parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 
 SCHEDULES = [("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looping", 2)]

@@ -19,7 +19,7 @@ from .blas_env import pin_blas_threads
 from .oversubscribed import prepare as prepare_yield
 from .config import ATTENTIONS, CP_IMPLEMENTATIONS, TP_OVERLAPS, RunConfig, from_args
 from .layout.memory import zero_divisors
-from .parallel.pipeline.schedules import ORDERS
+from .layout.schedules import ORDERS
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

@@ -10,7 +10,7 @@ parent.
 
 For a pipeline run a second panel shows each stage's forward and backward of the step
 (microbatch numbers in the boxes) and, below it, the schedule's simulated chart
-(``parallel/pipeline/simulate.py``) with the measured mean forward and backward
+(``layout/simulate.py``) with the measured mean forward and backward
 times, on the same time axis: the real bubble next to the one the schedule predicts.
 
 ``--step N`` draws step N (default: the last step; ``--step all``: the whole run).
@@ -157,8 +157,8 @@ def draw_pipeline(ax, timelines, title: str) -> None:
 
 def simulated(doc: dict, measured) -> tuple:
     """The schedule's simulated timelines with the measured mean F and B times (ms), and its bubble."""
-    from minidist.parallel.pipeline.schedules import BACKWARD, make_schedule
-    from minidist.parallel.pipeline.simulate import simulate
+    from minidist.layout.schedules import BACKWARD, make_schedule
+    from minidist.layout.simulate import simulate
 
     run = doc["otherData"]["run"]
     sched = make_schedule(run["schedule"], run["mesh"]["pp"], run["microbatches"], run["virtual_stages"])

@@ -112,7 +112,7 @@ class Tracer:
         bubble), and each transformer block's forward (``model.block_runner``; backward runs in
         the autograd graph, inside the micro-batch's backward span).  The code timed holds no
         tracing of its own: these wrappers are the instrument."""
-        from minidist.parallel.pipeline.schedules import RECV_ACT
+        from minidist.layout.schedules import RECV_ACT
 
         model, pipe = strategy.model, strategy.pipeline
         index = {id(b): i for i, b in enumerate(model.h) if b is not None}

@@ -128,8 +128,8 @@ def _message(cycles) -> str:
 
 def test_graph_is_read():
     graph = _graph(include_functions=True)
-    assert "minidist.parallel.pipeline.simulate" in graph
-    assert "minidist.parallel.pipeline.schedules" in graph["minidist.parallel.pipeline.simulate"]
+    assert "minidist.layout.simulate" in graph
+    assert "minidist.layout.schedules" in graph["minidist.layout.simulate"]
     assert "minidist.plan.cost" in graph["minidist.plan"]  # a package re-export is an edge
 
 

@@ -9,12 +9,13 @@ import sys
 import minidist.layout
 
 LAYOUT = [f"minidist.layout.{m.name}" for m in pkgutil.iter_modules(minidist.layout.__path__)]
-OTHERS = ["minidist.plan.cost", "minidist.plan.search", "minidist.parallel.pipeline.simulate", "minidist.flags"]
+OTHERS = ["minidist.plan.cost", "minidist.plan.search", "minidist.flags"]
 
 
 def test_layout_has_its_modules():
     assert {"minidist.layout.mesh", "minidist.layout.split", "minidist.layout.thresholds", "minidist.layout.grid",
-            "minidist.layout.collective_bytes", "minidist.layout.traffic", "minidist.layout.memory"} <= set(LAYOUT)
+            "minidist.layout.collective_bytes", "minidist.layout.traffic", "minidist.layout.memory",
+            "minidist.layout.schedules", "minidist.layout.simulate"} <= set(LAYOUT)
 
 
 def test_importing_them_does_not_start_mpi():

@@ -16,8 +16,8 @@ import pipeline_bodies as B  # noqa: E402
 
 from minidist.nn import GPT  # noqa: E402
 from minidist.parallel.pipeline.runtime import PipelineRuntime, graph_activation_bytes  # noqa: E402
-from minidist.parallel.pipeline.schedules import make_schedule  # noqa: E402
-from minidist.parallel.pipeline.simulate import simulate  # noqa: E402
+from minidist.layout.schedules import make_schedule  # noqa: E402
+from minidist.layout.simulate import simulate  # noqa: E402
 
 
 def _group(size, rank=0):
@@ -140,7 +140,7 @@ def _given(**kw):
 
 
 def _problems(**kw):
-    from minidist.parallel.pipeline.schedules import problems
+    from minidist.layout.schedules import problems
 
     given = _given(**kw)
     return problems(given, given.resolved(given.parallel.world_size))

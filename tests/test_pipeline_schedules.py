@@ -2,9 +2,9 @@
 import pytest
 
 from minidist.config import VIRTUAL
-from minidist.parallel.pipeline import schedules as S
-from minidist.parallel.pipeline.schedules import Action, make_schedule
-from minidist.parallel.pipeline.simulate import Deadlock, _message_key, main, simulate
+from minidist.layout import schedules as S
+from minidist.layout.schedules import Action, make_schedule
+from minidist.layout.simulate import Deadlock, _message_key, main, simulate
 
 
 def _valid_configs():

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from minidist.parallel.pipeline.schedules import make_schedule, theoretical_bubble
-from minidist.parallel.pipeline.simulate import simulate
+from minidist.layout.schedules import make_schedule, theoretical_bubble
+from minidist.layout.simulate import simulate
 from minidist.plan.cost import FLOAT32, FLOAT64, MIXED_BF16, Plan, bubble_fraction, estimate, memory_parts, problems, \
     stage_blocks
 from minidist.plan.machine import PRESETS as MACHINES, Machine, Link, load, others_load

@@ -11,9 +11,12 @@ the runtime (comm/, parallel/, the training command) and the planner (plan/):
   collective_bytes.py  what one collective call sends from one rank, in closed form
   traffic.py  the bytes each rank sends per optimizer step on each mesh axis
   memory.py  ZeRO's memory table: what each stage partitions of a rank's training state
+  schedules.py  pipeline schedules as pure data (naive, GPipe, 1F1B, interleaved, looping),
+            which stage holds which layers, and the pipeline flags' checks
+  simulate.py  a schedule run on a clock, which checks it, and its chart
+            (``python -m minidist.layout.simulate``)
 
 Importing any module here never starts MPI (tests/test_layout_no_mpi.py checks it): they
 import nothing from minidist outside this folder, except minidist.config where a module
-needs the run's settings and the pipeline's schedules (parallel/pipeline/schedules.py, pure
-data: which stage holds which layers, the order of a rank's actions).
+needs the run's settings.
 """

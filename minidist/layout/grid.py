@@ -27,7 +27,7 @@ from __future__ import annotations
 from minidist.config import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
 from minidist.layout.mesh import AXES, MeshLayout
 from minidist.layout.split import shard_bounds
-from minidist.parallel.pipeline.schedules import layer_range, model_stage
+from minidist.layout.schedules import layer_range, model_stage
 
 MAX_DRAWN_RANKS = 256  # beyond this the boxes are too small to read; describe() still works
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from .collective_bytes import (acc_itemsize, all_gather_bytes, all_reduce_bytes,
                                all_to_all_bytes, broadcast_bytes, doubling_messages, reduce_scatter_bytes)
-from minidist.parallel.pipeline.schedules import layer_range, model_stage
+from minidist.layout.schedules import layer_range, model_stage
 
 from .mesh import AXES, MeshLayout
 from .split import split_sizes
@@ -169,10 +169,10 @@ def fsdp_bytes(units: list[int], itemsize: int, n: int, r: int, passes: list[lis
 def compute_actions(pp: int, pp_rank: int, schedule: str | None, microbatches: int, virtual_stages: int,
                     chunk_units: list[list[int]]) -> list[tuple]:
     """This rank's compute actions of one pass, ("F" | "B", the block units of the chunk): the
-    pipeline schedule's (pipeline/schedules.py, pure data), or one forward and one backward."""
+    pipeline schedule's (schedules.py, pure data), or one forward and one backward."""
     if pp == 1:
         return [("F", chunk_units[0]), ("B", chunk_units[0])]
-    from minidist.parallel.pipeline.schedules import COMPUTE, make_schedule
+    from minidist.layout.schedules import COMPUTE, make_schedule
 
     actions = make_schedule(schedule, pp, microbatches, virtual_stages).actions[pp_rank]
     return [(a.op, chunk_units[a.chunk]) for a in actions if a.op in COMPUTE]

@@ -48,7 +48,7 @@ def problems(given, world_size: int) -> list[str]:
     cannot run on ``world_size`` ranks, one line each; [] if it can.  Pure arithmetic on the
     settings, so every rank reaches the same verdict before any message is sent."""
     from . import context, data, tensor
-    from .pipeline import schedules
+    from ..layout import schedules
 
     out = _mesh_problems(given.parallel, world_size)
     if out:

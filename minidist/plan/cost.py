@@ -19,7 +19,7 @@ data-parallel reduction and the optimizer):
   that backward; hidden behind the attention's own compute where the machine overlaps;
 * **pp**: the schedule's bubble, (P-1)/(V M + P-1) of the pipeline's time (gpipe and 1F1B:
   V = 1; interleaved 1F1B, Narayanan et al. 2021: V chunks per rank), the same formula as
-  minidist.parallel.pipeline.schedules.theoretical_bubble; activations between stages cross
+  minidist.layout.schedules.theoretical_bubble; activations between stages cross
   the link between neighbouring stages; the messages of the fill and the drain are exposed,
   the steady state's overlap with compute (``overlap``);
 * **dp** (ZeRO, Rajbhandari et al. 2020): stage 0 all-reduces the gradients, 1 and 2
@@ -142,7 +142,7 @@ def message(nbytes: float, link, eff: float) -> float:
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
-    """Idle share of the pipeline (as parallel.pipeline.schedules.theoretical_bubble)."""
+    """Idle share of the pipeline (as layout.schedules.theoretical_bubble)."""
     v = virtual if schedule == "interleaved" else 1
     return (pp - 1) / (v * microbatches + pp - 1)
 

@@ -11,8 +11,8 @@ from minidist import comm, ops
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, clip_grad_norm, no_decay_below_2d
 from minidist.parallel.pipeline.runtime import PipelineRuntime
-from minidist.parallel.pipeline.schedules import ORDERS, make_schedule, schedule_problem
-from minidist.parallel.pipeline.simulate import simulate
+from minidist.layout.schedules import ORDERS, make_schedule, schedule_problem
+from minidist.layout.simulate import simulate
 
 STEPS, BATCH, SEQ = 5, 8, 8
 

@@ -40,9 +40,9 @@ from minidist import comm, ops
 from minidist.autograd import Parameter, Tensor, no_grad
 from minidist.backend import dtype as backend_dtype, host, host_read, xp
 from minidist.data import shard
-from minidist.parallel.pipeline.schedules import (BACKWARD, FORWARD, Action, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
-                                                  layer_range, make_schedule, message_tag, model_stage,
-                                                  schedule_problem, stage_location, theoretical_bubble)
+from minidist.layout.schedules import (BACKWARD, FORWARD, Action, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
+                                       layer_range, make_schedule, message_tag, model_stage,
+                                       schedule_problem, stage_location, theoretical_bubble)
 
 
 def graph_activation_bytes(out: Tensor) -> int:

@@ -9,7 +9,7 @@ microbatches whose activations a rank holds at once.  :func:`chart` prints the t
 chart, :func:`measured_chart` draws a real run's timeline the same way, :func:`save_png` with
 matplotlib, and the command line prints (or draws) any schedule's chart::
 
-    python -m minidist.parallel.pipeline.simulate --schedule interleaved --pp 4 -m 8 -v 2 [--png FILE]
+    python -m minidist.layout.simulate --schedule interleaved --pp 4 -m 8 -v 2 [--png FILE]
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    p = argparse.ArgumentParser(prog="python -m minidist.parallel.pipeline.simulate",
+    p = argparse.ArgumentParser(prog="python -m minidist.layout.simulate",
                                 description="Print (or draw) a pipeline schedule as a time x rank chart.")
     p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(ORDERS)} (default: 1f1b)")
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks P (default: 4)")

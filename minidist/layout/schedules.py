@@ -9,10 +9,10 @@ schedule is nothing but that order, written down as data::
     make_schedule("1f1b", num_stages=4, num_microbatches=8)  ->  Schedule
     schedule.actions[rank]  ->  [Action("recv_act", 0, 0, peer=0), Action("F", 0, 0), ...]
 
-No MPI and no model here: the runtime (``runtime.py``) executes any schedule,
+No MPI and no model here: the runtime (``parallel/pipeline/runtime.py``) executes any schedule,
 ``simulate.py`` runs one on a clock to check it (no deadlock, every send received once,
 forward before backward, the bubble equals its formula) and draws it (``python -m
-minidist.parallel.pipeline.simulate --schedule 1f1b --pp 4 -m 8`` prints that chart).
+minidist.layout.simulate --schedule 1f1b --pp 4 -m 8`` prints that chart).
 
 The schedules (``P`` ranks, ``M`` microbatches, ``V`` model chunks per rank):
 
