@@ -39,9 +39,8 @@ from __future__ import annotations
 
 from .collective_bytes import (acc_itemsize, all_gather_bytes, all_reduce_bytes,
                                all_to_all_bytes, broadcast_bytes, doubling_messages, reduce_scatter_bytes)
-from minidist.layout.schedules import layer_range, model_stage
-
 from .mesh import AXES, MeshLayout
+from .schedules import layer_range, model_stage
 from .split import split_sizes
 
 
@@ -172,7 +171,7 @@ def compute_actions(pp: int, pp_rank: int, schedule: str | None, microbatches: i
     pipeline schedule's (schedules.py, pure data), or one forward and one backward."""
     if pp == 1:
         return [("F", chunk_units[0]), ("B", chunk_units[0])]
-    from minidist.layout.schedules import COMPUTE, make_schedule
+    from .schedules import COMPUTE, make_schedule
 
     actions = make_schedule(schedule, pp, microbatches, virtual_stages).actions[pp_rank]
     return [(a.op, chunk_units[a.chunk]) for a in actions if a.op in COMPUTE]
