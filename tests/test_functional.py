@@ -1,7 +1,6 @@
 """Differentiable collectives: forward vs NumPy, backward vs finite differences (float64)."""
 import os
 
-import numpy as np
 import pytest
 
 from minidist.comm import functional as F
@@ -9,15 +8,6 @@ from minidist.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "functional_bodies.py")
 N_CASES = 16  # cases in functional_bodies._cases
-
-
-def test_part_bounds_match_array_split():
-    for length in range(0, 11):
-        for size in range(1, 6):
-            parts = np.array_split(np.arange(length), size)
-            for r, p in enumerate(parts):
-                start, stop = F._part_bounds(length, size, r)
-                assert list(range(start, stop)) == list(p), (length, size, r)
 
 
 def test_megatron_names_are_the_same_ops():

@@ -38,6 +38,7 @@ from __future__ import annotations
 from minidist.autograd import Tensor, make_tensor
 from minidist.backend import xp
 from minidist.comm import collectives
+from minidist.layout.split import split_bounds
 
 
 def _data(x):
@@ -55,13 +56,6 @@ def _to_front(a, axis):
     return xp.ascontiguousarray(xp.moveaxis(a, axis, 0))
 
 
-def _part_bounds(length, size, rank):
-    """Start and stop of part ``rank`` when ``length`` is split like ``np.array_split``."""
-    base, extra = divmod(length, size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
-
-
 def _gather_along(a, g, axis):
     """All-gather ``a`` along ``axis`` (any axis, via axis 0)."""
     return xp.moveaxis(collectives.all_gather(_to_front(a, axis), g), 0, axis)
@@ -73,7 +67,7 @@ def _reduce_scatter_along(a, g, axis):
 
 
 def _my_slice(a, g, axis):
-    start, stop = _part_bounds(a.shape[axis], g.size, g.rank)
+    start, stop = split_bounds(a.shape[axis], g.size)[g.rank]
     index = [slice(None)] * a.ndim
     index[axis] = slice(start, stop)
     return a[tuple(index)]
@@ -114,7 +108,7 @@ def all_gather(x, g, axis: int = 0):
     a = _data(x)
     axis = _check_axis(axis, a.ndim)
     out = _gather_along(a, g, axis)
-    start, stop = _part_bounds(out.shape[axis], g.size, g.rank)
+    start, stop = split_bounds(out.shape[axis], g.size)[g.rank]
     if stop - start != a.shape[axis]:
         raise ValueError(f"all_gather: rank {g.rank} holds {a.shape[axis]} rows of axis {axis}, but "
                          f"np.array_split of the gathered {out.shape[axis]} rows gives it {stop - start}")

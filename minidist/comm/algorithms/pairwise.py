@@ -17,7 +17,7 @@ import numpy as np
 
 from minidist.comm.algorithms.blocks import ROWS_RULE
 from minidist.layout.split import split_bounds
-from minidist.comm.algorithms.pipelined import chunks, num_chunks, pipelined_step
+from minidist.comm.algorithms.pipelined import num_chunks, pipelined_step
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _exchange, _sendrecv
 
@@ -36,7 +36,7 @@ def pairwise_reduce_scatter(g, x: np.ndarray, bounds, ufunc, result: np.ndarray)
     lo, hi = bounds[r]
     mine = x[lo:hi]
     nchunks = num_chunks(bounds, x.itemsize)
-    first = chunks(hi - lo, nchunks)[0]
+    first = split_bounds(hi - lo, nchunks)[0]
     tmp = (g.scratch("pw_recv0", first[1] - first[0], x.dtype), g.scratch("pw_recv1", first[1] - first[0], x.dtype))
     for k, (dst, src) in enumerate(pairwise_steps(n, r)):
         outgoing = x[bounds[dst][0]:bounds[dst][1]]

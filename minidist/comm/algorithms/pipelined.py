@@ -22,14 +22,9 @@ import numpy as np
 
 from minidist.comm.algorithms.ring import ring_steps
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _irecv, _isend, _recv, _wait_recv, _waitall
+from minidist.layout.split import split_bounds
 
 PIPELINE_BYTES = 1024 * 1024
-
-
-def chunks(n: int, nchunks: int) -> list[tuple[int, int]]:
-    """``nchunks`` (start, stop) ranges of ``n`` elements, sized like np.array_split."""
-    q, extra = divmod(n, nchunks)
-    return [(c * q + min(c, extra), (c + 1) * q + min(c + 1, extra)) for c in range(nchunks)]
 
 
 def num_chunks(bounds, itemsize: int) -> int:
@@ -43,7 +38,7 @@ def pipelined_step(comm, outgoing, dst, src, size, nchunks, tmp, combine) -> Non
     receiving ``size`` elements from ``src``, both cut into ``nchunks`` chunks, into the two
     receive buffers ``tmp`` in turn; ``combine(lo, hi, got)`` reduces chunk [lo, hi) while
     the next one travels."""
-    sends, recvs = chunks(outgoing.size, nchunks), chunks(size, nchunks)
+    sends, recvs = split_bounds(outgoing.size, nchunks), split_bounds(size, nchunks)
 
     def post(c):
         got = tmp[c % 2][:recvs[c][1] - recvs[c][0]]
@@ -91,7 +86,7 @@ def chain_broadcast(g, buf: np.ndarray, root: int) -> None:
     vr = (g.rank - root) % n
     prev, nxt = (g.rank - 1) % n, (g.rank + 1) % n
     requests = []
-    for a, b in chunks(buf.size, num_chunks([(0, buf.size)], buf.itemsize)):
+    for a, b in split_bounds(buf.size, num_chunks([(0, buf.size)], buf.itemsize)):
         if vr > 0:
             _recv(g.comm, buf[a:b], prev, TAG)
         if vr < n - 1:
@@ -110,7 +105,7 @@ def chain_reduce(g, x: np.ndarray, acc: np.ndarray, root: int, ufunc) -> None:
     nchunks = num_chunks([(0, x.size)], x.itemsize)
     tmp = g.scratch("chain_recv", -(-x.size // nchunks), x.dtype)
     requests = []
-    for a, b in chunks(x.size, nchunks):
+    for a, b in split_bounds(x.size, nchunks):
         if vr < n - 1:
             got = tmp[:b - a]
             _recv(g.comm, got, upstream, TAG)
