@@ -141,12 +141,6 @@ def message(nbytes: float, link, eff: float) -> float:
     return nbytes / (link.bw * eff) + link.latency
 
 
-def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
-    """Idle share of the pipeline (as layout.schedules.theoretical_bubble)."""
-    v = virtual if schedule == "interleaved" else 1
-    return (pp - 1) / (v * microbatches + pp - 1)
-
-
 # ------------------------------------------------------------------------- the feasibility
 
 
