@@ -85,20 +85,6 @@ def test_ulysses_tokens_contiguous_and_heads_in_attention():
     assert "attention_heads" not in _place(1, 1, 2, 2)[0]
 
 
-def test_matches_chunk_starts():
-    """The token ranges written out here equal context's (imported only in the test: it
-    starts MPI)."""
-    from minidist.parallel.context import chunk_starts
-
-    for dp, pp, tp, cp in SHAPES:
-        for r in range(cp):
-            for impl, zigzag in (("ring", True), ("ulysses", False)):
-                starts, c = chunk_starts(r, cp, 32, zigzag)
-                expect = [range(s, s + c) for s in starts] if cp > 1 else [range(32)]
-                if cp > 1 or impl == "ulysses":
-                    assert grid.token_ranges(r, cp, 32, impl) == expect
-
-
 @pytest.mark.parametrize("shape, kw, message", [
     ((2, 2, 2, 2), dict(n_layer=5), "cannot be cut"),
     ((1, 1, 1, 1), dict(n_layer=4, virtual_stages=3), "cannot be cut"),

@@ -46,21 +46,30 @@ def head_range(tp_rank: int, tp: int, n_head: int) -> range:
     return range(tp_rank * per, (tp_rank + 1) * per)
 
 
+def chunk_starts(rank: int, cp: int, seq_len: int, zigzag: bool = True) -> tuple[list[int], int]:
+    """(global start of each of ``rank``'s chunks, chunk length).
+
+    Zig-zag: chunks ``rank`` and ``2 * cp - 1 - rank`` of ``2 * cp``; else the ``rank``-th of ``cp``.
+    """
+    if zigzag:
+        c = seq_len // (2 * cp)
+        return [rank * c, (2 * cp - 1 - rank) * c], c
+    c = seq_len // cp
+    return [rank * c], c
+
+
 def token_ranges(cp_rank: int, cp: int, seq_len: int, cp_impl: str = "ring") -> list[range]:
     """The sequence positions cp rank r holds between attentions.
 
-    Ring attention uses the zig-zag layout: 2C equal chunks, rank r takes chunks r and
-    2C-1-r, so under the causal mask every rank has the same number of scores to compute
-    (``minidist.parallel.context.chunk_starts``; a test keeps them equal).  Ulysses keeps a
-    contiguous T/C: its all-to-all gathers the sequence in rank order.
+    Ring attention uses the zig-zag layout (:func:`chunk_starts`): 2C equal chunks, rank r
+    takes chunks r and 2C-1-r, so under the causal mask every rank has the same number of
+    scores to compute.  Ulysses keeps a contiguous T/C: its all-to-all gathers the sequence
+    in rank order.
     """
     if cp == 1:
         return [range(seq_len)]
-    if cp_impl == "ring":
-        c = seq_len // (2 * cp)
-        return [range(cp_rank * c, (cp_rank + 1) * c), range((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c)]
-    c = seq_len // cp
-    return [range(cp_rank * c, (cp_rank + 1) * c)]
+    starts, c = chunk_starts(cp_rank, cp, seq_len, zigzag=cp_impl == "ring")
+    return [range(s, s + c) for s in starts]
 
 
 def ulysses_heads(tp_rank: int, tp: int, cp_rank: int, cp: int, n_head: int) -> range:

@@ -39,21 +39,10 @@ from ..comm import functional as F
 from ..ops import blockwise as bw
 from ..ops.precision import compute_dtype, gemm_operands, to_dtype
 from ..config import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
+from ..layout.grid import chunk_starts
 
 
 # ------------------------------------------------------------------ who holds which tokens
-
-
-def chunk_starts(rank: int, cp: int, seq_len: int, zigzag: bool = True) -> tuple[list[int], int]:
-    """(global start of each of ``rank``'s chunks, chunk length).
-
-    Zig-zag: chunks ``rank`` and ``2 * cp - 1 - rank`` of ``2 * cp``; else the ``rank``-th of ``cp``.
-    """
-    if zigzag:
-        c = seq_len // (2 * cp)
-        return [rank * c, (2 * cp - 1 - rank) * c], c
-    c = seq_len // cp
-    return [rank * c], c
 
 
 def positions(rank: int, cp: int, seq_len: int, zigzag: bool = True):
