@@ -27,7 +27,7 @@ from __future__ import annotations
 from minidist.config import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
 from minidist.layout.mesh import AXES, MeshLayout
 from minidist.layout.split import shard_bounds
-from minidist.layout.schedules import layer_range, model_stage
+from minidist.layout.schedules import layer_range, rank_stages
 
 MAX_DRAWN_RANKS = 256  # beyond this the boxes are too small to read; describe() still works
 
@@ -36,8 +36,8 @@ MAX_DRAWN_RANKS = 256  # beyond this the boxes are too small to read; describe()
 def stage_layers(pp_rank: int, pp: int, n_layer: int, virtual_stages: int = 1) -> list[int]:
     """The blocks of pipeline rank ``pp_rank``: model stage ``c*P + p`` for each chunk c
     (the looping placement of interleaved 1F1B; with V=1 one run of n_layer/P blocks)."""
-    return [layer for chunk in range(virtual_stages)
-            for layer in layer_range(model_stage(pp_rank, chunk, pp), n_layer, pp * virtual_stages)]
+    return [layer for stage in rank_stages(pp_rank, pp, virtual_stages)
+            for layer in layer_range(stage, n_layer, pp * virtual_stages)]
 
 
 def head_range(tp_rank: int, tp: int, n_head: int) -> range:

@@ -88,6 +88,11 @@ def model_stage(rank: int, chunk: int, num_stages: int) -> int:
     return chunk * num_stages + rank
 
 
+def rank_stages(rank: int, num_stages: int, virtual_stages: int = 1) -> list[int]:
+    """The model stages ``rank`` holds, one per chunk, in chunk order (:func:`model_stage`)."""
+    return [model_stage(rank, c, num_stages) for c in range(virtual_stages)]
+
+
 def stage_location(stage: int, num_stages: int) -> tuple[int, int]:
     """(rank, chunk) holding model ``stage``: the inverse of :func:`model_stage`."""
     chunk, rank = divmod(stage, num_stages)

@@ -40,7 +40,7 @@ from __future__ import annotations
 from .collective_bytes import (acc_itemsize, all_gather_bytes, all_reduce_bytes,
                                all_to_all_bytes, broadcast_bytes, doubling_messages, reduce_scatter_bytes)
 from .mesh import AXES, MeshLayout
-from .schedules import layer_range, model_stage
+from .schedules import layer_range, rank_stages
 from .split import split_sizes
 
 
@@ -48,11 +48,6 @@ SCALAR = 8  # a float64 scalar (loss, squared norm, overflow flag) as one all-re
 
 
 # ------------------------------------------------------------------ the model's parameters
-
-
-def rank_stages(pp_rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Model stages of pipeline rank ``pp_rank``: chunk c holds stage c*P + rank (schedules.model_stage)."""
-    return [model_stage(pp_rank, c, pp) for c in range(virtual_stages)]
 
 
 def block_numels(d: int, tp: int) -> list[int]:

@@ -17,6 +17,7 @@ import numpy as np
 from minidist import comm
 from minidist.comm.stats import bytes_by_group, reset_stats, stats
 from minidist.layout import traffic
+from minidist.layout.schedules import rank_stages
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "8",
         "--dtype", "float64", "--steps", "2", "--eval-every", "0", "--quiet"]
@@ -115,7 +116,7 @@ def measure_steps(flags, steps=2) -> tuple:
     model, strategy, cfg, mesh = build(TINY + flags)
     m, p = cfg.model, cfg.parallel
     if p.zero != 3:  # the formula's parameter list is what this rank holds (ZeRO-3 keeps only shards)
-        stages = traffic.rank_stages(mesh.coord("pp"), p.pp, p.virtual_stages)
+        stages = rank_stages(mesh.coord("pp"), p.pp, p.virtual_stages)
         want = traffic.param_numels(m.layers, m.d_model, 256, m.block_size, not m.untied, p.tp, stages,
                                     p.pp * p.virtual_stages)
         assert [q.size for q in model.parameters()] == want, ([q.size for q in model.parameters()], want)
