@@ -118,7 +118,7 @@ def mesh_label(p) -> str:
     if p.zero:
         label += f" zero={p.zero}"
     sizes = p.mesh_sizes()
-    for axis in ("tp", "cp", "pp"):
+    for axis in ("tp", "cp", "pp"):  # innermost first, unlike the mesh's AXES: the order metrics names already carry
         if sizes[axis] > 1:
             label += f" {axis}={sizes[axis]}" + (f" ({p.cp_impl})" if axis == "cp" else "")
     return label

@@ -25,12 +25,14 @@ from itertools import combinations
 
 from ..layout.mesh import AXES
 
+MODEL_AXES = tuple(a for a in AXES if a != "dp")  # the axes that split the model, in the mesh's order
+
 #: Every pair of axes and every data-parallel flavour, with "yes" or the reason it is refused.
 #: The target of the design is no refusal at all; each entry is tested by the equivalence matrix.
 COMPOSES = {
     **{pair: "yes" for pair in combinations(AXES, 2)},
-    **{("zero", axis): "yes" for axis in ("pp", "tp", "cp")},
-    **{("hsdp", axis): "yes" for axis in ("pp", "tp", "cp")},
+    **{("zero", axis): "yes" for axis in MODEL_AXES},
+    **{("hsdp", axis): "yes" for axis in MODEL_AXES},
 }
 
 
@@ -62,7 +64,7 @@ def problems(given, world_size: int) -> list[str]:
 def _mesh_problems(p, world: int) -> list[str]:
     others = p.pp * p.tp * p.cp
     sizes = p.mesh_sizes()
-    axes = " x ".join(f"--{a} {sizes[a]}" for a in ("pp", "tp", "cp") if sizes[a] > 1)
+    axes = " x ".join(f"--{a} {sizes[a]}" for a in MODEL_AXES if sizes[a] > 1)
     if p.dp is None:
         if world % others:
             hint = f": run under mpiexec -n {others} or a multiple of it" if world == 1 else ""
