@@ -6,7 +6,7 @@ the same model on the same global batch, measured in one run.
 Each round runs, one after the other, ``python -m minidist.train`` on one process (as a user
 runs it, and with one BLAS thread: each round's faster of the two is the reference), then the
 README's ``mpiexec -n 8 ... --dp 2 --pp 2 --tp 2 --layers 4 --d-model 64`` as minidist runs
-it (on a machine with fewer than 8 cores: MPI's waits yield, minidist/comm/oversubscribed.py),
+it (on a machine with fewer than 8 cores: MPI's waits yield, minidist/oversubscribed.py),
 then the same 8 ranks with MPI's yield turned off in the environment (what minidist did
 before it set them); the rounds repeat the list, so that a shared machine's load hits every
 arm alike.  tokens/s is each run's tokens over its steps after the first (the summary's

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from minidist import comm  # noqa: E402
 from minidist.config import RunConfig  # noqa: E402
 from minidist.parallel.compose import build  # noqa: E402
-from minidist.parallel.data.zero import memory_formula  # noqa: E402
+from minidist.layout.memory import memory_formula  # noqa: E402
 
 PAPER = {0: lambda P, N: 16 * P, 1: lambda P, N: 4 * P + 12 * P / N,
          2: lambda P, N: 2 * P + 14 * P / N, 3: lambda P, N: 16 * P / N}

@@ -281,7 +281,7 @@ def test_bench_plan_quick(quick_run):
 def test_bench_launches_quick(quick_run):
     """Operation counts of a step (2 layers in --quick): the loss and the clipping norm are its
     only device reads; minidist's CUDA kernels run as often as the model needs them: the
-    attention's (flash_cuda's three, or the softmax and its gradient) and GELU's two once per
+    attention's (ops/cuda/flash.py's three, or the softmax and its gradient) and GELU's two once per
     layer, LayerNorm's two once per LayerNorm, each in its bf16 form under bf16, and the
     update's multi-tensor launches once per step."""
     tmp_path, _ = quick_run

@@ -60,9 +60,9 @@ def test_parameter_counts_equal_the_real_model_and_the_published_sizes():
 @pytest.mark.parametrize("dp", [2, 3])
 def test_zero_memory_equals_the_bytes_minidist_holds(zero, dp):
     """The planner's parameters, gradients and optimizer state per rank against
-    parallel/data/zero.py's memory_formula, which tests/mpi/data_parallel_bodies.py checks equal
+    layout/memory.py's memory_formula, which tests/mpi/data_parallel_bodies.py checks equal
     to the bytes the real DDP/ZeRO/FSDP code holds (same tiny float64 AdamW model)."""
-    from minidist.parallel.data.zero import memory_formula
+    from minidist.layout.memory import memory_formula
 
     m = tiny_gpt(layers=4, d=16, heads=2, seq=8)
     numel = num_params(m)

@@ -78,6 +78,17 @@ def _one_process(cfg):
     return dataclasses.replace(cfg, parallel=one).resolved(1)
 
 
+def _one_process_run(cfg, steps, data):
+    """The one-process run, trained on rank 0 and sent to every rank (MPI's own broadcast:
+    the oracle does not go through the code under test) -- not the same run N times over on
+    the machine's few cores."""
+    world = MPI.COMM_WORLD
+    run = None
+    if world.rank == 0:
+        run = dataclasses.replace(train_run(_one_process(cfg), steps, data), strategy=None)
+    return world.bcast(run, root=0)
+
+
 def _mine(ref: dict, sharding: dict) -> dict:
     """The one-process arrays ``ref`` cut to the slices this rank holds."""
     out = {}
@@ -189,7 +200,7 @@ def equal_to_one_process(variants_json: str, fault: str = ""):
             corpus = load_corpus(max_bytes=1 << 16)  # real text: the loss has somewhere to go
         data = corpus if mixed else None
         steps = cfg.optim.steps
-        ref = train_run(_one_process(cfg), steps, data)
+        ref = _one_process_run(cfg, steps, data)
         with faults.inject(fault):
             got = train_run(_one_process(cfg) if fault == "alone" else cfg, steps, data)
         label = f"rank {world.rank}: " + " ".join(f"{k}={v}" for k, v in flat.items())

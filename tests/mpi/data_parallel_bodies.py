@@ -19,7 +19,7 @@ from minidist.nn import GPT
 from minidist.optim import lr_at
 from minidist.parallel.compose import build, build_mesh, model_config
 from minidist.parallel.data import DistributedDataParallel, allreduce_gradients
-from minidist.parallel.data.zero import memory_formula
+from minidist.layout.memory import memory_formula
 from minidist.testing import train_run, train_steps
 from minidist.train import update
 

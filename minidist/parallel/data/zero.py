@@ -34,7 +34,8 @@ shard, which is what keeps their gradient memory at Ψ_r.
 
 Here: :class:`ShardedOptimizer` (the update rule on the shards), :class:`ZeRO` (stages 1-2:
 DDP's buckets and hooks with other collectives), what the sharded stages share with fsdp.py
-(the shards' gradients, checkpoint pieces) and :func:`memory_formula` (the table).
+(the shards' gradients, checkpoint pieces); the table's formula is layout/memory.py's
+``memory_formula``.
 """
 
 from __future__ import annotations
@@ -230,13 +231,3 @@ def load_shards(reader, units, optimizer):
             for key, array in st.items():
                 array[s] = from_host(reader.read(p, key, flat))
     optimizer.step_count = reader.meta["scalars"]["optimizer_steps"]
-
-
-def memory_formula(stage: int, numel: int, shard_numel: int, itemsize: int, state_arrays: int) -> dict:
-    """Per-rank bytes of parameters, gradients and optimizer state at ``stage`` (the table above),
-    for Ψ = ``numel`` parameters of which this rank's shards hold Ψ_r = ``shard_numel``."""
-    b, full, mine = itemsize, numel, shard_numel
-    params = b * (mine if stage == 3 else full)
-    grads = b * (mine if stage >= 2 else full)
-    state = b * state_arrays * (mine if stage >= 1 else full)
-    return {"params": params, "grads": grads, "optimizer": state}
