@@ -151,3 +151,38 @@ def test_cycle_is_named():
 def test_config_imports_no_layer_above_it():
     """Every layer reads the run configuration, so it imports no minidist module."""
     assert _graph(include_functions=True)["minidist.config"] == set()
+
+
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
+
+
+def _layers() -> list[tuple[str, list[str]]]:
+    """docs/architecture.md's table of layers, lowest first: (layer, [module or package, ...])."""
+    text = ARCHITECTURE.read_text()
+    table = text.split("<!-- layers: begin -->")[1].split("<!-- layers: end -->")[0]
+    rows = [line.strip("| ").split(" | ") for line in table.strip().splitlines()[2:]]
+    return [(layer, [f"minidist.{m.strip()}" for m in modules.split(",")]) for layer, modules in rows]
+
+
+def _layer_of(module: str, layers) -> int | None:
+    for i, (_, prefixes) in enumerate(layers):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def test_every_import_respects_the_layers_of_the_architecture_doc():
+    """Each module imports only from its own layer or the layers below it in docs/architecture.md's
+    table (inside functions too), and every module is in the table: the map cannot go stale."""
+    layers = _layers()
+    assert [name for name, _ in layers][:2] == ["base", "layout"], layers
+    unplaced = [m for m in _all_imports() if m != "minidist" and _layer_of(m, layers) is None]
+    assert not unplaced, f"modules in no layer of docs/architecture.md: {unplaced}"
+    upward = []
+    for module, imports in _all_imports().items():
+        mine = _layer_of(module, layers)
+        for target, _ in imports:
+            theirs = _layer_of(target, layers)
+            if mine is not None and theirs is not None and theirs > mine:
+                upward.append(f"{module} ({layers[mine][0]}) -> {target} ({layers[theirs][0]})")
+    assert not upward, "imports up a layer:\n  " + "\n  ".join(sorted(upward))
