@@ -34,8 +34,8 @@ install: $(VENV)/.installed
 demo: install
 	mkdir -p demo-checkpoint
 	$(BIN)/python -m minidist.train --steps 300 --eval-every 100 --save demo-checkpoint
-	@echo "--- a sample from the trained model (python -m minidist.generate demo-checkpoint) ---"
-	$(BIN)/python -m minidist.generate demo-checkpoint --prompt "def " --tokens 200 --seed 0
+	@echo "--- a sample from the trained model (python -m minidist.state.generate demo-checkpoint) ---"
+	$(BIN)/python -m minidist.state.generate demo-checkpoint --prompt "def " --tokens 200 --seed 0
 
 test: install
 	$(BIN)/python -m pytest -q tests
@@ -54,7 +54,7 @@ GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_gemm.py te
 	tests/test_train_cli.py::test_memory_estimate_is_near_a_measured_step
 
 test-gpu: install
-	@reason="$$($(BIN)/python -c 'from minidist.backend import gpu_unavailable_reason as r; print(r() or "")')"; \
+	@reason="$$($(BIN)/python -c 'from minidist.model.backend import gpu_unavailable_reason as r; print(r() or "")')"; \
 	if [ -n "$$reason" ]; then echo "make test-gpu: skipped, no GPU to run on: $$reason"; exit 0; fi; \
 	MINIDIST_BACKEND=cupy $(BIN)/python -m pytest -q $(GPU_TESTS)
 

@@ -5,7 +5,7 @@
 For the benchmark GPT (bench_model.SHAPE, AdamW, float32) on a dp2·tp2 mesh with ZeRO-1 (each rank
 owns its optimizer-state shard), all in one run:
 
-* **sharded save** (minidist/checkpoint.py): every rank writes what it owns; time of the
+* **sharded save** (minidist/state/checkpoint.py): every rank writes what it owns; time of the
   collective save and bytes written per rank;
 * **gathered save**: the same arrays gathered to rank 0 (minidist's gather) and written there
   as one file -- what a checkpoint without sharding does;
@@ -34,11 +34,12 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 def worker(out_path: str, quick: bool, reps: int) -> None:
     import numpy as np
 
-    from minidist import checkpoint, comm
-    from minidist.config import RunConfig
-    from minidist.data import Sampler
+    from minidist.state import checkpoint
+    from minidist import comm
+    from minidist.train.config import RunConfig
+    from minidist.state.data import Sampler
     from minidist.parallel.compose import build, build_mesh, model_config
-    from minidist.train import update
+    from minidist.train.loop import update
 
     sys.path.insert(0, HERE)
     from bench_model import SHAPE
@@ -163,8 +164,8 @@ def main():
     if args.worker:
         worker(args.worker, args.quick, reps)
         return
-    from minidist.blas_env import blas_threads
-    from minidist.testing import mpiexec_command
+    from minidist.host.blas_env import blas_threads
+    from minidist.train.testing import mpiexec_command
 
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)

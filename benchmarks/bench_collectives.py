@@ -189,11 +189,11 @@ def _timed_copy(dst, src):
 
 # ------------------------------------------------------------------- the launcher
 def launch(nprocs: int, quick: bool, collective: str) -> dict:
-    from minidist.testing import mpiexec_command
+    from minidist.train.testing import mpiexec_command
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "part.json")
-        from minidist.blas_env import blas_threads
+        from minidist.host.blas_env import blas_threads
         env = dict(os.environ, **blas_threads(1))
         cmd = mpiexec_command(nprocs) + [sys.executable, os.path.abspath(__file__), "--worker", path,
                                          "--collective", collective]

@@ -34,7 +34,7 @@ QUICK_SHAPE = dict(layers=2, d_model=32, heads=4, seq_len=16, batch_size=8)
 
 
 def config(shape: dict, mesh: dict, steps: int):
-    from minidist.config import RunConfig
+    from minidist.train.config import RunConfig
 
     p = dict(mesh)
     if p.get("pp", 1) > 1 and shape["batch_size"] < 8:
@@ -50,10 +50,10 @@ def worker(out_path: str, mesh: dict, shape: dict, steps: int) -> None:
     the first) and the bytes this rank sent on each axis in the last step, with the formula's."""
     import numpy as np
 
-    from minidist.data import Sampler
-    from minidist.flags import world_size
+    from minidist.state.data import Sampler
+    from minidist.train.flags import world_size
     from minidist.parallel.compose import build, build_mesh
-    from minidist.train import update
+    from minidist.train.loop import update
 
     cfg = config(shape, mesh, steps).resolved(world_size())
     model, strategy = build(cfg, build_mesh(cfg.parallel))
@@ -103,9 +103,9 @@ def launch(name: str, mesh: dict, shape: dict, steps: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(mesh), "--result", path,
            "--shape", json.dumps(shape), "--steps", str(steps)]
     if ranks > 1:
-        from minidist.testing import mpiexec_command
+        from minidist.train.testing import mpiexec_command
         cmd = mpiexec_command(ranks) + cmd
-    from minidist.blas_env import blas_threads
+    from minidist.host.blas_env import blas_threads
     env = dict(os.environ, **blas_threads(1))
     subprocess.run(cmd, check=True, timeout=900, env=env, stdout=subprocess.DEVNULL)
     with open(path) as f:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+from minidist.host.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
 
 pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
@@ -44,8 +44,8 @@ def _forward_backward(model, x, y):
 
 
 def _model(seq, attention="plain", block=128):
-    from minidist.nn import GPT, GPTConfig
-    from minidist.optim import AdamW
+    from minidist.model.nn import GPT, GPTConfig
+    from minidist.model.optim import AdamW
 
     model = GPT(GPTConfig(seq_len=seq, dtype="float32", attention=attention, attention_block=block, **WIDTH))
     return model, AdamW(model.parameters(), lr=1e-4)
@@ -59,7 +59,7 @@ def _batch(seq):
 
 
 def _peak(fn):
-    from minidist.profile import PeakMemory
+    from minidist.observe.profile import PeakMemory
 
     memory = PeakMemory()
     with memory.measure():
@@ -71,7 +71,7 @@ def _attention_peak(fn, seq):
     """Traced peak bytes of one attention forward + backward on a (1, seq, 3C) input."""
     import numpy as np
 
-    from minidist.autograd import Tensor
+    from minidist.model.autograd import Tensor
 
     C, H = WIDTH["d_model"], WIDTH["n_head"]
     rng = np.random.default_rng(1)
@@ -83,7 +83,7 @@ def _attention_peak(fn, seq):
 def one_rank(seq, reps, block) -> dict:
     import numpy as np
 
-    from minidist.nn import attention_function
+    from minidist.model.nn import attention_function
 
     x, y = _batch(seq)
     sides = {"plain": _model(seq, "plain"), "blockwise": _model(seq, "blockwise", block)}
@@ -190,7 +190,7 @@ def main():
     load = [os.getloadavg()[0]]
     single = one_rank(args.seq, args.reps, args.block)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from minidist.testing import mpiexec_command
+    from minidist.train.testing import mpiexec_command
 
     child = subprocess.run(mpiexec_command(2) + [sys.executable, os.path.abspath(__file__), "--cp-child",
                                                  "--seq", str(args.seq), "--reps", str(args.reps),

@@ -52,9 +52,9 @@ def _batches(shape, rank, steps):
 
 
 def worker_minidist(shape, steps, zero, overlap, bucket_mb):
-    from minidist.config import RunConfig
+    from minidist.train.config import RunConfig
     from minidist.parallel.compose import build, build_mesh
-    from minidist.train import world_rank, world_size
+    from minidist.train.loop import world_rank, world_size
 
     n, rank = world_size(), world_rank()
     cfg = RunConfig().replace(
@@ -79,8 +79,8 @@ def worker_torch(shape, steps):
     import torch
     import torch.distributed as dist
 
-    from minidist.nn import GPT, GPTConfig
-    from minidist.torch_reference import TorchGPT
+    from minidist.model.nn import GPT, GPTConfig
+    from minidist.model.torch_reference import TorchGPT
 
     torch.set_num_threads(1)
     rank, n = _rank_and_size()
@@ -142,9 +142,9 @@ CONFIGS = [  # name, ranks, worker args, extra environment
 
 
 def launch(name, ranks, wargs, env_extra, args, port):
-    from minidist.testing import mpiexec_command
+    from minidist.train.testing import mpiexec_command
 
-    from minidist.blas_env import blas_threads
+    from minidist.host.blas_env import blas_threads
     env = dict(os.environ, **blas_threads(1),
                MASTER_PORT=str(port), **env_extra)
     cmd = mpiexec_command(ranks) + [sys.executable, os.path.abspath(__file__), *wargs, "--steps", str(args.steps)]

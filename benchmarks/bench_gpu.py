@@ -5,7 +5,7 @@ Model (the issue's, nanoGPT's GPT-2 small shapes with minidist's byte vocabulary
 Both frameworks run in this one process on the same GPU with the same weights, alternating
 step by step, each step timed to the end of its GPU work.  Reports tokens/s, the ratio
 minidist / PyTorch and MFU against the GPU's datasheet peak for the matmul dtype
-(minidist.profile.GPU_PEAK_TFLOPS): float32 (no TF32 unless --tf32, as PyTorch's default)
+(minidist.observe.profile.GPU_PEAK_TFLOPS): float32 (no TF32 unless --tf32, as PyTorch's default)
 and bfloat16 (minidist --mixed-precision bf16 vs PyTorch's bf16 autocast).  Then one line per
 parallel mode on 2 ranks sharing the GPU (mpiexec, a smaller model): tokens/s of each.
 
@@ -55,7 +55,7 @@ def skip_reason(smoke: bool) -> str | None:
         return "PyTorch is not installed (pip install -e '.[torch]')"
     if smoke:
         return None
-    from minidist.backend import gpu_unavailable_reason
+    from minidist.model.backend import gpu_unavailable_reason
 
     reason = gpu_unavailable_reason()
     if reason:
@@ -67,7 +67,7 @@ def skip_reason(smoke: bool) -> str | None:
 
 # (mode, --mixed-precision, minidist's attention): the plain attention (T x T probabilities,
 # batched products) and the blockwise one, which runs as the FlashAttention CUDA kernels of
-# minidist/ops/cuda/flash.py on CuPy.  PyTorch runs its own fused attention in every mode.
+# minidist/model/ops/cuda/flash.py on CuPy.  PyTorch runs its own fused attention in every mode.
 MODES = (("fp32", "none", "plain"), ("bf16", "bf16", "plain"),
          ("fp32 flash", "none", "blockwise"), ("bf16 flash", "bf16", "blockwise"))
 
@@ -122,8 +122,8 @@ def measure(shape: dict, steps: int, warmup: int, smoke: bool, on_mode=None, pro
     import numpy as np
     import torch
 
-    from minidist import backend
-    from minidist.profile import model_flops_per_token
+    from minidist.model import backend
+    from minidist.observe.profile import model_flops_per_token
 
     dev = "cpu" if smoke else "cuda"
     s = shape
@@ -153,14 +153,14 @@ def _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info, tf32, 
     import numpy as np
     import torch
 
-    from minidist.backend import synchronize, to_host
-    from minidist.nn import GPT, GPTConfig
-    from minidist.optim import AdamW
+    from minidist.model.backend import synchronize, to_host
+    from minidist.model.nn import GPT, GPTConfig
+    from minidist.model.optim import AdamW
     from minidist.parallel.data import OneReplica
     from minidist.parallel.strategy import Strategy
-    from minidist.profile import gpu_peak_gflops, measure_peak_gflops
-    from minidist.torch_reference import TorchGPT
-    from minidist.train import precision, update
+    from minidist.observe.profile import gpu_peak_gflops, measure_peak_gflops
+    from minidist.model.torch_reference import TorchGPT
+    from minidist.train.loop import precision, update
 
     tokens = s["batch"] * s["seq_len"]
     model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"],
@@ -280,7 +280,7 @@ def main():
         write({"title": title, "skipped": reason})
         return
     if not args.cpu_smoke:
-        os.environ["MINIDIST_BACKEND"] = "cupy"  # before minidist.backend is imported
+        os.environ["MINIDIST_BACKEND"] = "cupy"  # before minidist.model.backend is imported
         if args.tf32:
             os.environ["CUPY_TF32"] = "1"
             import torch

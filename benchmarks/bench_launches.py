@@ -12,7 +12,7 @@ ufunc, operator, function or method that writes a device array or allocates a ne
 copy, a fused function, ElementwiseKernel or RawKernel launch as one each.  Device->host
 copies (the loss, the clipping norm) are counted apart.
 
-PyTorch eager (minidist/torch_reference.py's TorchGPT, as benchmarks/bench_gpu.py runs it),
+PyTorch eager (minidist/model/torch_reference.py's TorchGPT, as benchmarks/bench_gpu.py runs it),
 profiled on the CPU with torch.profiler.  The rule: an ``aten::_foreach_*`` or fused optimizer
 op counts as one launch (CUDA's multi_tensor_apply launches one kernel per group of tensors,
 so this is a lower bound), its children are not looked at; otherwise an aten op with no aten
@@ -80,12 +80,12 @@ def _minidist_counts(shape: dict, modes, steps_warm: int = 1) -> dict:
 
     from cupy import _emulator
 
-    from minidist.backend import to_host
-    from minidist.nn import GPT, GPTConfig
-    from minidist.optim import AdamW
+    from minidist.model.backend import to_host
+    from minidist.model.nn import GPT, GPTConfig
+    from minidist.model.optim import AdamW
     from minidist.parallel.data import OneReplica
     from minidist.parallel.strategy import Strategy
-    from minidist.train import precision, update
+    from minidist.train.loop import precision, update
 
     s = shape
     rng = np.random.default_rng(0)
@@ -185,9 +185,9 @@ def run_torch(shape: dict, modes) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from minidist.backend import to_host
-    from minidist.nn import GPT, GPTConfig
-    from minidist.torch_reference import TorchGPT
+    from minidist.model.backend import to_host
+    from minidist.model.nn import GPT, GPTConfig
+    from minidist.model.torch_reference import TorchGPT
 
     s = shape
     torch.manual_seed(0)

@@ -28,12 +28,12 @@ def measure(threads: int, reps: int) -> dict:
     import numpy as np
     import torch
 
-    from minidist.nn import GPT, GPTConfig
-    from minidist.optim import AdamW
-    from minidist.profile import measure_peak_gflops, model_flops_per_token
+    from minidist.model.nn import GPT, GPTConfig
+    from minidist.model.optim import AdamW
+    from minidist.observe.profile import measure_peak_gflops, model_flops_per_token
     from minidist.parallel.data import OneReplica
     from minidist.parallel.strategy import Strategy
-    from minidist.torch_reference import TorchGPT
+    from minidist.model.torch_reference import TorchGPT
 
     torch.set_num_threads(threads)
     s = SHAPE
@@ -95,7 +95,7 @@ def main():
         sys.exit("bench_model.py compares with PyTorch, which is not installed: pip install -e '.[torch]'")
     results = []
     for n in args.threads:
-        from minidist.blas_env import blas_threads
+        from minidist.host.blas_env import blas_threads
         env = dict(os.environ, **blas_threads(n))
         child = subprocess.run([sys.executable, __file__, "--child", str(n), "--reps", str(args.reps)],
                                env=env, capture_output=True, text=True)

@@ -6,7 +6,7 @@ the same model on the same global batch, measured in one run.
 Each round runs, one after the other, ``python -m minidist.train`` on one process (as a user
 runs it, and with one BLAS thread: each round's faster of the two is the reference), then the
 README's ``mpiexec -n 8 ... --dp 2 --pp 2 --tp 2 --layers 4 --d-model 64`` as minidist runs
-it (on a machine with fewer than 8 cores: MPI's waits yield, minidist/oversubscribed.py),
+it (on a machine with fewer than 8 cores: MPI's waits yield, minidist/host/oversubscribed.py),
 then the same 8 ranks with MPI's yield turned off in the environment (what minidist did
 before it set them); the rounds repeat the list, so that a shared machine's load hits every
 arm alike.  tokens/s is each run's tokens over its steps after the first (the summary's
@@ -38,7 +38,7 @@ TARGET = 0.25
 
 def run(ranks: int | None, model: list, steps: int, env: dict | None = None) -> dict:
     """One training run; its tokens/s over the steps after the first, and its wall time."""
-    from minidist.testing import mpiexec_command
+    from minidist.train.testing import mpiexec_command
 
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
@@ -60,7 +60,7 @@ def run(ranks: int | None, model: list, steps: int, env: dict | None = None) -> 
 
 
 def main():
-    from minidist.blas_env import blas_threads
+    from minidist.host.blas_env import blas_threads
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="directory for oversubscribed.json")

@@ -51,8 +51,8 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
     import numpy as np
 
     from minidist import comm
-    from minidist.nn import GPT, GPTConfig
-    from minidist.optim import AdamW
+    from minidist.model.nn import GPT, GPTConfig
+    from minidist.model.optim import AdamW
     from minidist.parallel.pipeline.runtime import PipelineRuntime
     from minidist.layout.schedules import theoretical_bubble
 
@@ -140,11 +140,11 @@ def replay(schedule, timelines) -> float:
 # ----------------------------------------------------------------- the driver
 def launch(P: int, reps: int, quick: bool) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from minidist.testing import mpiexec_command
+    from minidist.train.testing import mpiexec_command
 
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
-    from minidist.blas_env import blas_threads
+    from minidist.host.blas_env import blas_threads
     env = dict(os.environ, **blas_threads(1))
     cmd = mpiexec_command(P) + [sys.executable, os.path.abspath(__file__), "--worker", path, "--reps", str(reps)]
     if quick:

@@ -68,8 +68,9 @@ def _one(g, fn):
 def mlp_bench(g, shape, reps, gbps):
     import numpy as np
 
-    from minidist import comm, nn
-    from minidist.autograd import Tensor
+    from minidist import comm
+    from minidist.model import nn
+    from minidist.model.autograd import Tensor
     from minidist.parallel import tensor as tpm
 
     B, T, d = shape["batch"], shape["seq_len"], shape["d_model"]
@@ -112,8 +113,9 @@ def gpt_bench(g, shape, reps):
     """tokens/s of a training step: tp=2 (two modes) vs the plain model on rank 0 alone."""
     import numpy as np
 
-    from minidist import comm, nn
-    from minidist.optim import AdamW
+    from minidist import comm
+    from minidist.model import nn
+    from minidist.model.optim import AdamW
     from minidist.parallel import tensor as tpm
 
     cfg = nn.GPTConfig(vocab_size=256, seq_len=shape["seq_len"], n_layer=shape["n_layer"], n_head=shape["n_head"],
@@ -156,7 +158,7 @@ def gpt_bench(g, shape, reps):
 
 
 def worker(path, quick, reps, gbps):
-    from minidist.blas_env import pin_blas_threads
+    from minidist.host.blas_env import pin_blas_threads
 
     pin_blas_threads(1)
     sys.path.insert(0, HERE)
@@ -187,7 +189,7 @@ def main(argv=None):
         worker(args.worker, args.quick, reps, args.gbps)
         return
     sys.path.insert(0, os.path.dirname(HERE))
-    from minidist.testing import mpiexec_command
+    from minidist.train.testing import mpiexec_command
 
     out_dir = args.out or "."
     os.makedirs(out_dir, exist_ok=True)
@@ -195,7 +197,7 @@ def main(argv=None):
     load = os.getloadavg()[0]
     cmd = mpiexec_command(2) + [sys.executable, os.path.abspath(__file__), "--worker", path, "--gbps", str(args.gbps),
                                 "--reps", str(reps)] + (["--quick"] if args.quick else [])
-    from minidist.blas_env import blas_threads
+    from minidist.host.blas_env import blas_threads
     subprocess.run(cmd, check=True, timeout=1200, env=dict(os.environ, **blas_threads(1)))
     with open(path) as f:
         r = json.load(f)

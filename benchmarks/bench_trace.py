@@ -6,9 +6,9 @@ On 2 ranks, for each mesh (dp2, pp2 with 4 microbatches, tp2; --quick: tp2 only,
 with the most collectives per step), a GPT (4 layers of width 128, batch 16x64; --quick:
 2x64, 8x32) is built once and its steps alternate, A B B A ..., so that neither arm always
 runs first and both see the same load of a shared machine: an untraced step (no hook
-installed: minidist/trace.py's hooks are swapped in only while a tracer runs) and a traced
+installed: minidist/observe/trace.py's hooks are swapped in only while a tracer runs) and a traced
 one (every span of ``--trace``: microbatches, blocks, pipeline actions and idle waits, each
-collective and message, and the step's breakdown computed from them, as minidist.train
+collective and message, and the step's breakdown computed from them, as minidist.train.loop
 does).  The step time is the slowest rank's (the step ends when its last rank does); the
 result is the ratio of the medians, against the target of at most 10% slower
 (docs/tracing.md), plus the one-off cost of merging the trace on rank 0.
@@ -36,12 +36,13 @@ TARGET = 0.10  # a traced step at most 10% slower
 def worker(out_path: str, quick: bool, reps: int, meshes: list) -> None:
     import numpy as np
 
-    from minidist import comm, trace
-    from minidist.breakdown import breakdown
-    from minidist.config import RunConfig
-    from minidist.data import Sampler
+    from minidist import comm
+    from minidist.observe import trace
+    from minidist.observe.breakdown import breakdown
+    from minidist.train.config import RunConfig
+    from minidist.state.data import Sampler
     from minidist.parallel.compose import build, build_mesh
-    from minidist.train import update
+    from minidist.train.loop import update
 
     shape = dict(n_layer=2, d_model=64, n_head=4, seq_len=32, batch=8) if quick else \
         dict(n_layer=4, d_model=128, n_head=4, seq_len=64, batch=16)
@@ -124,8 +125,8 @@ def main():
     if args.worker:
         worker(args.worker, args.quick, reps, meshes)
         return
-    from minidist.blas_env import blas_threads
-    from minidist.testing import mpiexec_command
+    from minidist.host.blas_env import blas_threads
+    from minidist.train.testing import mpiexec_command
 
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)

@@ -11,7 +11,7 @@ The rows are printed by rank 0 only, after collecting them with minidist's own `
 """
 
 from minidist import comm
-from minidist.backend import to_host, xp
+from minidist.model.backend import to_host, xp
 
 WIDTH = 96  # each rank's row travels as a fixed-width byte array
 

@@ -23,7 +23,7 @@ minidist uses for small all-reduces sends log2(N) * X: fewer rounds, more bytes.
 import math
 
 from minidist import comm
-from minidist.backend import to_host, xp
+from minidist.model.backend import to_host, xp
 
 SIZES = [4096, 65536, 1 << 20]  # bytes; float32, so divisible by N for N = 1, 2, 4, 8
 

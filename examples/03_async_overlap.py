@@ -31,7 +31,7 @@ import os
 import time
 
 # One BLAS thread per rank (set before NumPy loads BLAS): the ranks already share the cores.
-from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+from minidist.host.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
 
 pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 

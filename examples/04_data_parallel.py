@@ -23,7 +23,7 @@ hide communication in; on the simulated link the hidden share is visible.
 import argparse
 import time
 
-from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+from minidist.host.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
 
 pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
@@ -31,8 +31,8 @@ import numpy as np  # noqa: E402
 
 from minidist import comm  # noqa: E402
 from minidist.comm.stats import reset_stats, stats  # noqa: E402
-from minidist.nn import GPT, GPTConfig  # noqa: E402
-from minidist.optim import AdamW  # noqa: E402
+from minidist.model.nn import GPT, GPTConfig  # noqa: E402
+from minidist.model.optim import AdamW  # noqa: E402
 from minidist.parallel.data import DistributedDataParallel  # noqa: E402
 from minidist.parallel.strategy import Strategy  # noqa: E402
 

@@ -13,14 +13,14 @@ and gradients, fp32 master weights and Adam state: 2 + 2 + 12 bytes), for the sa
 import argparse
 import time
 
-from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+from minidist.host.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
 
 pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 import numpy as np  # noqa: E402
 
 from minidist import comm  # noqa: E402
-from minidist.config import RunConfig  # noqa: E402
+from minidist.train.config import RunConfig  # noqa: E402
 from minidist.parallel.compose import build  # noqa: E402
 from minidist.layout.memory import memory_formula  # noqa: E402
 

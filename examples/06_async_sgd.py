@@ -22,17 +22,17 @@ uses W batches, so its curve is printed against the number of batches consumed a
 """
 import argparse
 
-from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+from minidist.host.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
 
 pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 import numpy as np  # noqa: E402
 
 from minidist import comm  # noqa: E402
-from minidist.autograd import no_grad  # noqa: E402
+from minidist.model.autograd import no_grad  # noqa: E402
 from minidist.comm import p2p  # noqa: E402
-from minidist.nn import GPT, GPTConfig  # noqa: E402
-from minidist.optim import SGD  # noqa: E402
+from minidist.model.nn import GPT, GPTConfig  # noqa: E402
+from minidist.model.optim import SGD  # noqa: E402
 from minidist.parallel.data import DistributedDataParallel  # noqa: E402
 
 

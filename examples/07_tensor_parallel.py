@@ -29,14 +29,15 @@ import os
 import time
 import tracemalloc
 
-from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+from minidist.host.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
 
 pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 import numpy as np  # noqa: E402
 
-from minidist import comm, nn  # noqa: E402
-from minidist.autograd import Tensor  # noqa: E402
+from minidist import comm  # noqa: E402
+from minidist.model import nn
+from minidist.model.autograd import Tensor  # noqa: E402
 from minidist.parallel import tensor as tpm  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -21,19 +21,19 @@ N times the first one's work.  All runs give the same loss.
 import argparse
 import time
 
-from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+from minidist.host.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
 
 pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 import numpy as np  # noqa: E402
 
 from minidist import comm  # noqa: E402
-from minidist.config import RunConfig  # noqa: E402
-from minidist.nn import GPT, GPTConfig  # noqa: E402
+from minidist.train.config import RunConfig  # noqa: E402
+from minidist.model.nn import GPT, GPTConfig  # noqa: E402
 from minidist.parallel.context import ContextParallel  # noqa: E402
 from minidist.parallel.context import problems as context_problems  # noqa: E402
 from minidist.parallel.data import allreduce_gradients  # noqa: E402
-from minidist.profile import PeakMemory  # noqa: E402
+from minidist.observe.profile import PeakMemory  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--seq", type=int, default=1024, help="sequence length (divisible by 2 x ranks)")

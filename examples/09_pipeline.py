@@ -22,15 +22,15 @@ BLAS runs with one thread per rank.
 import argparse
 import time
 
-from minidist.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
+from minidist.host.blas_env import pin_blas_threads  # noqa: E402  (imports neither NumPy nor MPI)
 
 pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks already share the cores
 
 import numpy as np  # noqa: E402  (after the thread settings)
 
 from minidist import comm  # noqa: E402
-from minidist.nn import GPT, GPTConfig  # noqa: E402
-from minidist.optim import AdamW  # noqa: E402
+from minidist.model.nn import GPT, GPTConfig  # noqa: E402
+from minidist.model.optim import AdamW  # noqa: E402
 from minidist.layout import schedules as S  # noqa: E402
 from minidist.layout.simulate import chart, measured_chart, simulate  # noqa: E402
 from minidist.parallel.pipeline.runtime import PipelineRuntime  # noqa: E402

@@ -22,20 +22,20 @@ The ranks are numbered ``((dp * PP + pp) * CP + cp) * TP + tp``, as in minidist.
 Rank 0 prints the grid (minidist.layout.grid.describe: each rank's coordinates, layers,
 heads, tokens and batch rows, then the groups of every axis) and, when matplotlib is
 installed, draws it into --png.  Then every rank trains a tiny GPT for a few steps with the
-composed mesh as the training command does (minidist.train), and rank 0 prints a table of
+composed mesh as the training command does (minidist.train.loop), and rank 0 prints a table of
 the bytes every rank sent on each axis in the last step next to the closed-form formula
-(minidist.layout.traffic).  Flags this script does not know are passed on to minidist.train (e.g.
+(minidist.layout.traffic).  Flags this script does not know are passed on to minidist.train.loop (e.g.
 ``--schedule gpipe``).  Without mpiexec (one process) only the grid is shown.
 """
 import argparse
 import math
 import sys
 
-from minidist.blas_env import pin_blas_threads
+from minidist.host.blas_env import pin_blas_threads
 
 pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: 16 ranks already share the cores
 
-from minidist.flags import world_rank, world_size  # noqa: E402  (reads the launcher's environment, no MPI)
+from minidist.train.flags import world_rank, world_size  # noqa: E402  (reads the launcher's environment, no MPI)
 from minidist.layout import grid  # noqa: E402
 
 
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         if not args.grid_only:
             print(f"\nto train on this grid: mpiexec -n {need} python {' '.join(sys.argv)}", flush=True)
         return 0
-    from minidist import train
+    from minidist.train import loop as train
 
     if world_rank() == 0:
         print(f"\ntraining on the {need}-rank grid: python -m minidist.train {' '.join(train_argv(args, rest))}",

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from minidist import ops
-from minidist.autograd import Parameter, Tensor, checkpoint, no_grad
+from minidist.model import ops
+from minidist.model.autograd import Parameter, Tensor, checkpoint, no_grad
 
 RNG = np.random.default_rng(1)
 

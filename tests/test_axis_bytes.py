@@ -15,7 +15,7 @@ import os
 import pytest
 
 from minidist.layout import traffic as t
-from minidist.testing import run_mpi
+from minidist.train.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "axis_bytes_bodies.py")
 
@@ -51,7 +51,7 @@ def test_small_all_reduces_take_recursive_doubling():
 
 
 def test_param_numels_are_the_models():
-    from minidist.nn import GPT, GPTConfig
+    from minidist.model.nn import GPT, GPTConfig
 
     for tied in (True, False):
         model = GPT(GPTConfig(seq_len=8, n_layer=3, n_head=2, d_model=16, tie_embeddings=tied))
@@ -69,7 +69,7 @@ def test_group_names_follow_the_mesh():
 
 
 def test_expected_step_bytes_reads_a_run_configuration():
-    from minidist.config import ParallelConfig, RunConfig
+    from minidist.train.config import ParallelConfig, RunConfig
 
     cfg = RunConfig(parallel=ParallelConfig(dp=2, tp=2)).replace(model=dict(layers=2, d_model=16, heads=2))
     cfg = cfg.resolved(4)

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from minidist import backend, profile
+from minidist.model import backend
+from minidist.observe import profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_GPU = backend.gpu_unavailable_reason()
@@ -68,7 +69,7 @@ def test_each_rank_picks_its_gpu_from_its_node_local_rank():
 
 
 def test_local_rank_under_mpiexec():
-    code = "from minidist.backend import local_rank; print(local_rank())"
+    code = "from minidist.model.backend import local_rank; print(local_rank())"
     r = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                        text=True, timeout=60, env=dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
                                                         + os.environ["PATH"]))
@@ -147,7 +148,8 @@ def test_bench_gpu_names_a_mode_it_does_not_have():
 def test_the_summary_names_the_gpu_and_its_memory(monkeypatch):
     """On a GPU the summary gains a 'device' row (the name, total memory, what the pool holds);
     on NumPy it has none."""
-    from minidist import backend, report
+    from minidist.model import backend
+    from minidist.train import report
 
     if backend.BACKEND == "numpy":
         assert report._device_rows() == []
@@ -171,7 +173,7 @@ def test_each_step_counts_the_values_it_brings_to_the_host(tmp_path, extra, want
     tests/test_emulated_gpu.py)."""
     import json
 
-    from minidist.testing import run_train
+    from minidist.train.testing import run_train
 
     metrics = tmp_path / "m.jsonl"
     r = run_train(None, ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",

@@ -4,11 +4,11 @@
 import numpy as np
 import pytest
 
-from minidist import ops
-from minidist.autograd import Tensor
-from minidist.nn import GPT, GPTConfig
-from minidist.ops import blockwise
-from minidist.testing import traced_peak_bytes
+from minidist.model import ops
+from minidist.model.autograd import Tensor
+from minidist.model.nn import GPT, GPTConfig
+from minidist.model.ops import blockwise
+from minidist.train.testing import traced_peak_bytes
 
 RNG = np.random.default_rng(1)
 

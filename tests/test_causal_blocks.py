@@ -1,12 +1,12 @@
-"""minidist.ops.causal_blocks: causal attention's products on the blocks at and below the
+"""minidist.model.ops.causal_blocks: causal attention's products on the blocks at and below the
 diagonal, against the whole products (NumPy), and attention with and without them (CuPy)."""
 
 import numpy as np
 import pytest
 
-from minidist import backend
-from minidist.backend import BACKEND
-from minidist.ops import causal_blocks as cb
+from minidist.model import backend
+from minidist.model.backend import BACKEND
+from minidist.model.ops import causal_blocks as cb
 
 RNG = np.random.default_rng(0)
 
@@ -46,7 +46,7 @@ def test_products_into_the_heads_of_a_fused_array(through, monkeypatch):
     On a GPU each block is a strided batched cuBLAS call per batch element (ops/cuda/gemm.py),
     modelled here as test_gemm.py models it."""
     if through != "matmul":
-        from minidist.ops.cuda import gemm
+        from minidist.model.ops.cuda import gemm
         from test_gemm import numpy_gemm
 
         monkeypatch.setattr(gemm, "xp", np)
@@ -74,8 +74,8 @@ def test_products_into_the_heads_of_a_fused_array(through, monkeypatch):
 def test_attention_with_and_without_the_blocks(monkeypatch, dtype, tol):
     """Values and every gradient of causal self-attention, and of attention on split heads, with
     the products in 4 query blocks and whole."""
-    from minidist import ops
-    from minidist.autograd import Tensor
+    from minidist.model import ops
+    from minidist.model.autograd import Tensor
 
     if dtype == "bfloat16" and backend.bfloat16 is None:
         pytest.skip("no bfloat16 here (ml_dtypes)")

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from minidist.testing import mpiexec_command, run_mpi, run_train
+from minidist.train.testing import mpiexec_command, run_mpi, run_train
 
 ARGS = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
         "--eval-every", "0", "--dtype", "float64", "--warmup", "0", "--quiet", "--steps", "6"]
@@ -28,7 +28,7 @@ def _train(n, args, tmp_path, name):
 
 
 def _params(path):
-    from minidist.checkpoint import load_full
+    from minidist.state.checkpoint import load_full
 
     return load_full(str(path))[1]
 
@@ -170,7 +170,7 @@ def _run_until_killed(ck, kill, env=None, save_every=1):
 
 
 def _resumes_losing_at_most(ck, steps_lost_at_most, killed_at=None):
-    from minidist.checkpoint import check, resolve
+    from minidist.state.checkpoint import check, resolve
 
     path = resolve(str(ck))
     check(path)
@@ -233,7 +233,7 @@ def _rank_pid(launcher_pid, rank):
                 environ = f.read().split(b"\0")
         except OSError:
             continue
-        if b"minidist.train" in cmdline and (f"PMI_RANK={rank}".encode() in environ
+        if b"minidist.train.loop" in cmdline and (f"PMI_RANK={rank}".encode() in environ
                                              or f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ):
             found.append(pid)
     assert len(found) == 1, found
@@ -326,7 +326,7 @@ def test_ctrl_c_with_save_writes_a_final_checkpoint(tmp_path, ranks, sig, words,
     lines = [line for line in err.splitlines() if line.strip() and "MPI_Abort" not in line]
     assert len(lines) == 1 and f"{words} after step {done}, saved in {ck / f'step-{done:06d}'}" in lines[0], err
     assert (ck / "latest").read_text().strip() == f"step-{done:06d}"
-    from minidist.checkpoint import check
+    from minidist.state.checkpoint import check
     assert check(str(ck / f"step-{done:06d}"))["step"] == done
     events = json.loads(trace_file.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == set(range(ranks or 1))

@@ -1,6 +1,6 @@
 """A checkpoint is untrusted input: every field of its metadata is checked before any file is
 opened or any array allocated, and every refusal is one line and exit code 2 from each reader
-(train --resume, export, generate), never a traceback (minidist/checkpoint_meta.py)."""
+(train --resume, export, generate), never a traceback (minidist/state/checkpoint_meta.py)."""
 import json
 import os
 import shutil
@@ -11,7 +11,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from minidist.testing import run_train
+from minidist.train.testing import run_train
 
 MODEL = ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16"]
 TRAIN = MODEL + ["--batch-size", "8", "--eval-every", "0", "--warmup", "0", "--quiet", "--steps", "2",
@@ -368,8 +368,8 @@ def test_export_refuses_an_output_that_is_a_link(saved, tmp_path):
 
 
 def test_the_expected_shapes_are_the_models():
-    from minidist.checkpoint_meta import parameter_count, parameter_shapes
-    from minidist.nn import GPT, GPTConfig
+    from minidist.state.checkpoint_meta import parameter_count, parameter_shapes
+    from minidist.model.nn import GPT, GPTConfig
 
     for kw in ({}, {"bias": False}, {"tie_embeddings": False}, {"bias": False, "tie_embeddings": False}):
         cfg = GPTConfig(n_layer=2, d_model=8, n_head=2, seq_len=4, **kw)
@@ -452,10 +452,10 @@ def test_fuzz_every_field_loads_correctly_or_is_refused_in_one_line(saved, tmp_p
     way: each reader either loads what an unchanged checkpoint gives or refuses with one line
     and exit 2 -- never a traceback, never a file opened outside the checkpoint, never more
     memory than an unchanged checkpoint takes."""
-    import minidist.train
+    import minidist.train.loop
 
     # a CRC failure found while loading ends train with os._exit(2): here, a SystemExit instead
-    monkeypatch.setattr(minidist.train.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(minidist.train.loop.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
     save, meta = _copy(saved, tmp_path)
     shutil.copy(save / STEP / "rank-00000.bin", tmp_path / "outside.bin")  # a decoy a traversal could reach
     allowed = [os.path.realpath(p) for p in (save, tmp_path / "out", saved / "corpus.txt")]
@@ -477,7 +477,7 @@ def test_fuzz_every_field_loads_correctly_or_is_refused_in_one_line(saved, tmp_p
                 tracemalloc.stop()
             tensors = None
             if name == "export" and code == 0:
-                from minidist.export import read_safetensors
+                from minidist.state.export import read_safetensors
 
                 tensors = read_safetensors(str(tmp_path / "out" / "model.safetensors"))[1]
             results[name] = (code, out, err, peak, tensors)

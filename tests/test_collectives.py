@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from minidist.testing import MPIJobFailed, run_mpi
+from minidist.train.testing import MPIJobFailed, run_mpi
 
 HERE = os.path.join(os.path.dirname(__file__), "mpi")
 BODIES = os.path.join(HERE, "collectives_bodies.py")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from minidist.testing import MPIJobFailed, run_mpi
+from minidist.train.testing import MPIJobFailed, run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "comm_mismatch_bodies.py")
 ROOTED = ["broadcast", "reduce", "scatter", "gather"]

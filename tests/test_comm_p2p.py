@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from minidist.testing import run_mpi
+from minidist.train.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "comm_p2p_bodies.py")
 

@@ -21,7 +21,7 @@ import os
 
 import pytest
 
-from minidist.testing import run_mpi
+from minidist.train.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "compose_bodies.py")
 
@@ -95,7 +95,7 @@ FAULTS = [  # (variant, fault, what the failure must say)
 def test_a_broken_run_fails_the_matrix(variant, fault, says):
     """The equivalence body, run with a bug injected into the parallel run only, must fail
     with the check that catches that bug (said by the first rank to fail: it ends the job)."""
-    from minidist.testing import MPIJobFailed
+    from minidist.train.testing import MPIJobFailed
 
     with pytest.raises(MPIJobFailed) as failed:
         run_mpi(4, BODIES, json.dumps([variant]), fault, timeout=240)
@@ -131,7 +131,7 @@ def test_every_flag_is_accepted_on_every_mesh(mesh):
     whose sizes divide the model (the equivalence matrix above shows they train right)."""
     import dataclasses
 
-    from minidist.config import RunConfig
+    from minidist.train.config import RunConfig
     from minidist.parallel.compose import problems
 
     base = RunConfig().replace(model=dict(layers=4, d_model=32, heads=8), data=dict(seq_len=32, batch_size=16))
@@ -156,7 +156,7 @@ def test_every_flag_is_accepted_on_every_mesh(mesh):
 def test_a_bad_cross_axis_setting_is_one_line_on_every_rank():
     """Ulysses splits each tensor-parallel rank's heads over cp: 2 heads / tp 2 = 1 head
     cannot be split over cp 2.  Refused before any message, one line, exit code 2."""
-    from minidist.testing import run_train
+    from minidist.train.testing import run_train
 
     r = run_train(4, ["--tp", "2", "--cp", "2", "--cp-impl", "ulysses", "--heads", "2", "--d-model", "16",
                       "--steps", "1"], timeout=60)
@@ -171,10 +171,10 @@ def test_bytes_per_axis_of_a_3d_run_equal_the_formulas(tmp_path):
     a dp2·pp2·tp2 mesh; they equal layout/traffic.py's closed forms to the byte (ring or
     doubling all-reduce of the gradients on dp, activations and gradients per microbatch
     boundary on pp, Megatron's all-reduces per block on tp, the scalars over the world)."""
-    from minidist.config import from_args
-    from minidist.flags import build_parser
+    from minidist.train.config import from_args
+    from minidist.train.flags import build_parser
     from minidist.layout.traffic import expected_step_bytes
-    from minidist.testing import run_train
+    from minidist.train.testing import run_train
 
     out = tmp_path / "m.jsonl"
     argv = ["--dp", "2", "--pp", "2", "--tp", "2", "--steps", "2", "--layers", "2", "--d-model", "32",

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from minidist.parallel import context as ctx
-from minidist.testing import run_mpi
+from minidist.train.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "context_bodies.py")
 
@@ -32,7 +32,7 @@ def test_zigzag_balances_ring_work():
 def _given(**kw):
     """The run configuration as given: --cp 2 --cp-impl ring --seq-len 64 --heads 4 unless ``kw``
     says otherwise (``kw`` names flags: cp, cp_impl, seq_len, heads, tp, zero, attention, attention_block)."""
-    from minidist.config import RunConfig
+    from minidist.train.config import RunConfig
 
     f = {"cp": 2, "cp_impl": "ring", "seq_len": 64, "heads": 4, **kw}
     return RunConfig().replace(
@@ -87,9 +87,9 @@ def test_context_parallel_memory_and_work(nprocs):
 
 
 def test_training_flags_are_checked_with_their_names():
-    from minidist.config import ATTENTIONS as FLAG_CHOICES
-    from minidist.flags import score_values
-    from minidist.nn import ATTENTIONS
+    from minidist.train.config import ATTENTIONS as FLAG_CHOICES
+    from minidist.train.flags import score_values
+    from minidist.model.nn import ATTENTIONS
 
     assert FLAG_CHOICES == ATTENTIONS
 
@@ -135,7 +135,7 @@ TINY = ["--layers", "2", "--d-model", "16", "--heads", "4", "--seq-len", "16", "
 
 
 def _train(n, args, timeout=120):
-    from minidist.testing import run_train
+    from minidist.train.testing import run_train
 
     return run_train(n if n > 1 else None, TINY + args, timeout)
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from minidist.data import (
+from minidist.state.data import (
     ByteTokenizer, Sampler, entropy_bigram, entropy_unigram, load_corpus, shard,
     split_corpus, stdlib_source_files,
 )

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from minidist.testing import run_mpi, run_train
+from minidist.train.testing import run_mpi, run_train
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "data_parallel_bodies.py")
 

@@ -30,7 +30,7 @@ from collections import Counter
 
 import pytest
 
-from minidist.testing import run_train
+from minidist.train.testing import run_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMULATOR = os.path.join(ROOT, "tests", "emulated_gpu")
@@ -233,7 +233,7 @@ TWO_GPUS = [
 
 @pytest.mark.parametrize("name, args", TWO_GPUS, ids=[r[0] for r in TWO_GPUS])
 def test_two_gpus_each_rank_on_its_own_and_nothing_crosses(name, args, numpy_losses, tmp_path_factory):
-    from minidist.backend import LOCAL_RANK_VARIABLES
+    from minidist.model.backend import LOCAL_RANK_VARIABLES
 
     losses, _ = emulated_run(name, 2, args, tmp_path_factory, MINIDIST_EMULATED_GPUS="2")
     for got, want in zip(losses, numpy_losses, strict=True):
@@ -263,7 +263,7 @@ P2P_BODIES = os.path.join(os.path.dirname(__file__), "mpi", "comm_p2p_bodies.py"
 
 @pytest.mark.parametrize("aware", [True, False], ids=["cuda-aware", "staged"])
 def test_point_to_point_between_device_arrays(aware):
-    from minidist.testing import run_mpi
+    from minidist.train.testing import run_mpi
 
     flag = "1" if aware else "0"
     env = emulated_env(MINIDIST_CUDA_AWARE_MPI=flag, MINIDIST_EMULATED_CUDA_AWARE_MPI=flag)

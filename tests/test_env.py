@@ -1,4 +1,4 @@
-"""Every MINIDIST_* environment variable is read, checked and listed in one place (minidist/env.py):
+"""Every MINIDIST_* environment variable is read, checked and listed in one place (minidist/host/env.py):
 a bad value is one line naming the variable, the value and what it accepts; exit code 2 from
 the training command, an EnvError (a ValueError) from ``import minidist.comm``."""
 import os
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from minidist import env
-from minidist.testing import mpiexec_command, run_train
+from minidist.host import env
+from minidist.train.testing import mpiexec_command, run_train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--steps", "1", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
@@ -81,18 +81,18 @@ def test_every_variable_the_code_names_is_in_the_table_and_the_readme():
     used = set()
     for path in (ROOT / "minidist").rglob("*.py"):
         used |= set(re.findall(r"MINIDIST_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
-    assert used - set(env.VARIABLES) == set(), "add these to minidist/env.py's VARIABLES"
+    assert used - set(env.VARIABLES) == set(), "add these to minidist/host/env.py's VARIABLES"
     readme = (ROOT / "README.md").read_text()
     section = readme.split("\n## Environment variables\n", 1)
     assert len(section) == 2, "README.md has no section '## Environment variables'"
     assert env.readme_table() in section[1].split("\n## ", 1)[0], \
-        "README's table differs from minidist.env.readme_table(); paste its output"
+        "README's table differs from minidist.host.env.readme_table(); paste its output"
     for name, var in env.VARIABLES.items():
         assert var.meaning and var.accepts and "\n" not in var.meaning, name
 
 
 def test_env_imports_nothing_heavy():
-    code = "import sys, minidist.env; assert not {'numpy', 'mpi4py'} & set(sys.modules), sorted(sys.modules)"
+    code = "import sys, minidist.host.env; assert not {'numpy', 'mpi4py'} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -119,7 +119,7 @@ def test_a_library_script_under_mpiexec_fails_fast_naming_the_variable(tmp_path)
     assert time.monotonic() - t0 < 30
     assert r.returncode != 0
     out = r.stdout + r.stderr
-    line = "minidist.env.EnvError: MINIDIST_TIMEOUT_S='abc': expected seconds >= 0 (0 turns the watchdog off)"
+    line = "minidist.host.env.EnvError: MINIDIST_TIMEOUT_S='abc': expected seconds >= 0 (0 turns the watchdog off)"
     assert out.count(line) == 2, out  # each rank, once
     per_rank = [ln for ln in out.splitlines() if ln.strip()]
     assert len(per_rank) <= 2 * 8 + 10, out  # a traceback of a few lines per rank (plus mpiexec's own)
@@ -129,7 +129,7 @@ def test_a_library_script_under_mpiexec_fails_fast_naming_the_variable(tmp_path)
 def test_a_bad_variable_read_after_start_up_is_one_line_per_rank_through_the_abort_hook():
     """A variable first read once the job runs (comm.world() installed the abort hook) ends the
     job with "[rank r] minidist: <message>", no traceback."""
-    from minidist.testing import MPIJobFailed, run_mpi
+    from minidist.train.testing import MPIJobFailed, run_mpi
 
     with pytest.raises(MPIJobFailed) as err:
         run_mpi(2, f"{ROOT / 'tests' / 'mpi' / 'env_bodies.py'}::late_read", timeout=60)

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from minidist.testing import run_mpi
+from minidist.train.testing import run_mpi
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 

@@ -1,4 +1,4 @@
-"""minidist.export: a checkpoint as a Hugging Face GPT-2 (model.safetensors + config.json)."""
+"""minidist.state.export: a checkpoint as a Hugging Face GPT-2 (model.safetensors + config.json)."""
 import json
 import os
 import struct
@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from minidist.export import export, read_safetensors, write_safetensors
-from minidist.testing import run_train
+from minidist.state.export import export, read_safetensors, write_safetensors
+from minidist.train.testing import run_train
 
 ARGS = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4",
         "--steps", "3", "--eval-every", "0", "--quiet"]
@@ -39,12 +39,12 @@ def checkpoints(tmp_path_factory):
 
 
 def _export_cli(*args):
-    return subprocess.run([sys.executable, "-m", "minidist.export", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "minidist.state.export", *args], capture_output=True, text=True,
                           timeout=120)
 
 
 def _minidist_logits(path, ids):
-    from minidist.generate import load_model
+    from minidist.state.generate import load_model
 
     return np.asarray(load_model(path)(ids).data)
 
@@ -53,8 +53,8 @@ def _minidist_model(path, dtype):
     """Checkpoint ``path``'s model in ``dtype`` (its float32 values widened exactly)."""
     import dataclasses
 
-    from minidist.checkpoint import load_full
-    from minidist.nn import GPT, GPTConfig
+    from minidist.state.checkpoint import load_full
+    from minidist.model.nn import GPT, GPTConfig
 
     config, params = load_full(path)
     names = {f.name for f in dataclasses.fields(GPTConfig)}
@@ -69,7 +69,7 @@ def _normwise(got, want):
 
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_the_header_parses_and_names_and_shapes_are_gpt2s(kind, checkpoints, tmp_path):
-    from minidist.checkpoint import load_full
+    from minidist.state.checkpoint import load_full
 
     r = _export_cli(checkpoints[kind], "-o", str(tmp_path / "hf"))
     assert r.returncode == 0, r.stderr
@@ -109,7 +109,7 @@ def test_the_header_parses_and_names_and_shapes_are_gpt2s(kind, checkpoints, tmp
 def test_the_safetensors_package_reads_what_minidist_writes(tmp_path):
     """The reference reader (when installed) agrees with minidist's writer, bfloat16 included."""
     st = pytest.importorskip("safetensors.numpy")
-    from minidist.backend import bfloat16
+    from minidist.model.backend import bfloat16
 
     rng = np.random.default_rng(0)
     tensors = {"b": rng.normal(size=(3, 5)).astype(np.float32), "a": rng.normal(size=(7,)),

@@ -1,4 +1,4 @@
-"""The FlashAttention CUDA kernels (minidist/ops/cuda/flash.py) against the blockwise reference.
+"""The FlashAttention CUDA kernels (minidist/model/ops/cuda/flash.py) against the blockwise reference.
 
 No GPU is needed: the kernel source runs on the CPU under tests/cuda_on_cpu.py (each thread
 block as fibers handing over at __syncthreads), called through cuda.flash's own forward/backward
@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minidist.backend import BACKEND
-from minidist.ops import blockwise, cuda
+from minidist.model.backend import BACKEND
+from minidist.model.ops import blockwise, cuda
 
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
 if cuda_on_cpu.compiler() is None:
@@ -99,9 +99,9 @@ def test_source_compiles_for_an_h100(tmp_path, real, head_dim):
 def test_compiled_kernels_equal_the_reference_in_training(dtype, tol):
     """On CuPy (a GPU, or the emulator): blockwise attention's forward and gradients through
     the compiled kernels equal the batched-product reference (MINIDIST_CUDA_KERNELS's off)."""
-    from minidist import ops
-    from minidist.autograd import Tensor
-    from minidist.backend import from_host, to_host
+    from minidist.model import ops
+    from minidist.model.autograd import Tensor
+    from minidist.model.backend import from_host, to_host
 
     rng = np.random.default_rng(1)
     q, k, v, g = (rng.standard_normal((2, 3, 40, 16)).astype(dtype) for _ in range(4))

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from minidist.comm import functional as F
-from minidist.testing import run_mpi
+from minidist.train.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "functional_bodies.py")
 N_CASES = 16  # cases in functional_bodies._cases

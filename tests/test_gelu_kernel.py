@@ -1,4 +1,4 @@
-"""The GELU CUDA kernels (minidist/ops/cuda/gelu.py) against nn_ops' xp form.
+"""The GELU CUDA kernels (minidist/model/ops/cuda/gelu.py) against nn_ops' xp form.
 
 On the CPU the source runs under tests/cuda_on_cpu.py on NumPy arrays; where nvcc exists it
 also compiles for an H100.  On CuPy (make test-gpu, or the emulator) gelu's values and
@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minidist import backend
-from minidist.backend import BACKEND
-from minidist.ops import cuda, nn_ops
+from minidist.model import backend
+from minidist.model.backend import BACKEND
+from minidist.model.ops import cuda, nn_ops
 
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
 
@@ -82,8 +82,8 @@ def test_source_compiles_for_an_h100(tmp_path, real):
 @pytest.mark.skipif(BACKEND != "cupy", reason="the compiled kernels run under MINIDIST_BACKEND=cupy (make test-gpu)")
 @pytest.mark.parametrize("dtype, tol", [("float64", 1e-13), ("float32", 1e-5), ("bfloat16", 1e-2)])
 def test_gelu_equals_with_and_without_the_kernels(monkeypatch, dtype, tol):
-    from minidist.autograd import Tensor
-    from minidist.ops import gelu
+    from minidist.model.autograd import Tensor
+    from minidist.model.ops import gelu
 
     if dtype == "bfloat16" and backend.bfloat16 is None:
         pytest.skip("no bfloat16 here (ml_dtypes)")

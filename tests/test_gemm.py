@@ -1,4 +1,4 @@
-"""minidist.ops.cuda.gemm: the strided batched GEMM's arguments, checked on the CPU against a NumPy
+"""minidist.model.ops.cuda.gemm: the strided batched GEMM's arguments, checked on the CPU against a NumPy
 model of cuBLAS's call, and (on a GPU) cuBLAS's bfloat16 product against float32."""
 
 import ctypes
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
-from minidist import backend
-from minidist.ops.cuda import gemm
+from minidist.model import backend
+from minidist.model.ops.cuda import gemm
 
 RNG = np.random.default_rng(0)
 
@@ -296,7 +296,7 @@ def test_cublas_batched_product(dtype):
             assert got.dtype == np.float32
             np.testing.assert_allclose(backend.to_host(got), want, rtol=1e-5, atol=1e-5, err_msg=case)
         g = backend.from_host(rand(300, 7)).astype(dt)  # a bias gradient: ones @ g into float32
-        from minidist.ops.linalg import column_sums
+        from minidist.model.ops.linalg import column_sums
         np.testing.assert_allclose(backend.to_host(column_sums(g)), backend.to_host(g.astype(np.float64).sum(axis=0)),
                                    rtol=1e-5, atol=1e-5)
     q, kt = (backend.from_host(x).astype(dt) for x in _qkv_heads())

@@ -1,4 +1,4 @@
-"""minidist.generate: the KV cache equals the full forward; seeded sampling is deterministic and
+"""minidist.state.generate: the KV cache equals the full forward; seeded sampling is deterministic and
 the same from a sharded checkpoint as from a one-process one; bad input is one line."""
 import subprocess
 import sys
@@ -6,9 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from minidist.generate import KVCache, generate, load_model, sample
-from minidist.nn import GPT, GPTConfig
-from minidist.testing import run_train
+from minidist.state.generate import KVCache, generate, load_model, sample
+from minidist.model.nn import GPT, GPTConfig
+from minidist.train.testing import run_train
 
 ARGS = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4",
         "--steps", "3", "--eval-every", "0", "--dtype", "float64", "--quiet"]
@@ -85,7 +85,7 @@ def test_sampling_is_seeded_and_honours_temperature_and_top_k():
 
 
 def _generate_cli(*args):
-    return subprocess.run([sys.executable, "-m", "minidist.generate", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "minidist.state.generate", *args], capture_output=True, text=True,
                           timeout=120)
 
 
@@ -121,7 +121,7 @@ def test_a_sharded_checkpoint_generates_what_the_one_process_checkpoint_does(one
 
 
 def test_the_loaded_model_is_the_checkpoint(one_process_checkpoint):
-    from minidist.checkpoint import load_full
+    from minidist.state.checkpoint import load_full
 
     model = load_model(one_process_checkpoint)
     _, params = load_full(one_process_checkpoint)

@@ -4,16 +4,16 @@ techniques (gradient accumulation, activation checkpointing, mixed precision).""
 import numpy as np
 import pytest
 
-from minidist import ops
-from minidist.backend import dtype
-from minidist.nn import GPT, GPTConfig
-from minidist.optim import AdamW, DynamicLossScaler
+from minidist.model import ops
+from minidist.model.backend import dtype
+from minidist.model.nn import GPT, GPTConfig
+from minidist.model.optim import AdamW, DynamicLossScaler
 from minidist.parallel.data import OneReplica
 from minidist.parallel.strategy import Strategy
 
 
 def forward_backward(model, x, y, grad_accum=1, low_dtype=None, loss_scale=1.0):
-    """One process's forward and backward of the batch's mean loss (what minidist.train runs)."""
+    """One process's forward and backward of the batch's mean loss (what minidist.train.loop runs)."""
     return Strategy(model, OneReplica(model, None)).forward_backward(x, y, grad_accum, low_dtype, loss_scale)
 
 

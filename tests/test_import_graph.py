@@ -148,9 +148,12 @@ def test_cycle_is_named():
     assert _message(_cycles(graph)) == "import cycles:\n  a -> b -> c -> a"
 
 
-def test_config_imports_no_layer_above_it():
-    """Every layer reads the run configuration, so it imports no minidist module."""
-    assert _graph(include_functions=True)["minidist.config"] == set()
+def test_settings_import_no_minidist_module():
+    """Every layer reads the model's and the mesh's settings, so they import no minidist module,
+    and the run's configuration imports only them."""
+    graph = _graph(include_functions=True)
+    assert graph["minidist.layout.settings"] == set()
+    assert graph["minidist.train.config"] == {"minidist.layout.settings"}
 
 
 ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
@@ -175,7 +178,7 @@ def test_every_import_respects_the_layers_of_the_architecture_doc():
     """Each module imports only from its own layer or the layers below it in docs/architecture.md's
     table (inside functions too), and every module is in the table: the map cannot go stale."""
     layers = _layers()
-    assert [name for name, _ in layers][:2] == ["base", "layout"], layers
+    assert [name for name, _ in layers][:2] == ["host", "layout"], layers
     unplaced = [m for m in _all_imports() if m != "minidist" and _layer_of(m, layers) is None]
     assert not unplaced, f"modules in no layer of docs/architecture.md: {unplaced}"
     upward = []
@@ -186,3 +189,13 @@ def test_every_import_respects_the_layers_of_the_architecture_doc():
             if mine is not None and theirs is not None and theirs > mine:
                 upward.append(f"{module} ({layers[mine][0]}) -> {target} ({layers[theirs][0]})")
     assert not upward, "imports up a layer:\n  " + "\n  ".join(sorted(upward))
+
+
+def test_top_level_is_a_few_documented_packages():
+    """A reader opening minidist/ sees at most ten entries, and each package's ``__init__``
+    says what it holds and which packages it may import."""
+    entries = sorted(p.name for p in ROOT.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 10, entries
+    for package in (p for p in ROOT.iterdir() if (p / "__init__.py").exists()):
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
+        assert doc and "import" in doc.lower(), f"{package.name}/__init__.py does not say what it may import"

@@ -1,4 +1,4 @@
-"""The LayerNorm CUDA kernels (minidist/ops/cuda/layernorm.py) against the formulas' xp form.
+"""The LayerNorm CUDA kernels (minidist/model/ops/cuda/layernorm.py) against the formulas' xp form.
 
 On the CPU the source runs under tests/cuda_on_cpu.py on NumPy arrays; where nvcc exists it
 also compiles for an H100.  On CuPy (make test-gpu, or the emulator) layer_norm's values and
@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minidist import backend
-from minidist.backend import BACKEND
-from minidist.ops.cuda import layernorm as ln, source
+from minidist.model import backend
+from minidist.model.backend import BACKEND
+from minidist.model.ops.cuda import layernorm as ln, source
 
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
 
@@ -87,8 +87,8 @@ def test_source_compiles_for_an_h100(tmp_path, real):
 
 @pytest.mark.skipif(BACKEND != "cupy", reason="the compiled kernels run under MINIDIST_BACKEND=cupy (make test-gpu)")
 def test_layer_norm_equals_with_and_without_the_kernels(monkeypatch):
-    from minidist.autograd import Parameter, Tensor
-    from minidist.ops import layer_norm
+    from minidist.model.autograd import Parameter, Tensor
+    from minidist.model.ops import layer_norm
 
     rng = np.random.default_rng(1)
     x0, g0 = rng.standard_normal((2, 7, 48)), rng.standard_normal((2, 7, 48))
@@ -111,8 +111,8 @@ def test_layer_norm_equals_with_and_without_the_kernels(monkeypatch):
 def test_bfloat16_layer_norm_equals_with_and_without_the_kernels(monkeypatch):
     """bf16 activations with float32 parameters, as under mixed precision: the kernels read and
     write bf16 and give what the xp form's casts around its float32 arithmetic give."""
-    from minidist.autograd import Parameter, Tensor
-    from minidist.ops import layer_norm
+    from minidist.model.autograd import Parameter, Tensor
+    from minidist.model.ops import layer_norm
 
     rng = np.random.default_rng(2)
     x0, g0 = rng.standard_normal((2, 7, 48)) * 3, rng.standard_normal((2, 7, 48))

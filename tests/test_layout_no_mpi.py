@@ -2,7 +2,7 @@
 memory estimate import without starting MPI (mpi4py.MPI initialises MPI when imported): they
 import neither mpi4py nor minidist.comm, so the planner and the checks before a launch run on
 one process without mpiexec.  minidist.layout imports nothing from minidist but itself and
-minidist.config."""
+minidist.train.config."""
 import ast
 import pkgutil
 import subprocess
@@ -12,7 +12,7 @@ from pathlib import Path
 import minidist.layout
 
 LAYOUT = [f"minidist.layout.{m.name}" for m in pkgutil.iter_modules(minidist.layout.__path__)]
-OTHERS = ["minidist.plan.cost", "minidist.plan.search", "minidist.flags"]
+OTHERS = ["minidist.plan.cost", "minidist.plan.search", "minidist.train.flags"]
 
 
 def test_layout_has_its_modules():
@@ -32,7 +32,7 @@ def test_layout_imports_only_itself_and_config():
                 [node.module] if isinstance(node, ast.ImportFrom) else []
             for imported in names:
                 if imported.startswith("minidist"):
-                    assert imported == "minidist.config" or imported.startswith("minidist.layout"), (name, imported)
+                    assert imported == "minidist.train.config" or imported.startswith("minidist.layout"), (name, imported)
 
 
 def test_importing_them_does_not_start_mpi():

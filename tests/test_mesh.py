@@ -4,7 +4,7 @@ import os
 import pytest
 
 from minidist.layout.mesh import AXES, MeshLayout, all_axis_sets, canonical_axes
-from minidist.testing import run_mpi
+from minidist.train.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "mesh_bodies.py")
 

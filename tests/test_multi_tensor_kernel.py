@@ -1,4 +1,4 @@
-"""The multi-tensor kernels (minidist/ops/cuda/multi_tensor.py): one launch for many arrays.
+"""The multi-tensor kernels (minidist/model/ops/cuda/multi_tensor.py): one launch for many arrays.
 
 On the CPU the kernel source runs under tests/cuda_on_cpu.py on NumPy arrays (the address
 table holds their own addresses) and is compared with the per-array arithmetic; where nvcc
@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minidist import backend
-from minidist.backend import BACKEND
-from minidist.ops.cuda import multi_tensor as mt
-from minidist.optim.functional import adamw_hyper, adamw_update
+from minidist.model import backend
+from minidist.model.backend import BACKEND
+from minidist.model.ops.cuda import multi_tensor as mt
+from minidist.model.optim.functional import adamw_hyper, adamw_update
 
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
 
@@ -85,9 +85,9 @@ def test_source_compiles_for_an_h100(tmp_path, real):
 def test_training_updates_equal_with_and_without_the_kernels(monkeypatch):
     """Three AdamW steps with clipping on a float64 GPT: the multi-tensor launches give the
     per-array loop's parameters (to round-off: the norm's squares add up in another order)."""
-    from minidist.nn import GPT, GPTConfig
-    from minidist.optim import AdamW, clip_grad_norm
-    from minidist.ops import cross_entropy
+    from minidist.model.nn import GPT, GPTConfig
+    from minidist.model.optim import AdamW, clip_grad_norm
+    from minidist.model.ops import cross_entropy
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (2, 16))

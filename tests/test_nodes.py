@@ -6,8 +6,8 @@ import pytest
 
 from minidist.comm import links, nodes
 from minidist.layout.mesh import MeshLayout
-from minidist.config import ParallelConfig
-from minidist.testing import run_mpi
+from minidist.train.config import ParallelConfig
+from minidist.train.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "nodes_bodies.py")
 TWO_BY_TWO = (0, 0, 1, 1)  # 4 ranks, 2 per node

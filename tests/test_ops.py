@@ -6,9 +6,9 @@ modified an input or its grad_out in place fails loudly here.
 import numpy as np
 import pytest
 
-from minidist import ops
-from minidist.autograd import Tensor, run_backward
-from minidist.backend import bfloat16
+from minidist.model import ops
+from minidist.model.autograd import Tensor, run_backward
+from minidist.model.backend import bfloat16
 
 RNG = np.random.default_rng(0)
 
@@ -221,7 +221,7 @@ def test_causal_attention_skips_masked_tiles_exactly(monkeypatch):
     differences and values and gradients match the one-block computation."""
     import sys
 
-    att = sys.modules["minidist.ops.attention"]
+    att = sys.modules["minidist.model.ops.attention"]
     x0 = rand(2, 5, 12)
     g = rand(2, 5, 4)
     results = {}
@@ -253,7 +253,7 @@ def test_parallel_for_threads_match_serial():
     """Work shared out over threads (2 BLAS threads) gives the results of one thread, and
     an exception in a worker reaches the caller."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    from minidist.ops import blas_threads
+    from minidist.model.ops import blas_threads
 
     cases = [  # (op, input shape, output shape): gelu gets several cache blocks
         (lambda t: ops.self_attention(t, 2), (5, 16, 24), (5, 16, 8)),

@@ -7,10 +7,10 @@ MINIDIST_BACKEND=cupy (``make test-gpu``) the same file checks them on the GPU.
 import numpy as np
 import pytest
 
-from minidist import ops
-from minidist.autograd import Tensor, run_backward
-from minidist.backend import BACKEND, dtype, from_host, to_host, xp
-from minidist.ops import tuning
+from minidist.model import ops
+from minidist.model.autograd import Tensor, run_backward
+from minidist.model.backend import BACKEND, dtype, from_host, to_host, xp
+from minidist.model.ops import tuning
 
 RNG = np.random.default_rng(7)
 
@@ -142,7 +142,7 @@ def test_autocast_bf16_paths_agree():
 
 
 def test_adamw_update_paths_agree():
-    from minidist.optim.functional import adamw_update
+    from minidist.model.optim.functional import adamw_update
 
     start, results = (rand(40000), rand(40000), rand(40000), np.abs(rand(40000))), {}
     for path in ("whole", "tuned"):
@@ -160,7 +160,7 @@ def test_adamw_update_paths_agree():
 def test_column_sums_share_one_row_of_ones_and_stay_exact(path):
     """The bias and LayerNorm gradients' column sums multiply by a cached row of ones: views of
     one buffer per dtype that grows to the longest call, sums equal to sum(axis=0)."""
-    from minidist.ops import linalg
+    from minidist.model.ops import linalg
 
     with tuning.use(path):
         for rows in (3, 2000, 5, 2000):
@@ -173,8 +173,8 @@ def test_column_sums_share_one_row_of_ones_and_stay_exact(path):
     assert not xp.may_share_memory(linalg.ones_row(7, xp.float32), again)  # one per dtype
 
 def test_training_steps_equal_on_both_paths():
-    from minidist.config import RunConfig
-    from minidist.testing import train_steps
+    from minidist.train.config import RunConfig
+    from minidist.train.testing import train_steps
 
     cfg = RunConfig().replace(model=dict(layers=2, d_model=16, heads=2, dtype="float64"),
                               data=dict(seq_len=16, batch_size=4)).resolved(1)
@@ -228,11 +228,11 @@ def test_gradients_against_finite_differences(path):
 def test_fused_kernels_equal_their_plain_functions():
     import importlib
 
-    from minidist.ops import nn_ops
-    from minidist.ops.fused import adamw_kernel
+    from minidist.model.ops import nn_ops
+    from minidist.model.ops.fused import adamw_kernel
 
-    attention = importlib.import_module("minidist.ops.attention")  # ops.attention is also the function
-    from minidist.optim.functional import _adamw_block
+    attention = importlib.import_module("minidist.model.ops.attention")  # ops.attention is also the function
+    from minidist.model.optim.functional import _adamw_block
 
     x, t, g = (xp.asarray(rand(40, 25)) for _ in range(3))
     row, col = xp.asarray(rand(40, 1)), xp.asarray(rand(25))
@@ -260,8 +260,8 @@ def test_a_gpt_step_with_the_cuda_kernels_equals_one_without(monkeypatch, low):
     """The model's loss and every parameter's gradient, with minidist's kernels (softmax and its
     gradient, GELU, LayerNorm: under bf16 the ones that read and write bf16) and without them
     (the xp forms and their casts): the same to bf16's rounding (float32: to float32's)."""
-    from minidist.backend import dtype
-    from minidist.nn import GPT, GPTConfig
+    from minidist.model.backend import dtype
+    from minidist.model.nn import GPT, GPTConfig
 
     ids = np.random.default_rng(0).integers(0, 256, size=(2, 17))
     got = {}

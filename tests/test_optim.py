@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from minidist.autograd import Parameter
-from minidist.optim import (
+from minidist.model.autograd import Parameter
+from minidist.model.optim import (
     SGD, AdamW, DynamicLossScaler, adamw_update, clip_grad_norm, grad_norm_sq, lr_at,
     no_decay_below_2d, sgd_update,
 )

@@ -1,14 +1,14 @@
 """More ranks than cores: MPI's yield set when (and only when) a node is oversubscribed, and said
-in the start-up line; every rank's BLAS pinned before NumPy loads (minidist/oversubscribed.py,
-minidist/blas_env.py)."""
+in the start-up line; every rank's BLAS pinned before NumPy loads (minidist/host/oversubscribed.py,
+minidist/host/blas_env.py)."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from minidist import oversubscribed
-from minidist.testing import mpiexec_command
+from minidist.host import oversubscribed
+from minidist.train.testing import mpiexec_command
 
 TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
         "--steps", "1", "--eval-every", "0", "--peak-gflops", "10"]
@@ -66,7 +66,7 @@ def test_the_start_line_says_when_ranks_outnumber_cores():
 def test_the_training_command_pins_blas_threads_before_numpy_loads():
     """A BLAS started before its thread count is pinned runs a spinning thread per core in every
     rank: the README's 8 ranks on 2 cores ran 16x slower (docs/perf-notes.md)."""
-    code = ("import sys, minidist.train as t\n"
+    code = ("import sys, minidist.train.loop as t\n"
             "def validate(*a):\n"
             "    print('numpy' in sys.modules); raise SystemExit(0)\n"
             "t.validate = validate\n"

@@ -8,13 +8,13 @@ import types
 
 import pytest
 
-from minidist.testing import run_mpi, run_train
+from minidist.train.testing import run_mpi, run_train
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "pipeline_bodies.py")
 sys.path.insert(0, os.path.dirname(BODIES))
 import pipeline_bodies as B  # noqa: E402
 
-from minidist.nn import GPT  # noqa: E402
+from minidist.model.nn import GPT  # noqa: E402
 from minidist.parallel.pipeline.runtime import PipelineRuntime, graph_activation_bytes  # noqa: E402
 from minidist.layout.schedules import make_schedule  # noqa: E402
 from minidist.layout.simulate import simulate  # noqa: E402
@@ -71,7 +71,7 @@ def test_each_rank_keeps_only_its_stage():
 def test_graph_activation_bytes_counts_the_kept_arrays():
     import numpy as np
 
-    from minidist.autograd import Parameter, Tensor
+    from minidist.model.autograd import Parameter, Tensor
 
     w = Parameter(np.ones((4, 4)))
     x = Tensor(np.ones((2, 4)), requires_grad=True)
@@ -129,7 +129,7 @@ def test_each_parameter_is_final_once_inside_the_last_backward_window(schedule, 
 def _given(**kw):
     """The run configuration as given: --pp 2 --layers 4 --batch-size 16 --dp 1 unless ``kw``
     says otherwise (pp, microbatches, schedule, virtual_stages, layers, batch_size, dp, grad_accum)."""
-    from minidist.config import RunConfig
+    from minidist.train.config import RunConfig
 
     f = dict(pp=2, microbatches=None, schedule=None, virtual_stages=None, layers=4, batch_size=16, dp=1,
              grad_accum=1)

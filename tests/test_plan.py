@@ -39,14 +39,14 @@ def test_flops_per_token_by_hand():
 
 
 def test_flops_equal_minidist_profile_for_its_gpt():
-    from minidist.profile import model_flops_per_token as profile_flops
+    from minidist.observe.profile import model_flops_per_token as profile_flops
 
     for layers, d, seq in ((2, 16, 8), (12, 768, 1024), (4, 256, 128)):
         assert model_flops_per_token(ModelSpec("g", layers, d, 4, 256, seq)) == profile_flops(layers, d, seq, 256)
 
 
 def test_parameter_counts_equal_the_real_model_and_the_published_sizes():
-    from minidist.nn import GPT, GPTConfig
+    from minidist.model.nn import GPT, GPTConfig
 
     for layers, d, heads, seq in ((2, 16, 2, 8), (3, 32, 4, 16)):
         model = GPT(GPTConfig(seq_len=seq, n_layer=layers, n_head=heads, d_model=d, dtype="float32"))

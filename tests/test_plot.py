@@ -1,4 +1,4 @@
-"""``python -m minidist.plot``: a merged trace drawn as a PNG (skipped without matplotlib).
+"""``python -m minidist.observe.plot``: a merged trace drawn as a PNG (skipped without matplotlib).
 
 The traces are written by a real --trace run: one process, and a 2-rank pipeline whose
 figure gets the measured chart next to the schedule's simulated one."""
@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from minidist.testing import run_train
+from minidist.train.testing import run_train
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "8", "--steps", "2",
         "--eval-every", "0", "--peak-gflops", "10"]
 
 
 def plot(*args):
-    return subprocess.run([sys.executable, "-m", "minidist.plot", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "minidist.observe.plot", *args], capture_output=True, text=True, timeout=120)
 
 
 def png(path) -> bool:
@@ -25,7 +25,7 @@ def png(path) -> bool:
 
 @pytest.fixture(scope="module")
 def matplotlib():
-    return pytest.importorskip("matplotlib", reason="minidist.plot needs matplotlib (pip install 'minidist[plot]')")
+    return pytest.importorskip("matplotlib", reason="minidist.observe.plot needs matplotlib (pip install 'minidist[plot]')")
 
 
 @pytest.mark.mpi

@@ -1,4 +1,4 @@
-"""The causal softmax CUDA kernel (minidist/ops/cuda/softmax.py) against the xp reference.
+"""The causal softmax CUDA kernel (minidist/model/ops/cuda/softmax.py) against the xp reference.
 
 No GPU is needed: the kernel source runs on the CPU under tests/cuda_on_cpu.py, called through
 cuda.softmax.softmax itself; where nvcc exists the source also compiles for an H100 (sm_90).
@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minidist import backend
-from minidist.backend import BACKEND
-from minidist.ops import cuda
+from minidist.model import backend
+from minidist.model.backend import BACKEND
+from minidist.model.ops import cuda
 
 import cuda_on_cpu  # noqa: E402  (tests/cuda_on_cpu.py)
 

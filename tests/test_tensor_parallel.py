@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from minidist.backend import from_host, to_host
+from minidist.model.backend import from_host, to_host
 from minidist.parallel import tensor as tpm
-from minidist.testing import run_mpi, run_train
+from minidist.train.testing import run_mpi, run_train
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "tensor_bodies.py")
 
@@ -21,7 +21,7 @@ def test_shard_takes_each_fused_block():
 
 
 def test_layers_refuse_sizes_their_ranks_cannot_split():
-    from minidist import nn
+    from minidist.model import nn
 
     class SplitInTwo(nn.Layers):
         parts = 2
@@ -40,7 +40,7 @@ def test_layers_refuse_sizes_their_ranks_cannot_split():
 def _tp_problems(tp, heads, d_model, seq_len, sequence_parallel, tp_async):
     """parallel.tensor.problems of the flags --tp --heads --d-model --seq-len
     --sequence-parallel --tp-async (the rest at their defaults)."""
-    from minidist.config import RunConfig
+    from minidist.train.config import RunConfig
 
     given = RunConfig().replace(model=dict(heads=heads, d_model=d_model), data=dict(seq_len=seq_len),
                                 parallel=dict(tp=tp, sequence_parallel=sequence_parallel, tp_async=tp_async))
@@ -65,7 +65,7 @@ def test_cli_flags_tp_cannot_split_are_named(flags, message):
 
 
 def test_one_rank_is_the_plain_model():
-    from minidist import nn
+    from minidist.model import nn
 
     cfg = nn.GPTConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=8, dtype="float64")
     plain, single = nn.GPT(cfg), nn.GPT(cfg, tpm.TensorParallelLayers(None, sequence_parallel=True, overlap="ring"))

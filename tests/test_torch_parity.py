@@ -12,9 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from minidist.nn import GPT, GPTConfig  # noqa: E402
-from minidist.optim import AdamW, no_decay_below_2d  # noqa: E402
-from minidist.torch_reference import TorchGPT  # noqa: E402
+from minidist.model.nn import GPT, GPTConfig  # noqa: E402
+from minidist.model.optim import AdamW, no_decay_below_2d  # noqa: E402
+from minidist.model.torch_reference import TorchGPT  # noqa: E402
 
 TOL = 1e-12  # float64 round-off is 1.1e-16 per operation; the worst measured error is 3e-14
 

@@ -1,4 +1,4 @@
-"""Per-rank timelines (minidist/trace.py) and the step breakdown.
+"""Per-rank timelines (minidist/observe/trace.py) and the step breakdown.
 
 Under real mpiexec: ``--trace`` on --dp 2, --pp 2, --tp 2 and (4 ranks) --dp 2 --tp 2 --zero 1
 runs of a tiny GPT (3 steps)
@@ -21,9 +21,9 @@ import os
 
 import pytest
 
-from minidist import trace
-from minidist.breakdown import breakdown
-from minidist.testing import run_mpi, run_train
+from minidist.observe import trace
+from minidist.observe.breakdown import breakdown
+from minidist.train.testing import run_mpi, run_train
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "trace_bodies.py")
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "8", "--steps", "3",
@@ -241,11 +241,11 @@ def measured_activation_bytes(argv: list, step: int = 2) -> int:
 
     import numpy as np
 
-    from minidist.config import from_args
-    from minidist.data import Sampler
-    from minidist.flags import build_parser
+    from minidist.train.config import from_args
+    from minidist.state.data import Sampler
+    from minidist.train.flags import build_parser
     from minidist.parallel.compose import build, build_mesh
-    from minidist.train import update
+    from minidist.train.loop import update
 
     cfg = from_args(build_parser().parse_args(argv)).resolved(1)
     _, strategy = build(cfg, build_mesh(cfg.parallel))
@@ -269,8 +269,8 @@ def test_one_process_trace_and_hfu_with_recompute(tmp_path):
     """Besides the trace and the record checks, the activations the record reports for its
     second step against a measurement of the same step made here (measured_activation_bytes):
     within 15% (this process's allocations are not the trainer's, byte for byte)."""
-    from minidist.profile import model_flops_per_token
-    from minidist.report import recompute_flops_per_token
+    from minidist.observe.profile import model_flops_per_token
+    from minidist.train.report import recompute_flops_per_token
 
     doc, metrics, _ = run(tmp_path, None, "--checkpoint-activations")
     names, _ = check_trace(doc, 1)
@@ -342,7 +342,7 @@ def test_rank_label_names_the_axes_of_size_above_one():
 def test_a_long_run_keeps_its_first_and_latest_steps_in_bounded_memory():
     """Past max_events the steps after the first are dropped, oldest first, down to half the
     limit; the first step and the latest ones stay whole, and the file says how many went."""
-    from minidist import trace
+    from minidist.observe import trace
 
     tr = trace.Tracer(0, max_events=100)
     tr.add("compute", "start-up", "compute", 0.0, 0.1)

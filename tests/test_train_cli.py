@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from minidist.testing import run_train
+from minidist.train.testing import run_train
 
 TRAIN = [sys.executable, "-m", "minidist.train"]
 TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
@@ -126,12 +126,12 @@ def test_memory_estimate_is_near_a_measured_step(checkpoint, accum):
     (tracemalloc on NumPy, CuPy's memory pool on a GPU: profile.PeakMemory)."""
     import numpy as np
 
-    from minidist.cli_checks import training_memory_bytes
-    from minidist.nn import GPT, GPTConfig
-    from minidist.optim import AdamW
+    from minidist.host.cli_checks import training_memory_bytes
+    from minidist.model.nn import GPT, GPTConfig
+    from minidist.model.optim import AdamW
     from minidist.parallel.data import OneReplica
     from minidist.parallel.strategy import Strategy
-    from minidist.profile import PeakMemory
+    from minidist.observe.profile import PeakMemory
 
     shape = dict(n_layer=2, d_model=64, n_head=2, seq_len=64)
     memory = PeakMemory()
@@ -210,7 +210,7 @@ def test_default_model_learns_the_default_corpus(tmp_path):
 def test_timeout_flag_reaches_the_communication_watchdog(monkeypatch):
     """--timeout-s sets the watchdog's timeout for every rank (through MINIDIST_TIMEOUT_S, read
     when minidist.comm is first imported), and directly when minidist.comm is already loaded."""
-    from minidist import train
+    from minidist.train import loop as train
     from minidist.comm import watchdog
 
     monkeypatch.delenv("MINIDIST_TIMEOUT_S", raising=False)
@@ -226,8 +226,8 @@ def test_timeout_flag_reaches_the_communication_watchdog(monkeypatch):
 
 
 def _estimate(argv, world):
-    from minidist.config import from_args
-    from minidist.flags import build_parser, memory_estimate
+    from minidist.train.config import from_args
+    from minidist.train.flags import build_parser, memory_estimate
 
     return memory_estimate(from_args(build_parser().parse_args(argv)).resolved(world))
 
@@ -239,7 +239,7 @@ _SMALL = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "64"
 def test_the_memory_estimate_follows_the_mesh_and_counts_this_machines_ranks(monkeypatch):
     """One rank's share shrinks with each axis that splits the model or the batch, ZeRO's
     stages shard what they say, and the check counts every rank that shares this machine."""
-    from minidist.cli_checks import training_memory_bytes
+    from minidist.host.cli_checks import training_memory_bytes
 
     monkeypatch.setenv("MPI_LOCALNRANKS", "4")
     one = _estimate(_SMALL, 1)
@@ -261,7 +261,7 @@ def test_the_memory_estimate_follows_the_mesh_and_counts_this_machines_ranks(mon
 
 
 def test_a_run_too_big_for_this_machine_names_its_ranks():
-    from minidist.cli_checks import InputError, check_memory
+    from minidist.host.cli_checks import InputError, check_memory
 
     e = {"weights, gradients and optimizer state": 3 * 2**30, "activations": 5 * 2**30, "data": 0,
          "total": 8 * 2**30, "ranks": 4, "per_rank": 2 * 2**30}

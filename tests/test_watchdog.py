@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from minidist.testing import MPIJobFailed, run_mpi
+from minidist.train.testing import MPIJobFailed, run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "watchdog_bodies.py")
 TIMEOUT_S = 3

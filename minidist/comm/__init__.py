@@ -60,12 +60,13 @@ reducing._all_reduce in the collective's stats scope, which calls e.g.
 algorithms.doubling.recursive_doubling_all_reduce, whose messages go through
 p2p._sendrecv to MPI's Sendrecv; afterwards fast.remember caches the plan for next time.
 
-Every MINIDIST_* variable is checked first (minidist/env.py): a bad value raises its one-line
-EnvError (a ValueError) here, before anything else loads.
+Every MINIDIST_* variable is checked first (minidist/host/env.py): a bad value raises its one-line
+EnvError (a ValueError) here, before anything else loads.  Imports host, layout and
+model (the backend's arrays); never the parallel axes or anything above them.
 """
 
-from minidist import env as _env
-from minidist.oversubscribed import prepare as _prepare
+from minidist.host import env as _env
+from minidist.host.oversubscribed import prepare as _prepare
 
 if _env.problem() is not None:
     raise _env.problem()  # raised here, not deep inside an import: the traceback stays a few lines

@@ -5,7 +5,7 @@ in a collective.  :func:`abort_on_exception` (installed by ``comm.world()``) tur
 a fast failure: the failing rank prints its traceback, gives the other ranks a moment to
 print theirs (ranks often fail together, each seeing the other's bad message), and calls
 ``MPI_Abort``, which ends every rank of the job.  A bad environment variable
-(:class:`minidist.env.EnvError`) is reported as its one line, ``minidist: <message>``: its
+(:class:`minidist.host.env.EnvError`) is reported as its one line, ``minidist: <message>``: its
 traceback would only say where the variable was read.
 """
 
@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 
-from minidist.env import EnvError
+from minidist.host.env import EnvError
 
 ABORT_GRACE_S = 0.5  # how long a failing rank waits for the others' reports before aborting the job
 

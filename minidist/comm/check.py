@@ -26,8 +26,8 @@ import zlib
 
 import numpy as np
 
-from minidist import env
-from minidist.backend import dtype_name
+from minidist.host import env
+from minidist.model.backend import dtype_name
 from minidist.comm import stats
 from minidist.comm.errors import CollectiveMismatchError
 from minidist.comm.p2p import TAG_CHECK, TAG_COLLECTIVE, _sendrecv

@@ -53,7 +53,7 @@ import math
 import numpy as np
 
 from minidist.comm import check, fast
-from minidist.backend import on_device
+from minidist.model.backend import on_device
 from minidist.comm.algorithms import bruck, evengather, pairwise, pipelined, ring, trees
 from minidist.comm.algorithms.blocks import ROWS_RULE
 from minidist.comm.errors import CommError
@@ -252,7 +252,7 @@ _untraced = {name: globals()[name] for name in __all__}
 
 
 def trace_calls(wrap) -> None:
-    """Time every public collective (minidist/trace.py): ``wrap(name, fn)`` gives the traced
+    """Time every public collective (minidist/observe/trace.py): ``wrap(name, fn)`` gives the traced
     function, installed here and in ``minidist.comm`` (where callers find them: ``comm.X``);
     ``trace_calls(None)`` puts the plain functions back.  Swapped only while a tracer runs, so
     an untraced call costs nothing more than before."""

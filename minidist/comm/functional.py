@@ -29,14 +29,14 @@ Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputatio
 Transformer Models") replaces f/g by all-gather/reduce-scatter along the sequence axis, and
 Ulysses (Jacobs et al. 2023) re-shards attention from sequence to heads with an all-to-all.
 
-Every function takes a :class:`~minidist.autograd.Tensor` (or a plain array) and a Group and
+Every function takes a :class:`~minidist.model.autograd.Tensor` (or a plain array) and a Group and
 returns a Tensor recorded in the autograd graph.  Megatron's names are aliases at the end.
 """
 
 from __future__ import annotations
 
-from minidist.autograd import Tensor, make_tensor
-from minidist.backend import xp
+from minidist.model.autograd import Tensor, make_tensor
+from minidist.model.backend import xp
 from minidist.comm import collectives
 from minidist.layout.split import split_bounds
 

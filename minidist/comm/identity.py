@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from minidist import env
+from minidist.host import env
 from minidist.comm import stats
 from minidist.comm.errors import CollectiveMismatchError
 
@@ -111,7 +111,7 @@ def _dtype_code(dtype) -> int:
         return 0
     code = _DTYPE_CODE.get(dtype)
     if code is None:
-        from minidist.backend import dtype_name
+        from minidist.model.backend import dtype_name
 
         name = dtype_name(dtype)
         code = _DTYPE_CODE[dtype] = _DTYPES.index(name) if name in _DTYPES else 31

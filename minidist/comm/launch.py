@@ -9,7 +9,7 @@ import zlib
 
 import numpy as np
 
-from minidist.backend import from_host, to_host
+from minidist.model.backend import from_host, to_host
 from minidist.comm import check, identity, stats
 from minidist.comm.group import Group
 

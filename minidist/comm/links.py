@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 
-from minidist import env
+from minidist.host import env
 
 SCOPES = ("all", "internode")
 
@@ -119,7 +119,7 @@ def delay(nbytes: int, comm=None, peer=None) -> None:
 
 def _from_environment() -> None:
     """The model of MINIDIST_LINK_LATENCY_US, MINIDIST_LINK_GBPS and MINIDIST_LINK_SCOPE
-    (read and checked by minidist.env: EnvError naming a bad one)."""
+    (read and checked by minidist.host.env: EnvError naming a bad one)."""
     lat, bw = env.get("MINIDIST_LINK_LATENCY_US"), env.get("MINIDIST_LINK_GBPS")
     scope = env.get("MINIDIST_LINK_SCOPE")
     if lat or bw is not None:

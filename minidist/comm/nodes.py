@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from minidist import env
+from minidist.host import env
 from minidist.comm import links
 from minidist.comm.collectives import all_gather
 from minidist.comm.group import world as world_group
@@ -41,7 +41,7 @@ _sharing = 0  # how many ranks share this rank's memory (its real node), found b
 
 def ranks_per_node() -> int | None:
     """``MINIDIST_RANKS_PER_NODE`` (K: every K consecutive ranks are a pretend node), or None
-    when unset (the real nodes); read and checked by minidist.env, like every MINIDIST_* variable."""
+    when unset (the real nodes); read and checked by minidist.host.env, like every MINIDIST_* variable."""
     return env.get(RANKS_PER_NODE)  # EnvError (a ValueError) when bad
 
 

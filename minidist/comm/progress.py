@@ -18,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from minidist.backend import current_device, using_device
+from minidist.model.backend import current_device, using_device
 
 
 class Handle:

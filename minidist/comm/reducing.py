@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from minidist.backend import on_device
+from minidist.model.backend import on_device
 from minidist.comm import check, fast, reduction
 from minidist.comm.algorithms import doubling, oneshot, pairwise, pipelined, ring, trees
 from minidist.comm.launch import (check_algorithm as _algorithm, check_group as _check_group,

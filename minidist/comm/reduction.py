@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.backend import bfloat16, dtype_name
+from minidist.model.backend import bfloat16, dtype_name
 
 UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 _REDUCIBLE = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")}

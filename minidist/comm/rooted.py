@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.backend import bfloat16, on_device
+from minidist.model.backend import bfloat16, on_device
 from minidist.comm import check
 from minidist.comm.launch import check_group as _check_group, host_array as _host, launch as _launch
 from minidist.layout.split import split_bounds

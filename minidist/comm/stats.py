@@ -307,7 +307,7 @@ def recent_ops(g=None) -> list[dict]:
 def _dtype_str(dtype) -> str | None:
     if dtype is None:
         return None
-    from minidist.backend import dtype_name
+    from minidist.model.backend import dtype_name
 
     return dtype_name(dtype)
 

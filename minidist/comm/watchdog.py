@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 
-from minidist import env
+from minidist.host import env
 from minidist.comm import identity, stats
 
 DEFAULT_TIMEOUT_S = env.VARIABLES["MINIDIST_TIMEOUT_S"].default  # 300 s

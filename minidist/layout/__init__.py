@@ -3,6 +3,8 @@
 What every rank computes the same way without sending a message, written once and shared by
 the runtime (comm/, parallel/, the training command) and the planner (plan/):
 
+  settings.py  the model's and the mesh's settings (ModelConfig, ParallelConfig): one vocabulary
+            for the training command, the axes and the planner
   mesh.py   the mesh's axes in one order (dp outermost ... tp innermost) and the rank <->
             coordinate arithmetic of a dp x pp x cp x tp grid (MeshLayout)
   split.py  the one split rule: n rows in np.array_split's pieces (split_bounds, shard_bounds)
@@ -17,6 +19,5 @@ the runtime (comm/, parallel/, the training command) and the planner (plan/):
             (``python -m minidist.layout.simulate``)
 
 Importing any module here never starts MPI (tests/test_layout_no_mpi.py checks it): they
-import nothing from minidist outside this folder, except minidist.config where a module
-needs the run's settings.
+import nothing from minidist outside this folder.
 """

@@ -10,8 +10,8 @@ bytes per mesh axis.
 
 from __future__ import annotations
 
-from .split import split_sizes
-from .thresholds import SMALL_ALL_REDUCE_BYTES, SMALL_ALL_REDUCE_BYTES_WIDE, SMALL_BROADCAST_BYTES
+from minidist.layout.split import split_sizes
+from minidist.layout.thresholds import SMALL_ALL_REDUCE_BYTES, SMALL_ALL_REDUCE_BYTES_WIDE, SMALL_BROADCAST_BYTES
 
 def acc_itemsize(itemsize: int) -> int:
     """Bytes per element a reduction sends: float16/bfloat16 are reduced in float32

@@ -24,7 +24,7 @@ Pure arithmetic, no MPI: importing this module does not start MPI.
 
 from __future__ import annotations
 
-from minidist.config import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
+from minidist.layout.settings import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
 from minidist.layout.mesh import AXES, MeshLayout
 from minidist.layout.split import shard_bounds
 from minidist.layout.schedules import layer_range, rank_stages
@@ -82,7 +82,7 @@ def ulysses_heads(tp_rank: int, tp: int, cp_rank: int, cp: int, n_head: int) -> 
 
 def batch_rows(dp_rank: int, dp: int, batch_size: int) -> range:
     """The global batch rows of data-parallel rank ``dp_rank`` (``np.array_split`` blocks,
-    as ``minidist.data.shard``: the first ``batch_size % dp`` ranks get one row more)."""
+    as ``minidist.layout.split.shard``: the first ``batch_size % dp`` ranks get one row more)."""
     return range(*shard_bounds(batch_size, dp_rank, dp))
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minidist.config import VIRTUAL
+from minidist.layout.settings import VIRTUAL
 
 FORWARD, BACKWARD = "F", "B"
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minidist.config import VIRTUAL
+from minidist.layout.settings import VIRTUAL
 
-from .schedules import (BACKWARD, COMPUTE, FORWARD, ORDERS, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action,
+from minidist.layout.schedules import (BACKWARD, COMPUTE, FORWARD, ORDERS, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action,
                         Schedule, make_schedule, model_stage, schedule_problem, stage_location, theoretical_bubble)
 
 @dataclass

@@ -37,3 +37,14 @@ def shard_bounds(rows: int, index: int, count: int) -> tuple[int, int]:
     if count > rows:
         raise ValueError(f"cannot split {rows} rows into {count} non-empty shards")
     return split_bounds(rows, count)[index]
+
+
+def shard(x, index: int, count: int):
+    """Block ``index`` of ``count`` contiguous row blocks of ``x`` (as ``np.array_split``).
+
+    Used for data-parallel ranks and for gradient-accumulation micro-batches; the blocks in
+    order concatenate back to ``x``.  Uneven splits are allowed (sizes differ by at most one);
+    a loss averaged per block must then be weighted by the block's rows.
+    """
+    start, stop = shard_bounds(len(x), index, count)
+    return x[start:stop]

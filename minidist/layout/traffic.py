@@ -37,11 +37,11 @@ ring attention compute in float32.  Sequence parallelism under mixed precision i
 
 from __future__ import annotations
 
-from .collective_bytes import (acc_itemsize, all_gather_bytes, all_reduce_bytes,
+from minidist.layout.collective_bytes import (acc_itemsize, all_gather_bytes, all_reduce_bytes,
                                all_to_all_bytes, broadcast_bytes, doubling_messages, reduce_scatter_bytes)
-from .mesh import AXES, MeshLayout
-from .schedules import layer_range, rank_stages
-from .split import split_sizes
+from minidist.layout.mesh import AXES, MeshLayout
+from minidist.layout.schedules import layer_range, rank_stages
+from minidist.layout.split import split_sizes
 
 
 SCALAR = 8  # a float64 scalar (loss, squared norm, overflow flag) as one all-reduce element
@@ -166,7 +166,7 @@ def compute_actions(pp: int, pp_rank: int, schedule: str | None, microbatches: i
     pipeline schedule's (schedules.py, pure data), or one forward and one backward."""
     if pp == 1:
         return [("F", chunk_units[0]), ("B", chunk_units[0])]
-    from .schedules import COMPUTE, make_schedule
+    from minidist.layout.schedules import COMPUTE, make_schedule
 
     actions = make_schedule(schedule, pp, microbatches, virtual_stages).actions[pp_rank]
     return [(a.op, chunk_units[a.chunk]) for a in actions if a.op in COMPUTE]
@@ -357,7 +357,7 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
 
 def expected_step_bytes(cfg, rank: int = 0) -> dict[str, int]:
     """:func:`step_bytes` of world rank ``rank`` for a resolved run configuration
-    (``minidist.config.RunConfig``, as ``flags.validate`` returns it), keyed by group name:
+    (``minidist.train.config.RunConfig``, as ``flags.validate`` returns it), keyed by group name:
     what ``comm.stats.bytes_by_group()`` gains in one step of ``python -m minidist.train``."""
     m, p, dev = cfg.model, cfg.parallel, cfg.device
     sizes = {"dp": p.dp, "pp": p.pp, "tp": p.tp, "cp": p.cp}

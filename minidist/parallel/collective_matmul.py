@@ -34,8 +34,8 @@ import contextlib
 import time
 
 from minidist import comm
-from minidist.backend import xp
-from minidist.ops.precision import gemm_operands
+from minidist.model.backend import xp
+from minidist.model.ops.precision import gemm_operands
 
 _timeline = None  # a list while record_timeline() is active: (kind, start, end) per event
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from ..layout.mesh import AXES
+from minidist.layout.mesh import AXES
 
 MODEL_AXES = tuple(a for a in AXES if a != "dp")  # the axes that split the model, in the mesh's order
 
@@ -49,8 +49,8 @@ def problems(given, world_size: int) -> list[str]:
     """Every reason the run configuration ``given`` (as the user gave it: None = not given)
     cannot run on ``world_size`` ranks, one line each; [] if it can.  Pure arithmetic on the
     settings, so every rank reaches the same verdict before any message is sent."""
-    from . import context, data, tensor
-    from ..layout import schedules
+    from minidist.parallel import context, data, tensor
+    from minidist.layout import schedules
 
     out = _mesh_problems(given.parallel, world_size)
     if out:
@@ -79,22 +79,22 @@ def _mesh_problems(p, world: int) -> list[str]:
 def build(cfg, mesh=None):
     """``(model, strategy)`` for the resolved run configuration ``cfg`` on ``mesh`` (a
     ``comm.Mesh``; None for one process).  Collective over the mesh: every rank calls it."""
-    from ..nn import GPT
-    from . import data
-    from .strategy import Strategy
-    from .tensor import tensor_parallel_layers
+    from minidist.model.nn import GPT
+    from minidist.parallel import data
+    from minidist.parallel.strategy import Strategy
+    from minidist.parallel.tensor import tensor_parallel_layers
 
     p = cfg.parallel
     model = GPT(model_config(cfg), tensor_parallel_layers(p, mesh))          # 1. tensor
     model.checkpoint_activations = cfg.device.checkpoint_activations
     context = None
     if p.cp > 1:                                                               # 2. context
-        from .context import ContextParallel
+        from minidist.parallel.context import ContextParallel
         context = ContextParallel(mesh.group("cp"), p.cp_impl, cfg.model.attention, cfg.model.attention_block)
         context.install(model)
     pipeline = None
     if p.pp > 1:                                                               # 3. pipeline
-        from .pipeline.runtime import PipelineRuntime
+        from minidist.parallel.pipeline.runtime import PipelineRuntime
         pipeline = PipelineRuntime(model, mesh.group("pp"), p.schedule, p.microbatches, p.virtual_stages)
     optimizer = make_optimizer(cfg.optim, model.parameters())
     replicas = data.apply(model, optimizer, p, mesh)                           # 4. data
@@ -103,7 +103,7 @@ def build(cfg, mesh=None):
 
 def model_config(cfg):
     """The GPTConfig of a run configuration."""
-    from ..nn import GPTConfig
+    from minidist.model.nn import GPTConfig
 
     m = cfg.model
     return GPTConfig(vocab_size=256, seq_len=m.block_size or cfg.data.seq_len, n_layer=m.layers, n_head=m.heads,
@@ -113,7 +113,7 @@ def model_config(cfg):
 
 def make_optimizer(o, params):
     """AdamW or SGD over ``params``; biases and LayerNorm gains are not decayed (GPT-2 / nanoGPT)."""
-    from ..optim import SGD, AdamW, no_decay_below_2d
+    from minidist.model.optim import SGD, AdamW, no_decay_below_2d
 
     if o.optimizer == "sgd":
         return SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, no_decay=no_decay_below_2d)
@@ -126,6 +126,6 @@ def build_mesh(p):
     sizes = p.mesh_sizes()
     if p.world_size == 1:
         return None
-    from ..comm import Mesh
+    from minidist.comm import Mesh
 
     return Mesh(**sizes)

@@ -7,7 +7,7 @@ other ranks (its queries must meet every earlier key).  Two ways to give it them
 * **Ring attention** (Liu et al. 2023, "Ring Attention with Blockwise Transformers for
   Near-Infinite Context"): the key/value blocks travel around the ring of cp ranks (``C - 1``
   ppermute steps, the next block in flight while the current one is folded into the online
-  softmax of :mod:`minidist.ops.blockwise`).  Backward sends the key/value blocks round again,
+  softmax of :mod:`minidist.model.ops.blockwise`).  Backward sends the key/value blocks round again,
   with their gradients travelling alongside and arriving home after ``C`` steps.  No rank
   ever holds the whole sequence.  Per rank and step: ``2 * B * T/C * C_model`` values sent.
 
@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import math
 
-from .. import comm
-from ..autograd import Tensor, make_tensor
-from ..backend import from_host, host, to_host, xp
-from ..comm import functional as F
-from ..ops import blockwise as bw
-from ..ops.precision import compute_dtype, gemm_operands, to_dtype
-from ..config import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
-from ..layout.grid import chunk_starts
+from minidist import comm
+from minidist.model.autograd import Tensor, make_tensor
+from minidist.model.backend import from_host, host, to_host, xp
+from minidist.comm import functional as F
+from minidist.model.ops import blockwise as bw
+from minidist.model.ops.precision import compute_dtype, gemm_operands, to_dtype
+from minidist.layout.settings import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
+from minidist.layout.grid import chunk_starts
 
 
 # ------------------------------------------------------------------ who holds which tokens
@@ -231,7 +231,7 @@ class ContextParallel:
 
     def attention_function(self):
         """The ``(qkv, n_head) -> y`` every block calls."""
-        from ..nn import attention_function
+        from minidist.model.nn import attention_function
 
         g = self.group
         if self.impl == "ring":

@@ -27,10 +27,10 @@ imports tensor.py, which builds its layers from these ops.
 
 from __future__ import annotations
 
-from minidist.autograd import make_tensor
-from minidist.backend import xp
-from minidist.ops.linalg import column_sums
-from minidist.ops.precision import compute_dtype, gemm_operands, get_autocast_dtype, to_dtype
+from minidist.model.autograd import make_tensor
+from minidist.model.backend import xp
+from minidist.model.ops.linalg import column_sums
+from minidist.model.ops.precision import compute_dtype, gemm_operands, get_autocast_dtype, to_dtype
 from minidist.parallel import collective_matmul as cm
 
 

@@ -1,6 +1,6 @@
 """What the training loop asks of a parallel run: one :class:`Strategy` for every mesh.
 
-The loop (minidist/train.py) is the same whatever the mesh::
+The loop (minidist/train/loop.py) is the same whatever the mesh::
 
     for step in range(steps):
         x, y = sampler.batch(step)                          # the global batch, same on every rank
@@ -12,7 +12,7 @@ The loop (minidist/train.py) is the same whatever the mesh::
 
 Inside, one step of a ``dp x pp x tp x cp`` run goes:
 
-* **rows** of the global batch over ``dp`` (``data.shard``), in ``grad_accum`` micro-batches;
+* **rows** of the global batch over ``dp`` (``layout.split.shard``), in ``grad_accum`` micro-batches;
 * **tokens** of every row over ``cp`` (parallel/context.py); each micro-batch's mean loss is
   weighted by its share of the global batch's rows *and* tokens, so summed over every rank it
   is exactly the single-process loss, and so are the gradients;
@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import math
 
-from .. import ops
-from ..autograd import no_grad
-from ..backend import host_read, xp
-from ..data import shard
-from ..optim.clip import clip_coefficient, scale_grads, total_sum_of_squares
-from .data.allreduce import any_rank, reduce_sum
+from minidist.model import ops
+from minidist.model.autograd import no_grad
+from minidist.model.backend import host_read, xp
+from minidist.layout.split import shard
+from minidist.model.optim.clip import clip_coefficient, scale_grads, total_sum_of_squares
+from minidist.parallel.data.allreduce import any_rank, reduce_sum
 
 
 class Strategy:
@@ -171,7 +171,7 @@ class Strategy:
         its pipeline stage), whole even under ZeRO-3 (gathered from the shards)."""
         return self.data.parameters()
 
-    # -- checkpoints (minidist/checkpoint.py) ----------------------------------------------------
+    # -- checkpoints (minidist/state/checkpoint.py) ----------------------------------------------------
     def owned_state(self):
         """``(parameter, "param" or an optimizer state name, flat slice or None, array)`` of
         everything this rank is the one to save: its data-parallel part's (one replica writes

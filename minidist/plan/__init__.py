@@ -16,13 +16,15 @@ it against real minidist runs on this machine.  Modules, one idea each:
     python -m minidist.plan --preset llama3-405b --machine h100-nvlink-ib --gpus 8192 \\
         --seq-len 8192 --global-batch-tokens 16777216 [--mesh tp=8,cp=1,pp=16,dp=64 | --top 5] [--json]
 
-docs/planner.md explains the model and where it is too simple.
+docs/planner.md explains the model and where it is too simple.  Imports host and layout
+(the mesh arithmetic and formulas the runtime uses too), never MPI: ``--validate`` runs the
+training command as a separate process.
 """
 
-from .cost import Estimate, Plan, estimate, problems
-from .machine import Machine, load
-from .model import PRESETS, ModelSpec, model_flops_per_token, num_params
-from .search import search
+from minidist.plan.cost import Estimate, Plan, estimate, problems
+from minidist.plan.machine import Machine, load
+from minidist.plan.model import PRESETS, ModelSpec, model_flops_per_token, num_params
+from minidist.plan.search import search
 
 __all__ = ["Estimate", "Plan", "estimate", "problems", "Machine", "load", "PRESETS", "ModelSpec",
            "model_flops_per_token", "num_params", "search"]

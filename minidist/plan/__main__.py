@@ -7,12 +7,12 @@ import json
 import sys
 from dataclasses import replace
 
-from ..cli_checks import int_in
-from .cost import PRECISIONS, SCHEDULES, estimate, problems
-from .machine import PRESETS as MACHINES, calibration_path, load
-from .model import PRESETS as MODELS, ModelSpec, num_params
-from .search import search, settings
-from .validate import calibrate, main as validate_main
+from minidist.host.cli_checks import int_in
+from minidist.plan.cost import PRECISIONS, SCHEDULES, estimate, problems
+from minidist.plan.machine import PRESETS as MACHINES, calibration_path, load
+from minidist.plan.model import PRESETS as MODELS, ModelSpec, num_params
+from minidist.plan.search import search, settings
+from minidist.plan.validate import calibrate, main as validate_main
 
 # The global batch each preset was trained with (Llama 3: 16M tokens; GPT-3 175B: 3.2M).
 DEFAULT_BATCH = {"llama3-405b": 16 * 2**20, "llama3-70b": 16 * 2**20, "gpt3-175b": 1536 * 2048,
@@ -140,7 +140,7 @@ def _wanted(args, plan) -> bool:
 
 
 def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
-    from .cost import Plan
+    from minidist.plan.cost import Plan
 
     mesh = parse_mesh(args.mesh)
     devices = mesh["tp"] * mesh["cp"] * mesh["pp"] * mesh["dp"]
@@ -178,7 +178,7 @@ def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
 
 
 def _explicit(args, mesh, model, tokens):
-    from .cost import Plan
+    from minidist.plan.cost import Plan
 
     for z in ([args.zero] if args.zero is not None else [0, 1, 2, 3]):
         for ck in ([args.checkpoint_activations == "on"] if args.checkpoint_activations else [False, True]):

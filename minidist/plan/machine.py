@@ -136,8 +136,8 @@ def load(name_or_path: str, calibration: str | None = None) -> Machine:
 
 
 def mpiexec(ranks: int) -> list:
-    """``mpiexec -n N`` for this Python's MPI (minidist/launcher.py); ValueError if there is none."""
-    from minidist.launcher import mpiexec_command
+    """``mpiexec -n N`` for this Python's MPI (minidist/host/launcher.py); ValueError if there is none."""
+    from minidist.host.launcher import mpiexec_command
 
     try:
         return mpiexec_command(ranks)
@@ -222,7 +222,7 @@ def current_load(machine: Machine) -> float:
     """Other runnable processes sharing the cores now, from the GEMM rate one more process
     gets (a 1-thread probe in a fresh process): with L of them on C cores it gets C / (L + 1)
     of a core, so L = C / share - 1 (0 when it gets a whole core)."""
-    from ..blas_env import blas_threads
+    from minidist.host.blas_env import blas_threads
 
     env = dict(os.environ, **blas_threads(1))
     code = "import minidist.plan.machine as m; print(m.gemm_rate('float32', 0.3))"
@@ -258,7 +258,7 @@ def _p2p_probe(out_path: str) -> None:
     latency = pingpong(8, 200)
     big = 8 << 20
     bw = big / max(1e-9, pingpong(big, 20) - latency)
-    from .. import comm as mcomm  # minidist's own all-reduce of one scalar: the fixed cost of a collective call
+    from minidist import comm as mcomm  # minidist's own all-reduce of one scalar: the fixed cost of a collective call
 
     g, x = mcomm.world(), np.ones(1)
     times = []
@@ -278,7 +278,7 @@ def _step_probe(layers: int, grad_accum: int = 1, steps: int = 12) -> float:
     machine's load only ever adds)."""
     fd, path = tempfile.mkstemp(suffix=".jsonl")
     os.close(fd)
-    from ..blas_env import blas_threads
+    from minidist.host.blas_env import blas_threads
 
     env = dict(os.environ, **blas_threads(1))
     cmd = [sys.executable, "-m", "minidist.train", "--layers", str(layers), "--d-model", "8", "--heads", "2",
@@ -310,7 +310,7 @@ def _sync_probe(out_path: str, reps: int = 60) -> None:
     all-reduce) between stretches of ~2 ms of arithmetic, over the same loop without it."""
     import numpy as np
 
-    from .. import comm
+    from minidist import comm
 
     g = comm.world()
     a = np.ones((256, 256), np.float32)
@@ -339,7 +339,7 @@ def measure_sync(cores: int, log=print) -> float:
     """The scheduler's slice as a synchronisation sees it: with W ranks and L other processes
     on C cores a rank runs C / (W + L) of the time, and waits at each sync point for a
     descheduled partner with probability 1 - C / (W + L), for one slice on average."""
-    from ..blas_env import blas_threads
+    from minidist.host.blas_env import blas_threads
 
     env = dict(os.environ, **blas_threads(1))
     fd, out = tempfile.mkstemp(suffix=".json")

@@ -122,7 +122,7 @@ def model_flops_per_token(m: ModelSpec, seq_len: int | None = None) -> float:
     """Forward + backward model FLOPs per token (PaLM): 3 x forward.  Attention counts the
     scores the model needs: the causal half where the kernel skips the masked half (the
     presets of published models), the full T x T for minidist's plain attention (as
-    minidist.profile.model_flops_per_token does), so MFU never credits work nobody does."""
+    minidist.observe.profile.model_flops_per_token does), so MFU never credits work nobody does."""
     return 3 * (m.layers * (block_matmul_flops(m) + attention_flops(m, seq_len, executed=True)) + head_flops(m))
 
 

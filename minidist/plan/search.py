@@ -11,7 +11,7 @@ in memory.  GPipe is not tried: it has 1F1B's bubble and holds all M microbatche
 
 from __future__ import annotations
 
-from .cost import MIXED_BF16, Estimate, Plan, estimate, problems, stage_blocks
+from minidist.plan.cost import MIXED_BF16, Estimate, Plan, estimate, problems, stage_blocks
 
 
 def divisors(n: int) -> list[int]:

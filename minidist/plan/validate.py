@@ -9,7 +9,7 @@ Each configuration trains a small GPT for a few steps under ``mpiexec`` (one BLA
 rank, as every minidist launcher pins it) with ``--metrics-jsonl``; the measured step time is
 the median of the untraced steps (the first step pays warm-up and the first and last steps
 run under tracemalloc), the measured peak memory the largest rank's tracemalloc high-water
-mark of the last step (minidist.profile.PeakMemory).  The prediction prices the same mesh on
+mark of the last step (minidist.observe.profile.PeakMemory).  The prediction prices the same mesh on
 the calibrated ``this-machine`` with minidist's own implementation (float32 NumPy arrays, no
 sequence parallelism, plain attention); ranks beyond the cores share them.
 
@@ -30,10 +30,10 @@ import tempfile
 import time
 from dataclasses import replace
 
-from .cost import FLOAT32, Plan, estimate
-from .machine import (INF, Link, Machine, busy_seconds, calibration_path, fixed_costs, load, measure_sync, mpiexec,
+from minidist.plan.cost import FLOAT32, Plan, estimate
+from minidist.plan.machine import (INF, Link, Machine, busy_seconds, calibration_path, fixed_costs, load, measure_sync, mpiexec,
                       others_load)
-from .model import ModelSpec
+from minidist.plan.model import ModelSpec
 
 # Small enough that all of them take 2-4 minutes on 2 cores, large enough that the
 # arithmetic shows.  (name, mesh and settings, shape)
@@ -75,7 +75,7 @@ def predict(machine, shape: dict, mesh: dict) -> dict:
 
 def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
     """Train ``steps`` steps for real; the measured step seconds and peak bytes."""
-    from ..blas_env import blas_threads
+    from minidist.host.blas_env import blas_threads
 
     ranks = mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("pp", 1) * mesh.get("dp", 1)
     fd, path = tempfile.mkstemp(suffix=".jsonl")
@@ -101,7 +101,7 @@ def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
     load = others_load(busy_seconds() - before, ours, wall, ranks, os.cpu_count() or 1)
     if proc.returncode:
         os.unlink(path)
-        raise RuntimeError(f"minidist.train {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"minidist.train.loop {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
     with open(path) as f:
         rows = [json.loads(line) for line in f]
     os.unlink(path)
@@ -136,7 +136,7 @@ def _with_elementwise_rate(machine: Machine, log=print) -> Machine:
 def calibrate(path: str | None = None, log=print) -> Machine:
     """Measure this machine (about 40 s) and write it to ``path`` (default: the calibration
     file); returns it."""
-    from ..blas_env import blas_threads
+    from minidist.host.blas_env import blas_threads
 
     env = dict(os.environ, **blas_threads(1))
     code = "import json, minidist.plan.machine as m; print(json.dumps(m.measure_compute()))"
@@ -159,7 +159,7 @@ def calibrate(path: str | None = None, log=print) -> Machine:
         f"{fixed['block_step_s'] * 1e3:.2f} ms per block and step, {fixed['mb_overhead_s'] * 1e3:.2f} ms per "
         f"microbatch and {fixed['step_overhead'] * 1e3:.2f} ms per step outside the blocks")
     cores = os.cpu_count() or 1
-    from .. import cli_checks
+    from minidist.host import cli_checks
 
     machine = Machine(
         name="this-machine", peak=compute["peak"], mem_bytes=float(cli_checks.available_memory_bytes() or 8e9),

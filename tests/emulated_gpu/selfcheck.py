@@ -84,7 +84,7 @@ def transfers_are_recorded():
 
 @check
 def to_host_is_the_accounted_path():
-    from minidist import backend
+    from minidist.model import backend
 
     assert backend.xp is cupy and backend.device_memory()["name"] == "Emulated GPU"
     _emulator.reset()
@@ -229,8 +229,8 @@ def fuse_runs_the_function():
 
 @check
 def elementwise_kernel_equals_plain_adamw():
-    from minidist.ops.fused import adamw_kernel
-    from minidist.optim.functional import _adamw_block
+    from minidist.model.ops.fused import adamw_kernel
+    from minidist.model.optim.functional import _adamw_block
 
     rng = np.random.default_rng(0)
     for dt, tol in ((np.float64, 1e-13), (np.float32, 2e-6)):
@@ -293,7 +293,7 @@ def _emulator_compiler():
 
 @check
 def bfloat16_arrays():
-    from minidist.backend import bfloat16
+    from minidist.model.backend import bfloat16
 
     a = cupy.asarray(np.arange(4, dtype=np.float32)).astype(bfloat16)
     assert a.dtype == bfloat16 and (a.astype(np.float32) * 2).get().tolist() == [0.0, 2.0, 4.0, 6.0]

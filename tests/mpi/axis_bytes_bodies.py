@@ -85,7 +85,7 @@ def counting():
 def build(argv):
     """(model, strategy, cfg, mesh) for the training flags ``argv``, built as
     ``python -m minidist.train`` builds them (flags -> RunConfig -> Mesh -> compose.build)."""
-    from minidist.train import build, build_mesh, build_parser, validate
+    from minidist.train.loop import build, build_mesh, build_parser, validate
 
     parser = build_parser()
     cfg = validate(parser.parse_args(argv), parser)
@@ -108,10 +108,10 @@ def formula(cfg, mesh) -> dict:
 def measure_steps(flags, steps=2) -> tuple:
     """bytes_by_group around each of ``steps`` training steps of the flags' run, the
     formula's numbers and the mesh."""
-    from minidist.backend import dtype
-    from minidist.data import Sampler
-    from minidist.optim import DynamicLossScaler
-    from minidist.train import update
+    from minidist.model.backend import dtype
+    from minidist.state.data import Sampler
+    from minidist.model.optim import DynamicLossScaler
+    from minidist.train.loop import update
 
     model, strategy, cfg, mesh = build(TINY + flags)
     m, p = cfg.model, cfg.parallel

@@ -2,8 +2,9 @@
 import os
 import sys
 
-from minidist import checkpoint, comm
-from minidist.config import RunConfig
+from minidist.state import checkpoint
+from minidist import comm
+from minidist.train.config import RunConfig
 from minidist.parallel.compose import build, build_mesh
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist import comm
-from minidist.backend import bfloat16
+from minidist.model.backend import bfloat16
 from minidist.comm import collectives as C
 from minidist.comm import reducing as R
 from minidist.comm.algorithms import pairwise, pipelined

@@ -8,7 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist import comm
-from minidist.backend import bfloat16
+from minidist.model.backend import bfloat16
 from minidist.layout.split import split_bounds
 
 DTYPES = [np.float16, bfloat16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_]
@@ -160,7 +160,7 @@ def device_p2p():
     import cupy
     from cupy import _emulator
 
-    from minidist.backend import xp
+    from minidist.model.backend import xp
 
     g = comm.world()
     r, n = g.rank, g.size

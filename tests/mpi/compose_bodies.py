@@ -27,11 +27,11 @@ from mpi4py import MPI
 
 import faults
 from minidist import comm
-from minidist.backend import from_host, to_host
-from minidist.config import RunConfig
-from minidist.data import load_corpus
+from minidist.model.backend import from_host, to_host
+from minidist.train.config import RunConfig
+from minidist.state.data import load_corpus
 from minidist.parallel.compose import problems
-from minidist.testing import train_run
+from minidist.train.testing import train_run
 
 STEPS = 5
 BASE = RunConfig().replace(model=dict(layers=4, d_model=16, heads=4, dtype="float64"),

@@ -10,14 +10,14 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist import comm
-from minidist.backend import from_host, to_host
-from minidist.autograd import Tensor
+from minidist.model.backend import from_host, to_host
+from minidist.model.autograd import Tensor
 from minidist.comm.group import Group
-from minidist.nn import GPT, GPTConfig
-from minidist.optim import AdamW
+from minidist.model.nn import GPT, GPTConfig
+from minidist.model.optim import AdamW
 from minidist.parallel import context as ctx
 from minidist.parallel.data import allreduce_gradients
-from minidist.testing import traced_peak_bytes
+from minidist.train.testing import traced_peak_bytes
 
 STEPS, BATCH, SEQ = 5, 4, 16
 CFG = dict(seq_len=SEQ, n_layer=2, n_head=4, d_model=16, dtype="float64", seed=7)
@@ -157,10 +157,10 @@ def strategy_matrix():
     """The training command's run for --cp (with --dp): compose.build's strategy (DDP buckets
     over the ("dp", "cp") group) through the training loop's own calls (testing.train_steps),
     against the one-process run."""
-    from minidist.config import from_args
-    from minidist.flags import build_parser
+    from minidist.train.config import from_args
+    from minidist.train.flags import build_parser
     from minidist.parallel.compose import problems
-    from minidist.testing import train_steps
+    from minidist.train.testing import train_steps
 
     world = comm.world()
 

@@ -9,19 +9,19 @@ import sys
 
 import numpy as np
 
-from minidist.backend import to_host
+from minidist.model.backend import to_host
 from mpi4py import MPI
 
 from minidist import comm
-from minidist.config import RunConfig
-from minidist.data import Sampler
-from minidist.nn import GPT
-from minidist.optim import lr_at
+from minidist.train.config import RunConfig
+from minidist.state.data import Sampler
+from minidist.model.nn import GPT
+from minidist.model.optim import lr_at
 from minidist.parallel.compose import build, build_mesh, model_config
 from minidist.parallel.data import DistributedDataParallel, allreduce_gradients
 from minidist.layout.memory import memory_formula
-from minidist.testing import train_run, train_steps
-from minidist.train import update
+from minidist.train.testing import train_run, train_steps
+from minidist.train.loop import update
 
 TOL = 1e-9
 STEPS = 5
@@ -206,7 +206,7 @@ if __name__ == "__main__":
 
 def overflow_is_agreed():
     """An inf in one rank's gradient shard makes every rank skip (ZeRO-2: shards differ)."""
-    from minidist.optim import DynamicLossScaler
+    from minidist.model.optim import DynamicLossScaler
 
     n = MPI.COMM_WORLD.Get_size()
     for zero in (0, 2):

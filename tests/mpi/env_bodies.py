@@ -1,7 +1,8 @@
 """Rank bodies for tests/test_env.py."""
 import os
 
-from minidist import comm, env
+from minidist import comm
+from minidist.host import env
 
 
 def late_read():

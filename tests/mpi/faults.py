@@ -71,7 +71,7 @@ def inject(name: str | None):
         raise ValueError(f"unknown fault {name!r}; known: {', '.join(NAMES)}")
     import importlib
 
-    from minidist.optim import scale_grads
+    from minidist.model.optim import scale_grads
     from minidist.parallel.strategy import Strategy
 
     saved = []

@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist import comm
-from minidist.autograd import Tensor
+from minidist.model.autograd import Tensor
 from minidist.comm import functional as F
 
 EPS = 1e-3  # the maps are linear: a large step costs no truncation error and less rounding
@@ -155,7 +155,7 @@ def gradcheck_all():
 
 def _mlp_serial(x, a, b, c):
     """y = tanh(x @ a) @ b and the gradients of <c, y>, on one process (the reference)."""
-    from minidist import ops
+    from minidist.model import ops
 
     xt, at, bt = (Tensor(v, requires_grad=True) for v in (x, a, b))
     y = ops.matmul(ops.tanh(ops.matmul(xt, at)), bt)
@@ -166,7 +166,7 @@ def _mlp_serial(x, a, b, c):
 def megatron_mlp_on_mesh():
     """Megatron's MLP on the tp axis of a dp x tp mesh equals the serial MLP, with and without
     sequence parallelism: A is split by columns, B by rows (Shoeybi et al. 2019)."""
-    from minidist import ops
+    from minidist.model import ops
     from minidist.comm.mesh import Mesh
 
     world = comm.world()

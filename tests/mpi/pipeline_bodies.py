@@ -7,9 +7,10 @@ Many configurations share one launch (mpiexec start-up costs more than they do).
 """
 import numpy as np
 
-from minidist import comm, ops
-from minidist.nn import GPT, GPTConfig
-from minidist.optim import AdamW, clip_grad_norm, no_decay_below_2d
+from minidist import comm
+from minidist.model import ops
+from minidist.model.nn import GPT, GPTConfig
+from minidist.model.optim import AdamW, clip_grad_norm, no_decay_below_2d
 from minidist.parallel.pipeline.runtime import PipelineRuntime
 from minidist.layout.schedules import ORDERS, make_schedule, schedule_problem
 from minidist.layout.simulate import simulate
@@ -70,7 +71,7 @@ def pipeline_run(group, schedule, M, V=1, layers=4, ckpt=False, untied=False, ac
     schedule's passes, the tied-embedding sum, the whole model's gradient norm (clipping)."""
     from minidist.parallel.data import OneReplica
     from minidist.parallel.strategy import Strategy
-    from minidist.train import update
+    from minidist.train.loop import update
 
     model = GPT(_config(layers, untied, dtype))
     model.checkpoint_activations = ckpt
@@ -85,7 +86,7 @@ def pipeline_run(group, schedule, M, V=1, layers=4, ckpt=False, untied=False, ac
 
 
 def _rel(a, b):
-    from minidist.backend import to_host  # device arrays under CuPy
+    from minidist.model.backend import to_host  # device arrays under CuPy
 
     a, b = np.asarray(to_host(a), np.float64), np.asarray(to_host(b), np.float64)
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
@@ -182,8 +183,8 @@ def _train_config(**over):
     of any section: pp, dp, schedule, layers, grad_accum, ...) changed; checked like the CLI."""
     import dataclasses
 
-    from minidist.config import from_args
-    from minidist.flags import build_parser
+    from minidist.train.config import from_args
+    from minidist.train.flags import build_parser
     from minidist.parallel.compose import problems
 
     argv = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "11",
@@ -205,7 +206,7 @@ def _train_config(**over):
 def _check_overlap(cfg):
     """One bucket per parameter: the first chunk-final backward launches reductions before
     the schedule ends (the data-parallel hooks open inside the pipeline's passes)."""
-    from minidist.data import Sampler
+    from minidist.state.data import Sampler
     from minidist.parallel.compose import build, build_mesh
 
     _, strategy = build(cfg, build_mesh(cfg.parallel))
@@ -222,7 +223,7 @@ def train_path_matrix():
     """pp = 2 alone (2 ranks) or dp = 2 x pp = 2 (4 ranks) through the training loop's functions
     (testing.train_steps on compose.build), with DDP and ZeRO-1, overlap on and off, grad
     accumulation, checkpointing, clipping."""
-    from minidist.testing import train_steps
+    from minidist.train.testing import train_steps
 
     n = comm.world().size
     dp = n // 2

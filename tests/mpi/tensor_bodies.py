@@ -12,15 +12,16 @@ before NumPy compares or slices them (both no-ops on the NumPy backend).
 import numpy as np
 from mpi4py import MPI
 
-from minidist import comm, nn, ops
-from minidist.autograd import Tensor
-from minidist.backend import from_host, to_host
+from minidist import comm
+from minidist.model import nn, ops
+from minidist.model.autograd import Tensor
+from minidist.model.backend import from_host, to_host
 from minidist.comm.group import Group
 from minidist.comm.mesh import Mesh
-from minidist.config import RunConfig
+from minidist.train.config import RunConfig
 from minidist.parallel import compose
 from minidist.parallel import tensor as tpm
-from minidist.train import update
+from minidist.train.loop import update
 
 MODES = [("tensor", False, "none"), ("sequence", True, "none"), ("ring", True, "ring"),
          ("bidirectional", True, "bidirectional")]
@@ -313,7 +314,7 @@ def overlap_timeline():
 def dp_tp_matches_serial():
     """dp=2 x tp=2 (tp innermost): DDP over the dp group of a tensor-parallel model, through the
     training loop's own calls, equals the serial run; gradient accumulation 2, every mode."""
-    from minidist.optim import DynamicLossScaler
+    from minidist.model.optim import DynamicLossScaler
 
     world = comm.world()
     rng = np.random.default_rng(51)

@@ -7,7 +7,8 @@ import time
 def skewed_clocks(path):
     """Every rank's tracer reads a clock skewed by 1000 s per rank; spans around a barrier
     must line up again on rank 0's clock in the merged trace."""
-    from minidist import comm, trace
+    from minidist import comm
+    from minidist.observe import trace
 
     world = comm.world()
     skew = 1000.0 * world.rank

@@ -38,7 +38,7 @@ import weakref
 
 import numpy as np
 
-from minidist import env
+from minidist.host import env
 from minidist.comm import check, links, reduction, watchdog
 from minidist.comm.algorithms import evengather, pipelined
 from minidist.comm.fast.allreduce import AllReducePlan, PairwiseAllReducePlan

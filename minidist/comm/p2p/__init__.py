@@ -40,8 +40,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from minidist import env
-from minidist.backend import BACKEND, from_host, on_device, synchronize, to_host, xp
+from minidist.host import env
+from minidist.model.backend import BACKEND, from_host, on_device, synchronize, to_host, xp
 from minidist.comm import links, stats
 from minidist.comm.errors import CommError
 # The kinds of message (TAG_*) are re-exported: the algorithms name their messages by them.
@@ -54,7 +54,7 @@ ANY_TAG = MPI.ANY_TAG
 BYTE = MPI.BYTE
 _tls = stats._tls
 trace = None
-"""The running tracer (minidist/trace.py), or None: every helper below times its message
+"""The running tracer (minidist/observe/trace.py), or None: every helper below times its message
 for the timeline only when it is set (one module-level None check before and after)."""
 
 

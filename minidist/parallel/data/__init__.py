@@ -19,12 +19,12 @@ axis.  Imports: the comm layer, the backend, autograd, ops and optim; nothing ab
 
 from __future__ import annotations
 
-from .allreduce import allreduce_gradients, any_rank, reduce_sum  # noqa: F401  (the textbook's API)
-from .checks import problems  # noqa: F401
-from .ddp import DistributedDataParallel
-from .fsdp import FSDP, hsdp_groups
-from .replica import OneReplica
-from .zero import ZeRO
+from minidist.parallel.data.allreduce import allreduce_gradients, any_rank, reduce_sum  # noqa: F401  (the textbook's API)
+from minidist.parallel.data.checks import problems  # noqa: F401
+from minidist.parallel.data.ddp import DistributedDataParallel
+from minidist.parallel.data.fsdp import FSDP, hsdp_groups
+from minidist.parallel.data.replica import OneReplica
+from minidist.parallel.data.zero import ZeRO
 
 
 def apply(model, optimizer, p, mesh):

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import zlib
 
-from ... import comm
-from ...backend import from_host, host, to_host, xp
+from minidist import comm
+from minidist.model.backend import from_host, host, to_host, xp
 
 
 def allreduce_gradients(params, group) -> None:

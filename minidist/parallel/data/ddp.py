@@ -21,11 +21,11 @@ from __future__ import annotations
 import contextlib
 import time
 
-from ... import comm
-from ...backend import from_host, to_host
-from .allreduce import broadcast_parameters, check_identical
-from .flat import FlatUnit
-from .replica import OneReplica
+from minidist import comm
+from minidist.model.backend import from_host, to_host
+from minidist.parallel.data.allreduce import broadcast_parameters, check_identical
+from minidist.parallel.data.flat import FlatUnit
+from minidist.parallel.data.replica import OneReplica
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ decay or not) need to know which parameter each stretch of the shard belongs to:
 
 from __future__ import annotations
 
-from ...backend import xp
-from ...layout.split import split_bounds
+from minidist.model.backend import xp
+from minidist.layout.split import split_bounds
 
 
 class Shard:

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import contextlib
 
-from ... import comm
-from ...autograd import Tensor, enable_grad, is_grad_enabled, no_grad, run_backward
-from ...backend import from_host, to_host
-from ...ops import autocast, get_autocast_dtype
-from .allreduce import broadcast_parameters, check_identical
-from .flat import FlatUnit, Shard
-from .replica import OneReplica
-from .zero import Sharded, ShardedOptimizer, accumulate, decay_of, load_shards, owned_shards, shard_segments
+from minidist import comm
+from minidist.model.autograd import Tensor, enable_grad, is_grad_enabled, no_grad, run_backward
+from minidist.model.backend import from_host, to_host
+from minidist.model.ops import autocast, get_autocast_dtype
+from minidist.parallel.data.allreduce import broadcast_parameters, check_identical
+from minidist.parallel.data.flat import FlatUnit, Shard
+from minidist.parallel.data.replica import OneReplica
+from minidist.parallel.data.zero import Sharded, ShardedOptimizer, accumulate, decay_of, load_shards, owned_shards, shard_segments
 
 _FREED = None  # what a parameter's .data is between uses
 
@@ -256,7 +256,7 @@ class FSDP(Sharded, OneReplica):
 def hsdp_groups(dp_group, shard_size: int):
     """Split the data-parallel group into shard groups of ``shard_size`` consecutive ranks and
     replica groups of the ranks at the same position in each: (shard group, replicate group)."""
-    from ...comm.group import Group
+    from minidist.comm.group import Group
 
     n, r = dp_group.size, dp_group.rank
     if shard_size < 1 or n % shard_size:

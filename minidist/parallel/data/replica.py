@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ...backend import from_host
+from minidist.model.backend import from_host
 
 
 class OneReplica:

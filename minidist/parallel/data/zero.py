@@ -40,12 +40,12 @@ DDP's buckets and hooks with other collectives), what the sharded stages share w
 
 from __future__ import annotations
 
-from ... import comm
-from ...backend import from_host, to_host, xp
-from ...optim.functional import adamw_update, sgd_update
-from ...optim.optimizers import SGD, AdamW
-from .ddp import DistributedDataParallel
-from .flat import FlatUnit, Shard
+from minidist import comm
+from minidist.model.backend import from_host, to_host, xp
+from minidist.model.optim.functional import adamw_update, sgd_update
+from minidist.model.optim.optimizers import SGD, AdamW
+from minidist.parallel.data.ddp import DistributedDataParallel
+from minidist.parallel.data.flat import FlatUnit, Shard
 
 
 class ShardedOptimizer:

@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import time
 
-from minidist import comm, ops
-from minidist.autograd import Parameter, Tensor, no_grad
-from minidist.backend import dtype as backend_dtype, host, host_read, xp
-from minidist.data import shard
+from minidist import comm
+from minidist.model import ops
+from minidist.model.autograd import Parameter, Tensor, no_grad
+from minidist.model.backend import dtype as backend_dtype, host, host_read, xp
+from minidist.layout.split import shard
 from minidist.layout.schedules import (BACKWARD, FORWARD, Action, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
                                        layer_range, make_schedule, message_tag, model_stage,
                                        schedule_problem, stage_location, theoretical_bubble)
@@ -64,7 +65,7 @@ def graph_activation_bytes(out: Tensor) -> int:
 class PipelineRuntime:
     """This rank's part of a pipeline-parallel GPT over ``group`` (the mesh's pp group).
 
-    ``model`` is a full :class:`~minidist.nn.GPT` built from the seed; the runtime keeps
+    ``model`` is a full :class:`~minidist.model.nn.GPT` built from the seed; the runtime keeps
     only this rank's pieces (``model.parameters()`` is then this rank's parameter list).
     """
 

@@ -155,7 +155,7 @@ def passes_through(t: Transfer, path_suffix: str, function: str) -> bool:
     return any(fn.endswith(path_suffix) and name == function for fn, _, name in t.stack)
 
 
-def hidden(allowed=(("minidist/backend.py", "to_host"),), direction="d2h") -> list:
+def hidden(allowed=(("minidist/model/backend.py", "to_host"),), direction="d2h") -> list:
     """The device->host events whose stack passes through none of the ``allowed``
     (file suffix, function) pairs: the synchronisations a program does not account for."""
     return [t for t in transfers(direction)
@@ -173,7 +173,7 @@ def _dump():
         fh.write(json.dumps(summary()) + "\n")
 
 
-# The launchers' node-local rank variables (minidist.backend.LOCAL_RANK_VARIABLES' names).
+# The launchers' node-local rank variables (minidist.model.backend.LOCAL_RANK_VARIABLES' names).
 _LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
                          "SLURM_LOCALID", "LOCAL_RANK")
 

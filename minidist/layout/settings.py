@@ -1,0 +1,62 @@
+"""The vocabulary of a run's model and mesh: what the training command, the axes and the
+planner all call the same settings.
+
+A run's full configuration (``minidist.train.config.RunConfig``) holds these two sections
+beside the data, optimizer, device, report and checkpoint ones; they live here, below
+everything that reads them, so that the pure arithmetic of this folder, the axes and the
+planner speak of a mesh with the same names and defaults.  A field left ``None`` means
+"not given": ``RunConfig.resolved`` fills the defaults that depend on other settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+ATTENTIONS = ("plain", "blockwise")       # one rank's attention (nn.attention_function)
+CP_IMPLEMENTATIONS = ("ring", "ulysses")  # context parallelism (parallel/context.py)
+TP_OVERLAPS = ("ring", "bidirectional")   # collective matmuls (parallel/collective_matmul.py)
+VIRTUAL = ("interleaved", "looping")       # pipeline schedules with several model chunks per rank
+
+
+@dataclass
+class ModelConfig:
+    layers: int = 4
+    d_model: int = 128
+    heads: int = 4
+    block_size: int | None = None     # the position table; None: the sequence length
+    untied: bool = False              # a separate LM head instead of the tied embedding
+    attention: str = "plain"          # one rank's attention: plain | blockwise
+    attention_block: int | None = None  # tile of blockwise / ring attention (default 128)
+    dtype: str = "float32"            # parameter (master weight) dtype
+    seed: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    """The mesh and each axis's settings (None: not given, see RunConfig.resolved)."""
+    dp: int | None = None             # None: the world size over the other axes
+    pp: int = 1
+    tp: int = 1
+    cp: int = 1
+    # data parallelism
+    zero: int | None = None           # None: 0, or 3 with hsdp_shard
+    hsdp_shard: int | None = None
+    bucket_mb: float | None = None    # None: 25 (PyTorch DDP's default)
+    overlap: bool = True              # False: --no-overlap
+    # tensor parallelism
+    sequence_parallel: bool = False
+    tp_async: str | None = None       # None | ring | bidirectional
+    # context parallelism
+    cp_impl: str | None = None        # None: ring (when cp > 1)
+    # pipeline parallelism
+    schedule: str | None = None       # None: 1f1b (when pp > 1)
+    microbatches: int | None = None   # None: 2 * pp
+    virtual_stages: int | None = None  # None: 2 for interleaved / looping, else 1
+
+    @property
+    def world_size(self) -> int:
+        return (self.dp or 1) * self.pp * self.tp * self.cp
+
+    def mesh_sizes(self) -> dict:
+        return {"dp": self.dp or 1, "pp": self.pp, "tp": self.tp, "cp": self.cp}

@@ -1,0 +1,395 @@
+"""Modules and the GPT model.
+
+The model is GPT-2 shaped (Radford et al. 2019): token + learned position embeddings, a stack
+of pre-LayerNorm blocks (causal multi-head self-attention, then a 4x GELU MLP, each wrapped in
+a residual connection), a final LayerNorm and a language-model head tied to the token
+embedding.
+
+Three choices here serve the parallel strategies built on top:
+
+* **The model runs in pieces.**  ``embed``, each block, and ``head``/``loss`` are separate
+  calls, so a pipeline stage can run "these blocks on a received activation" and backward
+  from a received gradient.  ``GPT.forward`` just chains the pieces.
+* **Initialisation is keyed by name and global shape.**  Every parameter is drawn from
+  ``(seed, parameter name)`` in its unsharded shape (``backend.seeded_normal``); nothing
+  depends on creation order, so sharded and serial models start bit-identical.
+* **The layers come from a layer set.**  ``GPT(cfg, layers)`` builds every linear layer,
+  LayerNorm, embedding and the loss through ``layers`` (:class:`Layers`: the plain ones);
+  ``parallel.tensor.TensorParallelLayers`` splits them over a tensor-parallel group, so one
+  GPT class serves every mode.
+
+**The seams.**  Every parallel axis (and the tracer) changes the model only through these,
+each a constructor argument or one method of :class:`GPT`; nothing else of the model is
+replaced or deleted from outside:
+
+=====================  ===========================================  ==========================
+seam                   what it sets                                 who uses it
+=====================  ===========================================  ==========================
+``layers``             how every layer is built (split or not)      tensor parallelism
+``use_attention``      every block's attention function             context parallelism
+``use_positions``      the positions of the tokens a rank embeds    context parallelism
+``use_block_runner``   how one block runs (given the plain runner)  ZeRO-3 / FSDP, the tracer
+``keep_stage``         the blocks and the ends a stage keeps        the pipeline
+=====================  ===========================================  ==========================
+
+Linear weights are stored ``(in_features, out_features)`` so the forward pass is ``x @ W``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from minidist.model import ops
+from minidist.model.autograd import Parameter, Tensor, checkpoint
+from minidist.model.backend import dtype as _dtype
+from minidist.model.backend import host, seeded_normal, xp
+
+
+# --------------------------------------------------------------------------------------------
+# Module: a registry of parameters and sub-modules, found by walking attributes in order.
+# --------------------------------------------------------------------------------------------
+class Module:
+    def named_children(self):
+        for key, value in vars(self).items():
+            if isinstance(value, Module):
+                yield key, value
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    if isinstance(item, Module):
+                        yield f"{key}.{i}", item
+
+    def named_parameters(self, prefix: str = ""):
+        """(dotted name, Parameter) pairs in a stable order; a shared Parameter appears once."""
+        seen = set()
+        for name, p in self._walk(prefix):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def _walk(self, prefix):
+        for key, value in vars(self).items():
+            if isinstance(value, Parameter):
+                yield prefix + key, value
+        for key, child in self.named_children():
+            yield from child._walk(f"{prefix}{key}.")
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        """Parameter arrays by stable dotted name (GPT-2 naming: ``h.0.attn.c_attn.weight``)."""
+        return {name: p.data for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict, strict: bool = True):
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(state))
+        unexpected = sorted(set(state) - set(params))
+        if strict and (missing or unexpected):
+            raise KeyError(f"state_dict mismatch: missing {missing}, unexpected {unexpected}")
+        for name, p in params.items():
+            if name not in state:
+                continue
+            value = xp.asarray(state[name])
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: shape {tuple(value.shape)} != parameter shape {tuple(p.shape)}")
+            p.data = value.astype(p.dtype, copy=True)
+
+    def num_parameters(self) -> int:
+        return sum(int(p.size) for p in self.parameters())
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def _param(shape, dtype, init: tuple, sharding=None) -> Parameter:
+    """A parameter whose values are filled later by ``init_parameters`` (see GPT.__init__).
+
+    ``shape`` is the global shape; a ``sharding`` (e.g. parallel.tensor.Shard) says which
+    slice of it this rank keeps: ``sharding.local_shape(shape)`` and ``sharding.take(full)``.
+    """
+    local = shape if sharding is None else sharding.local_shape(shape)
+    p = Parameter(xp.zeros(local, dtype=dtype), global_shape=shape, sharding=sharding)
+    p.init = init  # ("normal", std) | ("ones",) | ("zeros",)
+    return p
+
+
+def init_parameters(module: Module, seed: int):
+    """Name every parameter and draw its values from (seed, name) in its global shape;
+    a sharded parameter keeps its slice of that draw, so every mesh starts identical."""
+    for name, p in module.named_parameters():
+        p.name = name
+        kind = p.init[0]
+        if kind == "normal":
+            full = seeded_normal(seed, name, p.global_shape, p.init[1], p.dtype)
+        elif kind == "ones":
+            full = xp.ones(p.global_shape, dtype=p.dtype)
+        elif kind == "zeros":
+            full = xp.zeros(p.global_shape, dtype=p.dtype)
+        else:
+            raise ValueError(f"unknown init {p.init!r} for {name}")
+        p.data = full if p.sharding is None else xp.ascontiguousarray(p.sharding.take(full))
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------
+class Linear(Module):
+    def __init__(self, d_in, d_out, dtype, bias=True, std=0.02):
+        self.weight = _param((d_in, d_out), dtype, ("normal", std))
+        self.bias = _param((d_out,), dtype, ("zeros",)) if bias else None
+
+    def forward(self, x):
+        return ops.linear(x, self.weight, self.bias)
+
+
+class Embedding(Module):
+    def __init__(self, num, dim, dtype, std=0.02):
+        self.weight = _param((num, dim), dtype, ("normal", std))
+
+    def forward(self, ids):
+        return ops.embedding(self.weight, ids)
+
+    def logits(self, x):
+        """``x @ weight^T``: the language-model head tied to this embedding."""
+        return ops.linear(x, ops.transpose(self.weight, (1, 0)))
+
+
+class LayerNorm(Module):
+    def __init__(self, dim, dtype, eps=1e-5):
+        self.weight = _param((dim,), dtype, ("ones",))
+        self.bias = _param((dim,), dtype, ("zeros",))
+        self.eps = eps
+
+    def forward(self, x):
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Layers:
+    """How the model builds its layers: here the plain ones.
+
+    ``parallel.tensor.TensorParallelLayers`` has the same methods and returns layers split
+    over a tensor-parallel group, so one GPT class serves every mode.  ``parts`` is how many
+    ranks share each layer (attention keeps ``n_head // parts`` heads per rank).
+    """
+
+    parts = 1
+    sequence_parallel = False  # True: activations outside the matmuls hold 1/parts of the tokens
+
+    def local_tokens(self, tokens: int) -> int:
+        """How many of a sequence's ``tokens`` this rank's activations between blocks hold."""
+        return tokens // self.parts if self.sequence_parallel else tokens
+
+    def column(self, d_in, d_out, dtype, bias=True, std=0.02, fused=1):
+        """A linear layer whose *output* features a tensor-parallel set splits (``fused``:
+        the output is that many equal parts, e.g. 3 for the fused q, k, v)."""
+        return Linear(d_in, d_out, dtype, bias, std)
+
+    def row(self, d_in, d_out, dtype, bias=True, std=0.02):
+        """A linear layer whose *input* features a tensor-parallel set splits."""
+        return Linear(d_in, d_out, dtype, bias, std)
+
+    def layer_norm(self, dim, dtype):
+        return LayerNorm(dim, dtype)
+
+    def token_embedding(self, num, dim, dtype):
+        return Embedding(num, dim, dtype)
+
+    def position_embedding(self, num, dim, dtype):
+        return Embedding(num, dim, dtype)
+
+    def cross_entropy(self, logits, targets):
+        return ops.cross_entropy(logits, targets)
+
+
+class CausalSelfAttention(Module):
+    """Multi-head attention with a causal mask (Vaswani et al. 2017), fused QKV projection."""
+
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+        layers = layers or Layers()
+        if cfg.n_head % layers.parts:
+            raise ValueError(f"n_head={cfg.n_head} is not divisible by the {layers.parts} ranks that split the heads")
+        self.n_head = cfg.n_head // layers.parts  # this rank's heads (all of them unless split)
+        self.c_attn = layers.column(cfg.d_model, 3 * cfg.d_model, dtype, cfg.bias, fused=3)
+        self.c_proj = layers.row(cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
+        # The attention function (qkv, n_head) -> y; context parallelism swaps in ring or
+        # Ulysses attention here (minidist.parallel.context).
+        self.attention = attention_function(cfg.attention, cfg.attention_block)
+
+    def forward(self, x):
+        qkv = self.c_attn(x)                                       # (B, T, 3C)
+        # The plain op reads each head's q, k, v as strided views of qkv and writes its
+        # output into the head's columns of y: no (B, H, T, D) transpose copies.
+        y = self.attention(qkv, self.n_head)                      # (B, T, C), causal
+        return self.c_proj(y)
+
+
+ATTENTIONS = ("plain", "blockwise")
+"""Attention on one rank: ``plain`` keeps the T x T probabilities, ``blockwise`` (FlashAttention's
+online softmax) never holds more than a block x block tile of them."""
+
+
+def attention_function(name: str = "plain", block: int = 128):
+    """The causal self-attention ``(qkv, n_head) -> y`` called ``name``."""
+    if name == "plain":
+        return ops.self_attention
+    if name == "blockwise":
+        return functools.partial(ops.blockwise_self_attention, block=block)
+    raise ValueError(f"unknown attention {name!r}; choose from {ATTENTIONS}")
+
+
+class MLP(Module):
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+        layers = layers or Layers()
+        self.c_fc = layers.column(cfg.d_model, 4 * cfg.d_model, dtype, cfg.bias)
+        self.c_proj = layers.row(4 * cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
+
+    def forward(self, x):
+        return self.c_proj(ops.gelu(self.c_fc(x)))
+
+
+class Block(Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+        layers = layers or Layers()
+        self.ln_1 = layers.layer_norm(cfg.d_model, dtype)
+        self.attn = CausalSelfAttention(cfg, dtype, layers)
+        self.ln_2 = layers.layer_norm(cfg.d_model, dtype)
+        self.mlp = MLP(cfg, dtype, layers)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+# --------------------------------------------------------------------------------------------
+# GPT
+# --------------------------------------------------------------------------------------------
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 128       # size of the position table: the longest sequence the model takes
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    bias: bool = True
+    tie_embeddings: bool = True
+    dtype: str = "float32"   # parameter (master weight) dtype
+    seed: int = 0
+    attention: str = "plain"  # "plain" or "blockwise" (see ATTENTIONS)
+    attention_block: int = 128  # query/key block of the blockwise attention
+
+    def __post_init__(self):
+        for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        _dtype(self.dtype)
+        attention_function(self.attention)
+        ops.check_block(self.attention_block)
+
+    @property
+    def residual_std(self) -> float:
+        # GPT-2: scale the init of projections into the residual stream by 1/sqrt(2 * n_layer)
+        # so the stream's variance does not grow with depth.
+        return 0.02 / math.sqrt(2 * self.n_layer)
+
+
+class GPT(Module):
+    """The model.  ``layers`` builds its layers (default: plain); pass
+    ``parallel.tensor.TensorParallelLayers(group)`` to split them over a tensor-parallel group."""
+
+    def __init__(self, cfg: GPTConfig, layers: Layers | None = None):
+        self.config = cfg
+        self.layers = layers = Layers() if layers is None else layers
+        dt = _dtype(cfg.dtype)
+        self.wte = layers.token_embedding(cfg.vocab_size, cfg.d_model, dt)
+        self.wpe = layers.position_embedding(cfg.seq_len, cfg.d_model, dt)
+        self.h = [Block(cfg, dt, layers) for _ in range(cfg.n_layer)]
+        self.ln_f = layers.layer_norm(cfg.d_model, dt)
+        self.lm_head = None if cfg.tie_embeddings else layers.column(cfg.d_model, cfg.vocab_size, dt, bias=False)
+        self.checkpoint_activations = False
+        self._positions = None  # use_positions: None is 0..T-1 of sequences of length T
+        init_parameters(self, cfg.seed)
+
+    # -- the seams (module docstring) ----------------------------------------------------------
+    def use_attention(self, fn) -> None:
+        """Every block's attention becomes ``fn(qkv, n_head) -> y`` (ring or Ulysses attention)."""
+        for block in self.h:
+            if block is not None:
+                block.attn.attention = fn
+
+    def use_positions(self, fn) -> None:
+        """``fn(T) -> (positions, length)``: the places in their sequences of the T tokens of each
+        row this rank embeds, and the whole sequences' length (context parallelism: this rank's
+        slice of sequences cp times longer)."""
+        self._positions = fn
+
+    def use_block_runner(self, make) -> None:
+        """One block now runs as ``make(runner)(block, x)``, ``runner`` the way it ran so far (ZeRO-3
+        gathers the block's shards around it; the tracer times it)."""
+        self.block_runner = make(self.block_runner)
+
+    def keep_stage(self, blocks, embedding: bool, token_embedding: bool, head: bool) -> None:
+        """Keep only the blocks whose indices are in ``blocks`` (the others become None, so
+        block i keeps its index and name), the position embedding if ``embedding``, the token
+        embedding if ``token_embedding`` (the first stage, and the last one when the head is
+        tied to it), the final LayerNorm and the head if ``head``: a pipeline stage."""
+        self.h = [b if i in blocks else None for i, b in enumerate(self.h)]
+        if not embedding:
+            self.wpe = None
+        if not token_embedding:
+            self.wte = None
+        if not head:
+            self.ln_f = self.lm_head = None
+
+    # -- the pieces a pipeline stage runs ----------------------------------------------------
+    def embed(self, ids) -> Tensor:
+        """Token + position embeddings of an int array ``ids`` (B, T), at ``token_positions``."""
+        positions, length = self.token_positions(ids.shape[-1])
+        if length > self.config.seq_len:  # checked on the host: no device-to-host sync per forward
+            raise ValueError(f"sequence length {length} exceeds the position table ({self.config.seq_len})")
+        x = self.wte(ids) + self.wpe(positions)
+        low = ops.get_autocast_dtype()
+        return ops.cast(x, low) if low is not None else x  # mixed precision: low-precision activations
+
+    def run_blocks(self, x: Tensor, blocks=None) -> Tensor:
+        for block in self.h if blocks is None else blocks:
+            x = self.block_runner(block, x)
+        return x
+
+    def block_runner(self, block, x: Tensor) -> Tensor:
+        """Run one block (the seam ``use_block_runner`` wraps it)."""
+        return checkpoint(block, x) if self.checkpoint_activations else block(x)
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final LayerNorm and the LM head: logits (B, T, vocab), or this rank's slice of the
+        vocabulary when the layers are tensor-parallel (the full logits are never formed)."""
+        x = self.ln_f(x)
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        return self.wte.logits(x)  # tied: x @ wte^T
+
+    def loss(self, logits: Tensor, targets) -> Tensor:
+        return self.layers.cross_entropy(logits, targets)
+
+    def token_positions(self, T: int):
+        """The places in their sequences of the T tokens of each row this rank embeds, 0..T-1,
+        and the length of the whole sequences (or what ``use_positions`` set).  Made on the
+        host, where the embedding checks them for free (``ops.basic.check_index``)."""
+        if self._positions is not None:
+            return self._positions(T)
+        return host.arange(T), T
+
+    def forward(self, ids, targets=None):
+        """Logits for ``ids``, or the mean cross-entropy if ``targets`` are given."""
+        logits = self.head(self.run_blocks(self.embed(ids)))
+        return logits if targets is None else self.loss(logits, targets)

@@ -1,0 +1,270 @@
+"""Export a checkpoint to the Hugging Face ecosystem: ``model.safetensors`` + ``config.json``.
+
+    python -m minidist.state.export DIR -o OUTDIR [--dtype float32|float64|float16|bfloat16]
+
+``DIR`` is a checkpoint saved on any mesh (a ``step-NNNNNN`` directory, or a ``--save`` directory:
+its ``latest``); :func:`minidist.state.checkpoint.load_full` gathers every parameter whole on this one
+process.  ``OUTDIR`` then holds what ``transformers.GPT2LMHeadModel.from_pretrained(OUTDIR)``
+loads:
+
+* ``model.safetensors``: the parameters under GPT-2's names (``transformer.wte.weight``,
+  ``transformer.h.0.attn.c_attn.weight``, ...).  minidist's layout already is GPT-2's: Linear
+  weights are stored ``(in, out)`` like GPT-2's Conv1D, and the fused q|k|v columns of
+  ``c_attn`` are in GPT-2's order.  The one transposed tensor is an untied ``lm_head.weight``
+  (a ``torch.nn.Linear`` in GPT-2, stored ``(out, in)``); a tied model writes none and says
+  ``tie_word_embeddings: true``.  A model built without biases (``bias=False``) gets zero
+  biases, which GPT-2 always has.  GPT-2's ``attn.bias`` / ``masked_bias`` causal-mask buffers
+  are not parameters and are not written (transformers builds them).
+* ``config.json``: a ``GPT2Config`` with vocabulary 256 (bytes), ``n_positions`` = the
+  position table, ``gelu_new`` (the tanh GELU minidist uses), LayerNorm eps 1e-5, no dropout.
+
+safetensors is written here with the standard library and NumPy (no dependency): an 8-byte
+little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets}}`` (plus
+``__metadata__``), padded with spaces to a multiple of 8 bytes, then the raw little-endian
+bytes of each tensor, end to end.  :func:`read_safetensors` reads such a file back.  The host's
+NumPy (``backend.host``), not the backend's ``xp``, on purpose: export only moves bytes between
+files on the host (the arrays come from ``checkpoint.load_full``, read from disk), whatever
+array library trains.
+
+Each output file is written to a temporary file in ``OUTDIR`` and renamed over the old one,
+so an existing export is replaced whole or not at all; nothing is written outside ``OUTDIR``
+(an ``OUTDIR`` that is a symbolic link is refused, links inside it are replaced, not followed).
+Bad input (a ``DIR`` that is not a checkpoint, a damaged or untrustworthy one: see
+``minidist/state/checkpoint_meta.py``; an ``OUTDIR`` that is a file) stops with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+
+from minidist.model.backend import bfloat16, host
+
+SAFETENSORS = "model.safetensors"
+CONFIG = "config.json"
+#: numpy dtype name -> safetensors dtype code
+_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+          "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+EXPORT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+LAYER_NORM_EPS = 1e-5  # minidist.model.nn.LayerNorm's
+
+
+def _np_dtype(name: str) -> host.dtype:
+    return bfloat16 if name == "bfloat16" else host.dtype(name)
+
+
+def _code(dt) -> str:
+    dt = host.dtype(dt)
+    name = "bfloat16" if bfloat16 is not None and dt == bfloat16 else dt.name
+    if name not in _CODES:
+        raise ValueError(f"safetensors: no dtype code for {name}")
+    return _CODES[name]
+
+
+# ------------------------------------------------------------------------------------------------
+# safetensors
+# ------------------------------------------------------------------------------------------------
+def write_safetensors(file: str, tensors: dict, metadata: dict | None = None) -> None:
+    """Write ``{name: array}`` to ``file`` in the safetensors format, in the given order."""
+    header, offset, arrays = {}, 0, []
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    for name, array in tensors.items():
+        a = host.ascontiguousarray(array)
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        header[name] = {"dtype": _code(a.dtype), "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the tensors start 8-byte aligned, as the reference writer does
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for a in arrays:
+            f.write(a.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_safetensors(file: str) -> tuple[dict, dict]:
+    """``(metadata, {name: array})`` of a safetensors file (checks the header's offsets)."""
+    codes = {code: name for name, code in _CODES.items()}
+    with open(file, "rb") as f:
+        raw = f.read()
+    if len(raw) < 8:
+        raise ValueError(f"{file}: too short for a safetensors file")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if 8 + n > len(raw):
+        raise ValueError(f"{file}: header length {n} runs past the end of the file")
+    header = json.loads(raw[8:8 + n])
+    metadata = header.pop("__metadata__", {})
+    data, tensors, reach = raw[8 + n:], {}, 0
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        start, stop = info["data_offsets"]
+        if start != reach or stop > len(data):
+            raise ValueError(f"{file}: {name}'s bytes {start}..{stop} do not follow the previous tensor's")
+        dt = _np_dtype(codes[info["dtype"]]).newbyteorder("<")
+        tensors[name] = host.frombuffer(data[start:stop], dtype=dt).reshape(info["shape"])
+        reach = stop
+    if reach != len(data):
+        raise ValueError(f"{file}: {len(data) - reach} bytes after the last tensor")
+    return metadata, tensors
+
+
+# ------------------------------------------------------------------------------------------------
+# minidist -> GPT-2
+# ------------------------------------------------------------------------------------------------
+def hf_config(model: dict, dtype: str) -> dict:
+    """The ``GPT2Config`` (as a dict for config.json) of a minidist model config dict."""
+    d = model["d_model"]
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": model["vocab_size"],
+        "n_positions": model["seq_len"],
+        "n_embd": d,
+        "n_layer": model["n_layer"],
+        "n_head": model["n_head"],
+        "n_inner": 4 * d,
+        "activation_function": "gelu_new",  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        "layer_norm_epsilon": LAYER_NORM_EPS,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "summary_first_dropout": 0.0,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,  # scores / sqrt(d_head), as minidist
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "use_cache": True,
+        "tie_word_embeddings": bool(model["tie_embeddings"]),
+        "bos_token_id": None,  # bytes: no special tokens (GPT-2's 50256 is outside this vocabulary)
+        "eos_token_id": None,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
+def hf_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
+    """``{GPT-2 name: array}`` of minidist's ``{name: array}`` (``load_full``'s), in GPT-2's
+    order, cast to ``dtype`` (default: the parameters' own)."""
+    d, out = model["d_model"], {}
+    target = _np_dtype(dtype) if dtype is not None else None
+
+    def put(name, array):
+        a = host.asarray(array)
+        out[name] = host.ascontiguousarray(a if target is None else a.astype(target))
+
+    def param(name, zeros_shape=None):
+        if name in params:
+            return params[name]
+        if zeros_shape is None:
+            raise KeyError(f"the checkpoint has no parameter {name}")
+        return host.zeros(zeros_shape, dtype=params["wte.weight"].dtype)  # bias=False: GPT-2 has one
+
+    put("transformer.wte.weight", param("wte.weight"))
+    put("transformer.wpe.weight", param("wpe.weight"))
+    for i in range(model["n_layer"]):
+        h = f"h.{i}."
+        for part, width in (("ln_1", None), ("attn.c_attn", 3 * d), ("attn.c_proj", d), ("ln_2", None),
+                            ("mlp.c_fc", 4 * d), ("mlp.c_proj", d)):
+            put(f"transformer.{h}{part}.weight", param(f"{h}{part}.weight"))  # Linear: (in, out), Conv1D's
+            put(f"transformer.{h}{part}.bias", param(f"{h}{part}.bias", (width,) if width else None))
+    put("transformer.ln_f.weight", param("ln_f.weight"))
+    put("transformer.ln_f.bias", param("ln_f.bias"))
+    if not model["tie_embeddings"]:
+        put("lm_head.weight", param("lm_head.weight").T)  # nn.Linear stores (out, in)
+    return out
+
+
+def _replace(directory: str, name: str, write) -> str:
+    """``write(tmp)`` a file, then rename it over ``directory/name`` (atomic on one file system;
+    a link there is replaced, not followed)."""
+    final = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    if os.path.lexists(tmp):  # a leftover (or a link planted there): writing would follow it
+        os.remove(tmp)
+    try:
+        write(tmp)
+        os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return final
+
+
+def export(path: str, outdir: str, dtype: str | None = None) -> list[str]:
+    """Export checkpoint ``path`` into ``outdir`` (created if missing); the files written."""
+    from minidist.state.checkpoint import load_full
+
+    model, params = load_full(path)
+    dtype = dtype or model.get("dtype", "float32")
+    tensors = hf_state_dict(model, params, dtype)
+    config = hf_config(model, dtype)
+    os.makedirs(outdir, exist_ok=True)
+    meta = {"format": "pt", "source": "minidist"}
+    files = [_replace(outdir, SAFETENSORS, lambda f: write_safetensors(f, tensors, meta))]
+
+    def write_config(file):
+        with open(file, "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    files.append(_replace(outdir, CONFIG, write_config))
+    return files
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m minidist.state.export",
+                description="Export a minidist checkpoint (saved on any mesh) as a Hugging Face GPT-2 model: "
+                            "OUTDIR/model.safetensors and OUTDIR/config.json, for "
+                            "transformers.GPT2LMHeadModel.from_pretrained(OUTDIR).")
+    p.add_argument("checkpoint", metavar="DIR", help="a step-NNNNNN checkpoint, or a --save directory (its latest)")
+    p.add_argument("-o", "--out", required=True, metavar="OUTDIR",
+                   help="directory to write (created if missing; existing files are replaced atomically)")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default=None,
+                   help="dtype of the exported weights (default: the checkpoint's)")
+    return p
+
+
+def main(argv=None) -> int:
+    from minidist.state.checkpoint import CheckpointError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if os.path.islink(args.out):  # the files go inside OUTDIR itself, never where a link leads
+        parser.error(f"-o {args.out}: a symbolic link (to {os.readlink(args.out)}); give the directory itself")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"-o {args.out}: exists and is not a directory")
+    if not os.path.isdir(args.checkpoint):
+        parser.error(f"{args.checkpoint}: no such checkpoint directory")
+    try:
+        files = export(args.checkpoint, args.out, args.dtype)
+    except CheckpointError as exc:
+        message = str(exc)
+        message = message[len("--resume "):] if message.startswith("--resume ") else message
+        parser.error(message)
+    except OSError as exc:
+        parser.error(f"cannot write {args.out}: {exc.strerror or exc}")
+    print(f"wrote {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
