@@ -165,7 +165,7 @@ def main():
         worker(args.worker, args.quick, reps)
         return
     from minidist.host.blas_env import blas_threads
-    from minidist.train.testing import mpiexec_command
+    from minidist.host.launcher import mpiexec_command
 
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)

@@ -189,7 +189,7 @@ def _timed_copy(dst, src):
 
 # ------------------------------------------------------------------- the launcher
 def launch(nprocs: int, quick: bool, collective: str) -> dict:
-    from minidist.train.testing import mpiexec_command
+    from minidist.host.launcher import mpiexec_command
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "part.json")

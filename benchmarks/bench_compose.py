@@ -103,7 +103,7 @@ def launch(name: str, mesh: dict, shape: dict, steps: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(mesh), "--result", path,
            "--shape", json.dumps(shape), "--steps", str(steps)]
     if ranks > 1:
-        from minidist.train.testing import mpiexec_command
+        from minidist.host.launcher import mpiexec_command
         cmd = mpiexec_command(ranks) + cmd
     from minidist.host.blas_env import blas_threads
     env = dict(os.environ, **blas_threads(1))

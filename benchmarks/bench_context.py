@@ -190,7 +190,7 @@ def main():
     load = [os.getloadavg()[0]]
     single = one_rank(args.seq, args.reps, args.block)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from minidist.train.testing import mpiexec_command
+    from minidist.host.launcher import mpiexec_command
 
     child = subprocess.run(mpiexec_command(2) + [sys.executable, os.path.abspath(__file__), "--cp-child",
                                                  "--seq", str(args.seq), "--reps", str(args.reps),

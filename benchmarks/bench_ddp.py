@@ -54,7 +54,7 @@ def _batches(shape, rank, steps):
 def worker_minidist(shape, steps, zero, overlap, bucket_mb):
     from minidist.train.config import RunConfig
     from minidist.parallel.compose import build, build_mesh
-    from minidist.train.loop import world_rank, world_size
+    from minidist.train.flags import world_rank, world_size
 
     n, rank = world_size(), world_rank()
     cfg = RunConfig().replace(
@@ -142,7 +142,7 @@ CONFIGS = [  # name, ranks, worker args, extra environment
 
 
 def launch(name, ranks, wargs, env_extra, args, port):
-    from minidist.train.testing import mpiexec_command
+    from minidist.host.launcher import mpiexec_command
 
     from minidist.host.blas_env import blas_threads
     env = dict(os.environ, **blas_threads(1),

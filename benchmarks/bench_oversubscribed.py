@@ -38,7 +38,7 @@ TARGET = 0.25
 
 def run(ranks: int | None, model: list, steps: int, env: dict | None = None) -> dict:
     """One training run; its tokens/s over the steps after the first, and its wall time."""
-    from minidist.train.testing import mpiexec_command
+    from minidist.host.launcher import mpiexec_command
 
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")

@@ -140,7 +140,7 @@ def replay(schedule, timelines) -> float:
 # ----------------------------------------------------------------- the driver
 def launch(P: int, reps: int, quick: bool) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from minidist.train.testing import mpiexec_command
+    from minidist.host.launcher import mpiexec_command
 
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)

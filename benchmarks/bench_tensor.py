@@ -51,11 +51,11 @@ def _one(g, fn):
     import numpy as np
 
     from minidist import comm
-    from minidist.parallel import tensor as tpm
+    from minidist.parallel import collective_matmul
 
     comm.barrier(g)
     comm.reset_stats()
-    with tpm.record_timeline() as events:
+    with collective_matmul.record_timeline() as events:
         t0 = time.perf_counter()
         fn()
         wall = time.perf_counter() - t0
@@ -189,7 +189,7 @@ def main(argv=None):
         worker(args.worker, args.quick, reps, args.gbps)
         return
     sys.path.insert(0, os.path.dirname(HERE))
-    from minidist.train.testing import mpiexec_command
+    from minidist.host.launcher import mpiexec_command
 
     out_dir = args.out or "."
     os.makedirs(out_dir, exist_ok=True)

@@ -24,7 +24,7 @@ heads, tokens and batch rows, then the groups of every axis) and, when matplotli
 installed, draws it into --png.  Then every rank trains a tiny GPT for a few steps with the
 composed mesh as the training command does (minidist.train.loop), and rank 0 prints a table of
 the bytes every rank sent on each axis in the last step next to the closed-form formula
-(minidist.layout.traffic).  Flags this script does not know are passed on to minidist.train.loop (e.g.
+(minidist.layout.traffic).  Flags this script does not know are passed on to minidist.train (e.g.
 ``--schedule gpipe``).  Without mpiexec (one process) only the grid is shown.
 """
 import argparse

@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from minidist.train.testing import mpiexec_command, run_mpi, run_train
+from minidist.host.launcher import mpiexec_command
+from minidist.train.testing import run_mpi, run_train
 
 ARGS = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
         "--eval-every", "0", "--dtype", "float64", "--warmup", "0", "--quiet", "--steps", "6"]
@@ -233,7 +234,7 @@ def _rank_pid(launcher_pid, rank):
                 environ = f.read().split(b"\0")
         except OSError:
             continue
-        if b"minidist.train.loop" in cmdline and (f"PMI_RANK={rank}".encode() in environ
+        if b"minidist.train" in cmdline and (f"PMI_RANK={rank}".encode() in environ
                                              or f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ):
             found.append(pid)
     assert len(found) == 1, found

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from minidist.host import env
-from minidist.train.testing import mpiexec_command, run_train
+from minidist.host.launcher import mpiexec_command
+from minidist.train.testing import run_train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--steps", "1", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",

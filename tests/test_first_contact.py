@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from minidist.train.testing import mpiexec_command, run_train
+from minidist.host.launcher import mpiexec_command
+from minidist.train.testing import run_train
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",

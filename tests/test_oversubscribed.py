@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from minidist.host import oversubscribed
-from minidist.train.testing import mpiexec_command
+from minidist.host.launcher import mpiexec_command
 
 TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
         "--steps", "1", "--eval-every", "0", "--peak-gflops", "10"]

@@ -22,6 +22,19 @@ import argparse
 import math
 import os
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with errors as one line, ``PROG: error: MESSAGE (see --help)``, and exit code 2
+    (argparse's usage block would bury the message).  ``speaks=False`` exits without a word: under
+    mpiexec every rank of the training command finds the same error, and rank 0 says it once."""
+
+    def __init__(self, *args, speaks: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.speaks = speaks
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n" if self.speaks else None)
+
+
 NUMPY_BYTES = {"float32": 4, "float64": 8}
 
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from minidist.layout.settings import VIRTUAL
 
-from minidist.layout.schedules import (BACKWARD, COMPUTE, FORWARD, ORDERS, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action,
-                        Schedule, make_schedule, model_stage, schedule_problem, stage_location, theoretical_bubble)
+from minidist.layout.schedules import (BACKWARD, COMPUTE, FORWARD, ORDERS, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
+                                       Action, Schedule, make_schedule, model_stage, schedule_problem, stage_location,
+                                       theoretical_bubble)
 
 @dataclass
 class Simulation:

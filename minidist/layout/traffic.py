@@ -37,8 +37,8 @@ ring attention compute in float32.  Sequence parallelism under mixed precision i
 
 from __future__ import annotations
 
-from minidist.layout.collective_bytes import (acc_itemsize, all_gather_bytes, all_reduce_bytes,
-                               all_to_all_bytes, broadcast_bytes, doubling_messages, reduce_scatter_bytes)
+from minidist.layout.collective_bytes import (acc_itemsize, all_gather_bytes, all_reduce_bytes, broadcast_bytes,
+                                              reduce_scatter_bytes)
 from minidist.layout.mesh import AXES, MeshLayout
 from minidist.layout.schedules import layer_range, rank_stages
 from minidist.layout.split import split_sizes

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from minidist import comm
 from minidist.model import nn, ops
-from minidist.model.autograd import Tensor, make_tensor
+from minidist.model.autograd import make_tensor
 from minidist.model.backend import from_host, host, on_host, xp
 from minidist.comm import functional as F
 from minidist.comm.group import Group
@@ -44,7 +44,6 @@ from minidist.model.ops.basic import check_range
 from minidist.model.ops.nn_ops import checked_targets
 from minidist.model.ops.precision import compute_dtype, get_autocast_dtype, to_dtype
 from minidist.parallel import collective_matmul as cm
-from minidist.parallel.collective_matmul import record_timeline  # noqa: F401  (tensor.record_timeline)
 from minidist.parallel.sequence_parallel import all_gather_linear, linear_reduce_scatter
 
 OVERLAPS = ("none", "ring", "bidirectional")

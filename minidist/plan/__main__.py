@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import replace
 
-from minidist.host.cli_checks import int_in
+from minidist.host.cli_checks import OneLineParser, int_in
 from minidist.plan.cost import PRECISIONS, SCHEDULES, estimate, problems
 from minidist.plan.machine import PRESETS as MACHINES, calibration_path, load
 from minidist.plan.model import PRESETS as MODELS, ModelSpec, num_params
@@ -20,13 +20,8 @@ DEFAULT_BATCH = {"llama3-405b": 16 * 2**20, "llama3-70b": 16 * 2**20, "gpt3-175b
 POS = int_in(lo=1)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m minidist.plan", description="Predict a training step's time, memory and MFU on a "
+    p = OneLineParser(prog="python -m minidist.plan", description="Predict a training step's time, memory and MFU on a "
                 "mesh, or find the best meshes, from first principles (docs/planner.md).")
     m = p.add_argument_group("model (a preset, or the shape; shape flags override a preset's)")
     m.add_argument("--preset", choices=list(MODELS), default=None)

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 
 from minidist.layout.memory import zero_divisors
 from minidist.plan.machine import Machine
-from minidist.plan.model import (ModelSpec, activation_bytes_per_token, attention_flops, block_matmul_flops, block_params,
-                    embedding_params, head_flops, model_flops_per_token)
+from minidist.plan.model import (ModelSpec, activation_bytes_per_token, attention_flops, block_matmul_flops,
+                                 block_params, embedding_params, head_flops, model_flops_per_token)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 

@@ -31,8 +31,8 @@ import time
 from dataclasses import replace
 
 from minidist.plan.cost import FLOAT32, Plan, estimate
-from minidist.plan.machine import (INF, Link, Machine, busy_seconds, calibration_path, fixed_costs, load, measure_sync, mpiexec,
-                      others_load)
+from minidist.plan.machine import (INF, Link, Machine, busy_seconds, calibration_path, fixed_costs, load,
+                                   measure_sync, mpiexec, others_load)
 from minidist.plan.model import ModelSpec
 
 # Small enough that all of them take 2-4 minutes on 2 cores, large enough that the
@@ -101,7 +101,7 @@ def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
     load = others_load(busy_seconds() - before, ours, wall, ranks, os.cpu_count() or 1)
     if proc.returncode:
         os.unlink(path)
-        raise RuntimeError(f"minidist.train.loop {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"minidist.train {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
     with open(path) as f:
         rows = [json.loads(line) for line in f]
     os.unlink(path)

@@ -41,6 +41,7 @@ import os
 import struct
 import sys
 
+from minidist.host.cli_checks import OneLineParser
 from minidist.model.backend import bfloat16, host
 
 SAFETENSORS = "model.safetensors"
@@ -223,15 +224,8 @@ def export(path: str, outdir: str, dtype: str | None = None) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line and exit code 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m minidist.state.export",
+    p = OneLineParser(prog="python -m minidist.state.export",
                 description="Export a minidist checkpoint (saved on any mesh) as a Hugging Face GPT-2 model: "
                             "OUTDIR/model.safetensors and OUTDIR/config.json, for "
                             "transformers.GPT2LMHeadModel.from_pretrained(OUTDIR).")

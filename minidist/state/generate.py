@@ -34,6 +34,7 @@ import math
 import os
 import sys
 
+from minidist.host.cli_checks import OneLineParser
 from minidist.model.backend import to_host, xp
 
 
@@ -175,17 +176,10 @@ def generate(model, prompt: bytes, tokens: int, temperature: float = 1.0, top_k:
 # ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line and exit code 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     from minidist.host.cli_checks import float_in, int_in
 
-    p = _Parser(prog="python -m minidist.state.generate",
+    p = OneLineParser(prog="python -m minidist.state.generate",
                 description="Sample bytes from a minidist checkpoint (saved on any mesh) on one process, "
                             "with a KV cache, and print the prompt and its continuation.")
     p.add_argument("checkpoint", metavar="DIR", help="a step-NNNNNN checkpoint, or a --save directory (its latest)")

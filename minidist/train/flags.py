@@ -12,8 +12,8 @@ import argparse
 import os
 import sys
 
-from minidist.host.cli_checks import (InputError, available_memory_bytes, check_input_file, check_memory, check_output_files,
-                         float_in, int_in, training_memory_bytes)
+from minidist.host.cli_checks import (InputError, OneLineParser, available_memory_bytes, check_input_file, check_memory,
+                                      check_output_files, float_in, int_in, training_memory_bytes)
 from minidist.host import env
 from minidist.host.blas_env import pin_blas_threads
 from minidist.host.oversubscribed import prepare as prepare_yield
@@ -32,14 +32,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         if meaningless or "default" in text or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
-
-
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line (argparse's usage block would bury the message); exit code 2."""
-
-    def error(self, message):
-        # Under mpiexec every rank finds the same error and exits 2; rank 0 says it once.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n" if world_rank() == 0 else None)
 
 
 POSITIVE, NON_NEGATIVE = int_in(lo=1), int_in(lo=0)
@@ -62,7 +54,7 @@ model too large for memory) stops the run before any work with one message and e
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="minidist-train", formatter_class=_HelpFormatter, epilog=EXAMPLES,
+    p = OneLineParser(prog="minidist-train", speaks=world_rank() == 0, formatter_class=_HelpFormatter, epilog=EXAMPLES,
                 description="Train a small GPT on bytes, printing progress and writing metrics.")
     m = p.add_argument_group("model")
     m.add_argument("--layers", type=POSITIVE, default=4, metavar="N", help="number of transformer blocks")

@@ -32,7 +32,7 @@ import warnings
 
 from minidist.host.cli_checks import available_memory_bytes
 from minidist.train.config import RunConfig
-from minidist.train.flags import build_parser, memory_estimate, validate, world_rank, world_size  # noqa: F401 (re-exported)
+from minidist.train.flags import build_parser, memory_estimate, validate, world_rank, world_size
 from minidist.parallel.compose import build, build_mesh
 
 

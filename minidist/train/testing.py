@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 from minidist.host.blas_env import blas_thread_env, blas_threads
-from minidist.host.launcher import mpiexec_command  # noqa: F401 (the tests and benchmarks import it from here)
+from minidist.host.launcher import mpiexec_command
 
 _HANG_DIR = "MINIDIST_HANG_DIR"
 _HANG_AFTER = "MINIDIST_HANG_AFTER_S"

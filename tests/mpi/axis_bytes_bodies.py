@@ -85,7 +85,8 @@ def counting():
 def build(argv):
     """(model, strategy, cfg, mesh) for the training flags ``argv``, built as
     ``python -m minidist.train`` builds them (flags -> RunConfig -> Mesh -> compose.build)."""
-    from minidist.train.loop import build, build_mesh, build_parser, validate
+    from minidist.parallel.compose import build, build_mesh
+    from minidist.train.flags import build_parser, validate
 
     parser = build_parser()
     cfg = validate(parser.parse_args(argv), parser)

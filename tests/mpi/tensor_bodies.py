@@ -19,7 +19,7 @@ from minidist.model.backend import from_host, to_host
 from minidist.comm.group import Group
 from minidist.comm.mesh import Mesh
 from minidist.train.config import RunConfig
-from minidist.parallel import compose
+from minidist.parallel import collective_matmul, compose
 from minidist.parallel import tensor as tpm
 from minidist.train.loop import update
 
@@ -291,7 +291,7 @@ def overlap_timeline():
         mlp = nn.MLP(cfg, np.float64, tpm.TensorParallelLayers(world, overlap=overlap))
         nn.init_parameters(mlp, 0)
         x = Tensor(from_host(rng.standard_normal((B, T // world.size, d))), requires_grad=True)
-        with tpm.record_timeline() as events:
+        with collective_matmul.record_timeline() as events:
             y = mlp(x)
             y.backward(from_host(np.ones(y.shape)))
         steps = [(a, b) for kind, a, b in events if kind == "ppermute"]

@@ -37,7 +37,8 @@ from minidist.model.ops import autocast, get_autocast_dtype
 from minidist.parallel.data.allreduce import broadcast_parameters, check_identical
 from minidist.parallel.data.flat import FlatUnit, Shard
 from minidist.parallel.data.replica import OneReplica
-from minidist.parallel.data.zero import Sharded, ShardedOptimizer, accumulate, decay_of, load_shards, owned_shards, shard_segments
+from minidist.parallel.data.zero import (Sharded, ShardedOptimizer, accumulate, decay_of, load_shards, owned_shards,
+                                         shard_segments)
 
 _FREED = None  # what a parameter's .data is between uses
 
