@@ -66,7 +66,7 @@ def test_zero_memory_equals_the_bytes_minidist_holds(zero, dp):
 
     m = tiny_gpt(layers=4, d=16, heads=2, seq=8)
     numel = num_params(m)
-    parts = memory_parts(m, Plan(dp=dp, zero=zero), FLOAT64, dp * 8 * 2, minidist=True)
+    parts = memory_parts(m, Plan(dp=dp, zero=zero, sequence_parallel=True), FLOAT64, dp * 8 * 2, minidist=True)
     want = memory_formula(zero, numel, numel / dp, 8, 2)
     for key in ("params", "grads", "optimizer"):
         assert parts[key] == pytest.approx(want[key], rel=1e-12), key
@@ -76,15 +76,17 @@ def test_memory_by_hand_for_mixed_precision_zero():
     m = PRESETS["minidist-gpt"]
     psi = num_params(m)
     for zero, per_param in ((0, 16), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)):
-        p = memory_parts(m, Plan(dp=8, zero=zero), MIXED_BF16, 8 * 1024)
+        p = memory_parts(m, Plan(dp=8, zero=zero, sequence_parallel=True), MIXED_BF16, 8 * 1024)
         assert p["params"] + p["grads"] + p["optimizer"] == pytest.approx(per_param * psi, rel=1e-12)
 
 
 def test_activations_halve_with_tp_and_sequence_parallel_and_shrink_with_checkpointing():
     m = LLAMA
-    one = memory_parts(m, Plan(tp=1, pp=1, dp=1, microbatches=2048), MIXED_BF16, GBS)["activations"]
-    tp2 = memory_parts(m, Plan(tp=2, pp=1, dp=1, microbatches=2048), MIXED_BF16, GBS)["activations"]
-    ck = memory_parts(m, Plan(tp=1, pp=1, dp=1, microbatches=2048, checkpoint=True), MIXED_BF16, GBS)["activations"]
+    def activations(**settings):
+        plan = Plan(pp=1, dp=1, microbatches=2048, sequence_parallel=True, **settings)
+        return memory_parts(m, plan, MIXED_BF16, GBS)["activations"]
+
+    one, tp2, ck = activations(tp=1), activations(tp=2), activations(tp=1, checkpoint_activations=True)
     assert tp2 == pytest.approx(one / 2)
     tokens = GBS // 2048  # one sequence per microbatch: each block keeps only its input (bf16), one block everything
     assert ck == pytest.approx(126 * 16384 * 2 * tokens + one / 126)
@@ -113,7 +115,8 @@ def test_the_estimated_pipeline_time_is_the_simulated_makespan():
     m = tiny_gpt(layers=4, d=64, heads=4, seq=64)
     bare = Machine("bare", {"float32": 1e9}, 1e12, 1e30, (Link("free", float("inf"), 1e30, 0.0),))
     for sched, V in (("1f1b", 1), ("interleaved", 2)):
-        e = estimate(m, bare, Plan(pp=2, microbatches=4, schedule=sched, virtual=V, zero=0), 4 * 64, FLOAT32)
+        plan = Plan(pp=2, microbatches=4, schedule=sched, virtual_stages=V, sequence_parallel=True)
+        e = estimate(m, bare, plan, 4 * 64, FLOAT32)
         t_f = e.time["compute"] / 4 / 3  # per microbatch, forward; backward is 2 x
         sim = simulate(make_schedule(sched, 2, 4, V), t_forward=t_f, t_backward=2 * t_f)
         assert e.time["compute"] + e.time["bubble"] == pytest.approx(sim.makespan, rel=1e-9)
@@ -124,10 +127,13 @@ def test_the_estimated_pipeline_time_is_the_simulated_makespan():
 
 def test_an_infeasible_mesh_is_rejected_with_its_reason():
     m = LLAMA
-    assert any("tp=16 does not divide" in x for x in problems(m, Plan(tp=16, pp=8, dp=64), 8192, GBS))
-    assert any("8192 devices" not in x and "not --gpus" in x for x in problems(m, Plan(tp=8, pp=8, dp=8), 8192, GBS))
-    assert any("does not divide the 2048 sequences" in x for x in problems(m, Plan(tp=1, dp=8192), 8192, GBS))
-    e = estimate(m, H100, Plan(tp=8, pp=1, dp=1024, zero=0, microbatches=2), GBS)
+    def found(**mesh):
+        return problems(m, Plan(**mesh, zero=1, sequence_parallel=True), 8192, GBS)
+
+    assert any("tp=16 does not divide" in x for x in found(tp=16, pp=8, dp=64))
+    assert any("8192 devices" not in x and "not --gpus" in x for x in found(tp=8, pp=8, dp=8))
+    assert any("does not divide the 2048 sequences" in x for x in found(tp=1, dp=8192))
+    e = estimate(m, H100, Plan(tp=8, pp=1, dp=1024, zero=0, microbatches=2, sequence_parallel=True), GBS)
     assert not e.fits and e.mem_bytes > 16 * num_params(m) / 8  # 16 bytes per parameter, an eighth per tp rank
 
 

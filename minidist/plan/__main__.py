@@ -130,8 +130,10 @@ def _wanted(args, plan) -> bool:
     return ((args.zero is None or plan.zero == args.zero)
             and (args.microbatches is None or plan.microbatches == args.microbatches)
             and (args.schedule is None or plan.schedule == args.schedule or (plan.pp == 1 and args.schedule != "interleaved"))
-            and (args.virtual_stages is None or plan.virtual == args.virtual_stages or plan.schedule != "interleaved")
-            and (args.checkpoint_activations is None or plan.checkpoint == (args.checkpoint_activations == "on")))
+            and (args.virtual_stages is None or plan.virtual_stages == args.virtual_stages
+                 or plan.schedule != "interleaved")
+            and (args.checkpoint_activations is None
+                 or plan.checkpoint_activations == (args.checkpoint_activations == "on")))
 
 
 def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
@@ -142,7 +144,8 @@ def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
     # The settings the user fixed, the rest chosen: the fastest combination that fits.
     given = Plan(**mesh, zero=1 if args.zero is None else args.zero,
                  microbatches=args.microbatches or 1, schedule=args.schedule or "1f1b",
-                 virtual=args.virtual_stages or (2 if args.schedule == "interleaved" else 1))
+                 virtual_stages=args.virtual_stages or (2 if args.schedule == "interleaved" else 1),
+                 sequence_parallel=args.sequence_parallel == "on")
     checks = [x for x in problems(model, given, args.gpus, tokens)
               if args.microbatches is not None or "microbatches" not in x]
     checks = [x for x in checks if args.schedule == "interleaved" or "interleaved" not in x]
@@ -179,7 +182,8 @@ def _explicit(args, mesh, model, tokens):
         for ck in ([args.checkpoint_activations == "on"] if args.checkpoint_activations else [False, True]):
             sched = args.schedule or "1f1b"
             v = args.virtual_stages or (2 if sched == "interleaved" else 1)
-            yield Plan(**mesh, zero=z, microbatches=args.microbatches or 1, schedule=sched, virtual=v, checkpoint=ck)
+            yield Plan(**mesh, zero=z, microbatches=args.microbatches or 1, schedule=sched, virtual_stages=v,
+                       checkpoint_activations=ck)
 
 
 def _describe(model, machine, tokens, e, devices) -> str:

@@ -52,18 +52,21 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 @dataclass(frozen=True)
 class Plan:
-    """A mesh (tp innermost, then cp, pp, dp) and the step's settings."""
+    """A mesh (tp innermost, then cp, pp, dp) and the step's settings, in the run's words: the
+    fields, names and defaults of a resolved ``layout.settings.ParallelConfig`` (the training
+    command's ``--zero``, ``--virtual-stages``, ...) and ``checkpoint_activations`` (the run's
+    ``--checkpoint-activations``), so that a plan reads as the flags that run it."""
 
     tp: int = 1
     cp: int = 1
     pp: int = 1
     dp: int = 1
-    zero: int = 1
+    zero: int = 0
     microbatches: int = 1
     schedule: str = "1f1b"
-    virtual: int = 1             # interleaved: model chunks per rank
-    checkpoint: bool = False     # full activation checkpointing (recompute each block)
-    sequence_parallel: bool = True
+    virtual_stages: int = 1             # interleaved: model chunks per rank
+    checkpoint_activations: bool = False  # full activation checkpointing (recompute each block)
+    sequence_parallel: bool = False
 
     @property
     def devices(self) -> int:
@@ -75,8 +78,8 @@ class Plan:
     def label(self) -> str:
         s = f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp} ZeRO-{self.zero} M={self.microbatches}"
         if self.pp > 1:
-            s += f" {self.schedule}" + (f" V={self.virtual}" if self.schedule == "interleaved" else "")
-        return s + (" ckpt" if self.checkpoint else "")
+            s += f" {self.schedule}" + (f" V={self.virtual_stages}" if self.schedule == "interleaved" else "")
+        return s + (" ckpt" if self.checkpoint_activations else "")
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,8 @@ class Estimate:
     def as_dict(self) -> dict:
         p = self.plan
         return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "zero": p.zero, "microbatches": p.microbatches,
-                "schedule": p.schedule, "virtual_stages": p.virtual, "checkpoint_activations": p.checkpoint,
+                "schedule": p.schedule, "virtual_stages": p.virtual_stages,
+                "checkpoint_activations": p.checkpoint_activations,
                 "sequence_parallel": p.sequence_parallel, "step_s": self.step_s, "mfu": self.mfu, "hfu": self.hfu,
                 "mem_gb": self.mem_bytes / 1e9, "fits": self.fits, "limit": self.limit,
                 "time_s": dict(self.time), "memory_gb": {k: v / 1e9 for k, v in self.memory.items()}}
@@ -167,10 +171,11 @@ def problems(model: ModelSpec, plan: Plan, devices: int, global_batch_tokens: in
     if p.schedule not in SCHEDULES:
         out.append(f"schedule {p.schedule!r} is not one of {', '.join(SCHEDULES)}")
     if p.schedule == "interleaved" and p.pp > 1:
-        if p.virtual < 2:
+        if p.virtual_stages < 2:
             out.append("the interleaved schedule needs at least 2 virtual stages")
-        elif p.virtual > math.ceil(model.layers / p.pp):
-            out.append(f"{p.virtual} virtual stages exceed the {math.ceil(model.layers / p.pp)} blocks of a stage "
+        elif p.virtual_stages > math.ceil(model.layers / p.pp):
+            out.append(f"{p.virtual_stages} virtual stages exceed the {math.ceil(model.layers / p.pp)} blocks "
+                       f"of a stage "
                        f"(pp={p.pp}, {model.layers} layers)")
         elif p.microbatches % p.pp:
             out.append(f"the interleaved schedule needs the microbatches ({p.microbatches}) a multiple of pp={p.pp}")
@@ -228,9 +233,9 @@ class Step:
         share = min(1.0, mc.cores / (p.devices + mc.load)) if mc.cores else 1.0
         seqs_mb = global_batch_tokens // m.seq_len // p.dp // p.microbatches
         return Step(m, mc, p, pr, minidist, share, seqs_mb * m.seq_len / p.cp, seqs_mb, stage_blocks(m.layers, p.pp),
-                    p.virtual if p.schedule == "interleaved" and p.pp > 1 else 1,
+                    p.virtual_stages if p.schedule == "interleaved" and p.pp > 1 else 1,
                     # minidist's ZeRO-3 recomputes every block in backward (parallel/data/fsdp.py)
-                    p.checkpoint or (minidist and p.zero == 3),
+                    p.checkpoint_activations or (minidist and p.zero == 3),
                     p.sequence_parallel and p.tp > 1 and not minidist)
 
 
@@ -395,7 +400,7 @@ def in_flight(p: Plan, stage: int = 0) -> float:
     if p.schedule == "gpipe":
         return float(p.microbatches)
     k = min(p.microbatches, p.pp - stage)
-    return k * (1 + (p.pp - 1) / (p.pp * p.virtual)) if p.schedule == "interleaved" else float(k)
+    return k * (1 + (p.pp - 1) / (p.pp * p.virtual_stages)) if p.schedule == "interleaved" else float(k)
 
 
 def memory_parts(m: ModelSpec, p: Plan, pr: Precision, global_batch_tokens: int, minidist: bool = False) -> dict:
@@ -411,7 +416,7 @@ def memory_parts(m: ModelSpec, p: Plan, pr: Precision, global_batch_tokens: int,
     else:  # without sequence parallelism the norms' inputs and outputs (4 d per token) are on every tp rank
         per_tok = activation_bytes_per_token(m, pr.act)
         block = per_tok * n / p.tp + (0 if sp else 4 * m.d_model * pr.act * n * (1 - 1 / p.tp))
-    ckpt = p.checkpoint or (minidist and p.zero == 3)
+    ckpt = p.checkpoint_activations or (minidist and p.zero == 3)
     block_input = m.d_model * pr.act * n / (p.tp if sp else 1)
     nd = p.dp * p.cp
     best = None

@@ -51,7 +51,8 @@ def settings(model, tp, cp, pp, dp, global_batch_tokens: int, zeros=(0, 1, 2, 3)
                 continue
             for z in zeros:
                 for ck in checkpoint:
-                    yield Plan(tp, cp, pp, dp, z, M, sched, v, ck)
+                    yield Plan(tp=tp, cp=cp, pp=pp, dp=dp, zero=z, microbatches=M, schedule=sched, virtual_stages=v,
+                               checkpoint_activations=ck, sequence_parallel=True)
 
 
 def best_for_mesh(model, machine, mesh, global_batch_tokens: int, precision=MIXED_BF16,
@@ -60,13 +61,13 @@ def best_for_mesh(model, machine, mesh, global_batch_tokens: int, precision=MIXE
     fastest = leanest = None
     fitted = set()  # settings that fit without checkpointing: recomputing would only be slower
     for plan in settings(model, *mesh, global_batch_tokens):
-        key = (plan.zero, plan.microbatches, plan.schedule, plan.virtual)
-        if plan.checkpoint and key in fitted:
+        key = (plan.zero, plan.microbatches, plan.schedule, plan.virtual_stages)
+        if plan.checkpoint_activations and key in fitted:
             continue
         if problems(model, plan, plan.devices, global_batch_tokens):
             continue
         e = estimate(model, machine, plan, global_batch_tokens, precision, minidist)
-        if e.fits and not plan.checkpoint:
+        if e.fits and not plan.checkpoint_activations:
             fitted.add(key)
         if e.fits and (fastest is None or e.step_s < fastest.step_s):
             fastest = e
