@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from minidist.layout import traffic as t
+from minidist.layout import collective_bytes as cb, traffic as t
 from minidist.train.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "axis_bytes_bodies.py")
@@ -29,25 +29,25 @@ def body(name, timeout=300):
 def test_algorithm_costs_are_the_textbook_ones_on_even_blocks(n):
     X = 64 * n * 8  # float64, divisible into n blocks
     for r in range(n):
-        assert t.all_reduce_bytes(X // 8, 8, n, r, "ring") == 2 * (n - 1) * X // n  # Patarasuk & Yuan
-        assert t.all_reduce_bytes(X // 8, 8, n, r, "pairwise") == 2 * (n - 1) * X // n
-        assert t.reduce_scatter_bytes(X // 8, 1, 8, n, r) == (n - 1) * X // n
-        assert t.all_to_all_bytes(64 * n, 8, n, r) == (n - 1) * X // n
+        assert cb.all_reduce_bytes(X // 8, 8, n, r, "ring") == 2 * (n - 1) * X // n  # Patarasuk & Yuan
+        assert cb.all_reduce_bytes(X // 8, 8, n, r, "pairwise") == 2 * (n - 1) * X // n
+        assert cb.reduce_scatter_bytes(X // 8, 1, 8, n, r) == (n - 1) * X // n
+        assert cb.all_to_all_bytes(64 * n, 8, n, r) == (n - 1) * X // n
     pof2 = 1 << (n.bit_length() - 1)
     if n == pof2:
-        assert all(t.doubling_messages(n, r) == n.bit_length() - 1 for r in range(n))
+        assert all(cb.doubling_messages(n, r) == n.bit_length() - 1 for r in range(n))
     # the root of a binomial broadcast sends ceil(log2 N) times, every other rank receives once
-    assert t.broadcast_bytes(8, n, 0, 0) == 8 * (n - 1).bit_length()
-    assert sum(t.broadcast_bytes(8, n, r, 0) for r in range(n)) == 8 * (n - 1)
+    assert cb.broadcast_bytes(8, n, 0, 0) == 8 * (n - 1).bit_length()
+    assert sum(cb.broadcast_bytes(8, n, r, 0) for r in range(n)) == 8 * (n - 1)
 
 
 def test_small_all_reduces_take_recursive_doubling():
-    assert t.all_reduce_bytes(100, 8, 4, 0) == 2 * 800  # log2(4) rounds of the whole vector
-    assert t.all_reduce_bytes(100, 2, 2, 0) == 400  # bfloat16 travels as float32
-    assert [t.doubling_messages(3, r) for r in range(3)] == [1, 2, 1]  # rank 0 gives, 1 returns the result
+    assert cb.all_reduce_bytes(100, 8, 4, 0) == 2 * 800  # log2(4) rounds of the whole vector
+    assert cb.all_reduce_bytes(100, 2, 2, 0) == 400  # bfloat16 travels as float32
+    assert [cb.doubling_messages(3, r) for r in range(3)] == [1, 2, 1]  # rank 0 gives, 1 returns the result
     big = (512 << 10) // 8 + 1
     # above 512 KiB: pairwise; on 2 ranks each sends the other's half, then its own (uneven halves)
-    assert t.all_reduce_bytes(big, 8, 2, 0) == t.all_reduce_bytes(big, 8, 2, 1) == big * 8
+    assert cb.all_reduce_bytes(big, 8, 2, 0) == cb.all_reduce_bytes(big, 8, 2, 1) == big * 8
 
 
 def test_param_numels_are_the_models():
