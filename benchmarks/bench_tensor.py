@@ -51,7 +51,7 @@ def _one(g, fn):
     import numpy as np
 
     from minidist import comm
-    from minidist.parallel import collective_matmul
+    from minidist.parallel.tensor import collective_matmul
 
     comm.barrier(g)
     comm.reset_stats()

@@ -4,7 +4,7 @@ collective matmuls, and the activation memory sequence parallelism saves.
     mpiexec -n 4 python examples/07_tensor_parallel.py [--gbps 1] [--quick]
 
 Every rank of the world is one tensor-parallel rank (tp = number of ranks).  For each way
-of communicating (minidist/parallel/tensor.py):
+of communicating (minidist/parallel/tensor/):
 
 * **tensor**: Megatron-LM's f/g, an all-reduce of the activation after each row-parallel
   layer (and of its gradient before each column-parallel one);
@@ -38,7 +38,8 @@ import numpy as np  # noqa: E402
 from minidist import comm  # noqa: E402
 from minidist.model import nn
 from minidist.model.autograd import Tensor  # noqa: E402
-from minidist.parallel import collective_matmul, tensor as tpm  # noqa: E402
+from minidist.parallel import tensor as tpm
+from minidist.parallel.tensor import collective_matmul  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--gbps", type=float, default=1.0, help="simulated link bandwidth, Gbit/s")

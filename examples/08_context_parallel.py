@@ -4,7 +4,7 @@
 
 Each of the N ranks holds T/N tokens of the sequence.  Everything but attention works token by
 token; attention needs every earlier key, and gets it one of two ways
-(minidist/parallel/context.py):
+(minidist/parallel/context/):
 
 * ring attention: the key/value blocks travel around the ring of ranks (ppermute), folded into
   an online softmax as they arrive; no rank ever holds the whole sequence;

@@ -42,8 +42,14 @@ def _write(save, meta):
     (save / STEP / "metadata.json").write_text(json.dumps(meta))
 
 
-def _cli(module, *args):
-    return subprocess.run([sys.executable, "-m", f"minidist.{module}", *args], capture_output=True, text=True,
+# each command: (what ``python -m`` runs, the module whose ``main`` that calls)
+COMMANDS = {"train": ("minidist.train", "minidist.train.loop"),
+            "export": ("minidist.state.export", "minidist.state.export"),
+            "generate": ("minidist.state.generate", "minidist.state.generate")}
+
+
+def _cli(command, *args):
+    return subprocess.run([sys.executable, "-m", COMMANDS[command][0], *args], capture_output=True, text=True,
                           timeout=120)
 
 
@@ -118,11 +124,11 @@ def test_every_rank_refuses_before_any_collective(saved, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # One test per rule, through each command's main (in this process: a traceback fails the test)
 # ------------------------------------------------------------------------------------------------
-def _run(module, argv, capsys):
-    """``python -m minidist.MODULE ARGV`` in this process: (exit code, stdout, stderr)."""
+def _run(command, argv, capsys):
+    """The command's ``main(ARGV)`` in this process: (exit code, stdout, stderr)."""
     import importlib
 
-    main = importlib.import_module(f"minidist.{module}").main
+    main = importlib.import_module(COMMANDS[command][1]).main
     try:
         main(argv)
         code = 0

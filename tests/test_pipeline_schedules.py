@@ -1,7 +1,7 @@
 """Pipeline schedules as data, checked by simulation (no MPI)."""
 import pytest
 
-from minidist.train.config import VIRTUAL
+from minidist.layout.settings import VIRTUAL
 from minidist.layout import schedules as S
 from minidist.layout.schedules import Action, make_schedule
 from minidist.layout.simulate import Deadlock, _message_key, main, simulate

@@ -1,4 +1,4 @@
-"""Tensor parallelism (parallel/tensor.py): layers, vocabulary-parallel loss, training, overlap."""
+"""Tensor parallelism (parallel/tensor/): layers, vocabulary-parallel loss, training, overlap."""
 import json
 import os
 

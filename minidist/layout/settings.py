@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 
 ATTENTIONS = ("plain", "blockwise")       # one rank's attention (nn.attention_function)
-CP_IMPLEMENTATIONS = ("ring", "ulysses")  # context parallelism (parallel/context.py)
-TP_OVERLAPS = ("ring", "bidirectional")   # collective matmuls (parallel/collective_matmul.py)
+CP_IMPLEMENTATIONS = ("ring", "ulysses")  # context parallelism (parallel/context/)
+TP_OVERLAPS = ("ring", "bidirectional")   # collective matmuls (parallel/tensor/collective_matmul.py)
 VIRTUAL = ("interleaved", "looping")       # pipeline schedules with several model chunks per rank
 
 

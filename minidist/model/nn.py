@@ -41,6 +41,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from minidist.layout.settings import ATTENTIONS
 from minidist.model import ops
 from minidist.model.autograd import Parameter, Tensor, checkpoint
 from minidist.model.backend import dtype as _dtype
@@ -229,9 +230,8 @@ class CausalSelfAttention(Module):
         return self.c_proj(y)
 
 
-ATTENTIONS = ("plain", "blockwise")
-"""Attention on one rank: ``plain`` keeps the T x T probabilities, ``blockwise`` (FlashAttention's
-online softmax) never holds more than a block x block tile of them."""
+# Attention on one rank (layout.settings.ATTENTIONS): ``plain`` keeps the T x T probabilities,
+# ``blockwise`` (FlashAttention's online softmax) never holds more than a block x block tile of them.
 
 
 def attention_function(name: str = "plain", block: int = 128):

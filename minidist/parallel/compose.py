@@ -80,25 +80,16 @@ def build(cfg, mesh=None):
     """``(model, strategy)`` for the resolved run configuration ``cfg`` on ``mesh`` (a
     ``comm.Mesh``; None for one process).  Collective over the mesh: every rank calls it."""
     from minidist.model.nn import GPT
-    from minidist.parallel import data
+    from minidist.parallel import context, data, pipeline, tensor
     from minidist.parallel.strategy import Strategy
-    from minidist.parallel.tensor import tensor_parallel_layers
 
-    p = cfg.parallel
-    model = GPT(model_config(cfg), tensor_parallel_layers(p, mesh))          # 1. tensor
+    model = GPT(model_config(cfg), tensor.apply(cfg, mesh))                   # 1. tensor
     model.checkpoint_activations = cfg.device.checkpoint_activations
-    context = None
-    if p.cp > 1:                                                               # 2. context
-        from minidist.parallel.context import ContextParallel
-        context = ContextParallel(mesh.group("cp"), p.cp_impl, cfg.model.attention, cfg.model.attention_block)
-        context.install(model)
-    pipeline = None
-    if p.pp > 1:                                                               # 3. pipeline
-        from minidist.parallel.pipeline.runtime import PipelineRuntime
-        pipeline = PipelineRuntime(model, mesh.group("pp"), p.schedule, p.microbatches, p.virtual_stages)
+    sequence = context.apply(model, cfg, mesh)                                 # 2. context
+    stages = pipeline.apply(model, cfg, mesh)                                  # 3. pipeline
     optimizer = make_optimizer(cfg.optim, model.parameters())
-    replicas = data.apply(model, optimizer, p, mesh)                           # 4. data
-    return model, Strategy(model, replicas, mesh, context, pipeline)         # 5. the loop's interface
+    replicas = data.apply(model, optimizer, cfg.parallel, mesh)                # 4. data
+    return model, Strategy(model, replicas, mesh, sequence, stages)            # 5. the loop's interface
 
 
 def model_config(cfg):

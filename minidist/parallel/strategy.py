@@ -13,7 +13,7 @@ The loop (minidist/train/loop.py) is the same whatever the mesh::
 Inside, one step of a ``dp x pp x tp x cp`` run goes:
 
 * **rows** of the global batch over ``dp`` (``layout.split.shard``), in ``grad_accum`` micro-batches;
-* **tokens** of every row over ``cp`` (parallel/context.py); each micro-batch's mean loss is
+* **tokens** of every row over ``cp`` (parallel/context/); each micro-batch's mean loss is
   weighted by its share of the global batch's rows *and* tokens, so summed over every rank it
   is exactly the single-process loss, and so are the gradients;
 * the micro-batch runs through the model (tensor-parallel layers communicate inside it), or

@@ -255,7 +255,7 @@ class _Check:
             self.fail("mesh", f"sizes multiply to {_numel(mesh[a] for a in AXES)}, not world_size {world}")
 
     def model(self, model) -> dict:
-        from minidist.model.nn import ATTENTIONS
+        from minidist.layout.settings import ATTENTIONS
 
         self.kind(model, dict, "model", "a mapping")
         for key in MODEL_FIELDS:

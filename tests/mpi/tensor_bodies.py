@@ -19,7 +19,8 @@ from minidist.model.backend import from_host, to_host
 from minidist.comm.group import Group
 from minidist.comm.mesh import Mesh
 from minidist.train.config import RunConfig
-from minidist.parallel import collective_matmul, compose
+from minidist.parallel import compose
+from minidist.parallel.tensor import collective_matmul
 from minidist.parallel import tensor as tpm
 from minidist.train.loop import update
 

@@ -9,5 +9,19 @@ Start reading at ``minidist/layout/schedules.py``:
 * :mod:`.runtime` - one runtime that executes any schedule for this rank's stage(s).
 
 The training loop reaches the runtime through ``parallel/strategy.py`` (one pass of the
-schedule per micro-batch, the stage's data-parallel reduction around it).
+schedule per micro-batch, the stage's data-parallel reduction around it).  The checks of the
+pipeline's settings are ``layout.schedules.problems`` (pure arithmetic: the planner uses them
+too), and :func:`apply` is the composer's step for this axis.  Imports host, layout, model and
+comm; nothing above ``parallel``.
 """
+
+
+def apply(model, cfg, mesh):
+    """The pipeline part of a run: with ``--pp`` > 1 the model keeps only this rank's stage(s)
+    (``model.keep_stage``) and the runtime that executes the schedule for them, else None."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return None
+    from minidist.parallel.pipeline.runtime import PipelineRuntime
+
+    return PipelineRuntime(model, mesh.group("pp"), p.schedule, p.microbatches, p.virtual_stages)

@@ -1,30 +1,4 @@
-"""Tensor parallelism: Megatron-LM's layers.
-
-Tensor parallelism splits every weight matrix over the ``tp`` ranks of a group (Shoeybi et
-al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
-Parallelism").  Linear weights are stored ``(in, out)`` (``y = x @ W``):
-
-* **ColumnParallelLinear** keeps ``out / tp`` columns of W: every rank needs the whole
-  input and produces its slice of the output features;
-* **RowParallelLinear** keeps ``in / tp`` rows of W: every rank takes its slice of the input
-  features and produces a *partial sum* of the whole output.
-
-Column then row needs no communication in between, so the MLP (``c_fc`` column, ``c_proj``
-row) and attention (q, k, v column-split by heads, output projection row) each communicate
-once forward and once backward: Megatron's **f** (identity, all-reduce of the gradient)
-where the block starts and **g** (all-reduce, identity backward) where it ends
-(comm/functional.py).  Cost per block and direction: one all-reduce of the activation,
-2 (tp-1)/tp * B*T*C elements sent per rank.
-
-The vocabulary is split too: each rank holds ``V / tp`` rows of the token embedding (a
-lookup outside them gives zeros; the ranks' partial embeddings are summed), the tied LM
-head produces ``V / tp`` logits per token, and the cross-entropy combines the shards with
-two small all-reduces (a max and a sum per token) without ever forming the full logits.
-
-Sequence parallelism (``sequence_parallel=True``) and collective matmuls (``overlap="ring"``
-or ``"bidirectional"``) keep these layers and replace each all-reduce by an all-gather and a
-reduce-scatter along the sequence: the linear ops live in parallel/sequence_parallel.py
-(Korthikanti et al. 2022; Wang et al. 2022).
+"""Megatron-LM's layers (Shoeybi et al. 2019): the split set ``nn.GPT`` builds from.
 
 With a group of one rank (or none) every layer here is the plain layer: one GPT class
 (``nn.GPT(cfg, layers=TensorParallelLayers(group))``) serves every mode.
@@ -43,10 +17,11 @@ from minidist.comm.group import Group
 from minidist.model.ops.basic import check_range
 from minidist.model.ops.nn_ops import checked_targets
 from minidist.model.ops.precision import compute_dtype, get_autocast_dtype, to_dtype
-from minidist.parallel import collective_matmul as cm
-from minidist.parallel.sequence_parallel import all_gather_linear, linear_reduce_scatter
+from minidist.layout.settings import TP_OVERLAPS
+from minidist.parallel.tensor import collective_matmul as cm
+from minidist.parallel.tensor.sequence_parallel import all_gather_linear, linear_reduce_scatter
 
-OVERLAPS = ("none", "ring", "bidirectional")
+OVERLAPS = ("none", *TP_OVERLAPS)  # "none": the plain all-reduce of Megatron-LM
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,40 +60,8 @@ class Shard:
         return xp.take(full, from_host(indices), axis=self.dim)
 
 
-def problems(given, cfg) -> list[str]:
-    """Why the tensor-parallel settings cannot split this model (one line each; [] if they can).
-
-    ``given``: the run configuration as the user gave it, ``cfg`` resolved.  With context
-    parallelism, sequence parallelism splits each rank's ``seq_len / cp`` tokens over tp."""
-    p, m = cfg.parallel, cfg.model
-    tp, out = p.tp, []
-    if p.tp_async and tp == 1:
-        out.append(f"--tp-async {p.tp_async} needs --tp greater than 1 (got --tp {tp})")
-    if p.sequence_parallel and tp == 1:
-        out.append(f"--sequence-parallel needs --tp greater than 1 (got --tp {tp})")
-    if tp == 1:
-        return out
-    for flag, value in (("--heads", m.heads), ("--d-model", m.d_model)):
-        if value % tp:
-            out.append(f"{flag} {value} is not divisible by --tp {tp}")
-    if (4 * m.d_model) % tp:
-        out.append(f"the MLP width 4 x --d-model = {4 * m.d_model} is not divisible by --tp {tp}")
-    if 256 % tp:
-        out.append(f"the vocabulary (256 byte values) is not divisible by --tp {tp}")
-    tokens = cfg.data.seq_len // p.cp
-    if (p.sequence_parallel or p.tp_async) and tokens % tp:
-        what = "--sequence-parallel" if p.sequence_parallel else f"--tp-async {p.tp_async} (sequence parallel)"
-        seq = f"--seq-len {cfg.data.seq_len}" + (f" / --cp {p.cp} = {tokens} tokens per rank" if p.cp > 1 else "")
-        out.append(f"{seq} is not divisible by --tp {tp}: {what} splits the sequence")
-    return out
 
 
-def tensor_parallel_layers(p, mesh):
-    """The run's layer set (``p``: its ParallelConfig): split over the mesh's tp group when
-    ``p.tp`` > 1, else None (the plain layers)."""
-    if p.tp == 1:
-        return None
-    return TensorParallelLayers(mesh.group("tp"), p.sequence_parallel, p.tp_async or "none")
 
 
 # --------------------------------------------------------------------------------------------

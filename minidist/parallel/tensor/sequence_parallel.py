@@ -31,7 +31,7 @@ from minidist.model.autograd import make_tensor
 from minidist.model.backend import xp
 from minidist.model.ops.linalg import column_sums
 from minidist.model.ops.precision import compute_dtype, gemm_operands, get_autocast_dtype, to_dtype
-from minidist.parallel import collective_matmul as cm
+from minidist.parallel.tensor import collective_matmul as cm
 
 
 def _check_layout(x, N, what):

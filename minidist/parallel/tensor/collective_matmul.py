@@ -1,6 +1,6 @@
 """Collective matmuls: an all-gather or reduce-scatter hidden behind the matmuls it feeds.
 
-Sequence-parallel tensor parallelism (parallel/tensor.py) all-gathers the sequence before a
+Sequence-parallel tensor parallelism (parallel/tensor/) all-gathers the sequence before a
 column-parallel matmul and reduce-scatters it after a row-parallel one.  The textbook way is
 one collective, then the matmul (or the matmul, then one collective): :func:`gather_once`
 and :func:`matmul_then_reduce_scatter`.  Wang et al. 2022 ("Overlap Communication with
