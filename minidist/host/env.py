@@ -157,7 +157,14 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "when each rank dumps its stacks (set by minidist.train.testing.run_mpi)", internal=True),
     Variable("MINIDIST_TEST_KILL_IN_SAVE", _kill_point, "RANK:POINT:STEP (POINT: part-written or renamed)", None,
              "tests of checkpoints: rank RANK kills itself (SIGKILL) at that point of the save of "
-             "step STEP (minidist/state/checkpoint.py)", internal=True),
+             "step STEP (minidist/state/checkpoint.py); only in a job's first attempt (MINIDIST_RESTART "
+             "unset or 0), so a restarted job runs on", internal=True),
+    Variable("MINIDIST_RESTART", _integer(0), "an integer >= 0", 0,
+             "which attempt of a job this is: set by the restarting launcher (minidist-launch) to 0, "
+             "then 1, 2, ... after each restart (as torchrun's TORCHELASTIC_RESTART_COUNT)"),
+    Variable("MINIDIST_TEST_LOST_RANKS", _integer(1), "an integer >= 1", None,
+             "tests of the restarting launcher: pretend this many ranks were lost with the first "
+             "failure, so the job restarts on the ranks left (minidist/train/launch.py)", internal=True),
 )}
 
 

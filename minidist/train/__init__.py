@@ -5,6 +5,8 @@
   loop.py       the run: build the mesh and the model, train, evaluate, save, report
   report.py     the progress lines, the metrics file and the summary table
   interrupt.py  Ctrl-C and SIGTERM: finish the step, save, exit together
+  launch.py     ``minidist-launch``: the command under mpiexec, restarted from its latest
+                checkpoint when it fails, on fewer ranks when ranks are lost
   testing.py    the helpers that run minidist under mpiexec for the tests and benchmarks
 
 The top layer: it may import every other package; none imports it.
