@@ -130,11 +130,11 @@ def test_emulated_gpu_training_equals_numpy(name, nprocs, args, numpy_losses, tm
 
 
 def _in_step(t):
-    return any(fn.endswith(os.path.join("minidist", "train.py")) and f == "_one_step" for fn, _, f in t["stack"])
+    return any(fn.endswith(os.path.join("minidist", "train", "loop.py")) and f == "_one_step" for fn, _, f in t["stack"])
 
 
 def _through_to_host(t):
-    return any(fn.endswith(os.path.join("minidist", "backend.py")) and f == "to_host" for fn, _, f in t["stack"])
+    return any(fn.endswith(os.path.join("minidist", "model", "backend.py")) and f == "to_host" for fn, _, f in t["stack"])
 
 
 @pytest.mark.parametrize("name, nprocs, args", RUNS, ids=[r[0] for r in RUNS])
