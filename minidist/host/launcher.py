@@ -20,11 +20,16 @@ def mpiexec_command(nprocs: int) -> list[str]:
     exe = local if os.path.exists(local) else shutil.which("mpiexec")
     if exe is None:
         raise RuntimeError("no mpiexec found: run `make install` (it installs the mpich wheel)")
-    cmd = [exe, "-n", str(nprocs)]
+    return [exe, "--oversubscribe", "-n", str(nprocs)] if open_mpi(exe) else [exe, "-n", str(nprocs)]
+
+
+def open_mpi(exe: str | None = None) -> bool:
+    """Whether ``exe`` (default: this Python's mpiexec) is Open MPI's launcher."""
+    if exe is None:
+        local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        exe = local if os.path.exists(local) else shutil.which("mpiexec")
     try:
         version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        version = ""
-    if "Open MPI" in version or "OpenRTE" in version:
-        cmd.insert(1, "--oversubscribe")
-    return cmd
+    except (OSError, TypeError, subprocess.TimeoutExpired):
+        return False
+    return "Open MPI" in version or "OpenRTE" in version

@@ -20,7 +20,8 @@ docs/testing.md).  Under one mpiexec the launcher cannot see a lost node by itse
 **When not to restart.**  Exit code 2 (bad input, or a damaged checkpoint: restarting cannot
 help), 130 (Ctrl-C) and 143 (SIGTERM: a preemption, where every rank saved already) end the
 launcher with the job's code.  SIGINT and SIGTERM sent to the launcher go to mpiexec, which
-forwards them to the ranks (minidist/train/interrupt.py).
+forwards them to the ranks (minidist/train/interrupt.py); the launcher then ends with 130 or
+143 whatever the job's code (Open MPI's mpirun exits 1 after the ranks' MPI_Abort).
 
 Each restart is one line on stderr: what failed, the step it resumes from, the mesh.  Exit
 code: 0 when the training finished, else the last attempt's.  The job sees
@@ -92,14 +93,20 @@ def _mesh_text(mesh: dict, accum: int, ranks: int) -> str:
     return f"{axes} (--grad-accum {accum}), {ranks} rank{'s' * (ranks > 1)}"
 
 
-def _run(nprocs: int, argv: list[str], attempt: int) -> int:
-    """One attempt under mpiexec; SIGINT and SIGTERM to the launcher go to mpiexec."""
+def _run(nprocs: int, argv: list[str], attempt: int) -> tuple[int, int | None]:
+    """One attempt under mpiexec: (its exit code, the signal the launcher forwarded or None).
+    SIGINT and SIGTERM to the launcher go to mpiexec."""
     env = {**os.environ, "MINIDIST_RESTART": str(attempt)}
     proc = subprocess.Popen(mpiexec_command(nprocs) + [sys.executable, "-m", "minidist.train", *argv], env=env)
-    forward = lambda signum, frame: proc.send_signal(signum)  # noqa: E731
+    got = []
+
+    def forward(signum, frame):
+        got.append(signum)
+        proc.send_signal(signum)
+
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait()
+        return proc.wait(), (got[0] if got else None)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
@@ -128,14 +135,16 @@ def main(argv=None) -> int:
     attempt, kept, resumed = 0, [], None
     while True:
         extra = ["--dp", str(mesh["dp"]), "--grad-accum", str(accum)]
-        code = _run(ranks, flags + extra + (["--resume", given.save] if resumed is not None else []),
-                    attempt)
+        code, stopped = _run(ranks, flags + extra + (["--resume", given.save] if resumed is not None else []),
+                             attempt)
         if kept:  # the restarted job rewrote the metrics file from the step it resumed
             records = _records(given.metrics_jsonl)
             with open(given.metrics_jsonl, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept + records)
-        if code in NO_RESTART or code < 0 and -code in (signal.SIGINT, signal.SIGTERM):
-            return code if code >= 0 else 128 - code
+        if stopped is not None:  # the launcher was told to stop (Open MPI's mpirun then exits 1, not 130/143)
+            return 128 + stopped
+        if code in NO_RESTART:
+            return code
         if attempt >= args.max_restarts:
             print(f"{PROG}: the job failed (exit code {code}) and no restart is left (--max-restarts "
                   f"{args.max_restarts})", file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.comm.algorithms.ring import ring_steps
-from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _irecv, _isend, _recv, _wait_recv, _waitall
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _irecv, _isend, _recv, _wait_recv, _waitall, _withdraw
 from minidist.layout.split import split_bounds
 
 PIPELINE_BYTES = 1024 * 1024
@@ -45,13 +45,17 @@ def pipelined_step(comm, outgoing, dst, src, size, nchunks, tmp, combine) -> Non
         return got, _irecv(comm, got, src, TAG), _isend(comm, outgoing[sends[c][0]:sends[c][1]], dst, TAG)
 
     pending = post(0)
-    for c, (lo, hi) in enumerate(recvs):
-        got, recv_req, send_req = pending
-        if c + 1 < nchunks:
-            pending = post(c + 1)  # in flight while chunk c is reduced below
-        _wait_recv(comm, recv_req, src, TAG, got.nbytes)
-        combine(lo, hi, got)
-        _waitall([send_req])
+    try:
+        for c, (lo, hi) in enumerate(recvs):
+            got, recv_req, send_req = pending
+            if c + 1 < nchunks:
+                pending = post(c + 1)  # in flight while chunk c is reduced below
+            _wait_recv(comm, recv_req, src, TAG, got.nbytes)
+            combine(lo, hi, got)
+            _waitall([send_req])
+    except BaseException:  # a mismatch (or any error): the next chunk's receive must not stay posted
+        _withdraw([pending[1]])
+        raise
 
 
 def pipelined_ring_reduce_scatter(g, x: np.ndarray, bounds, ufunc, result: np.ndarray) -> None:

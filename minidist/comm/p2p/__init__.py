@@ -307,6 +307,21 @@ def _waitall(requests) -> None:
         tr.message("wait", None, 0, 0, t0)
 
 
+def _withdraw(requests) -> None:
+    """Cancel the receives a failing collective leaves posted and wait until each is cancelled
+    (or has arrived): nothing may land in a receive buffer once the call has raised.  Open MPI
+    would otherwise write a late message into memory Python has freed, or crash completing a
+    request nobody holds; MPICH happened not to.  Sends are left to finish or to be dropped
+    with the job: cancelling a send is deprecated (MPI 4.0) and may never complete."""
+    for req in requests:
+        if req != MPI.REQUEST_NULL:
+            req.Cancel()
+            try:
+                req.Wait()
+            except MPI.Exception:  # it arrived, with another size or identity: it is gone either way
+                pass
+
+
 def _stage_in(out, buf: np.ndarray) -> None:
     """Copy a received host buffer into ``out`` (a device array; a span on the timeline)."""
     out[...] = from_host(buf)
