@@ -20,7 +20,7 @@ help:
 	@echo "make test-gpu-emulated  the same tests on a CPU, under the CuPy emulator of tests/emulated_gpu"
 	@echo "make bench      the benchmarks (installs PyTorch for the comparison); JSON and tables in bench-results/"
 	@echo "make install    only create .venv and install minidist into it"
-	@echo "make clean      remove .venv, bench-results, demo-checkpoint and pytest's cache"
+	@echo "make clean      remove .venv, .venv-openmpi, bench-results, demo-checkpoint and pytest's cache"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

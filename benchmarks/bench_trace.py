@@ -72,7 +72,7 @@ def worker(out_path: str, quick: bool, reps: int, meshes: list) -> None:
             t2 = clock()
             update(strategy, None, 1.0)
             t3 = clock()
-            if traced:  # what train.py adds to a traced step
+            if traced:  # what train/loop.py adds to a traced step
                 tracer.add("compute", "forward_backward", "step", t1, t2, {"step": k})
                 tracer.add("compute", "optimizer", "optimizer", t2, t3, {"step": k})
                 tracer.add("compute", f"step {k}", "step", t0, t3, {"step": k})

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from minidist.state.data import (
-                                 ByteTokenizer, Sampler, entropy_bigram, entropy_unigram, load_corpus, shard,
-                                 split_corpus, stdlib_source_files,
-                                 )
+    ByteTokenizer, Sampler, entropy_bigram, entropy_unigram, load_corpus, shard,
+    split_corpus, stdlib_source_files,
+)
 from minidist.layout.split import shard_bounds
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from minidist.host.blas_env import blas_threads
-from minidist.train.launch import shrink
+from minidist.train.launch import latest_step, shrink
 from minidist.train.testing import run_train
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
@@ -30,7 +30,9 @@ def _records(path):
 
 
 def _restart_lines(stderr):
-    return [line for line in stderr.splitlines() if line.startswith("minidist-launch:")]
+    """The launcher's lines about the job (not its warning about --save-every)."""
+    return [line for line in stderr.splitlines()
+            if line.startswith("minidist-launch:") and not line.startswith("minidist-launch: warning:")]
 
 
 def test_the_mesh_shrinks_data_parallelism_and_keeps_the_global_batch():
@@ -40,6 +42,16 @@ def test_the_mesh_shrinks_data_parallelism_and_keeps_the_global_batch():
     assert shrink(mesh, 3, 8) == ({**mesh, "dp": 2}, 6)
     assert shrink(mesh, 1, 4) == ({**mesh, "dp": 1}, 4)
     assert shrink(mesh, 1, 3) is None  # pp2 x tp2 needs 4
+
+
+def test_the_step_to_resume_from(tmp_path):
+    """No ``latest``: from the start; an unreadable one: "?" (the job then refuses it, exit 2,
+    instead of a restart from scratch over the checkpoints); else its step."""
+    assert latest_step(str(tmp_path)) is None
+    (tmp_path / "latest").write_text("step-000007\n")
+    assert latest_step(str(tmp_path)) == "?"  # it names a checkpoint that is not there
+    (tmp_path / "step-000007").mkdir()
+    assert latest_step(str(tmp_path)) == 7
 
 
 @pytest.mark.mpi

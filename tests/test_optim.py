@@ -6,9 +6,9 @@ import pytest
 
 from minidist.model.autograd import Parameter
 from minidist.model.optim import (
-                                  SGD, AdamW, DynamicLossScaler, adamw_update, clip_grad_norm, grad_norm_sq, lr_at,
-                                  no_decay_below_2d, sgd_update,
-                                  )
+    SGD, AdamW, DynamicLossScaler, adamw_update, clip_grad_norm, grad_norm_sq, lr_at,
+    no_decay_below_2d, sgd_update,
+)
 
 SHAPES = {"w1": (4, 3), "b1": (3,), "w2": (3, 5), "g": (5,)}
 

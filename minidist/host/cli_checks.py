@@ -1,8 +1,8 @@
 """Checks on the training CLI's input, all made before any model is built or any file written.
 
 Each check raises :class:`InputError` with one line that names the flag and the bad value;
-``minidist.train.loop`` turns it into ``minidist-train: error: ...`` and exit code 2.  The checks
-read only the arguments, the environment and the file system, so every rank of a job reaches
+the training command (``minidist.train.flags``) turns it into ``minidist-train: error: ...``
+and exit code 2.  The checks read only the arguments, the environment and the file system, so every rank of a job reaches
 the same verdict on its own, before any message is exchanged (a rank that refused alone
 would leave the others waiting in their first collective).
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse with errors as one line, ``PROG: error: MESSAGE (see --help)``, and exit code 2

@@ -23,13 +23,10 @@ def mpiexec_command(nprocs: int) -> list[str]:
     return [exe, "--oversubscribe", "-n", str(nprocs)] if open_mpi(exe) else [exe, "-n", str(nprocs)]
 
 
-def open_mpi(exe: str | None = None) -> bool:
-    """Whether ``exe`` (default: this Python's mpiexec) is Open MPI's launcher."""
-    if exe is None:
-        local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        exe = local if os.path.exists(local) else shutil.which("mpiexec")
+def open_mpi(exe: str) -> bool:
+    """Whether the launcher ``exe`` is Open MPI's (it then needs ``--oversubscribe``)."""
     try:
         version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, TypeError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired):
         return False
     return "Open MPI" in version or "OpenRTE" in version

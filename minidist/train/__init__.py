@@ -7,6 +7,7 @@
   interrupt.py  Ctrl-C and SIGTERM: finish the step, save, exit together
   launch.py     ``minidist-launch``: the command under mpiexec, restarted from its latest
                 checkpoint when it fails, on fewer ranks when ranks are lost
+  __main__.py   ``python -m minidist.train``
   testing.py    the helpers that run minidist under mpiexec for the tests and benchmarks
 
 The top layer: it may import every other package; none imports it.

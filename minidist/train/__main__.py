@@ -2,4 +2,5 @@
 
 from minidist.train.loop import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -71,21 +71,32 @@ def shrink(mesh: dict, grad_accum: int, ranks: int):
     return None
 
 
-def latest_step(save: str) -> int | None:
-    """The step of ``save``'s latest checkpoint, or None before the first one."""
+def latest_step(save: str):
+    """The step of ``save``'s latest checkpoint; None before the first one; "?" when ``latest``
+    is there but unreadable (the job's own checks then name the damage and exit 2, rather than
+    a restart from scratch overwriting the checkpoints)."""
     from minidist.state import checkpoint_meta
 
+    if not os.path.lexists(os.path.join(save, "latest")):
+        return None
     try:
         return int(os.path.basename(checkpoint_meta.latest(save)).rsplit("-", 1)[-1])
     except (OSError, ValueError, checkpoint_meta.CheckpointError):
-        return None
+        return "?"
 
 
 def _records(path: str | None) -> list[dict]:
+    """The metrics file's records (a line torn by the failure is dropped)."""
     if not path or not os.path.exists(path):
         return []
+    out = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
 
 
 def _mesh_text(mesh: dict, accum: int, ranks: int) -> str:
@@ -94,19 +105,26 @@ def _mesh_text(mesh: dict, accum: int, ranks: int) -> str:
 
 
 def _run(nprocs: int, argv: list[str], attempt: int) -> tuple[int, int | None]:
-    """One attempt under mpiexec: (its exit code, the signal the launcher forwarded or None).
-    SIGINT and SIGTERM to the launcher go to mpiexec."""
+    """One attempt under mpiexec: (its exit code, as a shell gives it, and the signal the
+    launcher forwarded or None).  mpiexec runs in a session of its own, so that a terminal's
+    Ctrl-C reaches the launcher only, which passes SIGINT or SIGTERM on exactly once (a second
+    signal would stop the ranks at once, without their final checkpoint)."""
     env = {**os.environ, "MINIDIST_RESTART": str(attempt)}
-    proc = subprocess.Popen(mpiexec_command(nprocs) + [sys.executable, "-m", "minidist.train", *argv], env=env)
-    got = []
+    got, proc = [], None
 
     def forward(signum, frame):
         got.append(signum)
-        proc.send_signal(signum)
+        if proc is not None:
+            proc.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait(), (got[0] if got else None)
+        proc = subprocess.Popen(mpiexec_command(nprocs) + [sys.executable, "-m", "minidist.train", *argv], env=env,
+                                start_new_session=True)
+        if got:  # a signal came while mpiexec was starting
+            proc.send_signal(got[0])
+        code = proc.wait()
+        return (code if code >= 0 else 128 - code), (got[0] if got else None)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
@@ -120,49 +138,61 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     flags = args.train[1:] if args.train[:1] == ["--"] else args.train
     tp = train_parser()
-    tp.prog = f"{PROG} -- (training flags)"
+    tp.prog, tp.speaks = f"{PROG} -- (training flags)", True
     given = tp.parse_args(flags)
     if not given.save:
         parser.error("the training flags need --save DIR: a restart resumes from its latest checkpoint")
     if args.min_ranks is not None and args.min_ranks > args.nprocs:
         parser.error(f"--min-ranks {args.min_ranks} is above -n {args.nprocs}")
-    mesh = {"dp": given.dp or args.nprocs // (given.pp * given.tp * given.cp),
-            "pp": given.pp, "tp": given.tp, "cp": given.cp}
-    if shrink(mesh, given.grad_accum, args.nprocs) is None or mesh["dp"] * given.pp * given.tp * given.cp != args.nprocs:
+    model_ranks = given.pp * given.tp * given.cp
+    mesh = {"dp": given.dp or args.nprocs // model_ranks, "pp": given.pp, "tp": given.tp, "cp": given.cp}
+    if mesh["dp"] * model_ranks != args.nprocs:
         parser.error(f"-n {args.nprocs} does not fit the training flags' mesh "
-                     f"(--dp x --pp x --tp x --cp = {mesh['dp'] * given.pp * given.tp * given.cp})")
-    ranks, accum, lost = args.nprocs, given.grad_accum, env.get("MINIDIST_TEST_LOST_RANKS")
-    attempt, kept, resumed = 0, [], None
+                     f"(--dp x --pp x --tp x --cp = {mesh['dp'] * model_ranks})")
+    try:
+        lost = env.get("MINIDIST_TEST_LOST_RANKS")
+    except env.EnvError as exc:
+        parser.error(str(exc))
+    if given.save_every is None:
+        print(f"{PROG}: warning: without --save-every the only checkpoint is the last step's, so a restart "
+              "starts from the beginning", file=sys.stderr, flush=True)
+    least = args.min_ranks or args.nprocs
+    ranks, accum, attempt, kept, resumed = args.nprocs, given.grad_accum, 0, [], None
     while True:
         extra = ["--dp", str(mesh["dp"]), "--grad-accum", str(accum)]
         code, stopped = _run(ranks, flags + extra + (["--resume", given.save] if resumed is not None else []),
                              attempt)
         if kept:  # the restarted job rewrote the metrics file from the step it resumed
-            records = _records(given.metrics_jsonl)
+            new = [r for r in _records(given.metrics_jsonl) if r.get("step", 0) > kept[-1].get("step", 0)]
             with open(given.metrics_jsonl, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept + records)
+                f.writelines(json.dumps(r) + "\n" for r in kept + new)
+        if code == 0 or code in NO_RESTART and stopped is None:
+            if code == 2 and attempt:
+                print(f"{PROG}: the restarted job refused its input (exit code 2) on "
+                      f"{_mesh_text(mesh, accum, ranks)}", file=sys.stderr, flush=True)
+            return code
         if stopped is not None:  # the launcher was told to stop (Open MPI's mpirun then exits 1, not 130/143)
             return 128 + stopped
-        if code in NO_RESTART:
-            return code
         if attempt >= args.max_restarts:
             print(f"{PROG}: the job failed (exit code {code}) and no restart is left (--max-restarts "
                   f"{args.max_restarts})", file=sys.stderr, flush=True)
             return code
         if lost:  # the test hook: this many ranks are gone after the first failure
-            ranks, lost = ranks - lost, None
-            fit = shrink(mesh, accum, ranks) if ranks >= (args.min_ranks or args.nprocs) else None
-            if fit is None:
-                print(f"{PROG}: the job failed (exit code {code}) and the {ranks} rank(s) left cannot go on "
-                      f"(--min-ranks {args.min_ranks or args.nprocs}; the model axes need "
-                      f"{given.pp * given.tp * given.cp})", file=sys.stderr, flush=True)
+            left, lost = ranks - lost, None
+            fit = shrink(mesh, accum, left)
+            if fit is None or fit[0]["dp"] * model_ranks < least:
+                print(f"{PROG}: the job failed (exit code {code}) and the {left} rank(s) left cannot go on "
+                      f"(--min-ranks {least}; the model axes need {model_ranks} and dp must divide --dp "
+                      f"{mesh['dp']})", file=sys.stderr, flush=True)
                 return code
             mesh, accum = fit
-            ranks = mesh["dp"] * given.pp * given.tp * given.cp
+            ranks = mesh["dp"] * model_ranks
         attempt += 1
         resumed = latest_step(given.save)
-        kept = [r for r in _records(given.metrics_jsonl) if resumed is not None and r.get("step", 0) <= resumed]
-        where = f"from step {resumed}" if resumed is not None else "from the start (no checkpoint yet)"
+        step = resumed if isinstance(resumed, int) else 0
+        kept = [r for r in _records(given.metrics_jsonl) if r.get("step", 0) <= step]
+        where = {None: "from the start (no checkpoint yet)", "?": f"from {given.save}'s latest checkpoint"}.get(
+            resumed, f"from step {resumed}")
         print(f"{PROG}: the job failed (exit code {code}); restart {attempt}/{args.max_restarts} {where} on "
               f"{_mesh_text(mesh, accum, ranks)}", file=sys.stderr, flush=True)
 

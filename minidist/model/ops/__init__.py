@@ -20,25 +20,25 @@ from minidist.model.autograd import Tensor
 from minidist.model.ops.attention import attention, causal_mask, self_attention
 from minidist.model.ops.blockwise import blockwise_attention, blockwise_self_attention, check_block
 from minidist.model.ops.basic import (
-                                      add,
-                                      concat,
-                                      div,
-                                      exp,
-                                      getitem,
-                                      index_rows,
-                                      log,
-                                      mean,
-                                      mul,
-                                      neg,
-                                      reshape,
-                                      split,
-                                      sqrt,
-                                      sub,
-                                      sum,
-                                      tanh,
-                                      transpose,
-                                      unbroadcast,
-                                      )
+    add,
+    concat,
+    div,
+    exp,
+    getitem,
+    index_rows,
+    log,
+    mean,
+    mul,
+    neg,
+    reshape,
+    split,
+    sqrt,
+    sub,
+    sum,
+    tanh,
+    transpose,
+    unbroadcast,
+)
 from minidist.model.ops.linalg import linear, matmul
 from minidist.model.ops.nn_ops import cross_entropy, embedding, gelu, layer_norm, softmax
 from minidist.model.ops.precision import autocast, cast, get_autocast_dtype

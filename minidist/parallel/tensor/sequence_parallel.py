@@ -4,7 +4,7 @@
 Large Transformer Models"): outside the tensor-parallel matmuls (LayerNorm, residual
 additions) the activations are split along the sequence instead of being replicated, so
 those regions store 1/tp of their activations.  Each all-reduce of Megatron-LM's layers
-(tensor.py) becomes an all-gather of the sequence before a column-parallel layer and a
+(tensor_parallel.py) becomes an all-gather of the sequence before a column-parallel layer and a
 reduce-scatter after a row-parallel one: the same bytes (an all-reduce *is* a
 reduce-scatter plus an all-gather).  A replicated parameter used on a sequence shard
 (LayerNorm, the row-parallel bias, the position table) enters through **f**, so its
@@ -20,9 +20,9 @@ matmul works on the sequence-parallel layout, so it turns sequence parallelism o
 
 The two ops here, :func:`all_gather_linear` (column-parallel) and
 :func:`linear_reduce_scatter` (row-parallel), take the layer set ``tp``
-(``tensor.TensorParallelLayers``) as an argument: its ``gather_sequence`` and
+(``tensor_parallel.TensorParallelLayers``) as an argument: its ``gather_sequence`` and
 ``matmul_scatter_sequence`` choose one collective or a collective matmul.  This module never
-imports tensor.py, which builds its layers from these ops.
+imports tensor_parallel.py, which builds its layers from these ops.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _out_dtype(*arrays):
     return low if low is not None else xp.result_type(*[a.dtype for a in arrays])
 
 
-def all_gather_linear(x, w, b, tp: "TensorParallelLayers"):  # noqa: F821  (tensor.py; not imported: no cycle)
+def all_gather_linear(x, w, b, tp: "TensorParallelLayers"):  # noqa: F821  (tensor_parallel.py; not imported: no cycle)
     """Column-parallel ``all_gather(x, axis=1) @ w + b`` for this rank's sequence part x.
 
     Only x is kept for backward, which gathers it again (Korthikanti et al. 2022, sec. 4.2.2:
@@ -85,7 +85,7 @@ def all_gather_linear(x, w, b, tp: "TensorParallelLayers"):  # noqa: F821  (tens
     return make_tensor(to_dtype(y, _out_dtype(x.data, w.data)), (x, w, b), backward)
 
 
-def linear_reduce_scatter(h, w, tp: "TensorParallelLayers"):  # noqa: F821  (tensor.py; not imported: no cycle)
+def linear_reduce_scatter(h, w, tp: "TensorParallelLayers"):  # noqa: F821  (tensor_parallel.py; not imported: no cycle)
     """Row-parallel ``reduce_scatter(h @ w, axis=1)`` (no bias): this rank's sequence part.
 
     Backward gathers dy chunk by chunk: dh[:, rows] = dy_c @ w^T and dw += h[:, rows]^T dy_c.
