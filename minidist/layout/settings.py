@@ -17,6 +17,16 @@ ATTENTIONS = ("plain", "blockwise")       # one rank's attention (nn.attention_f
 CP_IMPLEMENTATIONS = ("ring", "ulysses")  # context parallelism (parallel/context/)
 TP_OVERLAPS = ("ring", "bidirectional")   # collective matmuls (parallel/tensor/collective_matmul.py)
 VIRTUAL = ("interleaved", "looping")       # pipeline schedules with several model chunks per rank
+ARCHS = ("gpt2", "llama")                  # the model families nn.GPT builds
+FFN_MULTIPLE = 32                          # Llama's feed-forward width: 8/3 d rounded up to a multiple of this
+ROPE_THETA = 500000.0                      # Llama 3's rotary base
+
+
+def llama_ffn_hidden(d_model: int, multiple: int = FFN_MULTIPLE) -> int:
+    """Llama's rule for the SwiGLU width: 2/3 of GPT's 4 d (three matrices cost what two did),
+    rounded up to a multiple of ``multiple`` (Llama uses 256 at its sizes; minidist's tiny
+    models use 32)."""
+    return -(-(8 * d_model) // (3 * multiple)) * multiple
 
 
 @dataclass
@@ -30,6 +40,22 @@ class ModelConfig:
     attention_block: int | None = None  # tile of blockwise / ring attention (default 128)
     dtype: str = "float32"            # parameter (master weight) dtype
     seed: int = 0
+    arch: str = "gpt2"                # gpt2 | llama
+    kv_heads: int | None = None       # Llama's key/value heads; None: --heads
+    ffn_hidden: int | None = None     # Llama's SwiGLU width; None: llama_ffn_hidden(d_model)
+    rope_theta: float | None = None   # Llama's rotary base; None: ROPE_THETA
+
+    @property
+    def kv(self) -> int:
+        """The key/value heads (GPT-2: one per query head)."""
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width: 4 d (GPT-2) or Llama's SwiGLU width."""
+        if self.arch != "llama":
+            return 4 * self.d_model
+        return self.ffn_hidden or llama_ffn_hidden(self.d_model)
 
 
 @dataclass

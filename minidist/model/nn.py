@@ -5,6 +5,13 @@ of pre-LayerNorm blocks (causal multi-head self-attention, then a 4x GELU MLP, e
 a residual connection), a final LayerNorm and a language-model head tied to the token
 embedding.
 
+``GPTConfig(arch="llama")`` builds the Llama family's variant of the same stack (Touvron et
+al. 2023; Dubey et al. 2024): RMSNorm instead of LayerNorm, no learned positions but rotary
+ones applied to the queries and keys, grouped-query attention (``n_kv_head`` key/value heads
+shared by groups of query heads), a SwiGLU feed-forward, no biases and an untied head.  The
+pieces, the seams and the names of the blocks' parts are otherwise the same, so every axis
+splits both without knowing which it holds.
+
 Three choices here serve the parallel strategies built on top:
 
 * **The model runs in pieces.**  ``embed``, each block, and ``head``/``loss`` are separate
@@ -41,7 +48,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from minidist.layout.settings import ATTENTIONS
+from minidist.layout.settings import ARCHS, ATTENTIONS, ROPE_THETA, llama_ffn_hidden
 from minidist.model import ops
 from minidist.model.autograd import Parameter, Tensor, checkpoint
 from minidist.model.backend import dtype as _dtype
@@ -171,6 +178,15 @@ class LayerNorm(Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+class RMSNorm(Module):
+    def __init__(self, dim, dtype, eps=1e-5):
+        self.weight = _param((dim,), dtype, ("ones",))
+        self.eps = eps
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
 class Layers:
     """How the model builds its layers: here the plain ones.
 
@@ -186,10 +202,21 @@ class Layers:
         """How many of a sequence's ``tokens`` this rank's activations between blocks hold."""
         return tokens // self.parts if self.sequence_parallel else tokens
 
-    def column(self, d_in, d_out, dtype, bias=True, std=0.02, fused=1):
+    def column(self, d_in, d_out, dtype, bias=True, std=0.02, fused=1, heads=None):
         """A linear layer whose *output* features a tensor-parallel set splits (``fused``:
-        the output is that many equal parts, e.g. 3 for the fused q, k, v)."""
+        the output is that many equal parts, e.g. 2 for SwiGLU's gate | up).  ``heads``: the
+        output is that many heads, and where they are fewer than the ranks each head is held
+        by several (grouped-query attention's key/value heads)."""
         return Linear(d_in, d_out, dtype, bias, std)
+
+    def heads_here(self, heads: int) -> int:
+        """How many of ``heads`` (split by :meth:`column`'s ``heads``) one rank holds."""
+        return max(heads // self.parts, 1)
+
+    def fused_column(self, x, linears):
+        """The outputs of several bias-free column layers side by side, as one matmul (one
+        all-gather too under sequence parallelism): Llama's q, k and v projections."""
+        return ops.linear(x, ops.concat([lin.weight for lin in linears], axis=1))
 
     def row(self, d_in, d_out, dtype, bias=True, std=0.02):
         """A linear layer whose *input* features a tensor-parallel set splits."""
@@ -197,6 +224,9 @@ class Layers:
 
     def layer_norm(self, dim, dtype):
         return LayerNorm(dim, dtype)
+
+    def rms_norm(self, dim, dtype, eps=1e-5):
+        return RMSNorm(dim, dtype, eps)
 
     def token_embedding(self, num, dim, dtype):
         return Embedding(num, dim, dtype)
@@ -218,8 +248,8 @@ class CausalSelfAttention(Module):
         self.n_head = cfg.n_head // layers.parts  # this rank's heads (all of them unless split)
         self.c_attn = layers.column(cfg.d_model, 3 * cfg.d_model, dtype, cfg.bias, fused=3)
         self.c_proj = layers.row(cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
-        # The attention function (qkv, n_head) -> y; context parallelism swaps in ring or
-        # Ulysses attention here (minidist.parallel.context).
+        # The attention function (qkv, n_head, n_kv_head) -> y; context parallelism swaps in
+        # ring or Ulysses attention here (minidist.parallel.context).
         self.attention = attention_function(cfg.attention, cfg.attention_block)
 
     def forward(self, x):
@@ -230,17 +260,54 @@ class CausalSelfAttention(Module):
         return self.c_proj(y)
 
 
+class GroupedQueryAttention(Module):
+    """Llama's attention: ``n_kv_head`` key/value heads, each shared by ``n_head / n_kv_head``
+    consecutive query heads (Ainslie et al. 2023; K = H is multi-head, K = 1 multi-query),
+    rotary positions on the queries and keys, no biases.
+
+    Split over tensor-parallel ranks, a rank keeps H/tp query heads and the key/value heads
+    they read: K/tp of them, or, where tp > K, the one head it shares with tp/K ranks."""
+
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers, positions):
+        H, K, D, d = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_model
+        if H % layers.parts:
+            raise ValueError(f"n_head={H} is not divisible by the {layers.parts} ranks that split the heads")
+        self.n_head, self.n_kv_head = H // layers.parts, layers.heads_here(K)
+        self.head_dim, self.theta = D, cfg.rope_theta
+        self.q_proj = layers.column(d, H * D, dtype, bias=False)
+        self.k_proj = layers.column(d, K * D, dtype, bias=False, heads=K)
+        self.v_proj = layers.column(d, K * D, dtype, bias=False, heads=K)
+        self.o_proj = layers.row(H * D, d, dtype, bias=False, std=cfg.residual_std)
+        self.layers, self.positions = layers, positions  # positions: GPT.token_positions
+        self.attention = attention_function(cfg.attention, cfg.attention_block)
+
+    def forward(self, x):
+        qkv = self.layers.fused_column(x, (self.q_proj, self.k_proj, self.v_proj))  # (B, T, (H + 2K) D)
+        # The queries and keys turn by their tokens' places in the sequence: under context
+        # parallelism these are the rank's (zig-zag) slices of it, given by the positions seam.
+        positions, _ = self.positions(qkv.shape[1])
+        qkv = ops.rotary(qkv, self.n_head + self.n_kv_head, self.head_dim, positions, self.theta)
+        return self.o_proj(self.attention(qkv, self.n_head, self.n_kv_head))
+
+
 # Attention on one rank (layout.settings.ATTENTIONS): ``plain`` keeps the T x T probabilities,
 # ``blockwise`` (FlashAttention's online softmax) never holds more than a block x block tile of them.
 
 
 def attention_function(name: str = "plain", block: int = 128):
-    """The causal self-attention ``(qkv, n_head) -> y`` called ``name``."""
+    """The causal self-attention ``(qkv, n_head, n_kv_head=n_head) -> y`` called ``name``; with
+    fewer key/value heads than query heads they are repeated for the multi-head kernels."""
     if name == "plain":
-        return ops.self_attention
-    if name == "blockwise":
-        return functools.partial(ops.blockwise_self_attention, block=block)
-    raise ValueError(f"unknown attention {name!r}; choose from {ATTENTIONS}")
+        inner = ops.self_attention
+    elif name == "blockwise":
+        inner = functools.partial(ops.blockwise_self_attention, block=block)
+    else:
+        raise ValueError(f"unknown attention {name!r}; choose from {ATTENTIONS}")
+
+    def attend(qkv, n_head, n_kv_head=None):
+        return inner(ops.repeat_kv(qkv, n_head, n_kv_head or n_head), n_head)
+
+    return attend
 
 
 class MLP(Module):
@@ -253,15 +320,30 @@ class MLP(Module):
         return self.c_proj(ops.gelu(self.c_fc(x)))
 
 
-class Block(Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+class SwiGLU(Module):
+    """Llama's feed-forward: ``down(silu(x W_gate) * (x W_up))`` (Shazeer 2020), the gate and
+    up projections one fused column layer whose halves a tensor-parallel rank splits alike."""
 
-    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers):
+        self.gate_up_proj = layers.column(cfg.d_model, 2 * cfg.ffn_hidden, dtype, bias=False, fused=2)
+        self.down_proj = layers.row(cfg.ffn_hidden, cfg.d_model, dtype, bias=False, std=cfg.residual_std)
+
+    def forward(self, x):
+        return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
+
+
+class Block(Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).  ``positions``:
+    the model's token positions (Llama's rotary attention reads them)."""
+
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None, positions=None):
         layers = layers or Layers()
-        self.ln_1 = layers.layer_norm(cfg.d_model, dtype)
-        self.attn = CausalSelfAttention(cfg, dtype, layers)
-        self.ln_2 = layers.layer_norm(cfg.d_model, dtype)
-        self.mlp = MLP(cfg, dtype, layers)
+        llama = cfg.arch == "llama"
+        norm = functools.partial(layers.rms_norm, eps=cfg.norm_eps) if llama else layers.layer_norm
+        self.ln_1 = norm(cfg.d_model, dtype)
+        self.attn = GroupedQueryAttention(cfg, dtype, layers, positions) if llama else CausalSelfAttention(cfg, dtype, layers)
+        self.ln_2 = norm(cfg.d_model, dtype)
+        self.mlp = SwiGLU(cfg, dtype, layers) if llama else MLP(cfg, dtype, layers)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -274,27 +356,53 @@ class Block(Module):
 @dataclass
 class GPTConfig:
     vocab_size: int = 256
-    seq_len: int = 128       # size of the position table: the longest sequence the model takes
+    seq_len: int = 128       # the longest sequence the model takes (GPT-2: its position table)
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 128
-    bias: bool = True
-    tie_embeddings: bool = True
+    bias: bool | None = None  # None: the architecture's (GPT-2 True, Llama False)
+    tie_embeddings: bool | None = None  # None: the architecture's (GPT-2 True, Llama False)
     dtype: str = "float32"   # parameter (master weight) dtype
     seed: int = 0
     attention: str = "plain"  # "plain" or "blockwise" (see ATTENTIONS)
     attention_block: int = 128  # query/key block of the blockwise attention
+    arch: str = "gpt2"       # "gpt2" or "llama"
+    n_kv_head: int | None = None  # Llama's key/value heads; None: n_head (GPT-2: always n_head)
+    ffn_hidden: int | None = None  # the MLP's width; None: 4 d (GPT-2), llama_ffn_hidden (Llama)
+    rope_theta: float = ROPE_THETA  # Llama's rotary base (Llama 3's)
+    norm_eps: float = 1e-5
 
     def __post_init__(self):
-        for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}; choose from {ARCHS}")
+        llama = self.arch == "llama"
+        self.bias = (not llama) if self.bias is None else self.bias
+        self.tie_embeddings = (not llama) if self.tie_embeddings is None else self.tie_embeddings
+        self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
+        if self.ffn_hidden is None:
+            self.ffn_hidden = llama_ffn_hidden(self.d_model) if llama else 4 * self.d_model
+        for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "n_kv_head", "ffn_hidden"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}")
+        if not llama and (self.n_kv_head != self.n_head or self.ffn_hidden != 4 * self.d_model):
+            raise ValueError("GPT-2 has as many key/value heads as query heads and a 4 d MLP: "
+                             "n_kv_head and ffn_hidden are Llama's")
+        if llama and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
         _dtype(self.dtype)
         attention_function(self.attention)
         ops.check_block(self.attention_block)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
 
     @property
     def residual_std(self) -> float:
@@ -311,10 +419,11 @@ class GPT(Module):
         self.config = cfg
         self.layers = layers = Layers() if layers is None else layers
         dt = _dtype(cfg.dtype)
+        llama = cfg.arch == "llama"
         self.wte = layers.token_embedding(cfg.vocab_size, cfg.d_model, dt)
-        self.wpe = layers.position_embedding(cfg.seq_len, cfg.d_model, dt)
-        self.h = [Block(cfg, dt, layers) for _ in range(cfg.n_layer)]
-        self.ln_f = layers.layer_norm(cfg.d_model, dt)
+        self.wpe = None if llama else layers.position_embedding(cfg.seq_len, cfg.d_model, dt)
+        self.h = [Block(cfg, dt, layers, self.token_positions) for _ in range(cfg.n_layer)]
+        self.ln_f = layers.rms_norm(cfg.d_model, dt, cfg.norm_eps) if llama else layers.layer_norm(cfg.d_model, dt)
         self.lm_head = None if cfg.tie_embeddings else layers.column(cfg.d_model, cfg.vocab_size, dt, bias=False)
         self.checkpoint_activations = False
         self._positions = None  # use_positions: None is 0..T-1 of sequences of length T
@@ -322,7 +431,7 @@ class GPT(Module):
 
     # -- the seams (module docstring) ----------------------------------------------------------
     def use_attention(self, fn) -> None:
-        """Every block's attention becomes ``fn(qkv, n_head) -> y`` (ring or Ulysses attention)."""
+        """Every block's attention becomes ``fn(qkv, n_head, n_kv_head) -> y`` (ring or Ulysses)."""
         for block in self.h:
             if block is not None:
                 block.attn.attention = fn
@@ -353,11 +462,13 @@ class GPT(Module):
 
     # -- the pieces a pipeline stage runs ----------------------------------------------------
     def embed(self, ids) -> Tensor:
-        """Token + position embeddings of an int array ``ids`` (B, T), at ``token_positions``."""
+        """Token + position embeddings of an int array ``ids`` (B, T), at ``token_positions``
+        (Llama: the token embeddings; its positions turn the queries and keys instead)."""
         positions, length = self.token_positions(ids.shape[-1])
         if length > self.config.seq_len:  # checked on the host: no device-to-host sync per forward
-            raise ValueError(f"sequence length {length} exceeds the position table ({self.config.seq_len})")
-        x = self.wte(ids) + self.wpe(positions)
+            table = "position table" if self.config.arch != "llama" else "model's longest sequence"
+            raise ValueError(f"sequence length {length} exceeds the {table} ({self.config.seq_len})")
+        x = self.wte(ids) if self.config.arch == "llama" else self.wte(ids) + self.wpe(positions)
         low = ops.get_autocast_dtype()
         return ops.cast(x, low) if low is not None else x  # mixed precision: low-precision activations
 

@@ -94,12 +94,16 @@ def build(cfg, mesh=None):
 
 def model_config(cfg):
     """The GPTConfig of a run configuration."""
+    from minidist.layout.settings import ROPE_THETA
     from minidist.model.nn import GPTConfig
 
     m = cfg.model
+    llama = m.arch == "llama"
     return GPTConfig(vocab_size=256, seq_len=m.block_size or cfg.data.seq_len, n_layer=m.layers, n_head=m.heads,
-                     d_model=m.d_model, tie_embeddings=not m.untied, dtype=m.dtype, seed=m.seed,
-                     attention=m.attention, attention_block=m.attention_block or 128)
+                     d_model=m.d_model, tie_embeddings=not (m.untied or llama), dtype=m.dtype, seed=m.seed,
+                     attention=m.attention, attention_block=m.attention_block or 128, arch=m.arch,
+                     n_kv_head=m.kv if llama else None, ffn_hidden=m.ffn if llama else None,
+                     rope_theta=m.rope_theta or ROPE_THETA)
 
 
 def make_optimizer(o, params):

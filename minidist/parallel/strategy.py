@@ -156,8 +156,8 @@ class Strategy:
         return total
 
     def _counted(self, p) -> bool:
-        if p.sharding is None and not self.first_tp:
-            return False
+        if (not self.first_tp) if p.sharding is None else p.sharding.copy:
+            return False  # a tp-replicated parameter, or a key/value head another rank also holds
         return not (p is self.tied and not self.pipeline.is_first)
 
     def step(self):

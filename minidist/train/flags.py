@@ -17,7 +17,7 @@ from minidist.host.cli_checks import (InputError, OneLineParser, available_memor
 from minidist.host import env
 from minidist.host.blas_env import pin_blas_threads
 from minidist.host.oversubscribed import prepare as prepare_yield
-from minidist.layout.settings import ATTENTIONS, CP_IMPLEMENTATIONS, TP_OVERLAPS
+from minidist.layout.settings import ARCHS, ATTENTIONS, CP_IMPLEMENTATIONS, FFN_MULTIPLE, ROPE_THETA, TP_OVERLAPS
 from minidist.train.config import RunConfig, from_args
 from minidist.layout.memory import zero_divisors
 from minidist.layout.schedules import ORDERS
@@ -34,7 +34,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
-POSITIVE, NON_NEGATIVE = int_in(lo=1), int_in(lo=0)
+POSITIVE, NON_NEGATIVE, POSITIVE_FLOAT = int_in(lo=1), int_in(lo=0), float_in(lo=0, lo_open=True)
 
 EXAMPLES = """examples (after make install, with .venv/bin first on PATH: it holds mpiexec and minidist-train):
   minidist-train --steps 300                                  the demo
@@ -63,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--block-size", type=POSITIVE, default=None, metavar="N",
                    help="size of the position table, the longest sequence the model accepts (default: --seq-len)")
     m.add_argument("--untied", action="store_true", help="separate LM head instead of tying it to the embedding")
+    m.add_argument("--arch", choices=ARCHS, default="gpt2",
+                   help="gpt2: LayerNorm, learned positions, GELU MLP, tied head; llama: RMSNorm, rotary positions, "
+                        "SwiGLU, grouped-query attention, no biases, untied head")
+    m.add_argument("--kv-heads", type=POSITIVE, default=None, metavar="K",
+                   help="Llama: key/value heads, a divisor of --heads (K = heads: multi-head; 1: multi-query) "
+                        "(default: --heads)")
+    m.add_argument("--ffn-hidden", type=POSITIVE, default=None, metavar="N",
+                   help=f"Llama: the SwiGLU width (default: 8/3 x --d-model rounded up to a multiple of {FFN_MULTIPLE})")
+    m.add_argument("--rope-theta", type=POSITIVE_FLOAT, default=None, metavar="X",
+                   help=f"Llama: the rotary positions' base (default: {ROPE_THETA:g}, Llama 3's)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, metavar="FILE",
                    help="text file to train on (default: the installed Python's standard library source, "
@@ -189,6 +199,16 @@ def validate(args, parser) -> RunConfig:
 def _validate(args) -> RunConfig:
     if args.d_model % args.heads:
         raise InputError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    if args.arch != "llama":
+        for flag in ("kv_heads", "ffn_hidden", "rope_theta"):
+            if getattr(args, flag) is not None:
+                raise InputError(f"--{flag.replace('_', '-')} is a Llama setting: it needs --arch llama "
+                                 f"(got --arch {args.arch})")
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        raise InputError(f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}")
+    if args.arch == "llama" and (args.d_model // args.heads) % 2:
+        raise InputError(f"--d-model {args.d_model} / --heads {args.heads} = {args.d_model // args.heads}: "
+                         "rotary positions need an even head dimension")
     if args.block_size is not None and args.seq_len > args.block_size:
         raise InputError(f"--seq-len {args.seq_len} is larger than the position table (--block-size {args.block_size})")
     if args.grad_accum > args.batch_size:

@@ -155,7 +155,9 @@ def check_split(cfg, got, ref, label):
     blocks = {k for k in got.params if k.startswith("h.")}
     if p.tp > 1:
         for k, s in got.sharding.items():
-            if k in numel and s is not None and getattr(s, "axis", None) == "tp" and numel[k] * p.tp != ref_numel[k]:
+            # s.parts: tp, or Llama's K key/value heads where tp > K (each shared by tp / K ranks)
+            parts = p.tp if s is None or s.parts == p.tp else min(p.tp, cfg.model.kv)
+            if k in numel and s is not None and getattr(s, "axis", None) == "tp" and numel[k] * parts != ref_numel[k]:
                 wrong.append(f"{k} holds {numel[k]} of {ref_numel[k]} elements (tp={p.tp})")
         share = sum(numel[k] for k in blocks) / sum(ref_numel[k] for k in blocks)
         if share > 1 / p.tp + 0.1:

@@ -2,7 +2,8 @@
 
 The ops: ``basic`` (arithmetic with broadcasting, reductions, shape ops, indexing),
 ``linalg`` (matmul, linear), ``nn_ops`` (gelu, softmax, layer_norm, embedding,
-cross_entropy), ``attention`` (fused scaled dot-product attention), ``blockwise`` (the same
+cross_entropy), ``llama_ops`` (rms_norm, rotary, swiglu, repeat_kv), ``attention``
+(fused scaled dot-product attention), ``blockwise`` (the same
 attention in tiles with the online softmax, FlashAttention) and ``precision``
 (autocast, cast).  Importing this package also attaches operator sugar to
 :class:`~minidist.model.autograd.Tensor` (``a + b``, ``a @ b``, ``x[:, 1:3]``, ``x.sum()``...).
@@ -40,6 +41,7 @@ from minidist.model.ops.basic import (
     unbroadcast,
 )
 from minidist.model.ops.linalg import linear, matmul
+from minidist.model.ops.llama_ops import repeat_kv, rms_norm, rotary, swiglu
 from minidist.model.ops.nn_ops import cross_entropy, embedding, gelu, layer_norm, softmax
 from minidist.model.ops.precision import autocast, cast, get_autocast_dtype
 
@@ -48,7 +50,7 @@ __all__ = [
     "reshape", "transpose", "split", "concat", "getitem", "index_rows", "unbroadcast",
     "matmul", "linear", "gelu", "softmax", "layer_norm", "embedding", "cross_entropy",
     "attention", "self_attention", "causal_mask", "blockwise_attention", "blockwise_self_attention",
-    "check_block", "cast", "autocast", "get_autocast_dtype",
+    "check_block", "cast", "autocast", "get_autocast_dtype", "rms_norm", "rotary", "swiglu", "repeat_kv",
 ]
 
 

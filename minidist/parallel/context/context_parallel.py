@@ -41,14 +41,17 @@ class ContextParallel:
         return positions(self.group.rank, self.group.size, seq_len, self.zigzag)
 
     def attention_function(self):
-        """The ``(qkv, n_head) -> y`` every block calls."""
+        """The ``(qkv, n_head, n_kv_head) -> y`` every block calls.  Ring attention passes
+        the multi-head layout around the ring (grouped-query key/value heads repeated first)."""
+        from minidist.model import ops
         from minidist.model.nn import attention_function
 
         g = self.group
         if self.impl == "ring":
-            return lambda qkv, n_head: ring_self_attention(qkv, n_head, g, self.zigzag, self.block, self.work)
+            return lambda qkv, n_head, n_kv_head=None: ring_self_attention(
+                ops.repeat_kv(qkv, n_head, n_kv_head or n_head), n_head, g, self.zigzag, self.block, self.work)
         inner = attention_function(self.inner, self.block or 128)
-        return lambda qkv, n_head: ulysses_self_attention(qkv, n_head, g, inner)
+        return lambda qkv, n_head, n_kv_head=None: ulysses_self_attention(qkv, n_head, g, inner, n_kv_head)
 
     def install(self, model) -> None:
         """Every block's attention -> this implementation; the embedding's positions -> this

@@ -20,8 +20,12 @@ def problems(given, cfg) -> list[str]:
     for flag, value in (("--heads", m.heads), ("--d-model", m.d_model)):
         if value % tp:
             out.append(f"{flag} {value} is not divisible by --tp {tp}")
-    if (4 * m.d_model) % tp:
-        out.append(f"the MLP width 4 x --d-model = {4 * m.d_model} is not divisible by --tp {tp}")
+    if m.ffn % tp:
+        width = f"--ffn-hidden {m.ffn}" if m.arch == "llama" else f"4 x --d-model = {m.ffn}"
+        out.append(f"the MLP width {width} is not divisible by --tp {tp}")
+    if m.kv % tp and tp % m.kv:
+        out.append(f"--kv-heads {m.kv} and --tp {tp}: the key/value heads are split over the tensor-parallel "
+                   "ranks or each shared by several, so one must divide the other")
     if 256 % tp:
         out.append(f"the vocabulary (256 byte values) is not divisible by --tp {tp}")
     tokens = cfg.data.seq_len // p.cp

@@ -31,13 +31,18 @@ OVERLAPS = ("none", *TP_OVERLAPS)  # "none": the plain all-reduce of Megatron-LM
 class Shard:
     """Part ``index`` of ``parts`` equal parts of dimension ``dim``, taken from each of
     ``blocks`` equal blocks of that dimension.  The fused QKV weight (d, 3d) has blocks=3:
-    rank r keeps its heads' columns of q, of k and of v, in that order."""
+    rank r keeps its heads' columns of q, of k and of v, in that order.
+
+    ``copy``: where fewer parts than ranks exist (Llama's K key/value heads on tp > K ranks),
+    several ranks hold the same part; ``copy`` numbers them, and only copy 0 counts it in
+    the gradient's norm and writes it to a checkpoint."""
 
     dim: int
     index: int
     parts: int
     blocks: int = 1
     axis: str = "tp"
+    copy: int = 0
 
     def local_shape(self, shape):
         shape = list(shape)
@@ -90,13 +95,37 @@ class TensorParallelLayers(nn.Layers):
         # its messages travel at the same time as the clockwise ones (full-duplex links).
         self.reverse = (Group(group.user_comm.Dup(), name=f"{group.name}-ccw")
                         if self.overlap == "bidirectional" else None)
+        self._copies = {}  # copies per head -> the group of ranks holding this rank's head
 
     def __repr__(self):
         return (f"TensorParallelLayers(parts={self.parts}, sequence_parallel={self.sequence_parallel}, "
                 f"overlap={self.overlap!r})")
 
-    def shard(self, dim: int, blocks: int = 1):
-        return Shard(dim, self.rank, self.parts, blocks) if self.parts > 1 else None
+    def shard(self, dim: int, blocks: int = 1, heads: int | None = None):
+        """This rank's slice of a weight whose dimension ``dim`` the group splits; with
+        ``heads`` fewer than the ranks, the head this rank shares with parts/heads others."""
+        if self.parts == 1:
+            return None
+        if heads is not None and heads < self.parts:
+            copies = self.parts // heads
+            return Shard(dim, self.rank // copies, heads, blocks, copy=self.rank % copies)
+        return Shard(dim, self.rank, self.parts, blocks)
+
+    def copies_group(self, heads: int):
+        """The ranks that hold the same one of ``heads`` heads as this one (``heads`` < the
+        ranks), made when first asked: every rank builds the same layers in the same order,
+        so every rank of the group asks at the same point (Split is collective)."""
+        copies = self.parts // heads
+        if copies not in self._copies:
+            sub = self.group.user_comm.Split(self.rank // copies, self.rank)
+            self._copies[copies] = Group(sub, name=f"{self.group.name}-kv{self.rank // copies}")
+        return self._copies[copies]
+
+    def heads_here(self, heads: int) -> int:
+        if heads % self.parts and self.parts % heads:
+            raise ValueError(f"{heads} key/value heads can be neither split over nor shared by "
+                             f"the {self.parts} tensor-parallel ranks (one must divide the other)")
+        return max(heads // self.parts, 1)
 
     def shared(self, *params):
         """Replicated parameters as used on this rank's sequence shard: under sequence
@@ -138,14 +167,21 @@ class TensorParallelLayers(nn.Layers):
         return cm.matmul_then_reduce_scatter(h, w, self.group)
 
     # -- nn.Layers -----------------------------------------------------------------------------
-    def column(self, d_in, d_out, dtype, bias=True, std=0.02, fused=1):
-        return ColumnParallelLinear(d_in, d_out, dtype, self, bias, std, fused)
+    def column(self, d_in, d_out, dtype, bias=True, std=0.02, fused=1, heads=None):
+        return ColumnParallelLinear(d_in, d_out, dtype, self, bias, std, fused, heads)
+
+    def fused_column(self, x, linears):
+        weight = ops.concat([lin.used_weight() for lin in linears], axis=1)
+        return column_linear(x, weight, None, self)
 
     def row(self, d_in, d_out, dtype, bias=True, std=0.02):
         return RowParallelLinear(d_in, d_out, dtype, self, bias, std)
 
     def layer_norm(self, dim, dtype):
         return LayerNorm(dim, dtype, self)
+
+    def rms_norm(self, dim, dtype, eps=1e-5):
+        return RMSNorm(dim, dtype, self, eps)
 
     def token_embedding(self, num, dim, dtype):
         return VocabParallelEmbedding(num, dim, dtype, self)
@@ -164,23 +200,41 @@ def _check_split(name, n, parts):
         raise ValueError(f"{name}={n} is not divisible by the {parts} tensor-parallel ranks")
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y = x @ W + b`` with W's columns (and b) split: this rank's output features only."""
+def column_linear(x, weight, bias, tp: TensorParallelLayers):
+    """``x @ weight + bias`` for this rank's columns: x replicated enters through f, or is
+    all-gathered along the sequence under sequence parallelism."""
+    if tp.parts == 1:
+        return ops.linear(x, weight, bias)
+    if tp.sequence_parallel:
+        return all_gather_linear(x, weight, bias, tp)
+    return ops.linear(tp.enter(x), weight, bias)
 
-    def __init__(self, d_in, d_out, dtype, tp: TensorParallelLayers, bias=True, std=0.02, fused=1):
-        _check_split("output features" if fused == 1 else f"output features of each of its {fused} fused parts",
-                     d_out // fused, tp.parts)
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W + b`` with W's columns (and b) split: this rank's output features only.
+
+    ``heads`` fewer than the ranks (grouped-query attention's key/value heads, tp > K): each
+    head's columns are held by tp/K ranks, which use them for different query heads, so the
+    weight's gradient is the sum of theirs (Megatron's f on the weight, over those ranks)."""
+
+    def __init__(self, d_in, d_out, dtype, tp: TensorParallelLayers, bias=True, std=0.02, fused=1, heads=None):
+        if heads is not None and heads < tp.parts:
+            tp.heads_here(heads)
+        else:
+            _check_split("output features" if fused == 1 else f"output features of each of its {fused} fused parts",
+                         (d_out // fused) if heads is None else heads, tp.parts)
         self.tp = tp
-        self.weight = nn._param((d_in, d_out), dtype, ("normal", std), tp.shard(1, fused))
-        self.bias = nn._param((d_out,), dtype, ("zeros",), tp.shard(0, fused)) if bias else None
+        self.copies = tp.copies_group(heads) if heads is not None and heads < tp.parts else None
+        self.weight = nn._param((d_in, d_out), dtype, ("normal", std), tp.shard(1, fused, heads))
+        self.bias = nn._param((d_out,), dtype, ("zeros",), tp.shard(0, fused, heads)) if bias else None
+
+    def used_weight(self):
+        """The weight as the matmul uses it: through f over the ranks holding the same head."""
+        return self.weight if self.copies is None else F.copy_to_group(self.weight, self.copies)
 
     def forward(self, x):
-        tp = self.tp
-        if tp.parts == 1:
-            return ops.linear(x, self.weight, self.bias)
-        if tp.sequence_parallel:
-            return all_gather_linear(x, self.weight, self.bias, tp)
-        return ops.linear(tp.enter(x), self.weight, self.bias)
+        bias = self.bias if self.copies is None or self.bias is None else F.copy_to_group(self.bias, self.copies)
+        return column_linear(x, self.used_weight(), bias, self.tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -219,6 +273,18 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x):
         return ops.layer_norm(x, *self.tp.shared(self.weight, self.bias), self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm with a replicated gain, normalising each rank's tokens under sequence
+    parallelism (its gradient summed over the shards by f, as LayerNorm's)."""
+
+    def __init__(self, dim, dtype, tp: TensorParallelLayers, eps=1e-5):
+        super().__init__(dim, dtype, eps)
+        self.tp = tp
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.tp.shared(self.weight), self.eps)
 
 
 class PositionEmbedding(nn.Embedding):
