@@ -25,25 +25,33 @@ from minidist.train.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "compose_bodies.py")
 
-PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} where the design allows
+LLAMA = dict(arch="llama", kv_heads=2)  # 4 query heads, 2 key/value heads
+MQA = dict(arch="llama", kv_heads=1)    # one key/value head: with tp=2 each rank shares it (K < tp)
+PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} where the design allows, GPT-2 and Llama
     "dp2-pp2": [dict(dp=2, pp=2, zero=0, bucket_mb=0.0, optimizer="sgd"),
                 dict(dp=2, pp=2, zero=1, schedule="gpipe", grad_accum=2),
-                dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, zero=3, schedule="interleaved", untied=True)],
+                dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, zero=3, schedule="interleaved", untied=True),
+                dict(dp=2, pp=2, zero=1, **LLAMA, grad_accum=2)],
     "dp2-tp2": [dict(dp=2, tp=2, zero=0, sequence_parallel=True), dict(dp=2, tp=2, zero=1, tp_async="ring", clip_grad=0.05),
-                dict(dp=2, tp=2, zero=3, checkpoint_activations=True)],
+                dict(dp=2, tp=2, zero=3, checkpoint_activations=True),
+                dict(dp=2, tp=2, zero=3, **MQA, sequence_parallel=True, clip_grad=0.05)],
     "dp2-cp2": [dict(dp=2, cp=2, zero=0), dict(dp=2, cp=2, zero=1, cp_impl="ulysses", optimizer="sgd"),
-                dict(dp=2, cp=2, zero=3, grad_accum=2)],
+                dict(dp=2, cp=2, zero=3, grad_accum=2), dict(dp=2, cp=2, zero=2, **LLAMA)],
     "pp2-tp2": [dict(pp=2, tp=2, sequence_parallel=True),
-                dict(pp=2, tp=2, schedule="interleaved", tp_async="bidirectional", untied=True)],
+                dict(pp=2, tp=2, schedule="interleaved", tp_async="bidirectional", untied=True),
+                dict(pp=2, tp=2, **MQA, schedule="interleaved", checkpoint_activations=True)],
     "pp2-cp2": [dict(pp=2, cp=2, zero=0), dict(pp=2, cp=2, zero=1, cp_impl="ulysses", schedule="gpipe"),
-                dict(pp=2, cp=2, zero=3, checkpoint_activations=True)],
+                dict(pp=2, cp=2, zero=3, checkpoint_activations=True),
+                dict(pp=2, cp=2, **LLAMA, cp_impl="ulysses", attention="blockwise", attention_block=2)],
     "tp2-cp2": [dict(tp=2, cp=2, zero=0, sequence_parallel=True), dict(tp=2, cp=2, zero=1, cp_impl="ulysses"),
-                dict(tp=2, cp=2, zero=3, tp_async="ring", attention="blockwise", attention_block=2)],
+                dict(tp=2, cp=2, zero=3, tp_async="ring", attention="blockwise", attention_block=2),
+                dict(tp=2, cp=2, **LLAMA, cp_impl="ulysses", zero=1),  # one kv head per tp rank, repeated for cp
+                dict(tp=2, cp=2, **LLAMA, sequence_parallel=True, hsdp_shard=2)],
 }
 TRIPLES = {  # 8 ranks
     "dp2-pp2-tp2": [dict(dp=2, pp=2, tp=2, schedule="1f1b", zero=1),
                     dict(dp=2, pp=2, tp=2, schedule="interleaved", sequence_parallel=True, grad_accum=2)],
-    "dp2-tp2-cp2": [dict(dp=2, tp=2, cp=2, cp_impl="ring", zero=0),
+    "dp2-tp2-cp2": [dict(dp=2, tp=2, cp=2, cp_impl="ring", zero=0), dict(dp=2, tp=2, cp=2, **MQA, cp_impl="ulysses"),
                     dict(dp=2, tp=2, cp=2, cp_impl="ulysses", hsdp_shard=2)],
     "pp2-tp2-cp2": [dict(pp=2, tp=2, cp=2, sequence_parallel=True, zero=3)],
     "dp2-pp2-cp2": [dict(dp=2, pp=2, cp=2, hsdp_shard=2, grad_accum=2)],  # HSDP over (dp, cp) of a pipeline
@@ -52,10 +60,11 @@ BF16, FP16 = dict(dtype="float32", mixed_precision="bf16"), dict(dtype="float32"
 MIXED = {  # float32 master weights, low-precision compute: close to one process's mixed-precision run
     "dp2-pp2-tp2-bf16": [dict(dp=2, pp=2, tp=2, **BF16, sequence_parallel=True), dict(dp=2, pp=2, tp=2, **FP16, zero=3)],
     "tp2-cp2-bf16": [dict(tp=2, cp=2, **BF16, zero=1, cp_impl="ulysses", sequence_parallel=True, tp_async="ring")],
-    "dp2-cp2-bf16": [dict(dp=2, cp=2, **BF16, zero=2)],
+    "dp2-cp2-bf16": [dict(dp=2, cp=2, **BF16, zero=2), dict(dp=2, cp=2, **BF16, **LLAMA, zero=1, lr=1e-2)],
     "dp2-tp2-fp16": [dict(dp=2, tp=2, **FP16, zero=0)],
 }
-FULL = {"dp2-pp2-tp2-cp2": [dict(dp=2, pp=2, tp=2, cp=2, zero=1, sequence_parallel=True, checkpoint_activations=True)]}
+FULL = {"dp2-pp2-tp2-cp2": [dict(dp=2, pp=2, tp=2, cp=2, zero=1, sequence_parallel=True, checkpoint_activations=True),
+                           dict(dp=2, pp=2, tp=2, cp=2, **LLAMA, zero=1, sequence_parallel=True)]}
 
 
 def _cases():

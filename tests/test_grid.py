@@ -131,3 +131,16 @@ def test_draw_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     with pytest.raises(ImportError, match="minidist\\[plot\\]"):
         grid.draw(1, 1, 1, 1, 2, 2, 8, 2, path=str(tmp_path / "x.png"))
+
+
+def test_llama_key_value_heads_split_or_shared():
+    """Grouped-query attention: K/tp key/value heads per tp rank, or where tp > K the head the
+    rank's query heads read (query head h reads key/value head h // (H / K))."""
+    table = grid.placement(dp=1, pp=1, tp=4, cp=1, n_layer=2, n_head=8, seq_len=8, batch_size=2, kv_heads=2)
+    for p in table:
+        assert list(p["kv_heads"]) == sorted({h // 4 for h in p["heads"]}) == [p["tp"] // 2]
+    table = grid.placement(dp=1, pp=1, tp=2, cp=1, n_layer=2, n_head=8, seq_len=8, batch_size=2, kv_heads=4)
+    assert [list(p["kv_heads"]) for p in table] == [[0, 1], [2, 3]]
+    assert "kv" not in grid.describe(dp=1, pp=1, tp=2, cp=1, n_layer=2, n_head=8, seq_len=8, batch_size=2)
+    with pytest.raises(ValueError, match="3 key/value heads must divide the 8 heads"):
+        grid.placement(dp=1, pp=1, tp=2, cp=1, n_layer=2, n_head=8, seq_len=8, batch_size=2, kv_heads=3)

@@ -363,6 +363,57 @@ def test_torch_parity_attention(causal):
     _assert_same(ops.attention(*mine, causal=causal), ref, mine, theirs)
 
 
+# ----------------------------------------------------------------- the Llama family's ops
+def test_llama_op_grads():
+    check_grad(lambda x, w: ops.rms_norm(x, w, eps=1e-5), rand(2, 3, 6), rand(6))
+    positions = np.array([0, 7, 3, 12])  # any order: a context-parallel rank's zig-zag places
+    check_grad(lambda x: ops.rotary(x, 3, 4, positions, 10.0), rand(2, 4, 5 * 4))
+    check_grad(ops.swiglu, rand(2, 3, 10) * 2)
+    for kv in (1, 2, 4):  # multi-query, grouped, multi-head (the identity)
+        check_grad(lambda x, kv=kv: ops.repeat_kv(x, 4, kv), rand(2, 3, (4 + 2 * kv) * 3))
+
+
+def _torch_rotate(torch, x, positions, theta):
+    """Hugging Face Llama's rotary embedding (rotate_half), in float64."""
+    D = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angles = torch.tensor(positions, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return x * cos[:, None, :] + torch.cat([-x2, x1], -1) * sin[:, None, :]
+
+
+def test_torch_parity_llama_ops():
+    torch, mine, theirs = _torch_pair(rand(2, 3, 8), rand(8))
+    t, w = theirs
+    ref = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    _assert_same(ops.rms_norm(*mine, eps=1e-5), ref, mine, theirs)
+    torch, (h,), (th,) = _torch_pair(rand(2, 3, 10) * 2)
+    _assert_same(ops.swiglu(h), torch.nn.functional.silu(th[..., :5]) * th[..., 5:], [h], [th])
+    # q and k heads turned, v heads as they were; B=2, T=4, 2 q + 1 k + 1 v heads of 6
+    positions = [5, 0, 9, 2]
+    torch, (x,), (tx,) = _torch_pair(rand(2, 4, 4 * 6))
+    qk = tx[..., :18].reshape(2, 4, 3, 6)
+    ref = torch.cat([_torch_rotate(torch, qk, positions, 500000.0).reshape(2, 4, 18), tx[..., 18:]], -1)
+    _assert_same(ops.rotary(x, 3, 6, np.array(positions), 500000.0), ref, [x], [tx])
+    # repeat_kv as Hugging Face's repeat_kv: query head h reads key/value head h // (H / K)
+    torch, (x,), (tx,) = _torch_pair(rand(2, 3, (4 + 2 * 2) * 5))
+    q, k, v = tx[..., :20], tx[..., 20:30].reshape(2, 3, 2, 5), tx[..., 30:].reshape(2, 3, 2, 5)
+    ref = torch.cat([q, k.repeat_interleave(2, dim=2).reshape(2, 3, 20), v.repeat_interleave(2, dim=2).reshape(2, 3, 20)], -1)
+    _assert_same(ops.repeat_kv(x, 4, 2), ref, [x], [tx])
+
+
+def test_llama_ops_bad_input():
+    with pytest.raises(ValueError, match=r"rms_norm weight shape \(5,\)"):
+        ops.rms_norm(Tensor(rand(2, 4)), Tensor(rand(5)))
+    with pytest.raises(ValueError, match="head dimension must be even"):
+        ops.rotary(Tensor(rand(1, 2, 9)), 3, 3, np.arange(2), 10.0)
+    with pytest.raises(ValueError, match="even last axis"):
+        ops.swiglu(Tensor(rand(2, 5)))
+    with pytest.raises(ValueError, match="not 4 query and 2 x 3 key/value heads"):
+        ops.repeat_kv(Tensor(rand(1, 2, 30)), 4, 3)
+
+
 def test_torch_parity_embedding_and_linear():
     torch, (w,), (tw,) = _torch_pair(rand(7, 3))
     ids = np.array([[1, 6, 1], [1, 0, 2]])
@@ -394,6 +445,10 @@ FLOAT32_CASES = {
     "cross_entropy": lambda: ops.cross_entropy(_f32(3, 5), np.array([0, 4, 4])),
     "attention": lambda: ops.attention(_f32(1, 2, 4, 3), _f32(1, 2, 4, 3), _f32(1, 2, 4, 3)),
     "self_attention": lambda: ops.self_attention(_f32(2, 4, 6), 2),
+    "rms_norm": lambda: ops.rms_norm(_f32(2, 3, 4), _f32(4)),
+    "rotary": lambda: ops.rotary(_f32(2, 3, 12), 2, 4, np.arange(3), 10.0),
+    "swiglu": lambda: ops.swiglu(_f32(2, 3, 8)),
+    "repeat_kv": lambda: ops.repeat_kv(_f32(2, 3, 16), 2, 1),
 }
 
 

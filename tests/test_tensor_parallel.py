@@ -64,6 +64,24 @@ def test_cli_flags_tp_cannot_split_are_named(flags, message):
     assert _tp_problems(2, 4, 32, 16, True, "ring") == []  # and a good combination passes
 
 
+@pytest.mark.parametrize("tp, kv, ffn, message", [
+    (4, 3, None, "--kv-heads 3 and --tp 4: .* one must divide the other"),
+    (2, 2, 31, "the MLP width --ffn-hidden 31 is not divisible by --tp 2"),
+])
+def test_llama_heads_and_width_tp_cannot_split_are_named(tp, kv, ffn, message):
+    import re
+
+    from minidist.train.config import RunConfig
+
+    def found(tp, kv, ffn):
+        given = RunConfig().replace(model=dict(arch="llama", heads=12, d_model=48, kv_heads=kv, ffn_hidden=ffn),
+                                    parallel=dict(tp=tp))
+        return tpm.problems(given, given.resolved(tp))
+
+    assert re.search(message, " ".join(found(tp, kv, ffn))), found(tp, kv, ffn)
+    assert found(4, 2, None) == [] and found(2, 6, 64) == []  # shared (tp > K) and split key/value heads pass
+
+
 def test_one_rank_is_the_plain_model():
     from minidist.model import nn
 

@@ -75,6 +75,16 @@ BAD_INPUTS = [
     (["--layers", "64", "--d-model", "65536"], "needs about"),            # the weights
     (["--batch-size", "1000000", "--seq-len", "4096"], "needs about"),  # the activations
     (["--eval-batches", "100000000"], "fewer --eval-batches"),          # the validation batches
+    # the Llama family's settings
+    (["--arch", "llama", "--heads", "4", "--kv-heads", "3"], "--kv-heads 3 does not divide --heads 4"),
+    (["--arch", "llama", "--rope-theta", "0"], "argument --rope-theta: expected a finite number > 0, got 0"),
+    (["--arch", "llama", "--rope-theta", "-10"], "argument --rope-theta"),
+    (["--arch", "llama", "--rope-theta", "nan"], "argument --rope-theta"),
+    (["--kv-heads", "2"], "--kv-heads is a Llama setting: it needs --arch llama (got --arch gpt2)"),
+    (["--rope-theta", "10000"], "--rope-theta is a Llama setting"),
+    (["--ffn-hidden", "64"], "--ffn-hidden is a Llama setting"),
+    (["--arch", "llama", "--d-model", "12", "--heads", "4"], "rotary positions need an even head dimension"),
+    (["--arch", "llama2"], "argument --arch: invalid choice"),
 ]
 
 

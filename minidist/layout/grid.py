@@ -46,6 +46,14 @@ def head_range(tp_rank: int, tp: int, n_head: int) -> range:
     return range(tp_rank * per, (tp_rank + 1) * per)
 
 
+def kv_head_range(tp_rank: int, tp: int, kv_heads: int) -> range:
+    """Grouped-query attention's key/value heads on tp rank t: K/tp of them, or where tp > K
+    the one head t shares with tp/K ranks (the one its query heads read)."""
+    if kv_heads >= tp:
+        return head_range(tp_rank, tp, kv_heads)
+    return range(tp_rank // (tp // kv_heads), tp_rank // (tp // kv_heads) + 1)
+
+
 def chunk_starts(rank: int, cp: int, seq_len: int, zigzag: bool = True) -> tuple[list[int], int]:
     """(global start of each of ``rank``'s chunks, chunk length).
 
@@ -86,10 +94,10 @@ def batch_rows(dp_rank: int, dp: int, batch_size: int) -> range:
     return range(*shard_bounds(batch_size, dp_rank, dp))
 
 
-def _check(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, virtual_stages, cp_impl):
+def _check(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, virtual_stages, cp_impl, kv_heads):
     """ValueError naming the size that the grid cannot split evenly (as the training flags do)."""
     sizes = dict(dp=dp, pp=pp, tp=tp, cp=cp, n_layer=n_layer, n_head=n_head, seq_len=seq_len,
-                 batch_size=batch_size, grad_accum=grad_accum, virtual_stages=virtual_stages)
+                 batch_size=batch_size, grad_accum=grad_accum, virtual_stages=virtual_stages, kv_heads=kv_heads)
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
@@ -99,6 +107,9 @@ def _check(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, vir
         raise ValueError(f"{n_layer} layers cannot be cut into pp {pp} x virtual_stages {virtual_stages} equal stages")
     if n_head % tp:
         raise ValueError(f"{n_head} heads are not divisible by tp = {tp}")
+    if n_head % kv_heads or (kv_heads % tp and tp % kv_heads):
+        raise ValueError(f"{kv_heads} key/value heads must divide the {n_head} heads, and divide or be "
+                         f"divided by tp = {tp}")
     if cp > 1 and cp_impl == "ring" and seq_len % (2 * cp):
         raise ValueError(f"seq_len {seq_len} is not divisible by 2 x cp = {2 * cp} (zig-zag: two chunks per rank)")
     if cp > 1 and cp_impl == "ulysses" and (seq_len % cp or (n_head // tp) % cp):
@@ -109,16 +120,19 @@ def _check(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, vir
 
 
 def placement(dp: int, pp: int, tp: int, cp: int, n_layer: int, n_head: int, seq_len: int, batch_size: int,
-              grad_accum: int = 1, virtual_stages: int = 1, cp_impl: str = "ring") -> list[dict]:
+              grad_accum: int = 1, virtual_stages: int = 1, cp_impl: str = "ring",
+              kv_heads: int | None = None) -> list[dict]:
     """One dict per world rank, in rank order: its coordinates and what it holds.
 
     Keys: ``rank``, ``dp``, ``pp``, ``cp``, ``tp``; ``layers`` (block indices), ``embed`` /
     ``lm_head`` (first / last pipeline stage), ``heads`` (a range), ``tokens`` (a list of
     ranges of sequence positions), ``rows`` (a range of global batch rows), ``micro_batches``
     (``rows`` cut into ``grad_accum`` ranges), and for Ulysses ``attention_heads`` (the heads
-    it holds, over the whole sequence, inside attention).
+    it holds, over the whole sequence, inside attention); with ``kv_heads`` (grouped-query
+    attention, fewer than ``n_head``) ``kv_heads``, the key/value heads it holds.
     """
-    _check(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, virtual_stages, cp_impl)
+    kv = n_head if kv_heads is None else kv_heads
+    _check(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, virtual_stages, cp_impl, kv)
     layout = MeshLayout(dp=dp, pp=pp, tp=tp, cp=cp)
     out = []
     for rank in range(layout.world_size):
@@ -134,6 +148,8 @@ def placement(dp: int, pp: int, tp: int, cp: int, n_layer: int, n_head: int, seq
                                    for a, b in (shard_bounds(len(rows), i, grad_accum) for i in range(grad_accum))]}
         if cp > 1 and cp_impl == "ulysses":
             entry["attention_heads"] = ulysses_heads(c["tp"], tp, c["cp"], cp, n_head)
+        if kv != n_head:
+            entry["kv_heads"] = kv_head_range(c["tp"], tp, kv)
         out.append(entry)
     return out
 
@@ -166,18 +182,21 @@ GROUP_NOTES = {
 
 
 def describe(dp: int, pp: int, tp: int, cp: int, n_layer: int, n_head: int, seq_len: int, batch_size: int,
-             grad_accum: int = 1, virtual_stages: int = 1, cp_impl: str = "ring") -> str:
+             grad_accum: int = 1, virtual_stages: int = 1, cp_impl: str = "ring", kv_heads: int | None = None) -> str:
     """The grid as text: one line per rank, then the groups of each axis (innermost first).
 
     ``rank  5  dp0 pp1 cp0 tp1 | layers 2-3 +lm_head | heads 2-3 | tokens 0-3,12-15 | rows 0-3``
+    (with grouped-query attention ``heads 2-3 kv 0``: query heads, then key/value heads)
     """
-    table = placement(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, virtual_stages, cp_impl)
+    table = placement(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, virtual_stages, cp_impl,
+                      kv_heads)
     layout = MeshLayout(dp=dp, pp=pp, tp=tp, cp=cp)
     lines = [f"4D grid dp={dp} x pp={pp} x cp={cp} x tp={tp} = {len(table)} ranks "
              "(tp innermost: consecutive ranks; dp outermost)",
              f"model: {n_layer} layers" + (f" in {pp * virtual_stages} stages ({virtual_stages} per pp rank)"
                                           if virtual_stages > 1 else "")
-             + f", {n_head} heads; sequence {seq_len} tokens"
+             + f", {n_head} heads" + (f" sharing {kv_heads} key/value heads" if kv_heads not in (None, n_head) else "")
+             + f"; sequence {seq_len} tokens"
              + (f" ({'zig-zag ring' if cp_impl == 'ring' else 'Ulysses'})" if cp > 1 else "")
              + f"; global batch {batch_size} rows" + (f", {grad_accum} micro-batches" if grad_accum > 1 else "")]
     rows = [_rank_fields(p, len(str(len(table) - 1)), seq_len) for p in table]
@@ -195,7 +214,8 @@ def _rank_fields(p: dict, digits: int, seq_len: int) -> list[str]:
     """The columns of one rank's line in :func:`describe`."""
     fields = [f"rank {p['rank']:>{digits}}  " + " ".join(f"{a}{p[a]}" for a in AXES),
               f"layers {runs(p['layers'])}" + (" +embed" if p["embed"] else "") + (" +lm_head" if p["lm_head"] else ""),
-              f"heads {runs(p['heads'])}", f"tokens {runs(p['tokens'])}", f"rows {runs(p['rows'])}"]
+              f"heads {runs(p['heads'])}" + (f" kv {runs(p['kv_heads'])}" if "kv_heads" in p else ""),
+              f"tokens {runs(p['tokens'])}", f"rows {runs(p['rows'])}"]
     if len(p["micro_batches"]) > 1:
         fields[-1] += " (micro-batches " + " ".join(runs(m) for m in p["micro_batches"]) + ")"
     if "attention_heads" in p:  # Ulysses: the all-to-all trades tokens for heads inside attention
@@ -208,7 +228,8 @@ MAX_COLUMNS = 8  # wider than this, the cp axis moves from the columns to the ro
 
 
 def draw(dp: int, pp: int, tp: int, cp: int, n_layer: int, n_head: int, seq_len: int, batch_size: int,
-         path: str, grad_accum: int = 1, virtual_stages: int = 1, cp_impl: str = "ring") -> None:
+         path: str, grad_accum: int = 1, virtual_stages: int = 1, cp_impl: str = "ring",
+         kv_heads: int | None = None) -> None:
     """Draw the grid into the PNG ``path`` (needs matplotlib: ``pip install 'minidist[plot]'``).
 
     One box per rank, in the spirit of the Llama 3 paper's 4D-parallelism figure: a row per
@@ -226,7 +247,8 @@ def draw(dp: int, pp: int, tp: int, cp: int, n_layer: int, n_head: int, seq_len:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
-    table = placement(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, virtual_stages, cp_impl)
+    table = placement(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, virtual_stages, cp_impl,
+                      kv_heads)
     if len(table) > MAX_DRAWN_RANKS:
         raise ValueError(f"{len(table)} ranks are too many to draw legibly (at most {MAX_DRAWN_RANKS}); "
                          "use describe()")
@@ -295,7 +317,7 @@ def draw(dp: int, pp: int, tp: int, cp: int, n_layer: int, n_head: int, seq_len:
 
 def _box_lines(p: dict) -> list[str]:
     extra = ("+embed " if p["embed"] else "") + ("+lm_head" if p["lm_head"] else "")
-    lines = [f"layers {runs(p['layers'])} {extra}".rstrip(), f"heads  {runs(p['heads'])}",
+    lines = [f"layers {runs(p['layers'])} {extra}".rstrip(), f"heads  {runs(p['heads'])}" + (f" kv {runs(p['kv_heads'])}" if "kv_heads" in p else ""),
              f"tokens {runs(p['tokens'])}", f"rows   {runs(p['rows'])}"]
     if "attention_heads" in p:  # Ulysses: inside attention, fewer heads over the whole sequence
         lines.append(f"attn:  heads {runs(p['attention_heads'])} x all tokens")
