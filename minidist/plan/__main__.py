@@ -114,7 +114,8 @@ def main(argv=None) -> int:
             raise ValueError("--gpus N is required")
         tokens = args.global_batch_tokens or DEFAULT_BATCH.get(args.preset or "", None)
         if tokens is None:
-            raise ValueError("--global-batch-tokens N is required for a model given by its shape")
+            raise ValueError("--global-batch-tokens N is required for a model given by its shape "
+                             "or a preset without a published batch (llama3-8b)")
         cpu = bool(machine.cores)
         precision = PRECISIONS[args.precision or ("float32" if cpu else "bf16")]
         minidist = (args.impl or ("minidist" if cpu else "fused")) == "minidist"
