@@ -102,6 +102,12 @@ def _model(d):
              f"of a {r['peak_gflops']:.0f} GFLOP/s GEMM") for r in d.get("results", [])]
 
 
+def _llama(d):
+    return [(f"Llama step, {r['threads']} BLAS thread(s): minidist / PyTorch tokens/s", r["ratio"],
+             f"CPU-time ratio {r['cpu_ratio']:.2f}; MFU minidist {100 * r['minidist']['mfu']:.0f}%, "
+             f"PyTorch {100 * r['torch']['mfu']:.0f}%") for r in d.get("results", [])]
+
+
 def _ddp(d):
     rows = [("DDP 2 ranks / 1 rank tokens/s (minidist)", d.get("minidist_scaling_2_over_1"), "weak scaling"),
             ("DDP 2 ranks / 1 rank tokens/s (PyTorch DDP, gloo)", d.get("torch_scaling_2_over_1"), "weak scaling"),
@@ -203,6 +209,7 @@ READERS = {
     "tracing.json": ("tracing overhead", _tracing),
     "collectives.json": ("collectives vs MPI's built-ins", _collectives),
     "model_step.json": ("a training step vs PyTorch", _model),
+    "llama_step.json": ("a Llama training step vs PyTorch", _llama),
     "ddp.json": ("data parallelism vs PyTorch DDP", _ddp),
     "tensor_parallel.json": ("tensor parallelism: overlap", _tensor),
     "context.json": ("long sequences", _context),

@@ -56,6 +56,55 @@ def test_parameter_counts_equal_the_real_model_and_the_published_sizes():
     assert abs(num_params(PRESETS["gpt3-175b"]) / 175e9 - 1) < 0.01
 
 
+LLAMA_SHAPES = [  # (layers, d, heads, kv_heads, ffn_hidden, seq): K < H, K = 1, K = H, an explicit width
+    (2, 32, 4, 2, None, 16), (2, 32, 4, 1, None, 16), (1, 64, 4, 4, None, 8), (3, 48, 6, 3, 100, 12)]
+
+
+def _built(model, seq):
+    """The model minidist.train builds for ``model`` (parallel.compose.model_config's mapping)."""
+    from minidist.model.nn import GPT, GPTConfig
+
+    llama = model.arch == "llama"
+    return GPT(GPTConfig(seq_len=model.block_size or seq, n_layer=model.layers, n_head=model.heads,
+                         d_model=model.d_model, tie_embeddings=not (model.untied or llama), arch=model.arch,
+                         n_kv_head=model.kv if llama else None, ffn_hidden=model.ffn if llama else None))
+
+
+@pytest.mark.parametrize("layers,d,heads,kv,ffn,seq", LLAMA_SHAPES)
+def test_llama_counts_equal_the_profile_and_the_built_model(layers, d, heads, kv, ffn, seq):
+    from minidist.layout.settings import ModelConfig
+    from minidist.observe.profile import flops_per_token
+    from minidist.plan.model import spec_of
+
+    run = ModelConfig(layers=layers, d_model=d, heads=heads, arch="llama", kv_heads=kv, ffn_hidden=ffn)
+    m = spec_of(run, seq)
+    assert (m.gated, m.gpt2, m.tied, m.kv, m.f) == (True, False, False, kv, run.ffn)
+    assert num_params(m) == _built(run, seq).num_parameters()
+    # by hand: q and o d x d, k and v d x K·D, SwiGLU 3 d x F; attention 4 T d; the head 2 d V; x 3
+    f, d_kv = run.ffn, kv * (d // heads)
+    by_hand = 3 * (layers * (2 * (2 * d * d + 2 * d * d_kv + 3 * d * f) + 4 * seq * d) + 2 * d * 256)
+    assert flops_per_token(run, seq) == model_flops_per_token(m) == by_hand
+
+
+@pytest.mark.parametrize("untied,block_size", [(False, None), (True, None), (False, 24)])
+def test_gpt2_counts_equal_the_profile_and_the_built_model(untied, block_size):
+    from minidist.layout.settings import ModelConfig
+    from minidist.observe.profile import flops_per_token, model_flops_per_token as gpt2_flops
+    from minidist.plan.model import spec_of
+
+    run = ModelConfig(layers=2, d_model=32, heads=4, untied=untied, block_size=block_size)
+    m = spec_of(run, 16)
+    assert num_params(m) == _built(run, 16).num_parameters()
+    assert flops_per_token(run, 16) == model_flops_per_token(m) == gpt2_flops(2, 32, 16, 256)
+
+
+def test_llama3_8b_preset():
+    m = PRESETS["llama3-8b"]
+    assert (m.layers, m.d_model, m.heads, m.kv, m.f, m.vocab, m.seq_len) == (32, 4096, 32, 8, 14336, 128256, 8192)
+    assert not m.tied and m.gated
+    assert abs(num_params(m) / 8.03e9 - 1) < 0.002
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("dp", [2, 3])
 def test_zero_memory_equals_the_bytes_minidist_holds(zero, dp):

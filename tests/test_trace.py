@@ -269,6 +269,7 @@ def test_one_process_trace_and_hfu_with_recompute(tmp_path):
     """Besides the trace and the record checks, the activations the record reports for its
     second step against a measurement of the same step made here (measured_activation_bytes):
     within 15% (this process's allocations are not the trainer's, byte for byte)."""
+    from minidist.layout.settings import ModelConfig
     from minidist.observe.profile import model_flops_per_token
     from minidist.train.report import recompute_flops_per_token
 
@@ -280,9 +281,10 @@ def test_one_process_trace_and_hfu_with_recompute(tmp_path):
     reported = records[1]["mem_parts_mb"]["activations"] * 2**20
     assert reported == pytest.approx(measured_activation_bytes([*TINY, "--checkpoint-activations"]), rel=0.15)
     # HFU counts the recomputed forward of every block (PaLM appendix B): here 2 layers, C=16, T=8
-    ratio = 1 + recompute_flops_per_token(2, 16, 8, True) / model_flops_per_token(2, 16, 8, 256)
+    tiny = ModelConfig(layers=2, d_model=16, heads=2)
+    ratio = 1 + recompute_flops_per_token(tiny, 8, True) / model_flops_per_token(2, 16, 8, 256)
     assert all(r["hfu"] / r["mfu"] == pytest.approx(ratio) for r in records)
-    assert recompute_flops_per_token(2, 16, 8, True) == 2 * (24 * 16 * 16 + 4 * 8 * 16)
+    assert recompute_flops_per_token(tiny, 8, True) == 2 * (24 * 16 * 16 + 4 * 8 * 16)
 
 
 @pytest.mark.mpi

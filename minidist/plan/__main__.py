@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--d-model", type=POS, default=None)
     m.add_argument("--heads", type=POS, default=None)
     m.add_argument("--kv-heads", type=POS, default=None, help="grouped-query attention's key/value heads")
-    m.add_argument("--ffn", type=POS, default=None, help="MLP hidden width (default 4 x d-model)")
+    m.add_argument("--ffn", type=POS, default=None,
+                   help="MLP hidden width (default 4 x d-model; with --gated 8/3 x d-model rounded up to 32)")
     m.add_argument("--vocab", type=POS, default=None)
     m.add_argument("--seq-len", type=POS, default=None)
     m.add_argument("--gated", action="store_true", default=None, help="SwiGLU MLP (three matrices), RMSNorm, no biases")
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
             raise ValueError("--gpus N is required")
         tokens = args.global_batch_tokens or DEFAULT_BATCH.get(args.preset or "", None)
         if tokens is None:
-            raise ValueError("--global-batch-tokens N is required for a model given by its shape")
+            raise ValueError("--global-batch-tokens N is required for a model given by its shape "
+                             "or a preset without a published batch (llama3-8b)")
         cpu = bool(machine.cores)
         precision = PRECISIONS[args.precision or ("float32" if cpu else "bf16")]
         minidist = (args.impl or ("minidist" if cpu else "fused")) == "minidist"

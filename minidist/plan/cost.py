@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from minidist.layout.memory import zero_divisors
 from minidist.plan.machine import Machine
 from minidist.plan.model import (ModelSpec, activation_bytes_per_token, attention_flops, block_matmul_flops,
-                                 block_params, embedding_params, head_flops, model_flops_per_token)
+                                 block_params, embedding_params, head_flops, model_flops_per_token,
+                                 recompute_flops_per_token)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -354,8 +355,7 @@ def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens
     step = sum(time.values())
 
     mflops = model_flops_per_token(m, m.seq_len) * global_batch_tokens
-    hflops = mflops + (m.layers * (block_matmul_flops(m) + attention_flops(m, m.seq_len, executed=True))
-                       * global_batch_tokens if s.ckpt else 0.0)
+    hflops = mflops + (recompute_flops_per_token(m, m.seq_len) * global_batch_tokens if s.ckpt else 0.0)
     total_peak = mc.peak[precision.compute] * (min(p.devices, mc.cores) if mc.cores else p.devices)
     memory = memory_parts(m, p, precision, global_batch_tokens, minidist=minidist)
     mem = sum(memory.values())
@@ -387,9 +387,16 @@ REPLICATED_ARRAYS = 12  # of minidist's 24 d-wide arrays per token, those every 
 
 def minidist_block_values(m: ModelSpec, seq: int) -> float:
     """Values minidist's NumPy block keeps live per token (counted with tracemalloc, see
-    cli_checks.training_memory_bytes): about 24 arrays of width d, and plain attention's H x T
-    scores per query token."""
-    return 24 * m.d_model + (0 if m.causal_skip else m.heads * seq)
+    cli_checks.training_memory_bytes): about 24 arrays of width d for GPT-2, and plain
+    attention's H x T scores per query token.  A Llama block (nn.GroupedQueryAttention,
+    nn.SwiGLU) differs by what its ops keep: SwiGLU's 2 f + f in place of GELU's 4 d + 4 d,
+    a q|k|v of d + 2 d_kv in place of 3 d, the rotated copy of it (rotary), and with fewer
+    key/value heads than query heads the 3 d the repeated heads take (repeat_kv)."""
+    d, scores = m.d_model, (0 if m.causal_skip else m.heads * seq)
+    if m.gpt2:
+        return 24 * d + scores
+    qkv = d + 2 * m.d_kv
+    return 24 * d + (3 * m.f - 8 * d) + (qkv - 3 * d) + qkv + (3 * d if m.kv < m.heads else 0) + scores
 
 
 def in_flight(p: Plan, stage: int = 0) -> float:

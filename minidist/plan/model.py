@@ -6,7 +6,10 @@ can price a 405-billion-parameter model as easily as minidist's own byte-level G
 * **Parameters**: per block, attention's Q and output projections (d x d each), K and V
   (d x d_kv each, d_kv = kv_heads x head_dim: grouped-query attention, Ainslie et al. 2023),
   the MLP (2 d x f, or 3 d x f for a gated SwiGLU MLP, Shazeer 2020), the norms' scales and,
-  for GPT-2-style models, the biases and the learned position table.
+  for GPT-2-style models, the biases and the learned position table.  A training run's model
+  (``layout.settings.ModelConfig``, GPT-2 or Llama) becomes a spec in one place,
+  :func:`spec_of`; minidist.observe.profile counts a run's FLOPs with it, so the planner, the
+  trainer's MFU and the built model (``nn.GPT.num_parameters``) share these formulas.
 * **FLOPs** (PaLM, Chowdhery et al. 2022, appendix B): a multiply-add is 2 FLOPs, backward
   costs twice the forward, so a step costs 6 x (matmul parameters) per token plus attention's
   two T x T products, 12 x L x T x d per token over the full scores; a causal kernel that
@@ -24,13 +27,17 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, replace
 
+from minidist.layout.settings import ModelConfig, llama_ffn_hidden
+
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer's shape.  ``ffn``: the MLP's hidden width (default 4 d);
-    ``kv_heads``: grouped-query attention's key/value heads (default: ``heads``); ``gated``:
-    SwiGLU MLP (three matrices); ``gpt2``: biases, LayerNorm with a bias, learned positions;
-    ``causal_skip``: the attention kernel skips the masked half of the scores."""
+    """A decoder-only transformer's shape.  ``ffn``: the MLP's hidden width (default 4 d, or
+    Llama's 8/3 d rule when ``gated``, as ``ModelConfig.ffn``); ``kv_heads``: grouped-query
+    attention's key/value heads (default: ``heads``); ``gated``: SwiGLU MLP (three matrices);
+    ``gpt2``: biases, LayerNorm with a bias, learned positions; ``causal_skip``: the attention
+    kernel skips the masked half of the scores; ``positions``: the rows of GPT-2's position
+    table (default ``seq_len``; minidist's ``--block-size``)."""
 
     name: str
     layers: int
@@ -44,10 +51,13 @@ class ModelSpec:
     gpt2: bool = True
     tied: bool = True
     causal_skip: bool = False
+    positions: int | None = None
 
     @property
     def f(self) -> int:
-        return self.ffn or 4 * self.d_model
+        if self.ffn:
+            return self.ffn
+        return llama_ffn_hidden(self.d_model) if self.gated else 4 * self.d_model
 
     @property
     def kv(self) -> int:
@@ -68,6 +78,9 @@ PRESETS = {
     # Llama 3 (Dubey et al. 2024, table 3): 126 layers, d 16,384, FFN 53,248, 128 heads, 8 KV heads.
     "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 128256, 8192, ffn=53248, kv_heads=8, gated=True,
                              gpt2=False, tied=False, causal_skip=True),
+    # Llama 3 8B (the same table): 32 layers, d 4,096, FFN 14,336, 32 heads, 8 KV heads.
+    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8, gated=True,
+                           gpt2=False, tied=False, causal_skip=True),
     "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 128256, 8192, ffn=28672, kv_heads=8, gated=True,
                             gpt2=False, tied=False, causal_skip=True),
     # GPT-3 (Brown et al. 2020, table 2.1): 96 layers, d 12,288, 96 heads, 2,048 tokens.
@@ -76,6 +89,18 @@ PRESETS = {
     "minidist-gpt": ModelSpec("minidist-gpt", 12, 768, 12, 256, 1024),
     "minidist-bench": ModelSpec("minidist-bench", 4, 256, 4, 256, 128),
 }
+
+
+def spec_of(model: ModelConfig, seq_len: int, vocab: int = 256, name: str = "minidist") -> ModelSpec:
+    """The spec of a training run's model (``--arch``, ``--kv-heads``, ``--ffn-hidden``,
+    ``--untied``, ``--block-size``), as ``parallel.compose.model_config`` builds it: GPT-2 has
+    biases, LayerNorms, a position table and a tied head unless ``untied``; Llama RMSNorms,
+    SwiGLU, grouped-query attention and an untied head.  minidist's attention computes the
+    full T x T scores, so ``causal_skip`` stays False."""
+    llama = model.arch == "llama"
+    return ModelSpec(name, model.layers, model.d_model, model.heads, vocab, seq_len, ffn=model.ffn,
+                     kv_heads=model.kv, gated=llama, gpt2=not llama, tied=not (llama or model.untied),
+                     positions=None if llama else model.block_size)
 
 
 @functools.lru_cache(maxsize=256)
@@ -92,7 +117,8 @@ def block_params(m: ModelSpec) -> int:
 def embedding_params(m: ModelSpec) -> int:
     """The token table, the learned positions (GPT-2), the final norm, an untied head."""
     d = m.d_model
-    return m.vocab * d + (m.seq_len * d if m.gpt2 else 0) + (2 * d if m.gpt2 else d) + (0 if m.tied else m.vocab * d)
+    positions = (m.positions or m.seq_len) * d if m.gpt2 else 0
+    return m.vocab * d + positions + (2 * d if m.gpt2 else d) + (0 if m.tied else m.vocab * d)
 
 
 def num_params(m: ModelSpec) -> int:
@@ -124,6 +150,12 @@ def model_flops_per_token(m: ModelSpec, seq_len: int | None = None) -> float:
     presets of published models), the full T x T for minidist's plain attention (as
     minidist.observe.profile.model_flops_per_token does), so MFU never credits work nobody does."""
     return 3 * (m.layers * (block_matmul_flops(m) + attention_flops(m, seq_len, executed=True)) + head_flops(m))
+
+
+def recompute_flops_per_token(m: ModelSpec, seq_len: int | None = None) -> float:
+    """FLOPs per token that activation checkpointing adds (PaLM appendix B: hardware FLOPs
+    count them, model FLOPs do not): one more forward of every block, not of the head."""
+    return m.layers * (block_matmul_flops(m) + attention_flops(m, seq_len, executed=True))
 
 
 def activation_bytes_per_token(m: ModelSpec, itemsize: int = 2) -> float:

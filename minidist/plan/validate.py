@@ -5,9 +5,9 @@ cost model against real minidist runs here.
 time, less what the cost model prices for the matmuls and fixed costs, gives the rate of
 minidist's element-wise work; it writes ``this-machine``'s calibration file.
 
-Each configuration trains a small GPT for a few steps under ``mpiexec`` (one BLAS thread per
-rank, as every minidist launcher pins it) with ``--metrics-jsonl``; the measured step time is
-the median of the untraced steps (the first step pays warm-up and the first and last steps
+Each configuration trains a small GPT (or Llama: grouped-query attention, SwiGLU) for a few
+steps under ``mpiexec`` (one BLAS thread per rank, as every minidist launcher pins it) with
+``--metrics-jsonl``; the measured step time is the median of the untraced steps (the first step pays warm-up and the first and last steps
 run under tracemalloc), the measured peak memory the largest rank's tracemalloc high-water
 mark of the last step (minidist.observe.profile.PeakMemory).  The prediction prices the same mesh on
 the calibrated ``this-machine`` with minidist's own implementation (float32 NumPy arrays, no
@@ -33,7 +33,8 @@ from dataclasses import replace
 from minidist.plan.cost import FLOAT32, Plan, estimate
 from minidist.plan.machine import (INF, Link, Machine, busy_seconds, calibration_path, fixed_costs, load,
                                    measure_sync, mpiexec, others_load)
-from minidist.plan.model import ModelSpec
+from minidist.layout.settings import ModelConfig
+from minidist.plan.model import ModelSpec, spec_of
 
 # Small enough that all of them take 2-4 minutes on 2 cores, large enough that the
 # arithmetic shows.  (name, mesh and settings, shape)
@@ -51,6 +52,10 @@ CONFIGS = [
     ("pp2 tp2 M=4", dict(pp=2, tp=2, microbatches=4, schedule="1f1b"), {}),
     ("dp2 cp2", dict(dp=2, cp=2, zero=1), {}),
     ("1 rank, 2 layers d256", {}, dict(layers=2, d_model=256)),
+    # The Llama family: 2 key/value heads for 4 query heads, SwiGLU of width 352.
+    ("llama K=2, 1 rank", {}, dict(arch="llama", kv_heads=2)),
+    ("llama K=2, tp2", dict(tp=2), dict(arch="llama", kv_heads=2)),
+    ("llama K=1, dp2 ZeRO-1", dict(dp=2, zero=1), dict(arch="llama", kv_heads=1)),
 ]
 
 
@@ -61,7 +66,10 @@ def plan_of(mesh: dict) -> Plan:
 
 
 def model_of(shape: dict) -> ModelSpec:
-    return ModelSpec("validation", shape["layers"], shape["d_model"], shape["heads"], 256, shape["seq_len"])
+    """The spec of the model ``minidist.train`` builds from ``shape``'s flags."""
+    model = ModelConfig(layers=shape["layers"], d_model=shape["d_model"], heads=shape["heads"],
+                        arch=shape.get("arch", "gpt2"), kv_heads=shape.get("kv_heads"))
+    return spec_of(model, shape["seq_len"], name="validation")
 
 
 def predict(machine, shape: dict, mesh: dict) -> dict:
@@ -89,6 +97,9 @@ def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
     for key, flag in flags.items():
         if key in mesh:
             args += [flag, str(mesh[key])]
+    for key, flag in (("arch", "--arch"), ("kv_heads", "--kv-heads")):
+        if key in shape:
+            args += [flag, str(shape[key])]
     launcher = mpiexec(ranks) if ranks > 1 else []
     env = dict(os.environ, **blas_threads(1))
     import resource

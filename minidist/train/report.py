@@ -20,16 +20,16 @@ class Reporter:
     mesh, communication time and per-rank peak memory under mpiexec)."""
 
     def __init__(self, cfg, strategy, world: int, rank0: bool, log=print, peak_gflops: float = 1.0):
-        from minidist.observe.profile import model_flops_per_token
+        from minidist.observe.profile import flops_per_token
 
         self.cfg, self.strategy, self.world, self.rank0 = cfg, strategy, world, rank0
         self.log = log if rank0 else (lambda *_: None)
         m, d = cfg.model, cfg.data
         self.tokens_per_step = d.batch_size * d.seq_len
-        self.flops_per_step = model_flops_per_token(m.layers, m.d_model, d.seq_len, 256) * self.tokens_per_step
+        self.flops_per_step = flops_per_token(m, d.seq_len) * self.tokens_per_step
         recomputes = cfg.device.checkpoint_activations or cfg.parallel.zero == 3  # ZeRO-3 recomputes each block
         self.hardware_flops_per_step = self.flops_per_step + self.tokens_per_step * recompute_flops_per_token(
-            m.layers, m.d_model, d.seq_len, recomputes)
+            m, d.seq_len, recomputes)
         self.peak = peak_gflops
         self.metrics: list[dict] = []
         path = cfg.report.metrics_jsonl
@@ -125,12 +125,14 @@ def mesh_label(p) -> str:
     return label
 
 
-def recompute_flops_per_token(n_layer: int, d_model: int, seq_len: int, recomputes: bool) -> int:
-    """FLOPs per token that activation checkpointing adds (PaLM, Chowdhery et al. 2022,
-    appendix B: hardware FLOPs count them, model FLOPs do not): one more forward of every
-    block, 2·(12·C² + 2·T·C) per layer (profile.model_flops_per_token's forward of the
-    blocks; the head is not recomputed).  0 without recompute."""
-    return n_layer * (24 * d_model * d_model + 4 * seq_len * d_model) if recomputes else 0
+def recompute_flops_per_token(model, seq_len: int, recomputes: bool) -> int:
+    """FLOPs per token that activation checkpointing adds to a run's model (a ModelConfig):
+    one more forward of every block (PaLM, Chowdhery et al. 2022, appendix B: hardware FLOPs
+    count them, model FLOPs do not; profile.recompute_flops_per_token, the planner's
+    count).  0 without recompute."""
+    from minidist.observe.profile import recompute_flops_per_token as per_token
+
+    return per_token(model, seq_len) if recomputes else 0
 
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
