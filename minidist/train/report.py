@@ -102,10 +102,10 @@ def strict_json(r: dict) -> dict:
 
 
 def start_line(cfg, train_bytes: int, peak: float, strategy) -> str:
-    from minidist.host.cli_checks import gpt_num_parameters
+    from minidist.plan.model import num_params, spec_of
 
     m, d = cfg.model, cfg.data
-    num_params = gpt_num_parameters(m.layers, m.d_model, m.block_size, tied=not m.untied)  # the whole model
+    num_params = num_params(spec_of(m, d.seq_len))  # the whole model
     arch = f"Llama {m.layers}x{m.d_model}, {m.heads} heads / {m.kv} key-value" if m.arch == "llama" else f"GPT {m.layers}x{m.d_model}"
     return (f"minidist: {arch} ({num_params:,} parameters), {train_bytes:,} training bytes, "
             f"batch {d.batch_size}x{d.seq_len}, peak {peak:.1f} GFLOP/s per rank for MFU, {strategy.name}")
