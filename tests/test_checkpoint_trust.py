@@ -377,8 +377,11 @@ def test_the_expected_shapes_are_the_models():
     from minidist.state.checkpoint_meta import parameter_count, parameter_shapes
     from minidist.model.nn import GPT, GPTConfig
 
-    for kw in ({}, {"bias": False}, {"tie_embeddings": False}, {"bias": False, "tie_embeddings": False}):
-        cfg = GPTConfig(n_layer=2, d_model=8, n_head=2, seq_len=4, **kw)
+    llama = {"arch": "llama", "n_head": 4, "d_model": 16}
+    for kw in ({}, {"bias": False}, {"tie_embeddings": False}, {"bias": False, "tie_embeddings": False},
+               llama, {**llama, "n_kv_head": 2}, {**llama, "n_kv_head": 1, "ffn_hidden": 24},
+               {**llama, "n_kv_head": 2, "tie_embeddings": True}):
+        cfg = GPTConfig(**{"n_layer": 2, "d_model": 8, "n_head": 2, "seq_len": 4, **kw})
         model = {**vars(cfg)}
         got = {name: tuple(p.data.shape) for name, p in GPT(cfg).named_parameters()}
         assert parameter_shapes(model) == got and parameter_count(model) == len(got), kw
