@@ -351,8 +351,9 @@ class _Check:
         count = parameter_count(model)
         held = sum(key.endswith("/param") for key in tensors)
         if held != count:
-            self.fail("tensors", f"hold {held} parameters, the model (model.arch {model['arch']}, n_layer "
-                      f"{model['n_layer']}, bias {model['bias']}, tie_embeddings {model['tie_embeddings']}) has {count}")
+            self.fail("tensors", f"hold {held} parameters, the model (model.n_layer {model['n_layer']}, "
+                      f"bias {model['bias']}, tie_embeddings {model['tie_embeddings']}, arch {model['arch']}) "
+                      f"has {count}")
         shapes = parameter_shapes(model)
         for key in tensors:
             name, _, what = key.rpartition("/")
