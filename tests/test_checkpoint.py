@@ -271,8 +271,9 @@ def test_resuming_a_gpt2_checkpoint_as_llama_names_the_fields_and_writes_nothing
     (tmp_path / "ck").mkdir(), (tmp_path / "out").mkdir()
     _train(None, ["--save", str(tmp_path / "ck")], tmp_path, "saved")
     metrics = tmp_path / "resumed.jsonl"
-    r = run_train(None, ARGS + ["--arch", "llama", "--kv-heads", "1", "--ffn-hidden", "32", "--resume", str(tmp_path / "ck"),
-                                "--save", str(tmp_path / "out"), "--metrics-jsonl", str(metrics)], timeout=60)
+    llama = ["--arch", "llama", "--kv-heads", "1", "--ffn-hidden", "32"]
+    r = run_train(None, ARGS + llama + ["--resume", str(tmp_path / "ck"), "--save", str(tmp_path / "out"),
+                                        "--metrics-jsonl", str(metrics)], timeout=60)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     for field in ("arch gpt2 -> llama", "n_kv_head 2 -> 1", "ffn_hidden 64 -> 32",

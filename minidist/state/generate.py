@@ -22,8 +22,9 @@ from a ``numpy.random.Generator`` seeded by ``--seed`` (the same seed and checkp
 same text; without ``--seed`` each run differs).  ``--temperature 0`` is greedy (argmax).
 
 Longer than the position table (``seq_len`` of the model): GPT-2's positions are learned, so
-the cache cannot slide (and Llama's ``seq_len`` is the longest sequence it takes).  The model sees the last ``seq_len`` bytes: a longer prompt is cut to its last
-``seq_len`` bytes (all of it is still printed), and once the cache is full every further byte
+the cache cannot slide (and Llama's ``seq_len`` is the longest sequence it takes).  The model
+sees the last ``seq_len`` bytes: a longer prompt is cut to its last ``seq_len`` bytes (all of
+it is still printed), and once the cache is full every further byte
 recomputes the window of the last ``seq_len`` bytes from scratch (a sliding window without
 cache, as nanoGPT's ``generate`` does for every byte) -- slower, but each byte still sees as
 much context as the model can take.
