@@ -265,6 +265,70 @@ def test_resume_of_another_model_names_the_fields(tmp_path):
         assert field in r.stderr, r.stderr
 
 
+def test_resuming_a_gpt2_checkpoint_as_llama_names_the_fields_and_writes_nothing(tmp_path):
+    """--arch llama on a GPT-2 checkpoint: one line naming every field that differs (the
+    family, the MLP's width, the biases and the head), exit 2, and nothing saved or logged."""
+    (tmp_path / "ck").mkdir(), (tmp_path / "out").mkdir()
+    _train(None, ["--save", str(tmp_path / "ck")], tmp_path, "saved")
+    metrics = tmp_path / "resumed.jsonl"
+    llama = ["--arch", "llama", "--kv-heads", "1", "--ffn-hidden", "32"]
+    r = run_train(None, ARGS + llama + ["--resume", str(tmp_path / "ck"), "--save", str(tmp_path / "out"),
+                                        "--metrics-jsonl", str(metrics)], timeout=60)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for field in ("arch gpt2 -> llama", "n_kv_head 2 -> 1", "ffn_hidden 64 -> 32",
+                  "bias True -> False", "tie_embeddings True -> False"):
+        assert field in lines[0], (field, lines[0])
+    assert "rope_theta" not in lines[0] and "norm_eps" not in lines[0], lines[0]
+    assert os.listdir(tmp_path / "out") == [] and not metrics.exists()
+
+
+def test_a_checkpoint_older_than_the_llama_family_reads_as_gpt2(tmp_path):
+    """Its metadata lacks arch, n_kv_head, ffn_hidden, rope_theta and norm_eps: it reads as GPT-2
+    (one key/value head per query head, a 4 d MLP) and resumes bit-exactly."""
+    from minidist.state.checkpoint import metadata
+
+    (tmp_path / "ck").mkdir(), (tmp_path / "out").mkdir()
+    straight, _ = _train(None, ["--save", str(tmp_path / "ck"), "--save-every", "3"], tmp_path, "straight")
+    file = tmp_path / "ck" / "step-000003" / "metadata.json"
+    meta = json.loads(file.read_text())
+    for key in ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps"):
+        del meta["model"][key]
+    file.write_text(json.dumps(meta))
+    model = metadata(str(file.parent))["model"]
+    assert (model["arch"], model["n_kv_head"], model["ffn_hidden"]) == ("gpt2", 2, 64)
+    resumed, _ = _train(None, ["--resume", str(file.parent), "--save", str(tmp_path / "out")], tmp_path, "resumed")
+    assert resumed == straight[3:]
+
+
+LLAMA = ["--arch", "llama", "--heads", "4", "--kv-heads", "1"]  # head dim 4; one key/value head
+
+
+@pytest.mark.mpi
+def test_a_llama_checkpoint_of_tp2_with_one_kv_head_resumes_on_other_meshes(tmp_path):
+    """Llama with K = 1 key/value head saved on tp2 (the head held by both ranks, written by
+    copy 0 only), resumed on one process and on dp2·tp2 with ZeRO-1: the trajectory and the
+    parameters equal the uninterrupted single-process run to 1e-9."""
+    (tmp_path / "one").mkdir(), (tmp_path / "ck").mkdir()
+    straight, _ = _train(None, LLAMA + ["--save", str(tmp_path / "one")], tmp_path, "straight")
+    saved, _ = _train(2, LLAMA + ["--tp", "2", "--save", str(tmp_path / "ck"), "--save-every", "3"], tmp_path, "saved")
+    assert _rel(np.array(saved), np.array(straight)) < 1e-9
+    meta = json.loads((tmp_path / "ck" / "step-000003" / "metadata.json").read_text())
+    assert meta["model"]["arch"] == "llama" and meta["model"]["n_kv_head"] == 1
+    kv = meta["tensors"]["h.0.attn.k_proj.weight/param"]["pieces"]
+    assert [pc["file"] for pc in kv] == ["rank-00000.bin"], kv  # the shared head, once
+    want = _params(tmp_path / "one")
+    for i, (n, mesh) in enumerate([(None, []), (4, ["--dp", "2", "--tp", "2", "--zero", "1"])]):
+        out = tmp_path / f"resumed-{i}"
+        out.mkdir()
+        losses, _ = _train(n, LLAMA + mesh + ["--resume", str(tmp_path / "ck" / "step-000003"), "--save", str(out)],
+                           tmp_path, f"resumed-{i}")
+        assert len(losses) == 3 and _rel(np.array(losses), np.array(straight[3:])) < 1e-9, (mesh, losses, straight)
+        got = _params(out)
+        assert got.keys() == want.keys(), (mesh, sorted(got.keys() ^ want.keys()))
+        assert max(_rel(got[k], want[k]) for k in want) < 1e-9, mesh
+
+
 @pytest.mark.mpi
 def test_asynchronous_saving_writes_the_same_checkpoints(tmp_path):
     """--save-async copies the arrays at the step and writes them in the background: every

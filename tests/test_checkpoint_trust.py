@@ -213,6 +213,7 @@ def _negative_shape(save, meta):
 
 def _model_disagrees(save, meta):
     meta["model"]["d_model"] = 32
+    meta["model"]["ffn_hidden"] = 128  # GPT-2's 4 d: the config is consistent, its tensors are not
     return "the model recorded beside it has"
 
 
@@ -305,6 +306,31 @@ def _huge_model(save, meta):
     return "the model (model.n_layer 1000000000000"
 
 
+def _unknown_arch(save, meta):
+    meta["model"]["arch"] = "mistral"
+    return 'model.arch is "mistral": must be one of gpt2, llama'
+
+
+def _kv_heads_not_dividing(save, meta):
+    meta["model"]["n_kv_head"] = 3
+    return "model.n_kv_head 3 does not divide model.n_head 2"
+
+
+def _gpt2_with_another_mlp(save, meta):
+    meta["model"]["ffn_hidden"] = 48
+    return "model.ffn_hidden is 48: GPT-2 has"
+
+
+def _huge_rope_theta(save, meta):
+    meta["model"]["rope_theta"] = 10**400  # an integer no float holds
+    return "model.rope_theta is"
+
+
+def _gpt2_tensors_as_llama(save, meta):
+    meta["model"]["arch"] = "llama"
+    return "arch llama) has 10"
+
+
 def _unknown_tensor(save, meta):
     meta["tensors"]["h.7.mlp.c_fc.weight/param"] = meta["tensors"].pop("h.0.mlp.c_fc.weight/param")
     return 'tensors["h.7.mlp.c_fc.weight/param"] is not a parameter of this model'
@@ -329,8 +355,9 @@ def _metadata_too_large(save, meta):
 RULES = [_link_outside, _step_link_outside, _latest_link, _metadata_link, _fifo, _separator, _dotdot, _foreign_rank,
          _negative_shape, _model_disagrees, _dtype_disagrees, _negative_nbytes, _beyond_the_file, _wrong_length,
          _gap, _overlap, _missing_slice, _bad_split, _shared_bytes, _nan_step, _string_size, _string_step,
-         _bool_count, _missing_field, _bad_crc, _mesh, _huge_model, _unknown_tensor, _missing_tensor, _loss_scale,
-         _metadata_too_large]
+         _bool_count, _missing_field, _bad_crc, _mesh, _huge_model, _unknown_arch, _kv_heads_not_dividing,
+         _gpt2_with_another_mlp, _huge_rope_theta, _gpt2_tensors_as_llama, _unknown_tensor, _missing_tensor,
+         _loss_scale, _metadata_too_large]
 
 
 @pytest.mark.mpi
@@ -377,8 +404,11 @@ def test_the_expected_shapes_are_the_models():
     from minidist.state.checkpoint_meta import parameter_count, parameter_shapes
     from minidist.model.nn import GPT, GPTConfig
 
-    for kw in ({}, {"bias": False}, {"tie_embeddings": False}, {"bias": False, "tie_embeddings": False}):
-        cfg = GPTConfig(n_layer=2, d_model=8, n_head=2, seq_len=4, **kw)
+    llama = {"arch": "llama", "n_head": 4, "d_model": 16}
+    for kw in ({}, {"bias": False}, {"tie_embeddings": False}, {"bias": False, "tie_embeddings": False},
+               llama, {**llama, "n_kv_head": 2}, {**llama, "n_kv_head": 1, "ffn_hidden": 24},
+               {**llama, "n_kv_head": 2, "tie_embeddings": True}):
+        cfg = GPTConfig(**{"n_layer": 2, "d_model": 8, "n_head": 2, "seq_len": 4, **kw})
         model = {**vars(cfg)}
         got = {name: tuple(p.data.shape) for name, p in GPT(cfg).named_parameters()}
         assert parameter_shapes(model) == got and parameter_count(model) == len(got), kw

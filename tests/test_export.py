@@ -224,3 +224,88 @@ def test_a_damaged_checkpoint_is_refused(checkpoints, tmp_path):
     r = _export_cli(str(dst), "-o", str(tmp_path / "o"))
     assert r.returncode == 2 and "damaged" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Llama: Hugging Face's LlamaForCausalLM
+# ------------------------------------------------------------------------------------------------
+LLAMA = ["--arch", "llama", "--heads", "4"]
+LLAMA_RUNS = {"llama": (None, ["--kv-heads", "2"]),  # one process, grouped-query attention
+              "llama-tp2-kv1": (2, ["--kv-heads", "1", "--tp", "2"])}  # one key/value head shared by 2 ranks
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoints(tmp_path_factory):
+    """Float32 Llama checkpoints of 3 steps: one process with 2 key/value heads, and tp2 with one
+    (each rank holds the head; copy 0 writes it)."""
+    out = {}
+    for name, (ranks, extra) in LLAMA_RUNS.items():
+        d = tmp_path_factory.mktemp(name)
+        r = run_train(ranks, ARGS + LLAMA + extra + ["--save", str(d)], timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        out[name] = str(d)
+    return out
+
+
+def _llama_names(n_layer):
+    names = ["model.embed_tokens.weight"]
+    for i in range(n_layer):
+        names += [f"model.layers.{i}.{part}.weight" for part in (
+            "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    return names + ["model.norm.weight", "lm_head.weight"]
+
+
+def test_a_llama_export_has_llamas_names_layout_and_config(llama_checkpoints, tmp_path):
+    """Hugging Face's names in its order, every projection transposed to nn.Linear's (out, in),
+    the fused gate|up split into gate_proj and up_proj, and a LlamaConfig of the model."""
+    from minidist.state.checkpoint import load_full
+
+    r = _export_cli(llama_checkpoints["llama"], "-o", str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    _, tensors = read_safetensors(str(tmp_path / "hf" / "model.safetensors"))
+    model, params = load_full(llama_checkpoints["llama"])
+    assert list(tensors) == _llama_names(2)
+    d, F, kv = 32, model["ffn_hidden"], 2 * 8
+    shapes = {"model.embed_tokens.weight": (256, d), "model.layers.1.self_attn.q_proj.weight": (d, d),
+              "model.layers.1.self_attn.k_proj.weight": (kv, d), "model.layers.0.self_attn.v_proj.weight": (kv, d),
+              "model.layers.0.mlp.gate_proj.weight": (F, d), "model.layers.0.mlp.up_proj.weight": (F, d),
+              "model.layers.0.mlp.down_proj.weight": (d, F), "model.norm.weight": (d,), "lm_head.weight": (256, d)}
+    for name, shape in shapes.items():
+        assert tensors[name].shape == shape and tensors[name].dtype == np.float32, name
+    gate_up = params["h.0.mlp.gate_up_proj.weight"]
+    assert np.array_equal(tensors["model.layers.0.mlp.gate_proj.weight"], gate_up[:, :F].T)
+    assert np.array_equal(tensors["model.layers.0.mlp.up_proj.weight"], gate_up[:, F:].T)
+    assert np.array_equal(tensors["model.layers.1.self_attn.k_proj.weight"], params["h.1.attn.k_proj.weight"].T)
+    assert np.array_equal(tensors["model.layers.1.input_layernorm.weight"], params["h.1.ln_1.weight"])
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    want = {"vocab_size": 256, "hidden_size": d, "intermediate_size": F, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu",
+            "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "attention_bias": False,
+            "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32"}
+    assert {k: config[k] for k in want} == want
+
+
+@pytest.mark.slow  # importing torch and transformers takes most of it
+@pytest.mark.parametrize("kind", [pytest.param("llama"), pytest.param("llama-tp2-kv1", marks=pytest.mark.mpi)])
+def test_transformers_loads_a_llama_export_and_gives_minidists_logits(kind, llama_checkpoints, tmp_path):
+    """LlamaForCausalLM.from_pretrained(OUTDIR): no missing, unexpected or mismatched weights,
+    and minidist's logits in float32 to 1e-5 normwise (Hugging Face's RMSNorm and rotary
+    tables compute in float32 as minidist does; the two sum in different orders)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import LlamaForCausalLM
+
+    export(llama_checkpoints[kind], str(tmp_path / "hf"))
+    model, info = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert model.dtype == torch.float32 and model.config.num_key_value_heads == (1 if "kv1" in kind else 2)
+    model.eval()
+    ids = np.random.default_rng(1).integers(0, 256, size=(3, 32))
+    want = _minidist_logits(llama_checkpoints[kind], ids)
+    with torch.no_grad():
+        got = model(torch.from_numpy(ids)).logits.numpy()
+    assert got.shape == want.shape == (3, 32, 256)
+    assert _normwise(got, want) <= 1e-5, _normwise(got, want)

@@ -3,7 +3,7 @@
   data.py             byte-level text: the tokenizer, the corpus, the split, the global-batch sampler
   checkpoint_meta.py  a checkpoint's metadata checked as untrusted input, before any file is read
   checkpoint.py       sharded checkpoints, written atomically and read back on any mesh
-  export.py           a checkpoint as one file, or as a Hugging Face GPT-2 (``python -m minidist.state.export``)
+  export.py           a checkpoint as a Hugging Face GPT-2 or Llama (``python -m minidist.state.export``)
   generate.py         sampling text from a checkpoint (``python -m minidist.state.generate``)
 
 Imports the layers below it (host, layout, model, comm, parallel), never the instruments or

@@ -95,7 +95,8 @@ def check(path: str) -> dict:
 
 
 def model_differences(meta: dict, model_config) -> list[str]:
-    """The model fields on which a checkpoint and a run disagree, as ``name saved -> now``."""
+    """The model fields on which a checkpoint and a run disagree, as ``name saved -> now``
+    (``meta`` from :func:`metadata`: an older checkpoint's missing fields read as GPT-2's)."""
     saved, now = meta["model"], dataclasses.asdict(model_config)
     return [f"{k} {saved.get(k)} -> {now[k]}" for k in MODEL_FIELDS if saved.get(k) != now[k]]
 

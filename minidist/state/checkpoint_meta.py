@@ -20,10 +20,15 @@ The rules, those of the format ``minidist.state.checkpoint`` writes:
 * numbers are JSON integers where integers are meant (no NaN step, no string sizes, no
   booleans), in their ranges; the mesh's sizes multiply to the world size;
 * the model config is one minidist builds (byte vocabulary, positive sizes, heads dividing
-  the width, a known dtype and attention), and the tensors are exactly its parameters
+  the width, a known dtype and attention; a known family, ``gpt2`` or ``llama``, with
+  key/value heads dividing the query heads, a positive feed-forward width, a positive finite
+  rotary base and norm epsilon), and the tensors are exactly its parameters
   (:func:`parameter_shapes`) and their optimizer states, each with the shape and dtype the
   config gives;
   on resume, ``minidist.train.flags`` then compares that config with the model being built;
+* a checkpoint written before the Llama family lacks its fields (``arch``, ``n_kv_head``,
+  ``ffn_hidden``, ``rope_theta``, ``norm_eps``): it reads as the GPT-2 it is
+  (:data:`LEGACY_DEFAULTS`), and :func:`read` returns its model with them filled in;
 * dtypes come from :data:`DTYPES`;
 * a piece's tensor-parallel slice divides its dimension, its flat range lies inside the
   slice, its byte range lies inside its file, and its length is exactly the bytes of its
@@ -40,16 +45,25 @@ import math
 import os
 import re
 import stat
+import sys
 
 from minidist.layout.mesh import AXES
+from minidist.layout.settings import ARCHS, ROPE_THETA
 
 FORMAT = "minidist-checkpoint-1"
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 PART_FILE = re.compile(r"^rank-(\d{5,9})\.bin$")  # the names checkpoint._write_part gives
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 STATES = ("param", "exp_avg", "exp_avg_sq", "momentum_buffer")  # the optimizers' state_keys
-#: Fields of the model that a checkpoint's arrays depend on: a resumed run must agree on them.
-MODEL_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "bias", "tie_embeddings", "dtype")
+#: Fields of the model that a checkpoint's arrays depend on: a resumed run must agree on them
+#: (``rope_theta`` and ``norm_eps`` change no array: they are checked, not compared).
+MODEL_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "bias", "tie_embeddings", "dtype",
+                "arch", "n_kv_head", "ffn_hidden")
+#: How a checkpoint written before the Llama family reads: each field it lacks takes GPT-2's
+#: value, a function of the fields it has (GPT-2: a key/value head per query head, a 4 d MLP).
+LEGACY_DEFAULTS = {"arch": lambda m: "gpt2", "n_kv_head": lambda m: m["n_head"],
+                   "ffn_hidden": lambda m: 4 * m["d_model"], "rope_theta": lambda m: ROPE_THETA,
+                   "norm_eps": lambda m: 1e-5}
 MAX_METADATA_BYTES = 64 * 2**20  # far above any minidist run's (about 20 KB per layer and rank)
 MAX_LATEST_BYTES = 4096
 MAX_INT = 2**63 - 1  # every count, size and offset fits an int64
@@ -160,27 +174,51 @@ def _show(value) -> str:
 # The model: which tensors a checkpoint of it holds
 # ------------------------------------------------------------------------------------------------
 def parameter_count(model: dict) -> int:
-    """How many parameters ``nn.GPT`` of ``model`` (a checked config) has."""
-    return 4 + (not model["tie_embeddings"]) + model["n_layer"] * (12 if model["bias"] else 8)
+    """How many parameters ``nn.GPT`` of ``model`` (a checked config) has: GPT-2's block holds
+    two LayerNorms (weight, bias), c_attn, c_proj, c_fc, c_proj (weights, biases unless
+    ``bias`` is false); Llama's two RMSNorms and six bias-free weights (q, k, v, o, gate|up,
+    down), and it has no position table and no bias in the final norm."""
+    untied = not model["tie_embeddings"]
+    if model["arch"] == "llama":
+        return 2 + untied + model["n_layer"] * 8
+    return 4 + untied + model["n_layer"] * (12 if model["bias"] else 8)
 
 
 def parameter_shapes(model: dict) -> dict:
     """``{name: global shape}`` of ``nn.GPT``'s parameters for ``model`` (a checked config), as
     ``GPT.named_parameters`` names them (a test keeps the two equal)."""
     d, vocab = model["d_model"], model["vocab_size"]
+    llama = model["arch"] == "llama"
+    block = _llama_block(model) if llama else _gpt2_block(model)
+    out = {"wte.weight": (vocab, d)} if llama else {"wte.weight": (vocab, d), "wpe.weight": (model["seq_len"], d)}
+    for i in range(model["n_layer"]):
+        out.update({f"h.{i}.{k}": s for k, s in block.items()})
+    out.update({"ln_f.weight": (d,)} if llama else {"ln_f.weight": (d,), "ln_f.bias": (d,)})
+    if not model["tie_embeddings"]:
+        out["lm_head.weight"] = (d, vocab)
+    return out
+
+
+def _gpt2_block(model: dict) -> dict:
+    """One GPT-2 block's parameters: fused q|k|v, a 4 d GELU MLP, LayerNorms with biases."""
+    d = model["d_model"]
     block = {"ln_1.weight": (d,), "ln_1.bias": (d,), "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
              "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
              "mlp.c_fc.weight": (d, 4 * d), "mlp.c_fc.bias": (4 * d,), "mlp.c_proj.weight": (4 * d, d),
              "mlp.c_proj.bias": (d,)}
     if not model["bias"]:  # LayerNorm keeps its bias
         block = {k: s for k, s in block.items() if not k.endswith(".bias") or k.startswith("ln_")}
-    out = {"wte.weight": (vocab, d), "wpe.weight": (model["seq_len"], d)}
-    for i in range(model["n_layer"]):
-        out.update({f"h.{i}.{k}": s for k, s in block.items()})
-    out.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
-    if not model["tie_embeddings"]:
-        out["lm_head.weight"] = (d, vocab)
-    return out
+    return block
+
+
+def _llama_block(model: dict) -> dict:
+    """One Llama block's parameters: RMSNorm gains, q/k/v/o projections with K = n_kv_head
+    key/value heads of d / n_head features, the fused SwiGLU gate|up (F each) and down."""
+    d, F = model["d_model"], model["ffn_hidden"]
+    kv = model["n_kv_head"] * (d // model["n_head"])
+    return {"ln_1.weight": (d,), "attn.q_proj.weight": (d, d), "attn.k_proj.weight": (d, kv),
+            "attn.v_proj.weight": (d, kv), "attn.o_proj.weight": (d, d), "ln_2.weight": (d,),
+            "mlp.gate_up_proj.weight": (d, 2 * F), "mlp.down_proj.weight": (F, d)}
 
 
 def numpy_dtype(name: str):
@@ -259,7 +297,8 @@ class _Check:
 
         self.kind(model, dict, "model", "a mapping")
         for key in MODEL_FIELDS:
-            self.get(model, key, "model")
+            if key not in LEGACY_DEFAULTS:
+                self.get(model, key, "model")
         if model["vocab_size"] != 256 or type(model["vocab_size"]) is not int:
             self.fail("model.vocab_size", f"is {_show(model['vocab_size'])}: minidist's models read bytes (256)")
         for key in ("seq_len", "n_layer", "n_head", "d_model"):
@@ -276,7 +315,33 @@ class _Check:
             self.fail("model.attention", f"is {_show(model['attention'])}: must be one of {', '.join(ATTENTIONS)}")
         if "attention_block" in model:
             self.integer(model["attention_block"], "model.attention_block", lo=1)
+        for key, default in LEGACY_DEFAULTS.items():  # a checkpoint older than the Llama family
+            if key not in model:
+                model[key] = default(model)
+        self.family(model)
         return model
+
+    def family(self, model: dict) -> None:
+        """The fields of the model's family: which one, its key/value heads and feed-forward
+        width (GPT-2's fixed: one key/value head per query head, 4 d), its rotary base and norm
+        epsilon (positive, finite) -- so that ``nn.GPTConfig`` accepts what passes here."""
+        if model["arch"] not in ARCHS:
+            self.fail("model.arch", f"is {_show(model['arch'])}: must be one of {', '.join(ARCHS)}")
+        H, K = model["n_head"], self.integer(model["n_kv_head"], "model.n_kv_head", lo=1)
+        if H % K:
+            self.fail("model.n_kv_head", f"{K} does not divide model.n_head {H}")
+        F = self.integer(model["ffn_hidden"], "model.ffn_hidden", lo=1)
+        for key in ("rope_theta", "norm_eps"):
+            value = self.kind(model[key], (int, float), f"model.{key}", "a positive finite number")
+            if not 0 < value <= sys.float_info.max:  # NaN fails too; a huge integer is no float
+                self.fail(f"model.{key}", f"is {_show(value)}: must be a positive finite number")
+        if model["arch"] == "gpt2" and (K != H or F != 4 * model["d_model"]):
+            what = "n_kv_head" if K != H else "ffn_hidden"
+            self.fail(f"model.{what}", f"is {model[what]}: GPT-2 has n_kv_head = n_head ({H}) and "
+                      f"ffn_hidden = 4 d_model ({4 * model['d_model']})")
+        if model["arch"] == "llama" and (model["d_model"] // H) % 2:
+            self.fail("model.n_head", f"{H} gives heads of {model['d_model'] // H} features: rotary positions "
+                      "need an even head dimension")
 
     def tensor_names(self, tensors, model: dict) -> dict:
         """Check that the tensors are the model's parameters (all of them) and their optimizer
@@ -287,7 +352,8 @@ class _Check:
         held = sum(key.endswith("/param") for key in tensors)
         if held != count:
             self.fail("tensors", f"hold {held} parameters, the model (model.n_layer {model['n_layer']}, "
-                      f"bias {model['bias']}, tie_embeddings {model['tie_embeddings']}) has {count}")
+                      f"bias {model['bias']}, tie_embeddings {model['tie_embeddings']}, arch {model['arch']}) "
+                      f"has {count}")
         shapes = parameter_shapes(model)
         for key in tensors:
             name, _, what = key.rpartition("/")

@@ -5,7 +5,7 @@
 ``DIR`` is a checkpoint saved on any mesh (a ``step-NNNNNN`` directory, or a ``--save`` directory:
 its ``latest``); :func:`minidist.state.checkpoint.load_full` gathers every parameter whole on this one
 process.  ``OUTDIR`` then holds what ``transformers.GPT2LMHeadModel.from_pretrained(OUTDIR)``
-loads:
+loads (a Llama checkpoint: ``transformers.LlamaForCausalLM``'s, below):
 
 * ``model.safetensors``: the parameters under GPT-2's names (``transformer.wte.weight``,
   ``transformer.h.0.attn.c_attn.weight``, ...).  minidist's layout already is GPT-2's: Linear
@@ -17,6 +17,19 @@ loads:
   are not parameters and are not written (transformers builds them).
 * ``config.json``: a ``GPT2Config`` with vocabulary 256 (bytes), ``n_positions`` = the
   position table, ``gelu_new`` (the tanh GELU minidist uses), LayerNorm eps 1e-5, no dropout.
+
+A Llama checkpoint (``arch: llama``) becomes Hugging Face's Llama:
+
+* ``model.safetensors``: ``model.embed_tokens.weight``, per layer ``model.layers.i.``
+  ``input_layernorm``, ``self_attn.{q,k,v,o}_proj``, ``post_attention_layernorm``,
+  ``mlp.{gate,up,down}_proj`` (each ``.weight``), ``model.norm.weight`` and an untied
+  ``lm_head.weight``.  Every projection is a ``torch.nn.Linear``, stored ``(out, in)``: each is
+  minidist's ``(in, out)`` weight transposed, and the fused ``gate_up_proj`` (columns
+  [gate | up], F each) is split in two.  The rotary layout already is Hugging Face's (the
+  half-split ``rotate_half``), so q and k need no permutation of their rows.
+* ``config.json``: a ``LlamaConfig`` (``silu``, the K key/value heads, the feed-forward width,
+  the rotary base both as ``rope_theta`` and in ``rope_parameters``, the RMSNorm epsilon, no
+  biases, ``max_position_embeddings`` = the model's longest sequence).
 
 safetensors is written here with the standard library and NumPy (no dependency): an 8-byte
 little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets}}`` (plus
@@ -117,10 +130,37 @@ def read_safetensors(file: str) -> tuple[dict, dict]:
 
 
 # ------------------------------------------------------------------------------------------------
-# minidist -> GPT-2
+# minidist -> Hugging Face: the family's names and layout
 # ------------------------------------------------------------------------------------------------
 def hf_config(model: dict, dtype: str) -> dict:
-    """The ``GPT2Config`` (as a dict for config.json) of a minidist model config dict."""
+    """The Hugging Face config (as a dict for config.json) of a minidist model config dict."""
+    return llama_config(model, dtype) if model.get("arch") == "llama" else gpt2_config(model, dtype)
+
+
+def hf_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
+    """``{Hugging Face name: array}`` of minidist's ``{name: array}`` (``load_full``'s), in the
+    reference's order, cast to ``dtype`` (default: the parameters' own)."""
+    if model.get("arch") == "llama":
+        return llama_state_dict(model, params, dtype)
+    return gpt2_state_dict(model, params, dtype)
+
+
+def _putter(out: dict, dtype: str | None):
+    """``put(name, array)``: store ``array`` in ``out`` contiguous, cast to ``dtype`` if given."""
+    target = _np_dtype(dtype) if dtype is not None else None
+
+    def put(name, array):
+        a = host.asarray(array)
+        out[name] = host.ascontiguousarray(a if target is None else a.astype(target))
+
+    return put
+
+
+# ------------------------------------------------------------------------------------------------
+# minidist -> GPT-2
+# ------------------------------------------------------------------------------------------------
+def gpt2_config(model: dict, dtype: str) -> dict:
+    """The ``GPT2Config`` (as a dict for config.json) of a minidist GPT-2 config dict."""
     d = model["d_model"]
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -150,15 +190,11 @@ def hf_config(model: dict, dtype: str) -> dict:
     }
 
 
-def hf_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
+def gpt2_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
     """``{GPT-2 name: array}`` of minidist's ``{name: array}`` (``load_full``'s), in GPT-2's
     order, cast to ``dtype`` (default: the parameters' own)."""
     d, out = model["d_model"], {}
-    target = _np_dtype(dtype) if dtype is not None else None
-
-    def put(name, array):
-        a = host.asarray(array)
-        out[name] = host.ascontiguousarray(a if target is None else a.astype(target))
+    put = _putter(out, dtype)
 
     def param(name, zeros_shape=None):
         if name in params:
@@ -179,6 +215,70 @@ def hf_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
     put("transformer.ln_f.bias", param("ln_f.bias"))
     if not model["tie_embeddings"]:
         put("lm_head.weight", param("lm_head.weight").T)  # nn.Linear stores (out, in)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# minidist -> Llama
+# ------------------------------------------------------------------------------------------------
+def llama_config(model: dict, dtype: str) -> dict:
+    """The ``LlamaConfig`` (as a dict for config.json) of a minidist Llama config dict."""
+    d, H = model["d_model"], model["n_head"]
+    theta = float(model["rope_theta"])
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model["vocab_size"],
+        "hidden_size": d,
+        "intermediate_size": model["ffn_hidden"],
+        "num_hidden_layers": model["n_layer"],
+        "num_attention_heads": H,
+        "num_key_value_heads": model["n_kv_head"],
+        "head_dim": d // H,
+        "hidden_act": "silu",  # SwiGLU: silu(x W_gate) * (x W_up)
+        "max_position_embeddings": model["seq_len"],
+        "rms_norm_eps": float(model["norm_eps"]),
+        "rope_theta": theta,  # transformers before 5 reads it here, 5 in rope_parameters
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "tie_word_embeddings": bool(model["tie_embeddings"]),
+        "bos_token_id": None,  # bytes: no special tokens
+        "eos_token_id": None,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
+def llama_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
+    """``{Llama name: array}`` of minidist's Llama ``{name: array}``: every projection
+    transposed to ``torch.nn.Linear``'s ``(out, in)``, the fused gate|up split in two."""
+    out, F = {}, model["ffn_hidden"]
+    put = _putter(out, dtype)
+
+    def param(name):
+        if name not in params:
+            raise KeyError(f"the checkpoint has no parameter {name}")
+        return params[name]
+
+    put("model.embed_tokens.weight", param("wte.weight"))  # an embedding: (vocab, d) in both
+    for i in range(model["n_layer"]):
+        h, at = f"h.{i}.", f"model.layers.{i}."
+        put(f"{at}input_layernorm.weight", param(f"{h}ln_1.weight"))
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            put(f"{at}self_attn.{proj}.weight", param(f"{h}attn.{proj}.weight").T)
+        put(f"{at}post_attention_layernorm.weight", param(f"{h}ln_2.weight"))
+        gate_up = param(f"{h}mlp.gate_up_proj.weight")                      # (d, 2F): [gate | up]
+        put(f"{at}mlp.gate_proj.weight", gate_up[:, :F].T)
+        put(f"{at}mlp.up_proj.weight", gate_up[:, F:].T)
+        put(f"{at}mlp.down_proj.weight", param(f"{h}mlp.down_proj.weight").T)
+    put("model.norm.weight", param("ln_f.weight"))
+    if not model["tie_embeddings"]:
+        put("lm_head.weight", param("lm_head.weight").T)
     return out
 
 
@@ -226,9 +326,9 @@ def export(path: str, outdir: str, dtype: str | None = None) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m minidist.state.export",
-                description="Export a minidist checkpoint (saved on any mesh) as a Hugging Face GPT-2 model: "
-                            "OUTDIR/model.safetensors and OUTDIR/config.json, for "
-                            "transformers.GPT2LMHeadModel.from_pretrained(OUTDIR).")
+                description="Export a minidist checkpoint (saved on any mesh) as a Hugging Face GPT-2 or Llama "
+                            "model: OUTDIR/model.safetensors and OUTDIR/config.json, for "
+                            "transformers.GPT2LMHeadModel (or LlamaForCausalLM).from_pretrained(OUTDIR).")
     p.add_argument("checkpoint", metavar="DIR", help="a step-NNNNNN checkpoint, or a --save directory (its latest)")
     p.add_argument("-o", "--out", required=True, metavar="OUTDIR",
                    help="directory to write (created if missing; existing files are replaced atomically)")

@@ -9,18 +9,22 @@ continued by ``--tokens`` sampled bytes and the whole text is printed, decoded w
 ``errors="replace"`` (a byte model may stop in the middle of a character).
 
 The KV cache (:class:`KVCache`) is plain array code, no autograd: each layer keeps the keys and
-values of the tokens seen so far, ``(n_head, t, d_head)``; a step computes q, k, v of the new
+values of the tokens seen so far, ``(n_kv_head, t, d_head)``; a step computes q, k, v of the new
 tokens only and attends to the cache.  The prompt goes through in one step (prefill), then one
-byte per step.  ``tests/test_generate.py`` checks the cached logits against ``nn.GPT``'s full
-forward at every position.
+byte per step.  Both families: GPT-2 (LayerNorm, learned positions, GELU MLP) and Llama
+(RMSNorm, rotary positions turning each new query and key by its absolute position, K
+key/value heads each read by ``n_head / K`` query heads -- the cache holds K heads -- and the
+SwiGLU feed-forward).  ``tests/test_generate.py`` checks the cached logits against ``nn.GPT``'s
+full forward at every position, for both.
 
 Sampling (:func:`sample`): logits / temperature, the ``top_k`` largest kept, softmax, one draw
 from a ``numpy.random.Generator`` seeded by ``--seed`` (the same seed and checkpoint give the
 same text; without ``--seed`` each run differs).  ``--temperature 0`` is greedy (argmax).
 
-Longer than the position table (``seq_len`` of the model): positions are learned, so the cache
-cannot slide.  The model sees the last ``seq_len`` bytes: a longer prompt is cut to its last
-``seq_len`` bytes (all of it is still printed), and once the cache is full every further byte
+Longer than the position table (``seq_len`` of the model): GPT-2's positions are learned, so
+the cache cannot slide (and Llama's ``seq_len`` is the longest sequence it takes).  The model
+sees the last ``seq_len`` bytes: a longer prompt is cut to its last ``seq_len`` bytes (all of
+it is still printed), and once the cache is full every further byte
 recomputes the window of the last ``seq_len`` bytes from scratch (a sliding window without
 cache, as nanoGPT's ``generate`` does for every byte) -- slower, but each byte still sees as
 much context as the model can take.
@@ -60,6 +64,16 @@ def _layer_norm(x, ln, eps):
     return xc / xp.sqrt(var + eps) * ln.weight.data + ln.bias.data
 
 
+def _rms_norm(x, ln, eps):  # Llama's RMSNorm: no mean, no bias
+    return x / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * ln.weight.data
+
+
+def _norm(x, ln):
+    from minidist.model.nn import RMSNorm
+
+    return _rms_norm(x, ln, ln.eps) if isinstance(ln, RMSNorm) else _layer_norm(x, ln, ln.eps)
+
+
 def _linear(x, layer):
     y = x @ layer.weight.data
     return y if layer.bias is None else y + layer.bias.data
@@ -69,24 +83,43 @@ def _gelu(x):  # the tanh approximation, as ops.gelu
     return 0.5 * x * (1.0 + xp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
+def _silu(x):
+    return x / (1.0 + xp.exp(-x))
+
+
+def _rotate(x, positions, theta):
+    """Rotary positions (Su et al. 2021) on heads ``x`` (heads, n, D) of tokens at absolute
+    ``positions`` (n,): each head's halves (x1, x2) turned by ``p * theta^(-2i / D)`` -- the
+    half-split layout of Hugging Face's Llama, as ``ops.rotary``."""
+    D = x.shape[-1]
+    angles = positions[:, None].astype(xp.float64) * theta ** (-xp.arange(0, D, 2, dtype=xp.float64) / D)
+    cos, sin = xp.cos(angles).astype(x.dtype), xp.sin(angles).astype(x.dtype)  # (n, D/2)
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
 class KVCache:
     """Keys and values of every layer for the tokens seen so far, and the forward of new tokens.
 
     ``step(ids)`` runs the tokens ``ids`` (a 1-D int array) at positions ``t .. t+len(ids)-1``
-    after the ``t`` tokens already cached and returns their logits ``(len(ids), vocab)``."""
+    after the ``t`` tokens already cached and returns their logits ``(len(ids), vocab)``.
+
+    GPT-2 and Llama both: the cache holds ``n_kv_head`` heads (grouped-query attention: Llama's
+    K, each read by ``n_head / K`` consecutive query heads; GPT-2's one per query head), and a
+    Llama key enters it already turned by its absolute position, so it never changes again."""
 
     def __init__(self, model):
         cfg = model.config
-        self.model, self.cfg = model, cfg
-        self.n_head, self.d_head = cfg.n_head, cfg.d_model // cfg.n_head
+        self.model, self.cfg, self.llama = model, cfg, cfg.arch == "llama"
+        self.n_head, self.n_kv_head, self.d_head = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         dt = model.wte.weight.data.dtype
-        shape = (cfg.n_layer, self.n_head, cfg.seq_len, self.d_head)
+        shape = (cfg.n_layer, self.n_kv_head, cfg.seq_len, self.d_head)
         self.k, self.v = xp.empty(shape, dtype=dt), xp.empty(shape, dtype=dt)
         self.t = 0
 
     @property
     def free(self) -> int:
-        """How many more tokens fit in the position table."""
+        """How many more tokens fit in the position table (Llama: the model's longest sequence)."""
         return self.cfg.seq_len - self.t
 
     def reset(self):
@@ -98,32 +131,55 @@ class KVCache:
         if n == 0:
             raise ValueError("KVCache.step needs at least one token")
         if n > self.free:
-            raise ValueError(f"{n} tokens after {t0} exceed the position table ({self.cfg.seq_len})")
-        t1, H, D = t0 + n, self.n_head, self.d_head
-        x = m.wte.weight.data[ids] + m.wpe.weight.data[t0:t1]                    # (n, C)
-        # query i (position t0 + i) sees keys 0 .. t0 + i
-        future = xp.arange(t1)[None, :] > (t0 + xp.arange(n))[:, None]           # (n, t1)
-        scale = 1.0 / math.sqrt(D)
+            table = "model's longest sequence" if self.llama else "position table"
+            raise ValueError(f"{n} tokens after {t0} exceed the {table} ({self.cfg.seq_len})")
+        t1 = t0 + n
+        x = m.wte.weight.data[ids]                                                  # (n, C)
+        if not self.llama:
+            x = x + m.wpe.weight.data[t0:t1]
+        block_step = self._llama_block if self.llama else self._gpt2_block
         for layer, block in enumerate(m.h):
-            h = _layer_norm(x, block.ln_1, block.ln_1.eps)
-            qkv = _linear(h, block.attn.c_attn)                                   # (n, 3C): q | k | v
-            q, k, v = (qkv[:, j * H * D:(j + 1) * H * D].reshape(n, H, D).transpose(1, 0, 2) for j in range(3))
-            self.k[layer, :, t0:t1] = k
-            self.v[layer, :, t0:t1] = v
-            K, V = self.k[layer, :, :t1], self.v[layer, :, :t1]                   # (H, t1, D)
-            s = (q * scale) @ K.transpose(0, 2, 1)                                 # (H, n, t1)
-            s = xp.where(future[None], -xp.inf, s)
-            s = xp.exp(s - s.max(axis=-1, keepdims=True))
-            p = s / s.sum(axis=-1, keepdims=True)
-            y = (p @ V).transpose(1, 0, 2).reshape(n, H * D)
-            x = x + _linear(y, block.attn.c_proj)
-            h = _layer_norm(x, block.ln_2, block.ln_2.eps)
-            x = x + _linear(_gelu(_linear(h, block.mlp.c_fc)), block.mlp.c_proj)
+            x = block_step(layer, block, x, t0)
         self.t = t1
-        x = _layer_norm(x, m.ln_f, m.ln_f.eps)
+        x = _norm(x, m.ln_f)
         if m.lm_head is not None:
             return _linear(x, m.lm_head)
         return x @ m.wte.weight.data.T
+
+    def _gpt2_block(self, layer, block, x, t0):
+        n, H, D = x.shape[0], self.n_head, self.d_head
+        qkv = _linear(_norm(x, block.ln_1), block.attn.c_attn)                      # (n, 3C): q | k | v
+        q, k, v = (qkv[:, j * H * D:(j + 1) * H * D].reshape(n, H, D).transpose(1, 0, 2) for j in range(3))
+        x = x + _linear(self._attend(layer, q, k, v, t0), block.attn.c_proj)
+        h = _norm(x, block.ln_2)
+        return x + _linear(_gelu(_linear(h, block.mlp.c_fc)), block.mlp.c_proj)
+
+    def _llama_block(self, layer, block, x, t0):
+        n, D, a = x.shape[0], self.d_head, block.attn
+        h = _norm(x, block.ln_1)
+        q, k, v = (_linear(h, proj).reshape(n, -1, D).transpose(1, 0, 2) for proj in (a.q_proj, a.k_proj, a.v_proj))
+        positions = xp.arange(t0, t0 + n)
+        q, k = _rotate(q, positions, a.theta), _rotate(k, positions, a.theta)
+        x = x + _linear(self._attend(layer, q, k, v, t0), a.o_proj)
+        gate_up = _linear(_norm(x, block.ln_2), block.mlp.gate_up_proj)             # (n, 2F): gate | up
+        F = gate_up.shape[-1] // 2
+        return x + _linear(_silu(gate_up[:, :F]) * gate_up[:, F:], block.mlp.down_proj)
+
+    def _attend(self, layer, q, k, v, t0):
+        """Causal attention of queries ``q`` (H, n, D) at positions t0.. over the cache, after
+        the new keys and values ``k``, ``v`` (K, n, D) enter it; the heads' outputs side by side
+        (n, H D).  Query head h reads key/value head h // (H / K)."""
+        (H, n, D), K = q.shape, k.shape[0]
+        t1 = t0 + n
+        self.k[layer, :, t0:t1] = k
+        self.v[layer, :, t0:t1] = v
+        keys, values = self.k[layer, :, None, :t1], self.v[layer, :, None, :t1]     # (K, 1, t1, D)
+        s = (q.reshape(K, H // K, n, D) / math.sqrt(D)) @ keys.transpose(0, 1, 3, 2)  # (K, H/K, n, t1)
+        future = xp.arange(t1)[None, :] > (t0 + xp.arange(n))[:, None]             # query i sees keys <= t0 + i
+        s = xp.where(future, -xp.inf, s)
+        s = xp.exp(s - s.max(axis=-1, keepdims=True))
+        p = s / s.sum(axis=-1, keepdims=True)
+        return (p @ values).reshape(H, n, D).transpose(1, 0, 2).reshape(n, H * D)
 
 
 # ------------------------------------------------------------------------------------------------
