@@ -59,7 +59,11 @@ def test_load_state_dict_round_trip_and_errors():
         b.load_state_dict({"wte.weight": a.state_dict()["wte.weight"]})
 
 
-def test_whole_model_gradient_matches_finite_differences():
+LLAMA = dict(arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24)
+
+
+@pytest.mark.parametrize("kw", [{}, LLAMA, dict(LLAMA, n_kv_head=1)], ids=["gpt2", "llama-gqa", "llama-mqa"])
+def test_whole_model_gradient_matches_finite_differences(kw):
     """Every parameter's gradient against float64 central differences of the loss f: six
     elements per parameter (its largest and smallest gradient and four at random) and one
     random unit direction d through all of its elements (the derivative along d is g . d).
@@ -68,7 +72,7 @@ def test_whole_model_gradient_matches_finite_differences():
     gradient, down to what the step allows.  Step h = 5e-6: the truncation error h^2 f'''/6
     measures <= 1e-8 of the gradient, rtol = 1e-7; the round-off of (f(+h) - f(-h)) / 2h is
     about u |f| / h (u = 2**-53, float64's unit round-off), atol = 8 u |f| / h, 1e-9 here."""
-    model = tiny(seed=0)
+    model = tiny(seed=0, **kw)
     x, y = batch(b=2)
     loss, grads = grads_of(model, x, y)
     rng = np.random.default_rng(0)
@@ -100,6 +104,40 @@ def test_whole_model_gradient_matches_finite_differences():
             numeric, analytic = central(p, d), float((g * d).sum())
             allowed = rtol * max(abs(numeric), abs(analytic)) + atol
             assert abs(numeric - analytic) <= allowed, (name, what, numeric, analytic, allowed)
+
+
+def test_llama_shape_and_attention_paths():
+    """Llama's parameters (no biases, no position table, untied head, K/V projections of K
+    heads, one fused gate|up), and blockwise attention equal to plain attention with GQA."""
+    model = tiny(**LLAMA)
+    names = dict(model.named_parameters())
+    assert "wpe.weight" not in names and "lm_head.weight" in names and not any(n.endswith(".bias") for n in names)
+    assert names["h.0.attn.k_proj.weight"].shape == (16, 2 * 4) and names["h.0.mlp.gate_up_proj.weight"].shape == (16, 48)
+    x, y = batch()
+    block = tiny(**LLAMA, attention="blockwise", attention_block=3)
+    _, plain_grads = grads_of(model, x, y)
+    _, block_grads = grads_of(block, x, y)
+    for name, g in plain_grads.items():
+        np.testing.assert_allclose(block_grads[name], g, rtol=1e-10, atol=1e-14, err_msg=name)
+    # rotary positions: the same tokens at other places give other logits (GPT-2's table does too)
+    ids = x[:1]
+    assert not np.allclose(model(ids).data[0, 3], model(np.roll(ids, 1, axis=1)).data[0, 4])
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(arch="llama", n_head=4, n_kv_head=3), "n_kv_head=3 does not divide n_head=4"),
+    (dict(n_kv_head=1), "n_kv_head and ffn_hidden are Llama's"),
+    (dict(arch="llama", rope_theta=0.0), "rope_theta must be a positive finite number"),
+    (dict(arch="llama", rope_theta=10**400), "rope_theta must be a positive finite number"),
+    (dict(arch="llama", norm_eps=-1.0), "norm_eps must be a positive finite number"),
+    (dict(arch="llama", n_head=8, d_model=8), "rotary positions need an even head dimension, got 1"),
+    (dict(arch="bert"), "unknown arch 'bert'"),
+])
+def test_llama_config_errors_name_the_value(kw, message):
+    cfg = dict(vocab_size=256, seq_len=8, n_layer=1, n_head=2, d_model=16)
+    cfg.update(kw)
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**cfg)
 
 
 def test_sequence_longer_than_position_table_is_rejected():

@@ -353,6 +353,9 @@ class Block(Module):
 # --------------------------------------------------------------------------------------------
 # GPT
 # --------------------------------------------------------------------------------------------
+_FLOAT_MAX = 1.7976931348623157e308  # an int beyond it has no float (10**400 would overflow later)
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 256
@@ -394,8 +397,10 @@ class GPTConfig:
                              "n_kv_head and ffn_hidden are Llama's")
         if llama and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        for field in ("rope_theta", "norm_eps"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _FLOAT_MAX:
+                raise ValueError(f"{field} must be a positive finite number, got {value!r}")
         _dtype(self.dtype)
         attention_function(self.attention)
         ops.check_block(self.attention_block)
