@@ -49,7 +49,7 @@ class Part:
 PARTS = [
     Part("collectives", "bench_collectives.py", "minidist's all_reduce, all_gather, reduce_scatter vs MPI's",
          [], ["--quick", "--ranks", "2", "--launches", "1"], full_s=100, quick_s=3),
-    Part("model", "bench_model.py", "a GPT training step, minidist vs PyTorch on the CPU",
+    Part("model", "bench_model.py", "a GPT and a Llama training step, minidist vs PyTorch on the CPU",
          [], ["--reps", "1", "--threads", "1"], full_s=35, quick_s=10),
     Part("ddp", "bench_ddp.py", "weak scaling 1 -> 2 ranks: minidist DDP and ZeRO vs PyTorch DDP (gloo)",
          [], ["--quick"], full_s=300, quick_s=20),

@@ -1,4 +1,6 @@
-"""The whole GPT against PyTorch in float64: logits, loss, every gradient, and AdamW steps.
+"""The whole GPT against PyTorch in float64: logits, loss, every gradient, and AdamW steps;
+GPT-2 tied and untied, and the Llama form against ``TorchLlama`` (the benchmark's yardstick;
+the parity with transformers' own Llama is tests/test_llama_parity.py).
 
 Every comparison is normwise relative -- max |mine - torch| / max |torch| per tensor -- at
 1e-12: float64's unit round-off is 1.1e-16, and the measured worst is 1.1e-15 (gradients),
@@ -14,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from minidist.model.nn import GPT, GPTConfig  # noqa: E402
 from minidist.model.optim import AdamW, no_decay_below_2d  # noqa: E402
-from minidist.model.torch_reference import TorchGPT  # noqa: E402
+from minidist.model.torch_reference import TorchGPT, TorchLlama  # noqa: E402
 
 TOL = 1e-12  # float64 round-off is 1.1e-16 per operation; the worst measured error is 3e-14
 
@@ -23,12 +25,17 @@ def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
 
-@pytest.fixture(params=[True, False], ids=["tied", "untied"])
+@pytest.fixture(params=["tied", "untied", "llama"])
 def pair(request):
+    llama = request.param == "llama"
     cfg = GPTConfig(seq_len=16, n_layer=2, n_head=4, d_model=32, dtype="float64", seed=7,
-                    tie_embeddings=request.param)
+                    tie_embeddings=request.param == "tied", arch="llama" if llama else "gpt2",
+                    n_kv_head=2 if llama else None)
     model = GPT(cfg)
-    ref = TorchGPT(model.state_dict(), cfg.n_head, torch.float64, tie_embeddings=request.param)
+    if llama:
+        ref = TorchLlama(model.state_dict(), cfg.n_head, cfg.n_kv_head, cfg.rope_theta, torch.float64)
+    else:
+        ref = TorchGPT(model.state_dict(), cfg.n_head, torch.float64, tie_embeddings=cfg.tie_embeddings)
     rng = np.random.default_rng(0)
     seq = rng.integers(0, 256, size=(4, 17))
     return model, ref, seq[:, :-1], seq[:, 1:]

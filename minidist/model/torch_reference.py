@@ -1,6 +1,6 @@
-"""A PyTorch twin of minidist's GPT, used as an oracle by tests and as the yardstick of the
-benchmarks.  It takes minidist's state_dict (same names, same ``(in, out)`` weight layout), so
-both models compute with identical weights.  PyTorch is imported only by this module.
+"""PyTorch twins of minidist's GPT-2 and Llama, used as oracles by tests and as the yardsticks
+of the benchmarks.  They take minidist's state_dict (same names, same ``(in, out)`` weight
+layout), so both sides compute with identical weights.  PyTorch is imported only by this module.
 """
 
 from __future__ import annotations
@@ -47,6 +47,46 @@ class TorchGPT(torch.nn.Module):
             x = x + self._linear(F.gelu(self._linear(m, h + "mlp.c_fc"), approximate="tanh"), h + "mlp.c_proj")
         x = F.layer_norm(x, (C,), self.p("ln_f.weight"), self.p("ln_f.bias"), eps=1e-5)
         logits = x @ self.p("wte.weight").T if self.tie else self._linear(x, "lm_head")
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class TorchLlama(TorchGPT):
+    """The Llama family of :class:`minidist.model.nn.GPT` (``arch="llama"``) with PyTorch's own
+    ops: ``F.rms_norm``, Hugging Face's half-split rotary positions, ``F.scaled_dot_product_attention``
+    with ``enable_gqa`` (no copies of the key/value heads), ``F.silu``; untied head."""
+
+    def __init__(self, state: dict, n_head: int, n_kv_head: int, theta: float, dtype=torch.float64, eps=1e-5):
+        super().__init__(state, n_head, dtype, tie_embeddings=False)
+        self.n_kv_head, self.theta, self.eps = n_kv_head, theta, eps
+
+    @staticmethod
+    def rotate(x, cos, sin):
+        """y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin on the two halves of each head."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(self, ids, targets=None):
+        B, T = ids.shape
+        x = F.embedding(ids, self.p("wte.weight"))
+        C, H, K = x.shape[-1], self.n_head, self.n_kv_head
+        D = C // H
+        angles = torch.arange(T, dtype=torch.float64)[:, None] * self.theta ** (
+            -torch.arange(0, D, 2, dtype=torch.float64) / D)[None, :]  # in float64, as minidist's tables
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for i in range(self.n_layer):
+            h = f"h.{i}."
+            a = F.rms_norm(x, (C,), self.p(h + "ln_1.weight"), eps=self.eps)
+            q, k, v = (self._linear(a, h + f"attn.{n}_proj").view(B, T, heads, D).transpose(1, 2)
+                       for n, heads in (("q", H), ("k", K), ("v", K)))
+            y = F.scaled_dot_product_attention(self.rotate(q, cos, sin), self.rotate(k, cos, sin), v,
+                                               is_causal=True, enable_gqa=True)
+            x = x + self._linear(y.transpose(1, 2).reshape(B, T, C), h + "attn.o_proj")
+            m = F.rms_norm(x, (C,), self.p(h + "ln_2.weight"), eps=self.eps)
+            gate, up = self._linear(m, h + "mlp.gate_up_proj").chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, h + "mlp.down_proj")
+        logits = self._linear(F.rms_norm(x, (C,), self.p("ln_f.weight"), eps=self.eps), "lm_head")
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
