@@ -207,3 +207,17 @@ def test_bad_moe_config_is_one_line_naming_the_value(kw, words):
     with pytest.raises(ValueError) as e:
         GPTConfig(**kw)
     assert str(e.value) == words
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--top-k", "2"], "--top-k 2 is a mixture-of-experts setting: it needs --experts E"),
+    (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the --experts 2"),
+    (["--experts", "2", "--capacity-factor", "-1"], "--capacity-factor: expected a finite number >= 0, got -1"),
+    (["--experts", "2", "--tp", "2"], "--experts runs on data-parallel ranks only so far, not with --tp 2"),
+])
+def test_bad_moe_flags_exit_2_with_one_line(args, words):
+    from minidist.train.testing import run_train
+
+    done = run_train(None, args + ["--steps", "1"], timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and words in lines[0], (done.returncode, done.stderr)
