@@ -145,3 +145,11 @@ def test_switching_the_fast_path_off_runs_the_textbook_algorithms_alone(nprocs):
     out = run_mpi(nprocs, f"{BODIES}::fast_path_switch", timeout=60).stdout
     for r in range(nprocs):
         assert f"rank {r}: fast path switch works" in out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4, 8])
+def test_all_to_all_v_matches_mpi_alltoallv(nprocs, env):
+    out = run_mpi(nprocs, f"{BODIES}::all_to_all_v_cases", timeout=120, env=env).stdout
+    for r in range(nprocs):
+        assert f"rank {r}/{nprocs}: all_to_all_v matches Alltoallv" in out

@@ -7,7 +7,7 @@ from minidist.comm import functional as F
 from minidist.train.testing import run_mpi
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "functional_bodies.py")
-N_CASES = 16  # cases in functional_bodies._cases
+N_CASES = 17  # cases in functional_bodies._cases
 
 
 def test_megatron_names_are_the_same_ops():

@@ -6,6 +6,7 @@
     y = comm.all_reduce(x, g, algorithm="ring")  # the textbook ring (algorithms/ring.py)
     h = comm.all_reduce(x, g, async_op=True)     # runs on the group's progress thread
     y = h.wait()
+    y, got = comm.all_to_all_v(x, [2, 0, 1], g)   # 2 rows to rank 0, none to 1, 1 to 2; got: rows from each
     comm.stats()                                 # bytes and time per collective on this rank
     comm.set_fast_path(False)                    # only the textbook algorithms from now on
     comm.set_timeout(60)                         # a wait without progress for 60 s aborts the job
@@ -29,7 +30,7 @@ Start reading at ``algorithms/ring.py``.  The modules, from the wire up:
     blocks.py       the all-gather rows rule (the blocks: layout/split.py, as np.array_split)
     ring.py         ring reduce-scatter, all-gather, all-reduce (start here)
     doubling.py     recursive doubling / halving, Rabenseifner
-    pairwise.py     pairwise reduce-scatter and all-to-all, the 2-rank all-gather swap
+    pairwise.py     pairwise reduce-scatter, all-to-all and all-to-all-v, the 2-rank all-gather swap
     oneshot.py      one-shot all-gather / reduce-scatter (every message in one round)
     bruck.py        Bruck all-gather (fixed records, and rows with their counts)
     evengather.py   all-gather of equal blocks straight into out=
@@ -73,8 +74,8 @@ if _env.problem() is not None:
 _prepare()  # more ranks than cores: MPI's waits yield; before the imports below start MPI
 
 from minidist.comm.check import check_enabled, set_check
-from minidist.comm.collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather,
-                                       ppermute, reduce, reduce_scatter, scatter)
+from minidist.comm.collectives import (all_gather, all_reduce, all_to_all, all_to_all_v, barrier, broadcast,
+                                       gather, ppermute, reduce, reduce_scatter, scatter)
 from minidist.comm.errors import CollectiveMismatchError, CommError
 from minidist.comm.fast import fast_path_enabled, set_fast_path
 from minidist.comm.group import Group, world
@@ -88,7 +89,7 @@ from minidist.comm import functional  # differentiable collectives: comm.functio
 
 __all__ = [
     "Group", "world", "Mesh", "functional", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
-    "scatter", "gather", "all_to_all", "ppermute", "barrier", "send", "recv", "recv_into",
+    "scatter", "gather", "all_to_all", "all_to_all_v", "ppermute", "barrier", "send", "recv", "recv_into",
     "sendrecv", "isend", "irecv", "Request", "Handle", "stats", "reset_stats", "recent_ops",
     "set_link_model", "link_model", "set_check", "check_enabled", "set_fast_path", "fast_path_enabled",
     "set_timeout", "timeout",

@@ -77,6 +77,21 @@ def check_perm(perm, g, where: str = "ppermute") -> list[tuple[int, int]]:
     return pairs
 
 
+def check_counts(counts, g, rows: int, where: str) -> np.ndarray:
+    """A row count per rank of ``g`` (non-negative ints summing to ``rows``), as int64."""
+    try:
+        c = np.asarray(counts)
+    except (TypeError, ValueError):
+        c = None
+    if c is None or c.ndim != 1 or c.size != g.size or not (c.size == 0 or np.issubdtype(c.dtype, np.integer)):
+        raise ValueError(f"{where}: counts={counts!r} must be {g.size} integers, one per rank of group {g.name!r}")
+    if c.size and c.min() < 0:
+        raise ValueError(f"{where}: counts={c.tolist()} has a negative count {int(c.min())}")
+    if int(c.sum()) != rows:
+        raise ValueError(f"{where}: counts={c.tolist()} sum to {int(c.sum())}, but x has {rows} rows")
+    return np.ascontiguousarray(c, np.int64)
+
+
 def need_axis0(x, where: str) -> None:
     if x.ndim == 0:
         raise ValueError(f"{where}: needs an array with at least 1 dimension (split/concat along "

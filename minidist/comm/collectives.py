@@ -37,6 +37,8 @@ broadcast       small: binomial tree; large: pipelined chain tree: <= log2(N) X;
 reduce          small: binomial tree; large: pipelined chain tree: X; chain: X
 scatter/gather  linear at the root, N-1 messages             root: (N-1)/N * X
 all_to_all      pairwise exchange, N-1 steps                 (N-1)/N * X
+all_to_all_v    pairwise exchange of the counts, then of     8(N-1) + the rows sent to
+                the rows (2(N-1) steps)                      the other ranks
 ppermute        one Isend + one Recv                         X (if it sends)
 barrier         dissemination, ceil(log2 N) rounds           0
 =============== ============================================ ==============================
@@ -208,6 +210,28 @@ def all_to_all(x, g, async_op: bool = False):
     return _launch("all_to_all", pairwise.pairwise_all_to_all, g, x, sig, async_op, device=device)
 
 
+def all_to_all_v(x, counts, g, async_op: bool = False):
+    """Rows of ``x`` (axis 0) to each rank, a different number to each (MPI's Alltoallv).
+
+    ``counts[j]`` rows go to rank j, in order: rank 0 gets the first ``counts[0]`` rows,
+    rank 1 the next ``counts[1]``, ... (``sum(counts) == x.shape[0]``; any count may be 0).
+    Returns ``(y, recv_counts)``: the rows received, concatenated in source-rank order, and
+    ``recv_counts[j]``, how many came from rank j (an int64 array).  The trailing shape and
+    the dtype must agree on every rank; the counts need not.  Pairwise exchange of the
+    counts, then of the rows (pairwise.py).  With ``async_op=True`` the handle's ``wait()``
+    returns the pair.  Its differentiable form is ``comm.functional.all_to_all_v``."""
+    _check_group(g, "all_to_all_v")
+    device, x = on_device(x), _host(x, "all_to_all_v")
+    check.need_axis0(x, "all_to_all_v")
+    counts = check.check_counts(counts, g, x.shape[0], "all_to_all_v")
+    sig = ("all_to_all_v", x, dict(rule="trailing"))
+    return _launch("all_to_all_v", _all_to_all_v, g, x, sig, async_op, counts, device=device)
+
+
+def _all_to_all_v(g, x, counts):
+    return pairwise.pairwise_all_to_all_v(g, x, counts)  # (rows, recv_counts): launch moves the rows only
+
+
 def ppermute(x, g, perm, async_op: bool = False):
     """Send ``x`` along the (src, dst) pairs of ``perm`` (each rank sends and receives at
     most once); ranks that receive nothing get zeros.  One message per pair, all at once,
@@ -244,7 +268,7 @@ def barrier(g, async_op: bool = False):
 
 
 __all__ = ["all_reduce", "reduce_scatter", "reduce", "all_gather", "broadcast", "scatter",
-           "gather", "all_to_all", "ppermute", "barrier"]
+           "gather", "all_to_all", "all_to_all_v", "ppermute", "barrier"]
 
 
 # ------------------------------------------------------------------------------- tracing

@@ -15,6 +15,7 @@ collective here is linear, and its transpose is again a collective::
     gather_from_group    all-gather (replicated)    keep my slice              gather a TP output
     ppermute             permutation                inverse permutation        ring attention, pipes
     all_to_all           all-to-all                 inverse all-to-all         Ulysses
+    all_to_all_v         rows to ranks, by counts   the same, counts swapped   expert parallelism
 
 Two conventions decide which gradient is "right", as in Megatron-LM (Shoeybi et al. 2019):
 
@@ -191,6 +192,19 @@ def all_to_all(x, g, split_axis: int, concat_axis: int):
     concat_axis = _check_axis(concat_axis, a.ndim, "concat_axis")
     out = _all_to_all(a, g, split_axis, concat_axis)
     return make_tensor(out, (x,), lambda grad: (_all_to_all(grad, g, concat_axis, split_axis),))
+
+
+def all_to_all_v(x, counts, g):
+    """Send ``counts[j]`` rows of ``x`` (axis 0, in order) to rank j; returns ``(y,
+    recv_counts)``: the rows received in source-rank order (a Tensor) and how many came from
+    each rank.  Expert parallelism dispatches tokens to the ranks holding their experts
+    with it, and combines the experts' outputs with it.
+
+    Backward is the same exchange with the counts swapped: the gradient of the rows received
+    from rank j (``recv_counts[j]`` of them) goes back to j, where they land in the order
+    they were sent (the transpose of a permutation of rows is its inverse)."""
+    y, recv_counts = collectives.all_to_all_v(_data(x), counts, g)
+    return make_tensor(y, (x,), lambda grad: (collectives.all_to_all_v(grad, recv_counts, g)[0],)), recv_counts
 
 
 # ------------------------------------------------------------------ Megatron-LM's names

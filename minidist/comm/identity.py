@@ -61,7 +61,7 @@ TAG_META = 30003
 
 IDENT_BASE = 1 << 16  # identity tags: IDENT_BASE + 2 * code (data) or + 1 (meta)
 _NAMES = ("?", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter", "gather",
-          "all_to_all", "ppermute", "barrier")  # 4 bits
+          "all_to_all", "ppermute", "barrier", "all_to_all_v")  # 4 bits
 _OPS = ("", "sum", "avg", "max", "min")  # 3 bits
 _DTYPES = ("", "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
            "bfloat16", "float32", "float64", "complex64", "complex128")  # 5 bits; 31 = another dtype

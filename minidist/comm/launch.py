@@ -69,14 +69,17 @@ def call_identity(name, x, kw, algorithm=None) -> int | None:
 
 
 def _run(g, name, body, x, sig, ident, rooted, args, device):
-    """``device``: bring the result to this thread's current GPU (True) or leave it on the host."""
+    """``device``: bring the result to this thread's current GPU (True) or leave it on the host
+    (a result that is a tuple, all_to_all_v's (rows, counts): its first array only)."""
     with stats.scope(name, ident, g.name):
         if sig is not None:
             check.agree(g, sig)
         elif rooted and ident is not None and g.size > 1:
             check.handshake(g)
         result = body(g, x, *args)
-    return from_host(result) if device and result is not None else result
+    if not device or result is None:
+        return result
+    return (from_host(result[0]),) + tuple(result[1:]) if isinstance(result, tuple) else from_host(result)
 
 
 def check_out(out, x, where: str, shape=None):

@@ -44,6 +44,13 @@ class ModelConfig:
     kv_heads: int | None = None       # Llama's key/value heads; None: --heads
     ffn_hidden: int | None = None     # Llama's SwiGLU width; None: llama_ffn_hidden(d_model)
     rope_theta: float | None = None   # Llama's rotary base; None: ROPE_THETA
+    # mixture of experts (model/moe.py); None: not given (the GPTConfig's default)
+    experts: int = 0                  # 0: dense
+    top_k: int | None = None          # None: 2, or 1 with one expert
+    moe_every: int | None = None      # None: 1 (every block)
+    capacity_factor: float | None = None  # None: 0 (dropless)
+    aux_loss_coef: float | None = None    # None: 0.01
+    z_loss_coef: float | None = None      # None: 0.001
 
     @property
     def kv(self) -> int:

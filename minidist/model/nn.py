@@ -50,98 +50,11 @@ from dataclasses import dataclass
 
 from minidist.layout.settings import ARCHS, ATTENTIONS, ROPE_THETA, llama_ffn_hidden
 from minidist.model import ops
-from minidist.model.autograd import Parameter, Tensor, checkpoint
+from minidist.model.autograd import Tensor, checkpoint
 from minidist.model.backend import dtype as _dtype
-from minidist.model.backend import host, seeded_normal, xp
-
-
-# --------------------------------------------------------------------------------------------
-# Module: a registry of parameters and sub-modules, found by walking attributes in order.
-# --------------------------------------------------------------------------------------------
-class Module:
-    def named_children(self):
-        for key, value in vars(self).items():
-            if isinstance(value, Module):
-                yield key, value
-            elif isinstance(value, (list, tuple)):
-                for i, item in enumerate(value):
-                    if isinstance(item, Module):
-                        yield f"{key}.{i}", item
-
-    def named_parameters(self, prefix: str = ""):
-        """(dotted name, Parameter) pairs in a stable order; a shared Parameter appears once."""
-        seen = set()
-        for name, p in self._walk(prefix):
-            if id(p) not in seen:
-                seen.add(id(p))
-                yield name, p
-
-    def _walk(self, prefix):
-        for key, value in vars(self).items():
-            if isinstance(value, Parameter):
-                yield prefix + key, value
-        for key, child in self.named_children():
-            yield from child._walk(f"{prefix}{key}.")
-
-    def parameters(self):
-        return [p for _, p in self.named_parameters()]
-
-    def zero_grad(self):
-        for p in self.parameters():
-            p.grad = None
-
-    def state_dict(self) -> dict:
-        """Parameter arrays by stable dotted name (GPT-2 naming: ``h.0.attn.c_attn.weight``)."""
-        return {name: p.data for name, p in self.named_parameters()}
-
-    def load_state_dict(self, state: dict, strict: bool = True):
-        params = dict(self.named_parameters())
-        missing = sorted(set(params) - set(state))
-        unexpected = sorted(set(state) - set(params))
-        if strict and (missing or unexpected):
-            raise KeyError(f"state_dict mismatch: missing {missing}, unexpected {unexpected}")
-        for name, p in params.items():
-            if name not in state:
-                continue
-            value = xp.asarray(state[name])
-            if tuple(value.shape) != tuple(p.shape):
-                raise ValueError(f"{name}: shape {tuple(value.shape)} != parameter shape {tuple(p.shape)}")
-            p.data = value.astype(p.dtype, copy=True)
-
-    def num_parameters(self) -> int:
-        return sum(int(p.size) for p in self.parameters())
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-
-def _param(shape, dtype, init: tuple, sharding=None) -> Parameter:
-    """A parameter whose values are filled later by ``init_parameters`` (see GPT.__init__).
-
-    ``shape`` is the global shape; a ``sharding`` (e.g. parallel.tensor.Shard) says which
-    slice of it this rank keeps: ``sharding.local_shape(shape)`` and ``sharding.take(full)``.
-    """
-    local = shape if sharding is None else sharding.local_shape(shape)
-    p = Parameter(xp.zeros(local, dtype=dtype), global_shape=shape, sharding=sharding)
-    p.init = init  # ("normal", std) | ("ones",) | ("zeros",)
-    return p
-
-
-def init_parameters(module: Module, seed: int):
-    """Name every parameter and draw its values from (seed, name) in its global shape;
-    a sharded parameter keeps its slice of that draw, so every mesh starts identical."""
-    for name, p in module.named_parameters():
-        p.name = name
-        kind = p.init[0]
-        if kind == "normal":
-            full = seeded_normal(seed, name, p.global_shape, p.init[1], p.dtype)
-        elif kind == "ones":
-            full = xp.ones(p.global_shape, dtype=p.dtype)
-        elif kind == "zeros":
-            full = xp.zeros(p.global_shape, dtype=p.dtype)
-        else:
-            raise ValueError(f"unknown init {p.init!r} for {name}")
-        p.data = full if p.sharding is None else xp.ascontiguousarray(p.sharding.take(full))
+from minidist.model.backend import host, xp
+from minidist.model.module import Module, _param, init_parameters  # noqa: F401 (nn.Module, nn._param)
+from minidist.model import moe
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,16 +247,19 @@ class SwiGLU(Module):
 
 class Block(Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).  ``positions``:
-    the model's token positions (Llama's rotary attention reads them)."""
+    the model's token positions (Llama's rotary attention reads them); ``index``: the block's
+    place in the stack (which blocks hold a mixture of experts: moe.is_moe_block)."""
 
-    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None, positions=None):
+    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None, positions=None, index: int = 0):
         layers = layers or Layers()
         llama = cfg.arch == "llama"
         norm = functools.partial(layers.rms_norm, eps=cfg.norm_eps) if llama else layers.layer_norm
         self.ln_1 = norm(cfg.d_model, dtype)
         self.attn = GroupedQueryAttention(cfg, dtype, layers, positions) if llama else CausalSelfAttention(cfg, dtype, layers)
         self.ln_2 = norm(cfg.d_model, dtype)
-        self.mlp = SwiGLU(cfg, dtype, layers) if llama else MLP(cfg, dtype, layers)
+        feed_forward = functools.partial(SwiGLU if llama else MLP, cfg, dtype, layers)
+        # A mixture of experts (moe.py) in every moe_every-th block: each expert this feed-forward.
+        self.mlp = moe.MoE(cfg, dtype, feed_forward) if moe.is_moe_block(cfg, index) else feed_forward()
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -374,6 +290,13 @@ class GPTConfig:
     ffn_hidden: int | None = None  # the MLP's width; None: 4 d (GPT-2), llama_ffn_hidden (Llama)
     rope_theta: float = ROPE_THETA  # Llama's rotary base (Llama 3's)
     norm_eps: float = 1e-5
+    # Mixture of experts (moe.py): n_experts 0 is the dense model.
+    n_experts: int = 0
+    top_k: int = 2             # experts per token (Mixtral: 2 of 8)
+    moe_every: int = 1         # every moe_every-th block's feed-forward is a mixture
+    capacity_factor: float = 0.0  # tokens an expert takes: c * T * top_k / E per sequence; 0: all (dropless)
+    aux_loss_coef: float = 0.01   # the load-balancing loss's weight (Switch)
+    z_loss_coef: float = 0.001    # the router z-loss's weight (ST-MoE)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -401,9 +324,23 @@ class GPTConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _FLOAT_MAX:
                 raise ValueError(f"{field} must be a positive finite number, got {value!r}")
+        self._check_moe()
         _dtype(self.dtype)
         attention_function(self.attention)
         ops.check_block(self.attention_block)
+
+    def _check_moe(self):
+        for field in ("n_experts", "top_k", "moe_every"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if field == "n_experts" else 1):
+                raise ValueError(f"{field} must be a {'non-negative' if field == 'n_experts' else 'positive'} "
+                                 f"integer, got {value!r}")
+        for field in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= _FLOAT_MAX:
+                raise ValueError(f"{field} must be a non-negative finite number, got {value!r}")
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} is more than the n_experts={self.n_experts} experts")
 
     @property
     def head_dim(self) -> int:
@@ -427,7 +364,7 @@ class GPT(Module):
         llama = cfg.arch == "llama"
         self.wte = layers.token_embedding(cfg.vocab_size, cfg.d_model, dt)
         self.wpe = None if llama else layers.position_embedding(cfg.seq_len, cfg.d_model, dt)
-        self.h = [Block(cfg, dt, layers, self.token_positions) for _ in range(cfg.n_layer)]
+        self.h = [Block(cfg, dt, layers, self.token_positions, i) for i in range(cfg.n_layer)]
         self.ln_f = layers.rms_norm(cfg.d_model, dt, cfg.norm_eps) if llama else layers.layer_norm(cfg.d_model, dt)
         self.lm_head = None if cfg.tie_embeddings else layers.column(cfg.d_model, cfg.vocab_size, dt, bias=False)
         self.checkpoint_activations = False
@@ -495,7 +432,9 @@ class GPT(Module):
         return self.wte.logits(x)  # tied: x @ wte^T
 
     def loss(self, logits: Tensor, targets) -> Tensor:
-        return self.layers.cross_entropy(logits, targets)
+        """The mean cross-entropy, plus the mixtures' auxiliary losses (moe.py), if any."""
+        loss = self.layers.cross_entropy(logits, targets)
+        return moe.add_aux_losses(self, loss) if self.config.n_experts else loss
 
     def token_positions(self, T: int):
         """The places in their sequences of the T tokens of each row this rank embeds, 0..T-1,

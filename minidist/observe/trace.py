@@ -238,8 +238,8 @@ def _algorithm_name(name, n, x_meta, out_meta, algorithm) -> str:
         if name == "broadcast":
             return algorithm if algorithm != "auto" else (
                 "binomial" if x.nbytes <= collectives.SMALL_BROADCAST_BYTES else "chain")
-        return {"all_to_all": "pairwise", "ppermute": "direct", "barrier": "dissemination",
-                "gather": "linear", "scatter": "linear"}.get(name, algorithm)
+        return {"all_to_all": "pairwise", "all_to_all_v": "pairwise", "ppermute": "direct",
+                "barrier": "dissemination", "gather": "linear", "scatter": "linear"}.get(name, algorithm)
     except Exception:  # a name only; never let the trace fail over it
         return algorithm
 

@@ -103,7 +103,16 @@ def model_config(cfg):
                      d_model=m.d_model, tie_embeddings=not (m.untied or llama), dtype=m.dtype, seed=m.seed,
                      attention=m.attention, attention_block=m.attention_block or 128, arch=m.arch,
                      n_kv_head=m.kv if llama else None, ffn_hidden=m.ffn if llama else None,
-                     rope_theta=m.rope_theta or ROPE_THETA)
+                     rope_theta=m.rope_theta or ROPE_THETA, **moe_settings(m))
+
+
+def moe_settings(m) -> dict:
+    """The GPTConfig's mixture-of-experts fields of a ModelConfig (those given; none if dense)."""
+    if not m.experts:
+        return {}
+    given = {f: getattr(m, f) for f in ("moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")}
+    return dict(n_experts=m.experts, top_k=m.top_k or min(2, m.experts),
+                **{f: v for f, v in given.items() if v is not None})
 
 
 def make_optimizer(o, params):

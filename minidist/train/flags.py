@@ -73,6 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"Llama: the SwiGLU width (default: 8/3 x --d-model rounded up to a multiple of {FFN_MULTIPLE})")
     m.add_argument("--rope-theta", type=POSITIVE_FLOAT, default=None, metavar="X",
                    help=f"Llama: the rotary positions' base (default: {ROPE_THETA:g}, Llama 3's)")
+    e = p.add_argument_group("mixture of experts (model/moe.py)")
+    e.add_argument("--experts", type=NON_NEGATIVE, default=0, metavar="E",
+                   help="experts in each mixture; 0: the dense model")
+    e.add_argument("--top-k", type=POSITIVE, default=None, metavar="K",
+                   help="experts per token, at most --experts (default: 2, or 1 with one expert)")
+    e.add_argument("--moe-every", type=POSITIVE, default=None, metavar="N",
+                   help="every N-th block's feed-forward is a mixture (default: 1, every block)")
+    e.add_argument("--capacity-factor", type=float_in(0), default=None, metavar="X",
+                   help="an expert takes at most ceil(X * seq-len * top-k / experts) tokens of a sequence; "
+                        "0: dropless (default: 0)")
+    e.add_argument("--aux-loss-coef", type=float_in(0), default=None, metavar="X",
+                   help="weight of the load-balancing loss (default: 0.01)")
+    e.add_argument("--z-loss-coef", type=float_in(0), default=None, metavar="X",
+                   help="weight of the router z-loss (default: 0.001)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, metavar="FILE",
                    help="text file to train on (default: the installed Python's standard library source, "
@@ -204,6 +218,7 @@ def _validate(args) -> RunConfig:
             if getattr(args, flag) is not None:
                 raise InputError(f"--{flag.replace('_', '-')} is a Llama setting: it needs --arch llama "
                                  f"(got --arch {args.arch})")
+    _check_experts(args)
     if args.kv_heads is not None and args.heads % args.kv_heads:
         raise InputError(f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}")
     if args.arch == "llama" and (args.d_model // args.heads) % 2:
@@ -252,6 +267,26 @@ def _validate(args) -> RunConfig:
     if backend.BACKEND == "numpy":  # on a GPU the arrays live in device memory (CuPy's pool reports it)
         check_memory(memory_estimate(cfg), available_memory_bytes())
     return cfg
+
+
+def _check_experts(args) -> None:
+    """The mixture-of-experts flags: they need --experts; --top-k at most --experts; the axes
+    and techniques a mixture does not run with yet."""
+    moe = ("top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+    if not args.experts:
+        for flag in moe:
+            if getattr(args, flag) is not None:
+                raise InputError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is a mixture-of-experts setting: "
+                                 "it needs --experts E")
+        return
+    if args.top_k is not None and args.top_k > args.experts:
+        raise InputError(f"--top-k {args.top_k} is more than the --experts {args.experts}")
+    for flag, value in (("--pp", args.pp), ("--tp", args.tp), ("--cp", args.cp)):
+        if value > 1:
+            raise InputError(f"--experts runs on data-parallel ranks only so far, not with {flag} {value}")
+    if args.checkpoint_activations:
+        raise InputError("--experts does not run with --checkpoint-activations yet (the router's auxiliary "
+                         "losses are recorded in the forward pass that checkpointing runs without gradients)")
 
 
 def _check_checkpoints(cfg: RunConfig) -> None:

@@ -712,3 +712,71 @@ def fast_path_switch():
     comm.set_fast_path(True)
     comm.barrier(g)
     print(f"rank {r}: fast path switch works")
+
+
+# ------------------------------------------------------------------ all_to_all_v
+def _v_counts(case, n, r, rows_each):
+    """Rank r's row count for each destination: 'empty' (nothing anywhere), 'uneven' (some
+    zero, rank r's own block included now and then), 'one' (everything to rank n-1),
+    'large' (rows_each per destination)."""
+    rng = np.random.default_rng([r, n, len(case)])
+    if case == "empty":
+        return [0] * n
+    if case == "one":
+        return [0] * (n - 1) + [rows_each]
+    if case == "large":
+        return [rows_each] * n
+    return [int(c) for c in rng.integers(0, 4, n) * (np.arange(n) % 3 != r % 3 + 1)]
+
+
+def _alltoallv_oracle(world, x, counts):
+    """MPI's Alltoallv on the rows' raw bytes (any dtype, bfloat16 too)."""
+    row = x[0:1].nbytes if x.shape[0] else int(np.prod(x.shape[1:], dtype=np.int64)) * x.itemsize
+    recv = world.alltoall(list(counts))  # the counts themselves: a small exchange of ints
+    send_b = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    out = np.empty(sum(recv) * row, np.uint8)
+    world.Alltoallv([send_b, [c * row for c in counts]], [out, [c * row for c in recv]])
+    return out.view(x.dtype).reshape((sum(recv),) + x.shape[1:]), recv
+
+
+def all_to_all_v_cases():
+    """comm.all_to_all_v against MPI's Alltoallv: empty, uneven, one destination and large
+    sends; 1-D and 2-D rows; several dtypes; async; the traffic formula; bad counts."""
+    world, g = MPI.COMM_WORLD, comm.world()
+    n, r = g.size, g.rank
+    salt = 0
+    for case, rows_each in (("empty", 0), ("uneven", 0), ("one", 5), ("large", 40_000)):
+        for dtype in ("float32", "bfloat16", "int64", "float64"):
+            for tail in ((), (3,)):
+                if case == "large" and (tail or dtype != "float32"):
+                    continue
+                salt += 1
+                counts = _v_counts(case, n, r, rows_each)
+                x = make((sum(counts),) + tail, dtype, r, salt)
+                want, want_counts = _alltoallv_oracle(world, x, counts)
+                y, got = comm.all_to_all_v(x, counts, g)
+                assert got.dtype == np.int64 and got.tolist() == list(want_counts), (case, got, want_counts)
+                same(y, want, f"all_to_all_v {case} {dtype} {tail}")
+                y, got = comm.all_to_all_v(x, np.array(counts, np.int32), g, async_op=True).wait()
+                same(y, want, f"async all_to_all_v {case} {dtype} {tail}")
+                assert got.tolist() == list(want_counts)
+    # Traffic: 8 bytes of count to each other rank, then exactly the rows sent elsewhere.
+    counts = _v_counts("uneven", n, r, 0)
+    x = make((sum(counts), 4), "float32", r, 99)
+    comm.reset_stats()
+    comm.all_to_all_v(x, counts, g)
+    s = comm.stats()["all_to_all_v"]
+    sent_rows = sum(counts) - counts[r]
+    assert s["calls"] == 1 and s["bytes_sent"] == 8 * (n - 1) + 16 * sent_rows, (s, counts)
+    # Bad counts: one line naming the value, on every rank, before anything is sent.
+    bad = [([1] * (n + 1), "must be"), ([-1] + [0] * (n - 1), "negative count -1"),
+           ([sum(counts) + 1] + [0] * (n - 1), f"x has {sum(counts)} rows"), ([0.5] * n, "must be")]
+    for c, words in bad:
+        try:
+            comm.all_to_all_v(x, c, g)
+        except ValueError as e:
+            assert words in str(e) and "\n" not in str(e), (c, str(e))
+        else:
+            raise AssertionError(f"counts={c}: no ValueError")
+    comm.barrier(g)
+    print(f"rank {r}/{n}: all_to_all_v matches Alltoallv", flush=True)

@@ -38,7 +38,16 @@ def _cases(n):
             return xs[src[0]] if src else np.zeros_like(xs[r])
         return ref
 
+    def v_counts(r):  # rank r's rows for each destination: uneven, some zero, its own too
+        return [(r + 2 * j) % 3 for j in range(n)]
+
+    def v_ref(xs, r):
+        parts = [np.split(xj, np.cumsum(v_counts(j))[:-1])[r] for j, xj in enumerate(xs)]
+        return np.concatenate(parts, 0)
+
     return [
+        ("all_to_all_v uneven", lambda x, g: F.all_to_all_v(x, v_counts(g.rank), g)[0],
+         lambda r: (sum(v_counts(r)), 2), False, False, v_ref),
         ("copy_to_group", F.copy_to_group, lambda r: (3, 2), True, False, lambda xs, r: xs[r]),
         ("copy_to_tp", F.copy_to_tp, lambda r: (2,), True, False, lambda xs, r: xs[r]),
         ("reduce_from_group", F.reduce_from_group, lambda r: (3, 2), False, True, lambda xs, r: sum(xs)),

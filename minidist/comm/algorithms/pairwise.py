@@ -7,6 +7,8 @@ waits for a partial sum made at the step before (a late rank in a ring delays ev
 behind it), and the running sum stays in one block-sized buffer, often in cache.
 
 On two ranks the whole all-gather is one pairwise swap (:func:`pair_all_gather`).
+:func:`pairwise_all_to_all_v` is the all-to-all with a row count per destination (MPI's
+Alltoallv): the counts first, by the same pairwise exchange, then the rows.
 """
 
 from __future__ import annotations
@@ -61,6 +63,28 @@ def pairwise_all_to_all(g, x: np.ndarray) -> np.ndarray:
     for dst, src in pairwise_steps(n, r):
         _sendrecv(g.comm, x[parts[dst][0]:parts[dst][1]], dst, out[src * mine:(src + 1) * mine], src, TAG)
     return out
+
+
+def pairwise_all_to_all_v(g, x: np.ndarray, counts: np.ndarray):
+    """All-to-all with variable counts (MPI_Alltoallv; Thakur, Rabenseifner & Gropp 2005,
+    sec. 4.5): rows ``x[sum(counts[:j]) : sum(counts[:j+1])]`` go to rank j.  Returns the
+    rows received, concatenated in source-rank order, and how many came from each rank.
+
+    Two pairwise exchanges of N-1 steps (step k: send to r+k, receive from r-k): first the
+    counts (one int64 each way, so each rank knows what size to receive), then the rows.
+    Sent per rank: 8(N-1) bytes of counts + the rows sent to the other ranks."""
+    n, r = g.size, g.rank
+    recv_counts = np.empty(n, np.int64)
+    recv_counts[r] = counts[r]
+    for dst, src in pairwise_steps(n, r):
+        _sendrecv(g.comm, counts[dst:dst + 1], dst, recv_counts[src:src + 1], src, TAG)
+    send_at = np.concatenate([[0], np.cumsum(counts)])
+    recv_at = np.concatenate([[0], np.cumsum(recv_counts)])
+    out = np.empty((int(recv_at[-1]),) + x.shape[1:], x.dtype)
+    out[recv_at[r]:recv_at[r + 1]] = x[send_at[r]:send_at[r + 1]]
+    for dst, src in pairwise_steps(n, r):
+        _sendrecv(g.comm, x[send_at[dst]:send_at[dst + 1]], dst, out[recv_at[src]:recv_at[src + 1]], src, TAG)
+    return out, recv_counts
 
 
 def pair_all_gather(g, x: np.ndarray, out: np.ndarray | None = None, status=None) -> np.ndarray:

@@ -1,0 +1,172 @@
+"""A mixture of experts: the feed-forward of every ``moe_every``-th block, as in GShard,
+Switch Transformer and Mixtral (Lepikhin et al. 2020; Fedus et al. 2021; Jiang et al. 2024).
+
+A **router** (a bias-free linear map d -> E, then a softmax) scores the E experts for every
+token; each token goes to its ``top_k`` best, and the experts' outputs are summed with the
+router's weights.  The experts are the architecture's own feed-forward (GPT-2's GELU MLP,
+Llama's SwiGLU), named ``h.i.mlp.experts.e.<...>``; the router is ``h.i.mlp.router.weight``.
+
+The rules, each chosen so that a data-parallel or expert-parallel run equals one process:
+
+* **Weights.**  With ``top_k >= 2`` the k chosen probabilities are renormalised to sum to one
+  (Mixtral).  With ``top_k = 1`` the weight is the chosen probability itself (Switch): a
+  renormalised single weight would be 1, and the router would learn from the auxiliary loss
+  alone.  Ties between equal probabilities go to the lower expert index.
+* **Groups.**  Capacity and the load-balancing loss are computed per *group* of tokens, as in
+  GShard, and a group is one sequence (a row of the batch).  Data parallelism and gradient
+  accumulation split a batch by rows, so every rank sees whole groups.
+* **Capacity.**  With ``capacity_factor`` c > 0 an expert takes at most
+  ``C = ceil(c * T * top_k / E)`` tokens of a sequence of T tokens; the ones beyond, in token
+  order (the earlier tokens of the sequence win, whatever their choice rank), are dropped
+  for that expert: it adds nothing to the token, and a token all of whose experts dropped it
+  passes through the block on the residual alone.  ``capacity_factor = 0`` drops nothing.
+* **Load-balancing loss** (Switch, eq. 4; GShard's ``l_aux``): per sequence
+  ``E * sum_e f_e * P_e``, where ``f_e`` is the share of the sequence's T * top_k choices
+  that picked expert e (before dropping; a constant) and ``P_e`` the mean router probability
+  of e over its tokens; 1 when balanced.  The mean over sequences, times ``aux_loss_coef``.
+* **Router z-loss** (ST-MoE, Zoph et al. 2022, eq. 5): the mean over tokens of
+  ``logsumexp(router logits)^2``, times ``z_loss_coef``; it keeps the logits small.
+
+Both losses of the last forward stay on the layer (``aux_loss``, a Tensor in the graph), and
+``GPT.loss`` adds every layer's to the cross-entropy (:func:`add_aux_losses`).
+
+The tokens travel in one buffer sorted by expert (``index_rows``: its backward scatter-adds),
+each expert runs on its rows, and the weighted outputs go back to their tokens with
+:func:`combine_rows` (one op, written by hand: a scatter-add forward, a gather backward).  The
+step in the middle is the **dispatcher** (``MoE.dispatch``): here every expert is local;
+expert parallelism (minidist/parallel/expert/) swaps in one that moves the rows to the ranks
+holding their experts and back with ``comm.functional.all_to_all_v``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minidist.model import ops
+from minidist.model.autograd import Tensor, make_tensor
+from minidist.model.backend import to_host, xp
+from minidist.model.module import Module, _param
+from minidist.model.ops.basic import scatter_add_rows
+
+
+def is_moe_block(cfg, i: int) -> bool:
+    """Block ``i`` (from 0) has a mixture: every ``moe_every``-th block, counting from 1."""
+    return cfg.n_experts > 0 and (i + 1) % cfg.moe_every == 0
+
+
+def capacity(cfg, tokens: int) -> int | None:
+    """How many of a sequence's ``tokens`` one expert takes (None: all, dropless)."""
+    if not cfg.capacity_factor:
+        return None
+    return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
+
+
+class Router(Module):
+    """Scores of the experts for each token: ``x @ weight``, weight (d, E), no bias."""
+
+    def __init__(self, d_model: int, n_experts: int, dtype):
+        self.weight = _param((d_model, n_experts), dtype, ("normal", 0.02))
+
+    def forward(self, x):
+        return ops.linear(x, self.weight)
+
+
+def combine_rows(rows: Tensor, idx, n: int) -> Tensor:
+    """``out[idx[m]] += rows[m]`` into ``n`` zero rows (repeated indices add up); backward:
+    the gradient of each row is that of the token it went to, ``grad[idx]``."""
+    return make_tensor(scatter_add_rows(idx, rows.data, n, rows.dtype), (rows,), lambda g: (g[idx],))
+
+
+def run_local_experts(experts, xs: Tensor, counts) -> Tensor:
+    """The rows of ``xs`` sorted by expert, ``counts[e]`` for expert e: each expert on its own."""
+    parts = ops.split(xs, [int(c) for c in counts], axis=0)
+    return ops.concat([experts[e](p) if counts[e] else p for e, p in enumerate(parts)], axis=0)
+
+
+class Route:
+    """Which expert each (token, choice) goes to, and which are kept (host arrays)."""
+
+    def __init__(self, choice, keep, n_experts: int):
+        n, k = choice.shape
+        token, slot = np.nonzero(keep)  # kept (token, choice) pairs, by token
+        expert = choice[token, slot]
+        order = np.argsort(expert * n + token, kind="stable")  # by expert, then by token
+        self.token, self.slot, self.expert = token[order], slot[order], expert[order]
+        self.counts = np.bincount(self.expert, minlength=n_experts)
+
+
+def route(cfg, probs: np.ndarray, T: int):
+    """The top-k choices of every token (N, k) and the mask of those kept under capacity."""
+    n, k, E = probs.shape[0], cfg.top_k, cfg.n_experts
+    choice = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # ties: the lower expert first
+    C = capacity(cfg, T)
+    if C is None:
+        return choice, np.ones((n, k), bool)
+    picked = np.zeros((n // T, T, E), np.int64)  # picked[b, t, e]: token t of sequence b chose e
+    np.put_along_axis(picked.reshape(n, E), choice, 1, axis=1)
+    place = np.cumsum(picked, axis=1) - 1  # the token's place in its expert's queue, by token order
+    return choice, np.take_along_axis(place.reshape(n, E), choice, axis=1) < C
+
+
+class MoE(Module):
+    """The mixture of ``cfg.n_experts`` experts ``make_expert()`` with a router; ``cfg``: a
+    GPTConfig with n_experts, top_k, capacity_factor, aux_loss_coef and z_loss_coef.
+    ``experts_here``: the experts this rank holds (the others are None; all by default)."""
+
+    def __init__(self, cfg, dtype, make_expert, experts_here=None):
+        E = cfg.n_experts
+        here = range(E) if experts_here is None else experts_here
+        self.router = Router(cfg.d_model, E, dtype)
+        self.experts = [make_expert() if e in here else None for e in range(E)]
+        self.cfg = cfg
+        self.aux_loss = None  # the last forward's auxiliary losses (a scalar Tensor)
+        self.last_counts = None  # the last forward's kept tokens per expert (host int64, E)
+        self.dispatch = run_local_experts  # (experts, rows by expert, counts) -> outputs (the seam)
+
+    def forward(self, x):
+        cfg = self.cfg
+        B, T, d = x.shape
+        flat = ops.reshape(x, (B * T, d))
+        logits = self.router(flat)                                   # (N, E)
+        probs = ops.softmax(logits, axis=-1)
+        choice, keep = route(cfg, to_host(probs.data).astype(np.float64), T)
+        tokens = np.arange(B * T)[:, None]
+        gates = ops.getitem(probs, (xp.asarray(tokens), xp.asarray(choice)))  # (N, k)
+        if cfg.top_k > 1:  # Mixtral: the chosen weights renormalised
+            gates = ops.div(gates, ops.sum(gates, axis=1, keepdims=True))
+        r = Route(choice, keep, cfg.n_experts)
+        self.last_counts = r.counts
+        token, slot = xp.asarray(r.token), xp.asarray(r.slot)
+        ys = self.dispatch(self.experts, ops.index_rows(flat, r.token), r.counts)   # (M, d), by expert
+        weighted = ops.mul(ys, ops.reshape(ops.getitem(gates, (token, slot)), (-1, 1)))
+        self.aux_loss = self.losses(logits, probs, choice, B, T)
+        return ops.reshape(combine_rows(weighted, token, B * T), (B, T, d))
+
+    def losses(self, logits, probs, choice, B, T):
+        """aux_loss_coef * the load-balancing loss + z_loss_coef * the router z-loss (module
+        docstring), or None when both coefficients are 0."""
+        cfg, E, k = self.cfg, self.cfg.n_experts, self.cfg.top_k
+        total = None
+        if cfg.aux_loss_coef:
+            share = np.zeros((B * T, E))
+            np.put_along_axis(share, choice, 1.0 / (T * k), axis=1)
+            f = xp.asarray(share.reshape(B, T, E).sum(axis=1).astype(probs.dtype))   # (B, E), constant
+            P = ops.mean(ops.reshape(probs, (B, T, E)), axis=1)                        # (B, E)
+            total = ops.mul(ops.sum(ops.mul(P, f)), cfg.aux_loss_coef * E / B)
+        if cfg.z_loss_coef:
+            m = xp.max(logits.data, axis=-1, keepdims=True)  # a constant shift: the gradient is exact
+            lse = ops.add(ops.log(ops.sum(ops.exp(ops.sub(logits, m)), axis=-1)), m[:, 0])
+            z = ops.mul(ops.mean(ops.mul(lse, lse)), cfg.z_loss_coef)
+            total = z if total is None else ops.add(total, z)
+        return total
+
+
+def add_aux_losses(model, loss):
+    """``loss`` plus the auxiliary losses of the model's mixtures (of their last forward)."""
+    for block in model.h:
+        aux = getattr(getattr(block, "mlp", None), "aux_loss", None)
+        if aux is not None:
+            loss = ops.add(loss, aux)
+    return loss

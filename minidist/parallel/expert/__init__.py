@@ -1,0 +1,97 @@
+"""Expert parallelism (GShard, Lepikhin et al. 2020): the experts of every mixture split over
+the ranks of an ``ep`` group, the tokens sent to the rank holding their expert and back.
+
+The ``ep`` ranks are consecutive ranks of the data-parallel group (each sees its own
+tokens); rank r of an ep group of N holds experts ``r E/N .. (r+1) E/N - 1`` of every mixture
+(the others become None in ``MoE.experts``, so names and initialisation stay global).  One
+mixture's forward on a rank (:class:`ExpertParallelDispatch`, the MoE's ``dispatch`` seam):
+
+1. the rows sorted by expert (moe.py) are rank-major already: expert e lives on rank
+   e // (E/N), so rank j's rows are one contiguous slice;
+2. the row counts per expert travel first (a small ``all_to_all_v`` of ints), then the
+   rows (``comm.functional.all_to_all_v``: its backward returns the gradients);
+3. the rows received, source-major, are regrouped expert-major (``index_rows``), each
+   local expert runs on its rows, and the outputs are put back in the received order;
+4. a second ``all_to_all_v`` (the counts swapped) returns each token's output to its rank.
+
+Gradients: an expert's gradient on a rank sums the contributions of every token of its ep
+group routed to it; the ranks holding the same experts (the same place in their ep groups:
+the ``edp`` group) sum theirs (:func:`reduce_expert_gradients`), as the data-parallel
+gradients of the dense parameters are summed over the whole data-parallel group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist import comm
+from minidist.model import ops
+from minidist.model.backend import xp
+from minidist.model.moe import MoE
+
+__all__ = ["ExpertParallelDispatch", "apply", "expert_groups", "expert_parameters", "reduce_expert_gradients"]
+
+
+def expert_groups(dp_group, ep: int):
+    """``(ep_group, edp_group)`` of this rank: ``ep`` consecutive ranks of ``dp_group`` split
+    the experts; the ranks at the same place in every ep group hold the same experts."""
+    d = dp_group.rank
+    ep_group = comm.Group(dp_group.user_comm.Split(d // ep, d), name="ep")
+    edp_group = comm.Group(dp_group.user_comm.Split(d % ep, d), name="edp")
+    return ep_group, edp_group
+
+
+class ExpertParallelDispatch:
+    """The MoE's ``dispatch`` over ``group``: (experts, rows sorted by expert, counts per
+    expert) -> the experts' outputs in the same order, the experts run where they live."""
+
+    def __init__(self, group, n_experts: int):
+        self.group, self.per = group, n_experts // group.size
+        self.first = group.rank * self.per
+
+    def __call__(self, experts, xs, counts):
+        g, n, per = self.group, self.group.size, self.per
+        counts = np.asarray(counts, np.int64)
+        # Counts first: row j of (n, per) tells rank j how many rows come for each of its experts.
+        theirs, _ = comm.all_to_all_v(counts.reshape(n, per), [1] * n, g)           # (n, per): from each source
+        theirs = np.asarray(theirs).reshape(n, per)
+        received, got = comm.functional.all_to_all_v(xs, counts.reshape(n, per).sum(axis=1), g)
+        # Source-major -> expert-major: the rows for local expert i from source j start at
+        # start[j, i] of the received buffer.
+        start = (np.cumsum(theirs.reshape(-1)) - theirs.reshape(-1)).reshape(n, per)
+        order = np.concatenate([np.arange(start[j, i], start[j, i] + theirs[j, i])
+                                for i in range(per) for j in range(n)] or [np.zeros(0, np.int64)]).astype(np.int64)
+        by_expert = ops.index_rows(received, order)
+        sizes = theirs.sum(axis=0)
+        parts = ops.split(by_expert, [int(s) for s in sizes], axis=0)
+        ys = ops.concat([experts[self.first + i](p) if sizes[i] else p for i, p in enumerate(parts)], axis=0)
+        back = ops.index_rows(ys, np.argsort(order))      # the received order again
+        out, _ = comm.functional.all_to_all_v(back, got, g)
+        return out
+
+
+def apply(model, ep_group) -> None:
+    """Keep this rank's experts of every mixture and dispatch their tokens over ``ep_group``."""
+    for block in model.h:
+        layer = getattr(block, "mlp", None)
+        if isinstance(layer, MoE):
+            d = ExpertParallelDispatch(ep_group, layer.cfg.n_experts)
+            layer.experts = [e if d.first <= i < d.first + d.per else None for i, e in enumerate(layer.experts)]
+            layer.dispatch = d
+
+
+def expert_parameters(model) -> list:
+    """The parameters of the experts this rank holds (the ones reduced over the edp group)."""
+    return [p for block in model.h if isinstance(getattr(block, "mlp", None), MoE)
+            for e in block.mlp.experts if e is not None for p in e.parameters()]
+
+
+def reduce_expert_gradients(model, edp_group) -> None:
+    """Sum every local expert's gradient over the ranks holding the same experts (textbook:
+    one all-reduce per parameter, after backward)."""
+    if edp_group.size == 1:
+        return
+    for p in expert_parameters(model):
+        if p.grad is None:
+            p.grad = xp.zeros_like(p.data)
+        p.grad = comm.all_reduce(p.grad, edp_group, op="sum")

@@ -1,0 +1,223 @@
+"""The mixture-of-experts layer (minidist/model/moe.py) on one process: its forward against a
+token-by-token reference (routing, weights, capacity and its dropping order, both auxiliary
+losses), its gradients and the whole MoE model's against float64 finite differences, names,
+initialisation and the config's one-line errors."""
+import math
+
+import numpy as np
+import pytest
+
+from minidist.model import moe
+from minidist.model.autograd import Tensor
+from minidist.model.nn import GPT, GPTConfig, MLP
+from minidist.parallel.data import OneReplica
+from minidist.parallel.strategy import Strategy
+
+CASES = {
+    "gpt2-top2-dropless": dict(n_experts=4, top_k=2),
+    "gpt2-top1-capacity": dict(n_experts=4, top_k=1, capacity_factor=1.0),
+    "gpt2-top2-capacity": dict(n_experts=3, top_k=2, capacity_factor=0.5),
+    "llama-top2-capacity": dict(arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24, n_experts=4, top_k=2,
+                                capacity_factor=0.75),
+    "llama-top1-dropless": dict(arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24, n_experts=2, top_k=1),
+}
+
+
+def tiny(**kw):
+    cfg = dict(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16, dtype="float64", seed=0)
+    cfg.update(kw)
+    return GPT(GPTConfig(**cfg))
+
+
+def batch(b=2, t=8, seed=1):
+    x = np.random.default_rng(seed).integers(0, 256, size=(b, t + 1))
+    return x[:, :-1], x[:, 1:]
+
+
+def reference(layer, x):
+    """The layer's output and auxiliary loss computed token by token, as moe.py's docstring
+    states the rules (no sorting, no buffers)."""
+    cfg = layer.cfg
+    B, T, d = x.shape
+    E, k = cfg.n_experts, cfg.top_k
+    C = math.ceil(cfg.capacity_factor * T * k / E) if cfg.capacity_factor else T * k
+    W = layer.router.weight.data
+    out, aux, z = np.zeros_like(x), 0.0, 0.0
+    for b in range(B):
+        taken, f, P = [0] * E, np.zeros(E), np.zeros(E)
+        for t in range(T):
+            logits = x[b, t] @ W
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            z += np.log(np.exp(logits).sum()) ** 2 / (B * T)
+            chosen = sorted(range(E), key=lambda e: (-p[e], e))[:k]
+            w = p[chosen] / (p[chosen].sum() if k > 1 else 1.0)
+            P += p / T
+            for e, we in zip(chosen, w):
+                f[e] += 1 / (T * k)
+                if taken[e] < C:
+                    taken[e] += 1
+                    out[b, t] += we * layer.experts[e](Tensor(x[b, t][None])).data[0]
+        aux += E * (f * P).sum() / B
+    return out, cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+
+
+@pytest.mark.parametrize("kw", CASES.values(), ids=CASES.keys())
+def test_layer_forward_matches_the_token_by_token_reference(kw):
+    model = tiny(**kw)
+    layer = model.h[0].mlp
+    x = np.random.default_rng(3).standard_normal((3, 8, 16))
+    y = layer(Tensor(x))
+    want, want_aux = reference(layer, x)
+    np.testing.assert_allclose(y.data, want, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(layer.aux_loss.item(), want_aux, rtol=1e-12)
+    cap = moe.capacity(layer.cfg, 8)
+    assert layer.last_counts.sum() <= 3 * 8 * layer.cfg.top_k
+    if cap is not None:
+        assert layer.last_counts.max() <= 3 * cap
+
+
+def test_capacity_drops_the_later_tokens_of_each_sequence_and_they_pass_on_the_residual():
+    """A router that sends every token to expert 0: with capacity C = ceil(0.5 * 8 * 1 / 2) = 2
+    only the first two tokens of each sequence get the expert's output; the others get 0 from
+    the layer, so the block adds nothing to them."""
+    model = tiny(n_experts=2, top_k=1, capacity_factor=0.5)
+    layer = model.h[0].mlp
+    layer.router.weight.data[...] = 0.0
+    layer.router.weight.data[0, 0] = 50.0  # x[..., 0] > 0: expert 0, surely
+    x = np.random.default_rng(0).standard_normal((2, 8, 16))
+    x[..., 0] = 1.0
+    y = layer(Tensor(x)).data
+    assert layer.last_counts.tolist() == [4, 0]
+    assert np.all(y[:, 2:] == 0) and np.all(np.abs(y[:, :2]).sum(axis=-1) > 0)
+
+
+def _directional_check(f, params, grads, rng, h=1e-6):
+    """d/dt f(p + t d) at 0 by central differences against g . d, for a random unit d and the
+    largest-gradient element of every parameter."""
+    f0 = abs(f())
+    atol = 8 * 2.0**-53 * max(f0, 1.0) / h
+    for name, p in params:
+        g = grads[name]
+        d1 = rng.standard_normal(g.shape)
+        d2 = np.zeros(g.shape)
+        d2.reshape(-1)[np.abs(g).argmax()] = 1.0
+        for d in (d1 / np.linalg.norm(d1), d2):
+            old = p.data.copy()
+            p.data[...] = old + h * d
+            up = f()
+            p.data[...] = old - h * d
+            down = f()
+            p.data[...] = old
+            fd, an = (up - down) / (2 * h), float((g * d).sum())
+            assert abs(fd - an) <= 1e-6 * max(abs(fd), abs(an)) + atol, (name, fd, an)
+
+
+@pytest.mark.parametrize("kw", CASES.values(), ids=CASES.keys())
+def test_layer_gradients_match_finite_differences(kw):
+    """The input's, the router's and every expert's gradient of <c, y> + the auxiliary losses."""
+    layer = tiny(**kw).h[0].mlp
+    rng = np.random.default_rng(5)
+    x = Tensor(rng.standard_normal((2, 8, 16)), requires_grad=True)
+    c = rng.standard_normal((2, 8, 16))
+
+    def f():
+        return float((layer(x).data * c).sum() + layer.aux_loss.item())
+
+    y = layer(x)
+    loss = (y * Tensor(c)).sum() + layer.aux_loss
+    loss.backward()
+    params = [("x", x)] + list(layer.named_parameters())
+    grads = {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    assert np.abs(grads["router.weight"]).max() > 0
+    _directional_check(f, params, grads, rng)
+
+
+@pytest.mark.parametrize("kw", [CASES["gpt2-top2-capacity"], CASES["llama-top1-dropless"],
+                                dict(n_experts=4, top_k=2, moe_every=2, capacity_factor=1.0, z_loss_coef=0.1)],
+                         ids=["gpt2-top2-capacity", "llama-top1-dropless", "every-2nd"])
+def test_whole_moe_model_gradient_matches_finite_differences(kw):
+    model = tiny(**kw)
+    x, y = batch()
+    model.zero_grad()
+    loss = Strategy(model, OneReplica(model, None)).forward_backward(x, y)
+    assert loss > 0
+    grads = {n: p.grad.copy() for n, p in model.named_parameters()}
+    for block in model.h:
+        if isinstance(block.mlp, moe.MoE):
+            assert np.abs(grads[f"h.{model.h.index(block)}.mlp.router.weight"]).max() > 0
+    _directional_check(lambda: model(x, y).item(), list(model.named_parameters()), grads,
+                       np.random.default_rng(0), h=5e-6)
+
+
+def test_the_loss_is_cross_entropy_plus_every_mixtures_auxiliary_losses():
+    from minidist.model import ops
+
+    model = tiny(n_experts=4, top_k=2, aux_loss_coef=0.5, z_loss_coef=0.25)
+    x, y = batch()
+    loss = model(x, y).item()
+    ce = ops.cross_entropy(model(x), y).item()
+    aux = sum(b.mlp.aux_loss.item() for b in model.h)
+    assert aux > 0 and loss == pytest.approx(ce + aux, rel=1e-14)
+    dense = tiny(n_experts=4, aux_loss_coef=0.0, z_loss_coef=0.0)
+    assert dense(x, y).item() == pytest.approx(ops.cross_entropy(dense(x), y).item(), rel=1e-14)
+    assert dense.h[0].mlp.aux_loss is None
+
+
+def test_gradient_accumulation_equals_the_whole_batch():
+    """Capacity and the balancing loss are per sequence: two micro-batches of rows give the
+    batch's gradient (what data parallelism relies on too)."""
+    model = tiny(n_experts=4, top_k=2, capacity_factor=0.5)
+    x, y = batch(b=4)
+    grads = []
+    for k in (1, 2):
+        model.zero_grad()
+        loss = Strategy(model, OneReplica(model, None)).forward_backward(x, y, k)
+        grads.append((loss, {n: p.grad.copy() for n, p in model.named_parameters()}))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-12)
+    for n, g in grads[0][1].items():
+        np.testing.assert_allclose(grads[1][1][n], g, rtol=1e-9, atol=1e-12, err_msg=n)
+
+
+def test_names_and_initialisation_by_name():
+    model = tiny(n_experts=3, moe_every=2, arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24)
+    names = list(model.state_dict())
+    assert "h.0.mlp.gate_up_proj.weight" in names  # block 0: dense
+    assert "h.1.mlp.router.weight" in names and "h.1.mlp.experts.2.down_proj.weight" in names
+    again = tiny(n_experts=3, moe_every=2, arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24)
+    for n, a in model.state_dict().items():
+        assert np.array_equal(a, again.state_dict()[n]), n
+    experts = [model.state_dict()[f"h.1.mlp.experts.{e}.down_proj.weight"] for e in range(3)]
+    assert not np.array_equal(experts[0], experts[1])
+    dense = tiny()
+    assert list(dense.state_dict()) == list(tiny(n_experts=0, top_k=5).state_dict())
+    assert isinstance(dense.h[0].mlp, MLP)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(n_experts=-1), "n_experts must be a non-negative integer, got -1"),
+    (dict(n_experts=4, top_k=0), "top_k must be a positive integer, got 0"),
+    (dict(n_experts=2, top_k=3), "top_k=3 is more than the n_experts=2 experts"),
+    (dict(n_experts=2, moe_every=0), "moe_every must be a positive integer, got 0"),
+    (dict(n_experts=2, capacity_factor=-0.5), "capacity_factor must be a non-negative finite number, got -0.5"),
+    (dict(n_experts=2, aux_loss_coef=float("nan")), "aux_loss_coef must be a non-negative finite number, got nan"),
+    (dict(n_experts=2, z_loss_coef="1"), "z_loss_coef must be a non-negative finite number, got '1'"),
+])
+def test_bad_moe_config_is_one_line_naming_the_value(kw, words):
+    with pytest.raises(ValueError) as e:
+        GPTConfig(**kw)
+    assert str(e.value) == words
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--top-k", "2"], "--top-k 2 is a mixture-of-experts setting: it needs --experts E"),
+    (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the --experts 2"),
+    (["--experts", "2", "--capacity-factor", "-1"], "--capacity-factor: expected a finite number >= 0, got -1"),
+    (["--experts", "2", "--tp", "2"], "--experts runs on data-parallel ranks only so far, not with --tp 2"),
+])
+def test_bad_moe_flags_exit_2_with_one_line(args, words):
+    from minidist.train.testing import run_train
+
+    done = run_train(None, args + ["--steps", "1"], timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and words in lines[0], (done.returncode, done.stderr)
