@@ -25,7 +25,8 @@ def _group(size, rank=0):
 
 
 @pytest.mark.parametrize("schedule, M, V", [("gpipe", 4, 1), ("1f1b", 2, 1), ("looping", 2, 2),
-                                             ("interleaved", 4, 2), ("naive", 2, 1)])
+                                             ("interleaved", 4, 2), ("naive", 2, 1), ("zb-h1", 2, 1),
+                                             ("zb-h2", 3, 1)])
 def test_one_rank_pipeline_equals_serial(schedule, M, V):
     """P = 1: every stage on this rank, activations handed over locally (no MPI).  The most
     microbatches whose activations the runtime held at once is the schedule simulator's
@@ -82,23 +83,25 @@ def test_graph_activation_bytes_counts_the_kept_arrays():
 @pytest.mark.mpi
 def test_two_ranks_every_schedule_equals_serial():
     out = run_mpi(2, f"{BODIES}::two_ranks", timeout=180).stdout
-    assert "pipeline configs: 26 worst rel" in out, out
+    assert "pipeline configs: 32 worst rel" in out, out
     assert out.count("pipeline accounting ok") == 2, out
-    assert out.count("train path ok: dp=1 x pp=2") == 5 and "train path done" in out, out
+    assert out.count("train path ok: dp=1 x pp=2") == 7 and "train path done" in out, out
 
 
 @pytest.mark.mpi
 def test_four_ranks_every_schedule_equals_serial():
     out = run_mpi(4, f"{BODIES}::four_ranks", timeout=240).stdout
-    assert "pipeline configs: 18 worst rel" in out, out
+    assert "pipeline configs: 20 worst rel" in out, out
     assert out.count("pipeline accounting ok") == 4, out
-    assert out.count("train path ok: dp=2 x pp=2") == 5 and "train path done" in out, out
+    assert out.count("train path ok: dp=2 x pp=2") == 7 and "train path done" in out, out
 
 
-@pytest.mark.parametrize("schedule, M, V", [("1f1b", 3, 1), ("looping", 2, 2), ("interleaved", 2, 2)])
+@pytest.mark.parametrize("schedule, M, V", [("1f1b", 3, 1), ("looping", 2, 2), ("interleaved", 2, 2),
+                                             ("zb-h1", 3, 1), ("zb-h2", 2, 1)])
 def test_each_parameter_is_final_once_inside_the_last_backward_window(schedule, M, V):
-    """Data parallelism opens its hooks around each chunk's last backward: there every
-    parameter's gradient becomes final exactly once (its other backward passes are outside)."""
+    """Data parallelism opens its hooks around each chunk's last backward (zero-bubble: last B
+    and last W): there every parameter's gradient becomes final exactly once (its other
+    backward passes are outside)."""
     import contextlib
 
     import numpy as np
@@ -154,6 +157,8 @@ def _problems(**kw):
     (dict(schedule="1f1b", virtual_stages=1), "the 1f1b schedule has no virtual stages"),
     (dict(microbatches=9, batch_size=16, dp=2), "--microbatches 9 exceeds the 8 sequence(s) of a pipeline pass"),
     (dict(pp=1, microbatches=4), "--microbatches needs pipeline parallelism: add --pp 2 or more"),
+    (dict(pp=4, schedule="zb-h1", layers=8, microbatches=2), "zb-h1 schedule needs at least as many microbatches (2) as pipeline stages (4)"),
+    (dict(schedule="zb-h2", virtual_stages=2), "--virtual-stages 2: the zb-h2 schedule has no virtual stages"),
 ])
 def test_cli_refuses_bad_pipelines_with_one_line(kw, fragment):
     (found,) = _problems(**kw)
@@ -206,6 +211,7 @@ def test_cli_pipeline_trains_like_one_process_and_reports_the_bubble(tmp_path):
     (2, ["--pp", "2", "--schedule", "interleaved", "--microbatches", "3"], "multiple of the pipeline stages (2)"),
     (2, ["--pp", "2", "--schedule", "gpipe", "--virtual-stages", "2"], "the gpipe schedule has no virtual stages"),
     (2, ["--pp", "2", "--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
+    (2, ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "1"], "needs at least as many microbatches (1) as pipeline stages (2)"),
     (2, ["--pp", "3"], "the world size 2 is not divisible by --pp 3 = 3"),
     (2, ["--pp", "2", "--microbatches", "9"], "--microbatches 9 exceeds the 8 sequence(s)"),
 ])

@@ -29,7 +29,7 @@ def test_simulation_terminates_matches_messages_and_bubble_equals_formula(t_back
     for name, P, M, V in CONFIGS:
         sched = make_schedule(name, P, M, V)
         sim = simulate(sched, t_forward=1.0, t_backward=t_backward)  # raises on deadlock or a lone message
-        formula = S.theoretical_bubble(name, P, M, V)
+        formula = S.theoretical_bubble(name, P, M, V, t_forward=1.0, t_backward=t_backward)
         for r in range(P):
             assert sim.bubble[r] == pytest.approx(formula, abs=1e-12), (name, P, M, V, r, sim.bubble)
 
@@ -41,9 +41,12 @@ def test_each_forward_precedes_its_backward_and_each_unit_runs_once():
             for a in actions:
                 if a.op == S.BACKWARD:
                     assert (S.FORWARD, a.microbatch, a.chunk) in seen, (name, P, M, V, rank, a)
-                if a.op in S.COMPUTE:
+                if a.op == S.WEIGHT:
+                    assert (S.BACKWARD, a.microbatch, a.chunk) in seen, (name, P, M, V, rank, a)
+                if a.op in S.SPLIT_COMPUTE:
                     seen.append((a.op, a.microbatch, a.chunk))
-            assert sorted(seen) == sorted((op, m, c) for op in S.COMPUTE for m in range(M) for c in range(V))
+            ops = S.SPLIT_COMPUTE if S.splits_backward(name) else S.COMPUTE  # zero-bubble: W too
+            assert sorted(seen) == sorted((op, m, c) for op in ops for m in range(M) for c in range(V))
 
 
 def test_every_send_has_exactly_one_matching_receive():
@@ -164,3 +167,23 @@ def test_simulation_with_measured_costs():
     slow_last = simulate(sched, cost=lambda r, a: (1.0 if a.op == S.FORWARD else 2.0) * (2 if r == 1 else 1))
     assert slow_last.makespan == 1 + 4 * 2 + 4 * 4 + 2  # F0 on rank 0, rank 1's work, B3 on rank 0
     assert slow_last.bubble[0] > slow_last.bubble[1]
+
+
+def test_zero_bubble_schedules_cut_1f1b_idle_time_and_keep_their_memory():
+    """ZB-H1: a third of 1F1B's idle time for equal F, B, W, and 1F1B's peak (P microbatches
+    held, on every rank); ZB-H2: at most 2P-1, and below ZB-H1 when B takes longer than W
+    would allow ZB-H1 to hide (here F=1, B=W=1.5)."""
+    from minidist.layout.simulate import chart
+
+    for P, M in ((2, 4), (4, 8), (5, 10)):
+        one = simulate(make_schedule("1f1b", P, M), 1.0, 2.0)
+        h1 = simulate(make_schedule("zb-h1", P, M), 1.0, 2.0)
+        idle = [b * h1.makespan for b in h1.bubble]
+        assert idle == pytest.approx([(one.bubble[0] * one.makespan) / 3] * P)
+        assert h1.peak_in_flight == [P] * P and max(one.peak_in_flight) == P
+        h2 = simulate(make_schedule("zb-h2", P, M), 1.0, 2.0)
+        assert h2.peak_in_flight == [min(2 * P - 1, M)] * P
+        assert simulate(make_schedule("zb-h2", P, M), 1.0, 3.0).makespan < \
+            simulate(make_schedule("zb-h1", P, M), 1.0, 3.0).makespan
+    text = chart(make_schedule("zb-h1", 4, 8))
+    assert "W7" in text and "F forward, B input gradient, W weight gradients" in text

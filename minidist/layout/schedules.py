@@ -31,6 +31,14 @@ The schedules (``P`` ranks, ``M`` microbatches, ``V`` model chunks per rank):
   Parallelism*): the same looping placement, but every microbatch goes through chunk 0 before
   any goes through chunk 1 (GPipe order on the looped pipeline).  Same bubble as interleaved
   when ``M >= P``, GPipe's memory (all ``V*M`` chunk activations).
+* ``zb-h1`` and ``zb-h2``: zero-bubble pipelines (Qi et al. 2023, *Zero Bubble Pipeline
+  Parallelism*): the backward split in two, ``B`` (the gradient of the stage's input, which
+  the previous stage waits for) and ``W`` (the weights' gradients, which nothing waits for),
+  so that W's fill the bubbles.  ZB-H1 keeps 1F1B's peak memory (``P`` microbatches) with a
+  bubble of ``(P-1)(F+B-W)`` instead of 1F1B's ``(P-1)(F+B+W)``; ZB-H2 warms up with more
+  forwards (``2P-1`` microbatches at most) and approaches the floor ``(P-1)F`` that a
+  synchronous step keeps (the last stage cannot start before the first forward reaches it).
+  Both need ``M >= P``.
 
 Communication is derived from the compute order, identically for every schedule
 (:func:`with_communication`): a forward of stage ``s > 0`` first receives its input
@@ -45,14 +53,15 @@ from dataclasses import dataclass
 
 from minidist.layout.settings import VIRTUAL
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
 COMPUTE = (FORWARD, BACKWARD)
+SPLIT_COMPUTE = (FORWARD, BACKWARD, WEIGHT)  # the zero-bubble schedules: B is the input's gradient only
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's program: compute ``op`` in (F, B) on ``microbatch`` with model
+    """One step of a rank's program: compute ``op`` in (F, B, W) on ``microbatch`` with model
     ``chunk`` (0..V-1 on this rank), or send/receive the activation or gradient that
     belongs to it (``peer``: the other rank)."""
 
@@ -163,9 +172,52 @@ def looping_order(P: int, M: int, rank: int, V: int = 2) -> list[Action]:
     return forwards + backwards
 
 
+def _split_order(P: int, M: int, warmup: int, lag: int) -> list[Action]:
+    """1F1B's order with the backward split: ``warmup`` forwards, then pairs (F, B) where the
+    W of microbatch ``i - lag`` follows the i-th pair, then the remaining B's, each followed by
+    one W, then the W's left.  Delaying W's keeps the B's, which the previous stage waits for,
+    early; the delayed W's fill the waits of the drain."""
+    warmup = min(warmup, M)
+    order, w = [Action(FORWARD, m) for m in range(warmup)], 0
+    for i in range(M - warmup):
+        order += [Action(FORWARD, warmup + i), Action(BACKWARD, i)]
+        if i >= lag:
+            order.append(Action(WEIGHT, w))
+            w += 1
+    for m in range(M - warmup, M):
+        order.append(Action(BACKWARD, m))
+        if w < M:
+            order.append(Action(WEIGHT, w))
+            w += 1
+    return order + [Action(WEIGHT, m) for m in range(w, M)]
+
+
+def zb_h1_order(P: int, M: int, rank: int, V: int = 1) -> list[Action]:
+    """ZB-H1 (Qi et al. 2023, Zero Bubble Pipeline Parallelism): 1F1B's warm-up of P-rank-1
+    forwards, and rank r delays each W by r microbatches, so every rank holds at most P
+    microbatches (1F1B's peak, its first stage's).  Bubble (P-1)(F+B-W) of a step
+    M(F+B+W) + (P-1)(F+B-W): (P-1)/(3M+P-1) for equal F, B, W, a third of 1F1B's idle time."""
+    return _split_order(P, M, warmup=P - rank - 1, lag=rank)
+
+
+def zb_h2_order(P: int, M: int, rank: int, V: int = 1) -> list[Action]:
+    """ZB-H2 (Qi et al. 2023): twice 1F1B's warm-up, 2(P-rank-1) forwards, and W's delayed by
+    2r microbatches on rank r: at most 2P-1 microbatches held.  The B's then never wait in the
+    steady state; the bubble approaches the floor (P-1)F of a synchronous step when B costs
+    more than W (the same as ZB-H1 for equal F, B, W: (P-1)/(3M+P-1))."""
+    return _split_order(P, M, warmup=2 * (P - rank - 1), lag=2 * rank)
+
+
 ORDERS = {"naive": naive_order, "gpipe": gpipe_order, "1f1b": one_f_one_b_order,
-          "interleaved": interleaved_order, "looping": looping_order}
+          "interleaved": interleaved_order, "looping": looping_order,
+          "zb-h1": zb_h1_order, "zb-h2": zb_h2_order}
 """Schedule name -> compute-order function ``(P, M, rank, V) -> [Action]``."""
+ZERO_BUBBLE = ("zb-h1", "zb-h2")  # the schedules with W actions (backward in two parts)
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule ``name`` runs B (the input's gradient) and W (the weights') apart."""
+    return name in ZERO_BUBBLE
 
 
 # -------------------------------------------------------------------------- checks
@@ -185,6 +237,8 @@ def schedule_problem(name: str, P: int, M: int, V: int = 1, num_layers: int | No
         return f"the interleaved schedule needs the microbatches ({M}) to be a multiple of the pipeline stages ({P})"
     if name == "looping" and M < P:
         return f"the looping schedule needs at least as many microbatches ({M}) as pipeline stages ({P})"
+    if name in ZERO_BUBBLE and M < P:
+        return f"the {name} schedule needs at least as many microbatches ({M}) as pipeline stages ({P})"
     if num_layers is not None and num_layers % (P * V):
         return (f"{num_layers} layers cannot be cut into {P} pipeline stages x {V} virtual stages "
                 f"(needs a multiple of {P * V})")
@@ -247,7 +301,9 @@ def with_communication(order: list[Action], rank: int, P: int, V: int) -> list[A
     out = []
     for a in order:
         s = model_stage(rank, a.chunk, P)
-        if a.op == FORWARD:
+        if a.op == WEIGHT:  # the weights' gradients: nobody waits for them
+            out.append(a)
+        elif a.op == FORWARD:
             if s > 0 and stage_location(s - 1, P)[0] != rank:
                 out.append(Action(RECV_ACT, a.microbatch, a.chunk, stage_location(s - 1, P)[0]))
             out.append(a)
@@ -273,10 +329,15 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_sta
     return Schedule(name, P, M, V, actions)
 
 
-def theoretical_bubble(name: str, P: int, M: int, V: int = 1) -> float:
+def theoretical_bubble(name: str, P: int, M: int, V: int = 1, t_forward: float = 1.0, t_backward: float = 2.0) -> float:
     """The idle share of a step with equal stages and free communication:
     (P-1)/P for naive, (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for the looped
-    pipelines (interleaved, and looping with M >= P)."""
+    pipelines (interleaved, and looping with M >= P), (P-1)/(3M+P-1) for ZB-H1 and ZB-H2 with
+    B and W each half of the backward and the forward as long as each: (P-1)(F+B-W) idle in
+    M(F+B+W) + (P-1)(F+B-W)."""
     if name == "naive":
         return (P - 1) / P
+    if name in ZERO_BUBBLE:
+        idle = (P - 1) * max(t_forward, t_backward / 2)
+        return idle / (M * (t_forward + t_backward) + idle)
     return (P - 1) / (V * M + P - 1)

@@ -19,18 +19,18 @@ from dataclasses import dataclass
 from minidist.layout.settings import VIRTUAL
 
 from minidist.layout.schedules import (BACKWARD, COMPUTE, FORWARD, ORDERS, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
-                                       Action, Schedule, make_schedule, model_stage, schedule_problem, stage_location,
-                                       theoretical_bubble)
+                                       SPLIT_COMPUTE, WEIGHT, Action, Schedule, make_schedule, model_stage,
+                                       schedule_problem, splits_backward, stage_location, theoretical_bubble)
 
 @dataclass
 class Simulation:
     """What :func:`simulate` found: each rank's compute intervals, the step's length and
     each rank's idle share, and how many microbatches' activations each rank held at most."""
 
-    timeline: list           # timeline[rank] = [(start, end, Action)] of F and B actions
+    timeline: list           # timeline[rank] = [(start, end, Action)] of F, B (and W) actions
     makespan: float
     bubble: list             # per rank: idle time / makespan
-    peak_in_flight: list     # per rank: most (microbatch, chunk) forwards awaiting their backward
+    peak_in_flight: list     # per rank: most (microbatch, chunk) forwards awaiting their backward (their W)
 
     @property
     def mean_bubble(self) -> float:
@@ -57,8 +57,8 @@ class _RankState:
     """One rank during :func:`simulate`: its program counter, clock, compute intervals and
     the (microbatch, chunk) activations it holds."""
 
-    def __init__(self, rank: int, actions):
-        self.rank, self.actions = rank, actions
+    def __init__(self, rank: int, actions, split: bool = False):
+        self.rank, self.actions, self.split = rank, actions, split
         self.pc, self.clock = 0, 0.0
         self.timeline, self.done, self.live, self.peak = [], set(), set(), 0
 
@@ -95,31 +95,37 @@ class _RankState:
             raise ValueError(f"rank {r} runs {a} twice")
         if a.op == BACKWARD and (FORWARD, a.microbatch, a.chunk) not in self.done:
             raise ValueError(f"rank {r} runs {a} before its forward")
+        if a.op == WEIGHT and (not self.split or (BACKWARD, a.microbatch, a.chunk) not in self.done):
+            raise ValueError(f"rank {r} runs {a} " + ("before its B" if self.split else "in a schedule without W"))
         self.done.add(unit)
         self.timeline.append((self.clock, self.clock + seconds, a))
         self.clock += seconds
         if a.op == FORWARD:
             self.live.add((a.microbatch, a.chunk))
             self.peak = max(self.peak, len(self.live))
-        else:
+        elif a.op == (WEIGHT if self.split else BACKWARD):  # W still reads the saved activations
             self.live.discard((a.microbatch, a.chunk))
 
 
 def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0, cost=None) -> Simulation:
     """Run every rank's program on a clock: F of one chunk takes ``t_forward / V``, B
-    ``t_backward / V`` (or ``cost(rank, action)`` seconds when given, e.g. measured ones),
-    messages are free and sends never block; a receive waits for its send.
+    ``t_backward / V`` (split schedules: B and W half of that each), or ``cost(rank, action)``
+    seconds when given (e.g. measured ones); messages are free and sends never block; a
+    receive waits for its send.
 
     Raises :class:`Deadlock` when no rank can move, and ValueError for a send without its
-    one receive (or the reverse), a backward before its forward, or a repeated action.
+    one receive (or the reverse), a backward before its forward, a W before its B (or in a
+    schedule without W's), a missing or repeated action.
     """
     P, V = schedule.num_stages, schedule.virtual_stages
+    split = splits_backward(schedule.name)
     if cost is None:
-        duration = {FORWARD: t_forward / V, BACKWARD: t_backward / V}
+        b = t_backward / V / (2 if split else 1)
+        duration = {FORWARD: t_forward / V, BACKWARD: b, WEIGHT: b}
 
         def cost(rank, a):
             return duration[a.op]
-    ranks = [_RankState(r, schedule.actions[r]) for r in range(P)]
+    ranks = [_RankState(r, schedule.actions[r], split) for r in range(P)]
     sent, received = {}, set()  # message key -> time sent; keys received
     while not all(st.finished() for st in ranks):
         moved = False
@@ -132,7 +138,8 @@ def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0
     unmatched = set(sent) ^ received
     if unmatched:
         raise ValueError(f"messages without exactly one send and one receive: {sorted(unmatched)}")
-    expected = {(op, m, c) for op in COMPUTE for m in range(schedule.num_microbatches) for c in range(V)}
+    expected = {(op, m, c) for op in (SPLIT_COMPUTE if split else COMPUTE)
+                for m in range(schedule.num_microbatches) for c in range(V)}
     for st in ranks:
         if st.done != expected:
             raise ValueError(f"rank {st.rank} misses {sorted(expected - st.done)}")
@@ -147,7 +154,8 @@ def chart(schedule: Schedule, sim: Simulation | None = None) -> str:
 
     A forward occupies one column, a backward two (the usual 1:2 cost), labelled ``F3`` /
     ``B3`` (microbatch 3), with the chunk as a letter when V > 1 (``F3a``, ``F3b``); ``.`` is
-    idle time (the bubble)."""
+    idle time (the bubble).  Zero-bubble schedules: B (the input's gradient) and W (the
+    weights') one column each."""
     V = schedule.virtual_stages
     sim = sim or simulate(schedule, t_forward=V, t_backward=2 * V)  # one column per chunk forward
     letters = "abcdefghijklmnopqrstuvwxyz"
@@ -156,7 +164,9 @@ def chart(schedule: Schedule, sim: Simulation | None = None) -> str:
     width = max(len(text) for row in labels for _, _, text in row) + 1
     columns = int(round(sim.makespan))
     lines = [f"{schedule.name}: P={schedule.num_stages} ranks, M={schedule.num_microbatches} microbatches"
-             + (f", V={V} chunks per rank" if V > 1 else "") + "  (F forward, B backward, . idle)"]
+             + (f", V={V} chunks per rank" if V > 1 else "")
+             + ("  (F forward, B input gradient, W weight gradients, . idle)" if splits_backward(schedule.name)
+                else "  (F forward, B backward, . idle)")]
     for r, row in enumerate(labels):
         cells = [".".ljust(width)] * columns
         for start, end, text in row:
@@ -169,7 +179,8 @@ def chart(schedule: Schedule, sim: Simulation | None = None) -> str:
 
 def bubble_line(schedule: Schedule, sim: Simulation) -> str:
     P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
-    formula = {"naive": "(P-1)/P"}.get(schedule.name, "(P-1)/(V*M+P-1)" if V > 1 else "(P-1)/(M+P-1)")
+    formula = {"naive": "(P-1)/P", "zb-h1": "(P-1)/(3M+P-1)", "zb-h2": "(P-1)/(3M+P-1)"}.get(
+        schedule.name, "(P-1)/(V*M+P-1)" if V > 1 else "(P-1)/(M+P-1)")
     return (f"bubble: simulated {100 * sim.mean_bubble:.1f}%, formula {formula} = "
             f"{100 * theoretical_bubble(schedule.name, P, M, V):.1f}%; "
             f"peak activations in flight per rank: {sim.peak_in_flight}")
@@ -206,7 +217,7 @@ def save_png(schedule: Schedule, path: str, sim: Simulation | None = None) -> No
         for start, end, a in row:
             colour = colours[a.chunk % len(colours)]
             ax.broken_barh([(start, end - start)], (r - 0.4, 0.8), facecolor=colour,
-                           alpha=0.45 if a.op == FORWARD else 0.95, edgecolor="black", linewidth=0.5)
+                           alpha={FORWARD: 0.45, WEIGHT: 0.7}.get(a.op, 0.95), edgecolor="black", linewidth=0.5)
             ax.text((start + end) / 2, r, str(a.microbatch), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(schedule.num_stages))
     ax.set_yticklabels([f"rank {r}" for r in range(schedule.num_stages)])

@@ -15,6 +15,9 @@ Two things distributed training needs from autograd are built in here:
 * **Activation checkpointing** (:func:`checkpoint`; Chen et al. 2016, "Training Deep Nets
   with Sublinear Memory Cost"): run a function without recording its graph, keep only its
   inputs, and recompute the graph during backward.  Trades one extra forward for memory.
+* **Backward in two parts** (:func:`deferred_weight_grads`; Qi et al. 2023, "Zero Bubble
+  Pipeline Parallelism"): B, the gradients of the activations, now; W, the weights'
+  gradients, later.  Zero-bubble pipeline schedules fill their idle time with the W's.
 
 Parameters know their *global* shape and how they are sliced (``global_shape``,
 ``sharding``) so that sharding strategies and checkpoints can reassemble them.
@@ -139,6 +142,100 @@ class Parameter(Tensor):
         return "Parameter" + super().__repr__()[len("Tensor"):]
 
 
+# ------------------------------------------------------------- backward in two parts (B, W)
+class Deferred:
+    """A gradient not computed yet: calling it computes it (once) and returns the array.
+
+    Under :func:`deferred_weight_grads` the ops with weights (``linear``, ``layer_norm``,
+    ``rms_norm``, ``embedding``, the sequence-parallel linears) return one of these for each
+    weight instead of its gradient (:func:`weight_grad`)."""
+
+    __slots__ = ("_fn", "_value")
+
+    def __init__(self, fn):
+        self._fn, self._value = fn, None
+
+    def __call__(self):
+        if self._fn is not None:
+            self._value, self._fn = self._fn(), None
+        return self._value
+
+
+class WeightGradients:
+    """The W of one backward call: the parameters whose gradients were deferred, each with
+    its contributions in the order the joint backward would have added them.
+
+    :meth:`run` computes them and finalizes each parameter through the same path as the joint
+    backward (``.grad`` accumulation, then its hooks, in the order B would have fired them),
+    so B then W gives the joint backward's gradients bit for bit, and each hook fires once."""
+
+    def __init__(self):
+        self._leaves = []  # [(parameter, [contributions: arrays and Deferred])]
+
+    def __len__(self):
+        return len(self._leaves)
+
+    def add(self, leaf, contributions):
+        self._leaves.append((leaf, contributions))
+
+    def run(self):
+        leaves, self._leaves = self._leaves, []
+        for leaf, contributions in leaves:
+            g, owned = _sum_contributions(contributions)
+            _finalize_leaf(leaf, g, owned)
+
+
+def _sum_contributions(contributions):
+    """The sum of a node's gradient contributions, in order, with the joint backward's exact
+    arithmetic (the first one borrowed, then ``a + b``, then ``+=``): (array or None, owned)."""
+    total, owned = None, False
+    for c in contributions:
+        g = c() if isinstance(c, Deferred) else c
+        if g is None:
+            continue
+        if total is None:
+            total = g
+        elif owned:
+            total += g
+        else:
+            total, owned = total + g, True
+    return total, owned
+
+
+@contextlib.contextmanager
+def deferred_weight_grads():
+    """Context manager: backward calls inside compute only B, the activations' gradients;
+    the weights' gradients are collected into the :class:`WeightGradients` it yields, W.
+
+    The ops with weights hand back a :class:`Deferred` per weight (:func:`weight_grad`); the
+    engine keeps them instead of adding them, and defers whole nodes that only lead to weights
+    (``transpose(wte)`` of a tied head, ``concat`` of the q/k/v weights); a deferred gradient
+    that reaches an activation after all is computed on the spot, so nothing is ever wrong,
+    only earlier.  A parameter whose gradient has any deferred part is finalized (``.grad``,
+    hooks) by ``run()``, i.e. in W; the others as usual in B.  Activation checkpointing defers
+    through its recomputation; ZeRO-3's per-block backward computes its blocks' W inside B
+    (it reduce-scatters them right there)."""
+    work = WeightGradients()
+    prev = getattr(_state, "deferred", None)
+    _state.deferred = work
+    try:
+        yield work
+    finally:
+        _state.deferred = prev
+
+
+def deferring() -> bool:
+    """Whether backward calls now defer the weights' gradients (:func:`deferred_weight_grads`)."""
+    return getattr(_state, "deferred", None) is not None
+
+
+def weight_grad(fn):
+    """A weight's gradient: ``fn()`` now, or ``Deferred(fn)`` under :func:`deferred_weight_grads`.
+    ``fn`` must only read arrays that stay unchanged until W (the saved input, the output's
+    gradient; not the weight's ``.data``, which ZeRO-3 frees)."""
+    return Deferred(fn) if deferring() else fn()
+
+
 def make_tensor(data, parents, backward_fn) -> Tensor:
     """The output of a differentiable op.
 
@@ -189,11 +286,12 @@ def _finalize_leaf(leaf: Tensor, g, owned: bool):
         hook(leaf)
 
 
-def run_backward(roots, grads, retain_graph: bool = False, capture=()):
+def run_backward(roots, grads, retain_graph: bool = False, capture=(), defer_captured: bool = False):
     """Backpropagate ``grads`` (arrays) from ``roots`` (tensors) through the recorded graph.
 
     Leaves listed in ``capture`` are not finalized: their gradients are returned instead, as
-    ``{id(leaf): grad}`` (activation checkpointing hands them on to the outer graph).
+    ``{id(leaf): grad}`` (activation checkpointing hands them on to the outer graph); with
+    ``defer_captured`` a parameter's deferred gradient is returned as a :class:`Deferred`.
     """
     order, pending = _topological_order(roots)
     # Run op nodes in reverse creation order (a valid reverse topological order, since a
@@ -201,19 +299,43 @@ def run_backward(roots, grads, retain_graph: bool = False, capture=()):
     # final -- and hooks fire -- in reverse order of use in forward, as DDP buckets expect.
     order.sort(key=lambda node: node._seq)
     acc = {}  # id(node) -> [grad array, owned?]
+    # id(node) -> its contributions in order, once one of them is Deferred (W: deferred_weight_grads)
+    lazy = {}
     captured, capture_ids = {}, {id(t) for t in capture}
+    work = getattr(_state, "deferred", None)
 
     def finalize(leaf):
-        g, owned = acc.pop(id(leaf), (None, False))
-        if id(leaf) in capture_ids:
-            captured[id(leaf)] = g
+        contributions = lazy.pop(id(leaf), None)
+        if contributions is None:
+            g, owned = acc.pop(id(leaf), (None, False))
+            if id(leaf) in capture_ids:
+                captured[id(leaf)] = g
+            else:
+                _finalize_leaf(leaf, g, owned)
+        elif not isinstance(leaf, Parameter) or (work is None and id(leaf) not in capture_ids):
+            # an activation (the stage's input) is B's result: whatever was deferred, now
+            g, owned = _sum_contributions(contributions)
+            if id(leaf) in capture_ids:
+                captured[id(leaf)] = g
+            else:
+                _finalize_leaf(leaf, g, owned)
+        elif id(leaf) in capture_ids:
+            captured[id(leaf)] = (Deferred(lambda: _sum_contributions(contributions)[0]) if defer_captured
+                                  else _sum_contributions(contributions)[0])
         else:
-            _finalize_leaf(leaf, g, owned)
+            work.add(leaf, contributions)
 
     def deliver(node, g):
-        slot = acc.get(id(node))
         if g is None:
-            pass
+            return
+        contributions = lazy.get(id(node))
+        if contributions is not None:
+            contributions.append(g)
+            return
+        slot = acc.get(id(node))
+        if isinstance(g, Deferred):  # from now on keep the contributions as they come
+            lazy[id(node)] = ([] if slot is None or slot[0] is None else [slot[0]]) + [g]
+            acc.pop(id(node), None)
         elif slot is None or slot[0] is None:
             acc[id(node)] = [g, False]
         elif slot[1]:
@@ -231,9 +353,17 @@ def run_backward(roots, grads, retain_graph: bool = False, capture=()):
     for node in reversed(order):
         if node._ctx is None:
             continue  # leaves are finalized when their last consumer has run
-        g, _ = acc.pop(id(node), (None, False))
         parents, backward_fn = node._ctx
-        parent_grads = backward_fn(g) if g is not None else (None,) * len(parents)
+        contributions = lazy.pop(id(node), None)
+        if contributions is not None and all(isinstance(c, Deferred) for c in contributions):
+            # only weights' gradients flow through this node (transpose(wte), concat of
+            # weights): its backward waits for W too, run once for all its parents
+            both = Deferred(lambda fn=backward_fn, cs=contributions: fn(_sum_contributions(cs)[0]))
+            parent_grads = [Deferred(lambda i=i, both=both: both()[i]) for i in range(len(parents))]
+        else:
+            g = (_sum_contributions(contributions)[0] if contributions is not None
+                 else acc.pop(id(node), (None, False))[0])
+            parent_grads = backward_fn(g) if g is not None else (None,) * len(parents)
         if not retain_graph:
             node._ctx = None  # frees the saved activations as soon as possible
         for p, pg in zip(parents, parent_grads):
@@ -271,7 +401,7 @@ def checkpoint(fn, *args, params=None):
         tensor_inputs = [i for i in inputs if isinstance(i, Tensor)]
         with enable_grad():
             recomputed = fn(*inputs)
-        grads = run_backward([recomputed], [g], capture=tensor_inputs + params)
+        grads = run_backward([recomputed], [g], capture=tensor_inputs + params, defer_captured=True)
         return tuple(grads.get(id(t)) for t in tensor_inputs + params)
 
     result = Tensor(out.data)

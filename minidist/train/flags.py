@@ -352,7 +352,8 @@ def memory_estimate(cfg: RunConfig) -> dict:
     rows = max(1, d.batch_size // p.dp)
     accum = dev.grad_accum
     if p.pp > 1:  # microbatches split the rows; only those in flight keep their activations
-        in_flight = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, p.pp * p.virtual_stages)
+        held = 2 * p.pp - 1 if p.schedule == "zb-h2" else p.pp * p.virtual_stages  # ZB-H2's longer warm-up
+        in_flight = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, held)
         accum = max(1, accum * p.microbatches // in_flight)
     est = training_memory_bytes(-(-m.layers // p.pp), m.d_model, m.heads, d.seq_len // p.cp, m.block_size, rows,
                                 accum, m.dtype, dev.mixed_precision, dev.checkpoint_activations or p.zero == 3,

@@ -10,7 +10,7 @@ accumulation (CuPy's tensor cores; see precision.py).
 
 from __future__ import annotations
 
-from minidist.model.autograd import Tensor, make_tensor
+from minidist.model.autograd import Tensor, make_tensor, weight_grad
 from minidist.model.backend import BACKEND, current_device, is_low_precision, xp
 from minidist.model.ops import tuning
 from minidist.model.ops.basic import unbroadcast
@@ -81,7 +81,8 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """``x @ w + b`` for x (..., in), w (in, out), b (out,) or None.
 
     Forward is one GEMM on x flattened to (rows, in); backward is one GEMM for dx
-    (g @ w^T), one for dw (x2d^T @ g2d) and a column sum for db.
+    (g @ w^T), one for dw (x2d^T @ g2d) and a column sum for db.  Under
+    ``autograd.deferred_weight_grads`` dw and db wait for W (zero-bubble pipelines).
     """
     if w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"linear: x {tuple(x.shape)} does not match weight {tuple(w.shape)} (in, out)")
@@ -94,6 +95,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     if Bias is not None:
         y += Bias  # y is our own fresh array: add in place
     y = to_dtype(y, out_dtype).reshape(lead + (W.shape[1],))
+    w_dtype, b_dtype = w.dtype, None if b is None else b.dtype  # now: ZeRO-3 frees .data before W
 
     def backward(g):
         g2d = g.reshape(-1, g.shape[-1])
@@ -102,10 +104,10 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         # each gradient in its input's dtype: under mixed precision on CuPy, cuBLAS writes the
         # float32 ones (the master weight's, a float32 input's) straight from its accumulator
         gx = gemm.matmul(g2d, W.T, dtype=x.dtype).reshape(x.shape) if x.requires_grad else None
-        gw = gemm.matmul(x2d.T, g2d, dtype=w.dtype) if w.requires_grad else None
+        gw = weight_grad(lambda: gemm.matmul(x2d.T, g2d, dtype=w_dtype)) if w.requires_grad else None
         gb = None
         if b is not None and b.requires_grad:
-            gb = column_sums(g2d)
-        return gx, gw, to_dtype(gb, None if b is None else b.dtype)
+            gb = weight_grad(lambda: to_dtype(column_sums(g2d), b_dtype))
+        return gx, gw, gb
 
     return make_tensor(y, (x, w, b), backward)

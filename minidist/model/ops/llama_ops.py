@@ -14,7 +14,7 @@ input and return the input's dtype.
 
 from __future__ import annotations
 
-from minidist.model.autograd import Tensor, make_tensor
+from minidist.model.autograd import Tensor, make_tensor, weight_grad
 from minidist.model.backend import from_host, host, xp
 from minidist.model.ops.fused import elementwise
 from minidist.model.ops.linalg import column_sums
@@ -26,6 +26,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
     ``rstd = 1 / sqrt(mean(x^2) + eps)``.  Backward (per row, C features, gh = g * weight)::
 
         dx = rstd * (gh - xhat * mean(gh * xhat)),   dweight = sum over rows of g * xhat
+
+    dweight waits for W under ``autograd.deferred_weight_grads``.
     """
     C = x.shape[-1]
     if tuple(weight.shape) != (C,):
@@ -35,10 +37,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
     W = to_dtype(weight.data, cdt)
     rstd = 1.0 / xp.sqrt(xp.einsum("ij,ij->i", X, X)[:, None] / C + eps)
     xhat = X * rstd
+    w_dtype = weight.dtype
 
     def backward(g):
         g2d = to_dtype(g, cdt).reshape(-1, C)
-        gw = to_dtype(column_sums(g2d * xhat), weight.dtype) if weight.requires_grad else None
+        gw = weight_grad(lambda: to_dtype(column_sums(g2d * xhat), w_dtype)) if weight.requires_grad else None
         gx = None
         if x.requires_grad:
             gh = g2d * W

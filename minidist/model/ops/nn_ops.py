@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from minidist.model.autograd import Tensor, make_tensor
+from minidist.model.autograd import Tensor, make_tensor, weight_grad
 from minidist.model.backend import from_host, host, xp
 from minidist.model.ops import cuda, tuning
 from minidist.model.ops.basic import check_index, scatter_add_rows
@@ -178,9 +178,17 @@ def _ln_forward(X, W, Bias, eps):
     return xhat, y if Bias is None else y + Bias, rstd
 
 
-def _ln_grads(gx, gw, gb, weight, bias):
-    """LayerNorm's gradients (x, weight, bias), the parameters' in their own dtypes."""
-    return gx, None if gw is None else to_dtype(gw, weight.dtype), None if gb is None else to_dtype(gb, bias.dtype)
+def _ln_param_grads(g2d, xhat, weight, bias, weight_sums):
+    """LayerNorm's parameter gradients (weight, bias) in their own dtypes, each computed now
+    or deferred to W (``autograd.weight_grad``); ``weight_sums(g2d, xhat)`` is dweight."""
+    gw = gb = None
+    if weight is not None and weight.requires_grad:
+        w_dtype = weight.dtype
+        gw = weight_grad(lambda: to_dtype(weight_sums(g2d, xhat), w_dtype))
+    if bias is not None and bias.requires_grad:
+        b_dtype = bias.dtype
+        gb = weight_grad(lambda: to_dtype(column_sums(g2d), b_dtype))
+    return gw, gb
 
 
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
@@ -190,6 +198,8 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     Backward (per row, C = features, gh = g * weight):
         dx = rstd * gh - rstd * mean(gh) - xhat * (rstd * mean(gh * xhat))
         dweight = sum over rows of g * xhat,   dbias = sum over rows of g
+
+    dweight and dbias wait for W under ``autograd.deferred_weight_grads``.
 
     Whole-array: each line of the formulas is one array expression (a reduction over the
     last axis, or an elementwise step: one kernel each under CuPy).  On a CPU
@@ -215,8 +225,7 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 
     def backward(g):
         g2d = to_dtype(g, cdt).reshape(-1, C)
-        gw = column_sums(g2d * xhat) if weight is not None and weight.requires_grad else None
-        gb = column_sums(g2d) if bias is not None and bias.requires_grad else None
+        gw, gb = _ln_param_grads(g2d, xhat, weight, bias, lambda g2d, xhat: column_sums(g2d * xhat))
         gx = None
         if x.requires_grad and fused:
             gx = cuda.layernorm.backward(g2d, W, xhat, rstd, x.dtype).reshape(x.shape)  # in x's dtype
@@ -225,7 +234,7 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
             gx = _ln_input_grad(gh, xhat, rstd, gh.mean(axis=-1, keepdims=True),
                                 (gh * xhat).mean(axis=-1, keepdims=True))
             gx = to_dtype(gx.reshape(x.shape), x.dtype)
-        return _ln_grads(gx, gw, gb, weight, bias)
+        return gx, gw, gb
 
     return make_tensor(to_dtype(y.reshape(x.shape), x.dtype), (x, weight, bias), backward)
 
@@ -276,8 +285,7 @@ def _layer_norm_tuned(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
 
     def backward(g):
         g2d = to_dtype(g, cdt).reshape(-1, C)
-        gw = xp.einsum("ni,ni->i", g2d, xhat) if weight is not None and weight.requires_grad else None
-        gb = column_sums(g2d) if bias is not None and bias.requires_grad else None
+        gw, gb = _ln_param_grads(g2d, xhat, weight, bias, lambda g2d, xhat: xp.einsum("ni,ni->i", g2d, xhat))
         gx = None
         if x.requires_grad:
             gx = xp.empty_like(X)
@@ -298,7 +306,7 @@ def _layer_norm_tuned(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
 
             parallel_for(row_chunks(X.shape[0]), input_grad)
             gx = to_dtype(gx.reshape(x.shape), x.dtype)
-        return _ln_grads(gx, gw, gb, weight, bias)
+        return gx, gw, gb
 
     return make_tensor(to_dtype(y.reshape(x.shape), x.dtype), (x, weight, bias), backward)
 
@@ -307,14 +315,14 @@ def embedding(weight: Tensor, ids) -> Tensor:
     """Rows of ``weight`` (V, C) picked by the integer array ``ids`` (any shape) -> (..., C).
 
     Backward scatter-adds each output row's gradient into the row it came from; a token
-    that occurs several times collects the sum of its gradients.
+    that occurs several times collects the sum of its gradients (in W under
+    ``autograd.deferred_weight_grads``).
     """
     if weight.ndim != 2:
         raise ValueError(f"embedding weight must be (V, C), got shape {tuple(weight.shape)}")
     ids = check_index(ids, weight.shape[0], "embedding id")
-    return make_tensor(
-        weight.data[ids], (weight,), lambda g: (scatter_add_rows(ids, g, weight.shape[0], weight.dtype),)
-    )
+    rows, dtype = weight.shape[0], weight.dtype
+    return make_tensor(weight.data[ids], (weight,), lambda g: (weight_grad(lambda: scatter_add_rows(ids, g, rows, dtype)),))
 
 
 def checked_targets(targets, logits_shape, n_classes, ignore_index=None):

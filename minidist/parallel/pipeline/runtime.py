@@ -9,6 +9,10 @@ runtime walks this rank's list of actions:
   else from the activation received) and keep its graph for the backward;
 * ``B m c``: backpropagate from the loss (last stage) or from the received gradient of the
   chunk's output (``Tensor.backward(grad)``), leaving the gradient of the chunk's input;
+  in the zero-bubble schedules only that (``autograd.deferred_weight_grads``), keeping the
+  weights' gradients for
+* ``W m c``: compute the weights' gradients that B m c deferred (into ``.grad``; their hooks
+  fire here);
 * ``send_*``: a nonblocking send (``comm.isend``) of that output / input gradient, posted as
   soon as the tensor exists; completed at the end of the step;
 * ``recv_*``: receives are posted (``comm.irecv``) one compute action ahead, so the message
@@ -34,16 +38,17 @@ microbatch's graph keeps) and the measured ``timeline`` of F and B (``simulate.m
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from minidist import comm
 from minidist.model import ops
-from minidist.model.autograd import Parameter, Tensor, no_grad
+from minidist.model.autograd import Parameter, Tensor, deferred_weight_grads, no_grad
 from minidist.model.backend import dtype as backend_dtype, host, host_read, xp
 from minidist.layout.split import shard
-from minidist.layout.schedules import (BACKWARD, FORWARD, Action, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
+from minidist.layout.schedules import (BACKWARD, FORWARD, WEIGHT, Action, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
                                        layer_range, make_schedule, message_tag, model_stage,
-                                       schedule_problem, stage_location, theoretical_bubble)
+                                       schedule_problem, splits_backward, stage_location, theoretical_bubble)
 
 
 def graph_activation_bytes(out: Tensor) -> int:
@@ -84,7 +89,9 @@ class PipelineRuntime:
         self.blocks = [[model.h[i] for i in layer_range(s, L, self.S)] for s in self.stages]
         self.is_first, self.is_last = 0 in self.stages, self.S - 1 in self.stages
         self.tied = model.lm_head is None
-        self._last_backward = {a.chunk: a.microbatch for a in self.actions if a.op == BACKWARD}  # last one wins
+        self.split = splits_backward(schedule)
+        # each chunk's last B and last W (the last one wins): its gradients are final there
+        self._last = {(a.op, a.chunk): a.microbatch for a in self.actions if a.op in (BACKWARD, WEIGHT)}
         self._keep_only_this_stage()
         self.stats = {}
 
@@ -101,7 +108,8 @@ class PipelineRuntime:
         (times ``loss_scale``).  Returns the batch's mean loss (on every rank of the group).
 
         ``around_last_backward``: a context-manager factory; each chunk's LAST backward (after
-        which its parameters' gradients are complete) runs inside it.  Data parallelism opens
+        which its parameters' gradients are complete) runs inside it (zero-bubble schedules:
+        the last B, for the gradients it does not defer, and the last W).  Data parallelism opens
         its gradient hooks there, so the reduction of a chunk's gradients overlaps the rest of
         the schedule instead of waiting for its end."""
         self._begin_step(x, y, weight, low_dtype, loss_scale, around_last_backward)
@@ -130,19 +138,19 @@ class PipelineRuntime:
         self._share = [len(xm) / rows * weight for xm in self._x]
         self._low, self._scale, self._around_last = low_dtype, loss_scale, around_last_backward
         self._inbox, self._outbox, self._saved, self._posted = {}, {}, {}, {}
-        self._losses, self._sends = {}, []
+        self._losses, self._sends, self._weight_work = {}, [], {}
         self._live = self._peak = self._in_flight = self._peak_in_flight = 0
 
     def _run_actions(self, t0: float):
         """Execute this rank's actions in order; return (seconds computing, seconds waiting
-        in receives) and keep the measured ``timeline`` [(start_s, end_s, Action)] of F and B."""
+        in receives) and keep the measured ``timeline`` [(start_s, end_s, Action)] of F, B, W."""
         busy = wait = 0.0
         self.timeline = []
         for i, a in enumerate(self.actions):
-            if a.op in (FORWARD, BACKWARD):
+            if a.op in (FORWARD, BACKWARD, WEIGHT):
                 self._post_receives(i)
                 start = time.perf_counter()
-                (self._forward if a.op == FORWARD else self._backward)(a.microbatch, a.chunk)
+                {FORWARD: self._forward, BACKWARD: self._backward, WEIGHT: self._weights}[a.op](a.microbatch, a.chunk)
                 end = time.perf_counter()
                 busy += end - start
                 self.timeline.append((start - t0, end - t0, a))
@@ -165,15 +173,16 @@ class PipelineRuntime:
 
     def gather_timelines(self, root: int = 0):
         """Every pipeline rank's measured :attr:`timeline` of the last step on ``root`` (None
-        elsewhere); every rank runs the same number of compute actions (2*M*V)."""
-        rows = [[start, end, a.op == BACKWARD, a.microbatch, a.chunk] for start, end, a in self.timeline]
+        elsewhere); every rank runs the same number of compute actions (2*M*V, 3*M with W's)."""
+        kinds = (FORWARD, BACKWARD, WEIGHT)
+        rows = [[start, end, kinds.index(a.op), a.microbatch, a.chunk] for start, end, a in self.timeline]
         rows_h = host.asarray(rows, dtype=host.float64)  # host numbers: no device round trip
         gathered = comm.gather(rows_h, self.group, root=root) if self.P > 1 else rows_h
         if gathered is None:
             return None
         n = len(rows)
-        return [[(float(s), float(e), Action(BACKWARD if b else FORWARD, int(m), int(c)))
-                 for s, e, b, m, c in gathered[r * n:(r + 1) * n]] for r in range(self.P)]
+        return [[(float(s), float(e), Action(kinds[int(k)], int(m), int(c)))
+                 for s, e, k, m, c in gathered[r * n:(r + 1) * n]] for r in range(self.P)]
 
     def gather_rows(self, values, root: int = 0):
         """Every pipeline rank's list of floats ``values`` (same length), as a list of lists on
@@ -219,15 +228,34 @@ class PipelineRuntime:
         s = self.stages[c]
         x_in, out, held = self._saved.pop((m, c))
         grad = None if s == self.S - 1 else self._inbox.pop(("grad", m, s))
-        if self._around_last is not None and self._last_backward[c] == m:
-            with self._around_last():
+        with self._window(BACKWARD, m, c):
+            if self.split:  # B only: the weights' gradients wait for W m c
+                with deferred_weight_grads() as work:
+                    out.backward(grad)
+                self._weight_work[(m, c)] = (work, held)
+            else:
                 out.backward(grad)
-        else:
-            out.backward(grad)
-        self._live -= held
-        self._in_flight -= 1
+        if not self.split:
+            self._release(held)
         if s > 0:
             self._hand_over(("grad", m, s - 1), x_in.grad)
+
+    def _weights(self, m: int, c: int):
+        """W m c: the weights' gradients that B m c deferred, into ``.grad`` (hooks fire here)."""
+        work, held = self._weight_work.pop((m, c))
+        with self._window(WEIGHT, m, c):
+            work.run()
+        self._release(held)  # W held the saved inputs until now
+
+    def _release(self, held: int):
+        self._live -= held
+        self._in_flight -= 1
+
+    def _window(self, op: str, m: int, c: int):
+        """The data-parallel hook window around chunk c's last B / W of the pass, else nothing."""
+        if self._around_last is not None and self._last.get((op, c)) == m:
+            return self._around_last()
+        return contextlib.nullcontext()
 
     def _hand_over(self, key, array):
         """Give a tensor to stage ``key[2]``: directly if it lives on this rank, else leave it
@@ -263,7 +291,7 @@ class PipelineRuntime:
         for a in self.actions[i + 1:]:
             if a.op in (RECV_ACT, RECV_GRAD):
                 self._post(a)
-            elif a.op in (FORWARD, BACKWARD):
+            elif a.op in (FORWARD, BACKWARD, WEIGHT):
                 return
 
     def _receive(self, a):

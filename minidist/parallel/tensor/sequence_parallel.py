@@ -27,7 +27,7 @@ imports tensor_parallel.py, which builds its layers from these ops.
 
 from __future__ import annotations
 
-from minidist.model.autograd import make_tensor
+from minidist.model.autograd import deferring, make_tensor, weight_grad
 from minidist.model.backend import xp
 from minidist.model.ops.linalg import column_sums
 from minidist.model.ops.precision import compute_dtype, gemm_operands, get_autocast_dtype, to_dtype
@@ -53,7 +53,8 @@ def all_gather_linear(x, w, b, tp: "TensorParallelLayers"):  # noqa: F821  (tens
 
     Only x is kept for backward, which gathers it again (Korthikanti et al. 2022, sec. 4.2.2:
     no rank stores the whole sequence's input).  Backward: dx = reduce_scatter(dy @ w^T),
-    dw = the sum over the gathered chunks c of x_c^T dy_c, db = the column sums of dy.
+    dw = the sum over the gathered chunks c of x_c^T dy_c, db = the column sums of dy.  Under
+    ``autograd.deferred_weight_grads`` dw (its all-gather of x included) and db wait for W.
     """
     _check_layout(x, tp.parts, "all_gather_linear")
     (W, Bias), _ = gemm_operands(w.data, None if b is None else b.data)
@@ -66,21 +67,26 @@ def all_gather_linear(x, w, b, tp: "TensorParallelLayers"):  # noqa: F821  (tens
     tp.gather_sequence(x.data, product)
     if Bias is not None:
         y += Bias
+    X, w_dtype, b_dtype = x.data, w.dtype, None if b is None else b.dtype
 
     def backward(g):
         G = g if g.dtype == y.dtype else g.astype(y.dtype)
         gx = to_dtype(tp.matmul_scatter_sequence(G, W.T), x.dtype) if x.requires_grad else None
-        gw = None
-        if w.requires_grad:
+
+        def dw():
             gw = xp.zeros(W.shape, dtype=y.dtype)
 
-            def weight_grad(rows, chunk):
+            def add_chunk(rows, chunk):
                 gw[...] += cm.mm_t(chunk, G[:, rows])
 
-            tp.gather_sequence(x.data, weight_grad)
-        g2d = G.reshape(-1, G.shape[-1])
-        gb = column_sums(g2d) if b is not None and b.requires_grad else None
-        return gx, to_dtype(gw, w.dtype), to_dtype(gb, None if b is None else b.dtype)
+            tp.gather_sequence(X, add_chunk)
+            return to_dtype(gw, w_dtype)
+
+        gw = weight_grad(dw) if w.requires_grad else None
+        gb = None
+        if b is not None and b.requires_grad:
+            gb = weight_grad(lambda: to_dtype(column_sums(G.reshape(-1, G.shape[-1])), b_dtype))
+        return gx, gw, gb
 
     return make_tensor(to_dtype(y, _out_dtype(x.data, w.data)), (x, w, b), backward)
 
@@ -89,22 +95,37 @@ def linear_reduce_scatter(h, w, tp: "TensorParallelLayers"):  # noqa: F821  (ten
     """Row-parallel ``reduce_scatter(h @ w, axis=1)`` (no bias): this rank's sequence part.
 
     Backward gathers dy chunk by chunk: dh[:, rows] = dy_c @ w^T and dw += h[:, rows]^T dy_c.
+    Under ``autograd.deferred_weight_grads`` B keeps the gathered dy (this layer's one
+    full-sequence array until W) and dw waits for W, summed over the same chunks in the same
+    order, so without a second all-gather.
     """
     _check_layout(h, tp.parts, "linear_reduce_scatter")
     (H, W), out_dtype = gemm_operands(h.data, w.data)
     y = tp.matmul_scatter_sequence(H, W)
 
+    w_dtype = w.dtype
+
     def backward(g):
         gh = xp.empty(H.shape, dtype=H.dtype) if h.requires_grad else None
         gw = xp.zeros(W.shape, dtype=H.dtype) if w.requires_grad else None
+        later = gw is not None and deferring()
+        kept = []  # (rows, gathered chunk of dy) for a deferred dw
 
         def grads(rows, chunk):
             if gh is not None:
                 gh[:, rows] = cm.mm(chunk, W.T)
-            if gw is not None:
+            if later:
+                kept.append((rows, chunk.copy()))  # the chunk's buffer belongs to the gather
+            elif gw is not None:
                 gw[...] += cm.mm_t(H[:, rows], chunk)
 
         tp.gather_sequence(g, grads)
-        return to_dtype(gh, h.dtype), to_dtype(gw, w.dtype)
+
+        def dw():
+            for rows, chunk in kept:
+                gw[...] += cm.mm_t(H[:, rows], chunk)
+            return to_dtype(gw, w_dtype)
+
+        return to_dtype(gh, h.dtype), (weight_grad(dw) if later else to_dtype(gw, w_dtype))
 
     return make_tensor(to_dtype(y, out_dtype), (h, w), backward)
