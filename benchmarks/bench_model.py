@@ -9,12 +9,16 @@ same process) and the ratio minidist / PyTorch, from wall time and from CPU time
 of the 1-thread run is the robust one: time spent descheduled does not count in it.  The
 load average before and after each run is reported next to the numbers.
 
-    python benchmarks/bench_model.py [--threads 1 2] [--reps 10] [--out DIR]
+    python benchmarks/bench_model.py [--threads 1 2] [--reps 10] [--quick] [--out DIR]
+
+``--quick`` (for the tests: the same code, in seconds): QUICK's smaller model (2 layers,
+d_model 128, 256 tokens a step) and a 0.25 s GEMM peak measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,9 +26,10 @@ import sys
 import time
 
 SHAPE = dict(n_layer=4, n_head=4, d_model=256, seq_len=128, batch=16)
+QUICK = dict(n_layer=2, n_head=4, d_model=128, seq_len=64, batch=4)
 
 
-def measure(threads: int, reps: int) -> dict:
+def measure(threads: int, reps: int, quick: bool = False) -> dict:
     import numpy as np
     import torch
 
@@ -36,7 +41,7 @@ def measure(threads: int, reps: int) -> dict:
     from minidist.model.torch_reference import TorchGPT
 
     torch.set_num_threads(threads)
-    s = SHAPE
+    s = QUICK if quick else SHAPE
     model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"], d_model=s["d_model"],
                           dtype="float32"))
     ref = TorchGPT(model.state_dict(), s["n_head"], torch.float32)
@@ -69,7 +74,7 @@ def measure(threads: int, reps: int) -> dict:
                 cpu_times[name].append(time.process_time() - c0)
     tokens = s["batch"] * s["seq_len"]
     flops = model_flops_per_token(s["n_layer"], s["d_model"], s["seq_len"], 256) * tokens
-    peak = measure_peak_gflops(s["d_model"], tokens, "float32", seconds=1.0)
+    peak = measure_peak_gflops(s["d_model"], tokens, "float32", seconds=0.25 if quick else 1.0)
     result = {"threads": threads, "peak_gflops": peak, "load_avg": [load_before, os.getloadavg()[0]]}
     for name, ts in times.items():
         med, cpu = float(np.median(ts)), float(np.median(cpu_times[name]))
@@ -83,27 +88,30 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="a smaller model (for tests)")
     ap.add_argument("--out", default=None, help="directory for model_step.json")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        print(json.dumps(measure(args.child, args.reps)))
+        print(json.dumps(measure(args.child, args.reps, args.quick)))
         return
-    try:
-        import torch  # noqa: F401  (checked here so that a missing PyTorch is one clear line)
-    except ImportError:
+    # A missing PyTorch is one clear line; found, it is imported only in the child (seconds each:
+    # a broken build fails there, and its error is shown below).
+    if importlib.util.find_spec("torch") is None:
         sys.exit("bench_model.py compares with PyTorch, which is not installed: pip install -e '.[torch]'")
     results = []
     for n in args.threads:
         from minidist.host.blas_env import blas_threads
         env = dict(os.environ, **blas_threads(n))
-        child = subprocess.run([sys.executable, __file__, "--child", str(n), "--reps", str(args.reps)],
+        child = subprocess.run([sys.executable, __file__, "--child", str(n), "--reps", str(args.reps)]
+                               + (["--quick"] if args.quick else []),
                                env=env, capture_output=True, text=True)
         if child.returncode:  # show the child's own error, not just its exit status
             sys.stderr.write(child.stderr[-4000:])
             sys.exit(f"bench_model.py: the {n}-thread measurement failed with exit status {child.returncode}")
         results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-    print(f"GPT training step ({SHAPE}), float32, median of {args.reps} interleaved reps")
+    shape = QUICK if args.quick else SHAPE
+    print(f"GPT training step ({shape}), float32, median of {args.reps} interleaved reps")
     print("ratio: minidist / torch tokens per wall second; cpu ratio: the same from CPU time per step")
     print(f"{'threads':>7} {'minidist tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'cpu ratio':>9} "
           f"{'MFU md':>7} {'MFU pt':>7} {'load avg':>10}")
@@ -114,7 +122,7 @@ def main():
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "model_step.json"), "w") as f:
-            json.dump({"shape": SHAPE, "results": results}, f, indent=2)
+            json.dump({"shape": shape, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":
