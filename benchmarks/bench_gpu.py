@@ -22,6 +22,7 @@ tiny model (NumPy and PyTorch on the CPU), to check the script itself; its numbe
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -48,10 +49,9 @@ PARALLEL_MODES = [
 
 
 def skip_reason(smoke: bool) -> str | None:
-    """Why this benchmark cannot run here, or None."""
-    try:
-        import torch
-    except ImportError:
+    """Why this benchmark cannot run here, or None.  PyTorch is imported (seconds) only once
+    a GPU is found: its presence is enough to decide until then."""
+    if importlib.util.find_spec("torch") is None:
         return "PyTorch is not installed (pip install -e '.[torch]')"
     if smoke:
         return None
@@ -60,6 +60,8 @@ def skip_reason(smoke: bool) -> str | None:
     reason = gpu_unavailable_reason()
     if reason:
         return reason
+    import torch
+
     if not torch.cuda.is_available():
         return "PyTorch has no CUDA here (a CPU-only build?), so there is nothing to compare with"
     return None

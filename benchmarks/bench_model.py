@@ -14,12 +14,16 @@ same process) and the ratio minidist / PyTorch, from wall time and from CPU time
 of the 1-thread run is the robust one: time spent descheduled does not count in it.  The
 load average before and after each run is reported next to the numbers.
 
-    python benchmarks/bench_model.py [--arch gpt2 llama] [--threads 1 2] [--reps 10] [--out DIR]
+    python benchmarks/bench_model.py [--arch gpt2 llama] [--threads 1 2] [--reps 10] [--quick] [--out DIR]
+
+``--quick`` (for the tests: the same code, in seconds): QUICK's smaller model (2 layers,
+d_model 128, 256 tokens a step) and a 0.25 s GEMM peak measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,18 +31,19 @@ import sys
 import time
 
 SHAPE = dict(n_layer=4, n_head=4, d_model=256, seq_len=128, batch=16)
+QUICK = dict(n_layer=2, n_head=4, d_model=128, seq_len=64, batch=4)
 KV_HEADS = 2  # the Llama form's key/value heads
 OUTPUT = {"gpt2": "model_step.json", "llama": "llama_step.json"}
 
 
-def models(arch: str):
-    """minidist's model of the benchmark's shape and its PyTorch twin on the same weights."""
+def models(arch: str, s: dict):
+    """minidist's model of shape ``s`` and its PyTorch twin on the same weights."""
     import torch
 
     from minidist.model.nn import GPT, GPTConfig
     from minidist.model.torch_reference import TorchGPT, TorchLlama
 
-    s, llama = SHAPE, arch == "llama"
+    llama = arch == "llama"
     model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"], d_model=s["d_model"],
                           dtype="float32", arch=arch, n_kv_head=KV_HEADS if llama else None))
     if llama:
@@ -46,7 +51,7 @@ def models(arch: str):
     return model, TorchGPT(model.state_dict(), s["n_head"], torch.float32)
 
 
-def measure(arch: str, threads: int, reps: int) -> dict:
+def measure(arch: str, threads: int, reps: int, quick: bool = False) -> dict:
     import numpy as np
     import torch
 
@@ -57,8 +62,8 @@ def measure(arch: str, threads: int, reps: int) -> dict:
     from minidist.parallel.strategy import Strategy
 
     torch.set_num_threads(threads)
-    s = SHAPE
-    model, ref = models(arch)
+    s = QUICK if quick else SHAPE
+    model, ref = models(arch, s)
     strategy = Strategy(model, OneReplica(model, AdamW(model.parameters(), lr=1e-4)))  # one process
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     rng = np.random.default_rng(0)
@@ -97,7 +102,7 @@ def measure(arch: str, threads: int, reps: int) -> dict:
     spec = ModelConfig(layers=s["n_layer"], d_model=s["d_model"], heads=s["n_head"], arch=arch,
                        kv_heads=KV_HEADS if arch == "llama" else None, block_size=s["seq_len"])
     flops = flops_per_token(spec, s["seq_len"]) * tokens
-    peak = measure_peak_gflops(s["d_model"], tokens, "float32", seconds=1.0)
+    peak = measure_peak_gflops(s["d_model"], tokens, "float32", seconds=0.25 if quick else 1.0)
     result = {"threads": threads, "peak_gflops": peak, "load_avg": [load_before, os.getloadavg()[0]],
               "first_loss": losses}
     for name, ts in times.items():
@@ -113,27 +118,28 @@ def main():
     ap.add_argument("--arch", choices=list(OUTPUT), nargs="+", default=list(OUTPUT))
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="a smaller model (for tests)")
     ap.add_argument("--out", default=None, help="directory for model_step.json (GPT) and llama_step.json")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        print(json.dumps(measure(args.arch[0], args.child, args.reps)))
+        print(json.dumps(measure(args.arch[0], args.child, args.reps, args.quick)))
         return
-    try:
-        import torch  # noqa: F401  (checked here so that a missing PyTorch is one clear line)
-    except ImportError:
+    # A missing PyTorch is one clear line; found, it is imported only in the child (seconds each:
+    # a broken build fails there, and its error is shown below).
+    if importlib.util.find_spec("torch") is None:
         sys.exit("bench_model.py compares with PyTorch, which is not installed: pip install -e '.[torch]'")
     for arch in args.arch:
-        report(arch, [run_child(arch, n, args.reps) for n in args.threads], args)
+        report(arch, [run_child(arch, n, args.reps, args.quick) for n in args.threads], args)
 
 
-def run_child(arch: str, threads: int, reps: int) -> dict:
+def run_child(arch: str, threads: int, reps: int, quick: bool) -> dict:
     """One thread count's measurement, in a process of its own (BLAS reads its threads at start-up)."""
     from minidist.host.blas_env import blas_threads
 
     env = dict(os.environ, **blas_threads(threads))
-    child = subprocess.run([sys.executable, __file__, "--arch", arch, "--child", str(threads), "--reps", str(reps)],
-                           env=env, capture_output=True, text=True)
+    child = subprocess.run([sys.executable, __file__, "--arch", arch, "--child", str(threads), "--reps", str(reps)]
+                           + (["--quick"] if quick else []), env=env, capture_output=True, text=True)
     if child.returncode:  # show the child's own error, not just its exit status
         sys.stderr.write(child.stderr[-4000:])
         sys.exit(f"bench_model.py: the {arch} {threads}-thread measurement failed with exit status {child.returncode}")
@@ -142,7 +148,8 @@ def run_child(arch: str, threads: int, reps: int) -> dict:
 
 def report(arch: str, results: list, args) -> None:
     name = "Llama" if arch == "llama" else "GPT"
-    shape = dict(SHAPE, kv_heads=KV_HEADS) if arch == "llama" else SHAPE
+    base = QUICK if args.quick else SHAPE
+    shape = dict(base, kv_heads=KV_HEADS) if arch == "llama" else base
     print(f"{name} training step ({shape}), float32, median of {args.reps} interleaved reps")
     print("ratio: minidist / torch tokens per wall second; cpu ratio: the same from CPU time per step")
     print(f"{'threads':>7} {'minidist tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'cpu ratio':>9} "

@@ -50,7 +50,7 @@ PARTS = [
     Part("collectives", "bench_collectives.py", "minidist's all_reduce, all_gather, reduce_scatter vs MPI's",
          [], ["--quick", "--ranks", "2", "--launches", "1"], full_s=100, quick_s=3),
     Part("model", "bench_model.py", "a GPT and a Llama training step, minidist vs PyTorch on the CPU",
-         [], ["--reps", "1", "--threads", "1"], full_s=35, quick_s=10),
+         [], ["--quick", "--reps", "1", "--threads", "1"], full_s=60, quick_s=10),
     Part("ddp", "bench_ddp.py", "weak scaling 1 -> 2 ranks: minidist DDP and ZeRO vs PyTorch DDP (gloo)",
          [], ["--quick"], full_s=300, quick_s=20),
     Part("tensor", "bench_tensor.py", "tensor parallelism on 2 ranks: collective matmuls vs sync "
@@ -66,7 +66,7 @@ PARTS = [
     Part("oversubscribed", "bench_oversubscribed.py", "more ranks than cores: the README's 8-rank command vs one "
          "process on the same model and batch", [], ["--quick"], full_s=240, quick_s=15),
     Part("plan", "bench_plan.py", "the planner: predicted vs measured step time and peak memory here, and the "
-         "Llama 3 405B rows", [], ["--quick"], full_s=110, quick_s=25),
+         "Llama 3 405B rows", [], ["--quick"], full_s=110, quick_s=20),
     # Where there is no GPU (or no CuPy) it writes gpu.json with the reason and stops in a second.
     Part("gpu", "bench_gpu.py", "a GPT step on one GPU: minidist (CuPy) vs PyTorch, fp32 and mixed precision, "
          "then 2 ranks sharing the GPU per parallel mode", [], ["--quick", "--no-parallel"], full_s=240, quick_s=60),

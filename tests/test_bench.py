@@ -152,11 +152,13 @@ def test_bench_collectives_quick(quick_run):
 def test_bench_model_quick(quick_run):
     pytest.importorskip("torch")
     tmp_path, _ = quick_run
-    with open(tmp_path / "model_step.json") as f:
-        (row,) = json.load(f)["results"]
-    for side in ("minidist", "torch"):
-        assert row[side]["tokens_per_s"] > 0 and 0 < row[side]["mfu"] < 1, row
-    assert row["ratio"] == pytest.approx(row["minidist"]["tokens_per_s"] / row["torch"]["tokens_per_s"])
+    for name in ("model_step.json", "llama_step.json"):  # the GPT and its Llama form
+        with open(tmp_path / name) as f:
+            (row,) = json.load(f)["results"]
+        for side in ("minidist", "torch"):
+            assert row[side]["tokens_per_s"] > 0 and 0 < row[side]["mfu"] < 1, (name, row)
+        assert row["ratio"] == pytest.approx(row["minidist"]["tokens_per_s"] / row["torch"]["tokens_per_s"])
+        assert row["first_loss"]["minidist"] == pytest.approx(row["first_loss"]["torch"], rel=1e-4)
 
 
 @pytest.mark.mpi

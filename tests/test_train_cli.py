@@ -208,9 +208,17 @@ def test_float64_run_writes_metrics(tmp_path):
 
 @pytest.mark.slow
 def test_default_model_learns_the_default_corpus(tmp_path):
-    """The default small model goes from ~5.5 nats/byte to below 2.6 in 300 steps."""
+    """The default small model goes from ~5.5 nats/byte to below 2.6 in 120 steps.
+
+    2.6 is half a nat under the corpus's unigram entropy (3.14 nats/byte: the best any model
+    blind to context can do), so passing needs the model to use its context.  The bar is the
+    one the 300-step run was held to; 120 steps (the same model, data and schedule, its cosine
+    decay over 120 steps) clear it with room: the mean of the last 10 losses was 2.45 (2.16
+    after 300 steps; 2.51 after 100 and 2.59 after 80, too close to the bar).  A model that
+    stops learning on the way does not pass: the loss stays at 2.60-2.64 from step 40 to 70.
+    120 steps instead of 300 take about a minute less."""
     metrics = tmp_path / "m.jsonl"
-    r = run(["--steps", "300", "--metrics-jsonl", str(metrics), "--eval-every", "0", "--quiet"], timeout=900, threads=2)
+    r = run(["--steps", "120", "--metrics-jsonl", str(metrics), "--eval-every", "0", "--quiet"], timeout=900, threads=2)
     assert r.returncode == 0, r.stderr
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert 5.0 < losses[0] < 6.0
