@@ -44,6 +44,7 @@ class ModelConfig:
     kv_heads: int | None = None       # Llama's key/value heads; None: --heads
     ffn_hidden: int | None = None     # Llama's SwiGLU width; None: llama_ffn_hidden(d_model)
     rope_theta: float | None = None   # Llama's rotary base; None: ROPE_THETA
+    vocab_size: int = 256             # the tokenizer's vocabulary (256: bytes; --data DIR: its shards')
 
     @property
     def kv(self) -> int:
