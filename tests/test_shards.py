@@ -251,3 +251,20 @@ def test_a_checkpoint_of_a_bpe_model_resumes(bpe, tmp_path):
     ck.mkdir()
     _train(["--data", str(bpe[1]), "--steps", "2", "--save", str(ck)], tmp_path, "saved")
     _train(["--data", str(bpe[1]), "--steps", "3", "--resume", str(ck)], tmp_path, "resumed")
+
+
+@pytest.mark.mpi
+def test_a_dp2_tp2_checkpoint_on_shards_resumes_on_one_process(bpe256, tmp_path):
+    """Steps 1-3 on dp2 x tp2, saved; steps 4-6 on one process: the losses of the uninterrupted
+    one-process run (to float64 round-off: the meshes add in another order)."""
+    data = str(bpe256[1])
+    for d in "ab":
+        (tmp_path / d).mkdir()
+    straight = _train(["--data", data], tmp_path, "straight")
+    out = tmp_path / "mesh.jsonl"
+    r = run_train(4, ARGS + ["--data", data, "--dp", "2", "--tp", "2", "--steps", "6", "--save", str(tmp_path / "a"),
+                             "--save-every", "3", "--metrics-jsonl", str(out)], timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = [rec["loss"] for rec in _metrics(out)]
+    second = _train(["--data", data, "--resume", str(tmp_path / "a" / "step-000003")], tmp_path, "second")
+    np.testing.assert_allclose(first[:3] + second, straight, rtol=1e-9)
