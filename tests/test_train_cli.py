@@ -70,7 +70,7 @@ BAD_INPUTS = [
     (["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
     (["--warmup", "-1"], "argument --warmup"),
     (["--eval-every", "-1"], "argument --eval-every"),
-    (["--data", "{tmp}"], "--data {tmp}: is a directory, not a text file"),
+    (["--data", "{tmp}"], "--data {tmp}: is a directory without manifest.json: neither a text file nor token shards"),
     (["MINIDIST_BACKEND=bogus"], "MINIDIST_BACKEND='bogus': expected 'numpy' or 'cupy'"),
     (["--layers", "64", "--d-model", "65536"], "needs about"),            # the weights
     (["--batch-size", "1000000", "--seq-len", "4096"], "needs about"),  # the activations

@@ -51,6 +51,7 @@ class ModelConfig:
     capacity_factor: float | None = None  # None: 0 (dropless)
     aux_loss_coef: float | None = None    # None: 0.01
     z_loss_coef: float | None = None      # None: 0.001
+    vocab_size: int = 256             # the tokenizer's vocabulary (256: bytes; --data DIR: its shards')
 
     @property
     def kv(self) -> int:

@@ -31,7 +31,7 @@ import tracemalloc
 import numpy as np
 
 
-def flops_per_token(model, seq_len: int, vocab_size: int = 256) -> int:
+def flops_per_token(model, seq_len: int, vocab_size: int | None = None) -> int:
     """Model FLOPs of forward + backward per token of a run's model (a
     ``layout.settings.ModelConfig``, GPT-2 or Llama), counting a multiply-add as 2.
 
@@ -41,14 +41,15 @@ def flops_per_token(model, seq_len: int, vocab_size: int = 256) -> int:
     projections, SwiGLU's three matrices of width F); attention's QKᵀ and AV, 2·2·T·C (the full
     T×T scores are computed, so the causal half is counted too); the LM head 2·C·V.  Positions,
     norms, biases and activations are not matmuls and cost no model FLOPs.  Backward is twice
-    the forward (PaLM, Chowdhery et al. 2022, appendix B).
+    the forward (PaLM, Chowdhery et al. 2022, appendix B).  ``vocab_size``: the model's own
+    unless given.
     """
     from minidist.plan.model import model_flops_per_token as planned, spec_of
 
     return planned(spec_of(model, seq_len, vocab_size))
 
 
-def recompute_flops_per_token(model, seq_len: int, vocab_size: int = 256) -> int:
+def recompute_flops_per_token(model, seq_len: int, vocab_size: int | None = None) -> int:
     """FLOPs per token that activation checkpointing adds: one more forward of every block
     (hardware FLOPs count them, model FLOPs do not; the head is not recomputed)."""
     from minidist.plan.model import recompute_flops_per_token as planned, spec_of

@@ -99,7 +99,7 @@ def model_config(cfg):
 
     m = cfg.model
     llama = m.arch == "llama"
-    return GPTConfig(vocab_size=256, seq_len=m.block_size or cfg.data.seq_len, n_layer=m.layers, n_head=m.heads,
+    return GPTConfig(vocab_size=m.vocab_size, seq_len=m.block_size or cfg.data.seq_len, n_layer=m.layers, n_head=m.heads,
                      d_model=m.d_model, tie_embeddings=not (m.untied or llama), dtype=m.dtype, seed=m.seed,
                      attention=m.attention, attention_block=m.attention_block or 128, arch=m.arch,
                      n_kv_head=m.kv if llama else None, ffn_hidden=m.ffn if llama else None,

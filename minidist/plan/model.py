@@ -91,13 +91,15 @@ PRESETS = {
 }
 
 
-def spec_of(model: ModelConfig, seq_len: int, vocab: int = 256, name: str = "minidist") -> ModelSpec:
+def spec_of(model: ModelConfig, seq_len: int, vocab: int | None = None, name: str = "minidist") -> ModelSpec:
     """The spec of a training run's model (``--arch``, ``--kv-heads``, ``--ffn-hidden``,
     ``--untied``, ``--block-size``), as ``parallel.compose.model_config`` builds it: GPT-2 has
     biases, LayerNorms, a position table and a tied head unless ``untied``; Llama RMSNorms,
     SwiGLU, grouped-query attention and an untied head.  minidist's attention computes the
-    full T x T scores, so ``causal_skip`` stays False."""
+    full T x T scores, so ``causal_skip`` stays False.  ``vocab``: the model's own (256 bytes,
+    or its tokenizer's) unless given."""
     llama = model.arch == "llama"
+    vocab = model.vocab_size if vocab is None else vocab
     return ModelSpec(name, model.layers, model.d_model, model.heads, vocab, seq_len, ffn=model.ffn,
                      kv_heads=model.kv, gated=llama, gpt2=not llama, tied=not (llama or model.untied),
                      positions=None if llama else model.block_size)

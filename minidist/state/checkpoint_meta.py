@@ -58,12 +58,15 @@ STATES = ("param", "exp_avg", "exp_avg_sq", "momentum_buffer")  # the optimizers
 #: Fields of the model that a checkpoint's arrays depend on: a resumed run must agree on them
 #: (``rope_theta`` and ``norm_eps`` change no array: they are checked, not compared).
 MODEL_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "bias", "tie_embeddings", "dtype",
-                "arch", "n_kv_head", "ffn_hidden")
+                "arch", "n_kv_head", "ffn_hidden", "n_experts", "moe_every")
 #: How a checkpoint written before the Llama family reads: each field it lacks takes GPT-2's
 #: value, a function of the fields it has (GPT-2: a key/value head per query head, a 4 d MLP).
 LEGACY_DEFAULTS = {"arch": lambda m: "gpt2", "n_kv_head": lambda m: m["n_head"],
                    "ffn_hidden": lambda m: 4 * m["d_model"], "rope_theta": lambda m: ROPE_THETA,
-                   "norm_eps": lambda m: 1e-5}
+                   "norm_eps": lambda m: 1e-5,
+                   # ... and one written before the mixture of experts is dense
+                   "n_experts": lambda m: 0, "top_k": lambda m: 2, "moe_every": lambda m: 1,
+                   "capacity_factor": lambda m: 0.0, "aux_loss_coef": lambda m: 0.01, "z_loss_coef": lambda m: 0.001}
 MAX_METADATA_BYTES = 64 * 2**20  # far above any minidist run's (about 20 KB per layer and rank)
 MAX_LATEST_BYTES = 4096
 MAX_INT = 2**63 - 1  # every count, size and offset fits an int64
@@ -174,14 +177,8 @@ def _show(value) -> str:
 # The model: which tensors a checkpoint of it holds
 # ------------------------------------------------------------------------------------------------
 def parameter_count(model: dict) -> int:
-    """How many parameters ``nn.GPT`` of ``model`` (a checked config) has: GPT-2's block holds
-    two LayerNorms (weight, bias), c_attn, c_proj, c_fc, c_proj (weights, biases unless
-    ``bias`` is false); Llama's two RMSNorms and six bias-free weights (q, k, v, o, gate|up,
-    down), and it has no position table and no bias in the final norm."""
-    untied = not model["tie_embeddings"]
-    if model["arch"] == "llama":
-        return 2 + untied + model["n_layer"] * 8
-    return 4 + untied + model["n_layer"] * (12 if model["bias"] else 8)
+    """How many parameters ``nn.GPT`` of ``model`` (a checked config) has."""
+    return len(parameter_shapes(model))
 
 
 def parameter_shapes(model: dict) -> dict:
@@ -192,10 +189,23 @@ def parameter_shapes(model: dict) -> dict:
     block = _llama_block(model) if llama else _gpt2_block(model)
     out = {"wte.weight": (vocab, d)} if llama else {"wte.weight": (vocab, d), "wpe.weight": (model["seq_len"], d)}
     for i in range(model["n_layer"]):
-        out.update({f"h.{i}.{k}": s for k, s in block.items()})
+        out.update({f"h.{i}.{k}": s for k, s in _experts(model, i, block).items()})
     out.update({"ln_f.weight": (d,)} if llama else {"ln_f.weight": (d,), "ln_f.bias": (d,)})
     if not model["tie_embeddings"]:
         out["lm_head.weight"] = (d, vocab)
+    return out
+
+
+def _experts(model: dict, i: int, block: dict) -> dict:
+    """Block ``i``'s parameters: with a mixture of experts there (every moe_every-th block,
+    model/moe.py) the feed-forward's become the router's and each expert's copy of them."""
+    E = model["n_experts"]
+    if not E or (i + 1) % model["moe_every"]:
+        return block
+    out = {k: s for k, s in block.items() if not k.startswith("mlp.")}
+    out["mlp.router.weight"] = (model["d_model"], E)
+    for e in range(E):
+        out.update({f"mlp.experts.{e}.{k[4:]}": s for k, s in block.items() if k.startswith("mlp.")})
     return out
 
 
@@ -299,8 +309,9 @@ class _Check:
         for key in MODEL_FIELDS:
             if key not in LEGACY_DEFAULTS:
                 self.get(model, key, "model")
-        if model["vocab_size"] != 256 or type(model["vocab_size"]) is not int:
-            self.fail("model.vocab_size", f"is {_show(model['vocab_size'])}: minidist's models read bytes (256)")
+        if type(model["vocab_size"]) is not int or not 256 <= model["vocab_size"] <= 2**32:
+            self.fail("model.vocab_size", f"is {_show(model['vocab_size'])}: minidist's vocabularies hold the 256 "
+                      "byte values and at most 2**32 tokens (uint32 shards)")
         for key in ("seq_len", "n_layer", "n_head", "d_model"):
             self.integer(model[key], f"model.{key}", lo=1)
         if model["d_model"] % model["n_head"]:
@@ -342,6 +353,19 @@ class _Check:
         if model["arch"] == "llama" and (model["d_model"] // H) % 2:
             self.fail("model.n_head", f"{H} gives heads of {model['d_model'] // H} features: rotary positions "
                       "need an even head dimension")
+        self.experts(model)
+
+    def experts(self, model: dict) -> None:
+        """The mixture of experts' fields (n_experts 0: dense), as ``nn.GPTConfig`` accepts them."""
+        E = self.integer(model["n_experts"], "model.n_experts")
+        k = self.integer(model["top_k"], "model.top_k", lo=1)
+        if E and k > E:
+            self.fail("model.top_k", f"is {k}: more than the model.n_experts {E}")
+        self.integer(model["moe_every"], "model.moe_every", lo=1)
+        for key in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
+            value = self.kind(model[key], (int, float), f"model.{key}", "a non-negative finite number")
+            if not 0 <= value <= sys.float_info.max:
+                self.fail(f"model.{key}", f"is {_show(value)}: must be a non-negative finite number")
 
     def tensor_names(self, tensors, model: dict) -> dict:
         """Check that the tensors are the model's parameters (all of them) and their optimizer

@@ -41,6 +41,8 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens: ``encode`` gives values 0..255, ``decode`` inverts it."""
 
     vocab_size = 256
+    hash = "bytes"  # the tokenizer's name in shards and checkpoints (a trained BPE: its file's hash)
+    bytes_per_token = 1.0
 
     def encode(self, text: str) -> np.ndarray:
         if not isinstance(text, str):
@@ -120,6 +122,15 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = DEFAULT_
     return data
 
 
+def load_corpora(paths=None, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
+    """Several files' bytes joined by newlines (``load_corpus`` of each); none: the default corpus."""
+    if not paths:
+        return load_corpus(None, max_bytes)
+    parts = [load_corpus(p) for p in paths]
+    joined = [part for p in parts for part in (p, np.frombuffer(b"\n", dtype=np.uint8))][:-1]
+    return np.concatenate(joined)
+
+
 def split_corpus(data, val_fraction: float = 0.05):
     """Split into ``(train, val)``: the validation set is the LAST ``val_fraction`` of the bytes.
 
@@ -148,11 +159,14 @@ class Sampler:
     ``batch(step)`` draws ``global_batch`` start positions from a generator seeded with
     ``(seed, step)`` (``np.random.default_rng([seed, step])``), so it is a pure function of
     its arguments: independent of which rank asks, in which order, or after a restart.
-    ``source`` names the data in error messages (e.g. the corpus path).
+    ``source`` names the data in error messages (e.g. the corpus path).  ``data`` is a 1-D
+    integer array, or memory-mapped token shards (:class:`minidist.state.shards.Tokens`: anything
+    with ``gather(positions)``), read only at the windows drawn.
     """
 
     def __init__(self, data, seq_len: int, global_batch: int, seed: int = 0, source: str | None = None):
-        data = np.asarray(data)
+        if not hasattr(data, "gather"):
+            data = np.asarray(data)
         if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
             raise ValueError(f"data must be a 1-D integer array, got {data.dtype} {data.shape}")
         for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
@@ -181,7 +195,7 @@ class Sampler:
         """``(x, y)`` int64 arrays for the given start positions; ``y`` is ``x`` shifted by one."""
         starts = np.asarray(starts, dtype=np.int64)
         idx = starts[:, None] + np.arange(self.seq_len + 1, dtype=np.int64)
-        tokens = self.data[idx].astype(np.int64)
+        tokens = (self.data.gather(idx) if hasattr(self.data, "gather") else self.data[idx]).astype(np.int64)
         return tokens[:, :-1], tokens[:, 1:]
 
     def batch(self, step: int):

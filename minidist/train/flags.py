@@ -88,9 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--z-loss-coef", type=float_in(0), default=None, metavar="X",
                    help="weight of the router z-loss (default: 0.001)")
     d = p.add_argument_group("data")
-    d.add_argument("--data", default=None, metavar="FILE",
-                   help="text file to train on (default: the installed Python's standard library source, "
-                        "read at start-up)")
+    d.add_argument("--data", default=None, metavar="FILE|DIR",
+                   help="text file to train on as bytes, or a directory of token shards (python -m "
+                        "minidist.state.prepare; memory-mapped, split as prepared) (default: the installed "
+                        "Python's standard library source, read at start-up)")
     d.add_argument("--seq-len", type=POSITIVE, default=128, metavar="N", help="tokens (bytes) per training sequence")
     d.add_argument("--batch-size", type=POSITIVE, default=16, metavar="N",
                    help="sequences per optimizer step: the global batch")
@@ -233,7 +234,7 @@ def _validate(args) -> RunConfig:
         raise InputError(f"--min-lr {args.min_lr:g} exceeds --lr {args.lr:g}")
     if args.mixed_precision != "none" and args.dtype == "float64":
         raise InputError("--mixed-precision needs --dtype float32 master weights")
-    if args.data is not None:
+    if args.data is not None and not os.path.isdir(args.data):  # a shard directory: checked below
         check_input_file("--data", args.data)
     check_output_files({"--metrics-jsonl": args.metrics_jsonl, "--trace": args.trace}, {"--data": args.data})
     pin_blas_threads()  # under mpiexec each rank's BLAS gets its share of the cores; before NumPy loads
@@ -259,6 +260,7 @@ def _validate(args) -> RunConfig:
     from minidist.parallel.compose import problems
 
     given, world = from_args(args), world_size()
+    given.model.vocab_size = _vocabulary(args.data, given.parallel.tp)
     found = problems(given, world)
     if found:
         raise InputError(found[0])
@@ -289,6 +291,22 @@ def _check_experts(args) -> None:
                          "losses are recorded in the forward pass that checkpointing runs without gradients)")
 
 
+def _vocabulary(data: str | None, tp: int) -> int:
+    """The model's vocabulary: the tokenizer's of ``--data`` (256 for text, read as bytes; a shard
+    directory's, every shard checked: minidist/state/shards.py), which tp must divide."""
+    from minidist.state.shards import ShardError, describe
+
+    try:
+        info = describe(data)
+    except ShardError as exc:
+        raise InputError(f"--data {exc}") from None
+    if info.vocab_size % tp:
+        raise InputError(f"--tp {tp} does not divide the vocabulary of {info.vocab_size} tokens (tokenizer "
+                         f"{info.tokenizer}): tensor parallelism splits the embedding by tokens; train a "
+                         "tokenizer whose vocabulary tp divides")
+    return info.vocab_size
+
+
 def _check_checkpoints(cfg: RunConfig) -> None:
     """--save must name a writable directory, --save-every needs --save, and --resume a
     checkpoint of this model (every rank reads the same files: the same verdict everywhere)."""
@@ -308,12 +326,25 @@ def _check_checkpoints(cfg: RunConfig) -> None:
     if c.resume is not None:
         try:
             path = resolve(c.resume)
-            differ = model_differences(metadata(path), model_config(cfg))
+            meta = metadata(path)
         except CheckpointError as exc:
             raise InputError(str(exc)) from None
+        _check_tokenizer(c.resume, meta["scalars"], cfg.data.data)
+        differ = model_differences(meta, model_config(cfg))
         if differ:
             raise InputError(f"--resume {c.resume}: the checkpoint is of another model ({', '.join(differ)})")
         c.resume = path
+
+
+def _check_tokenizer(resume: str, scalars: dict, data: str | None) -> None:
+    """A checkpoint continues only on data of the tokenizer it was trained with (checkpoints
+    from before tokenizers were recorded were trained on bytes)."""
+    from minidist.state.shards import describe
+
+    saved, now = scalars.get("data_tokenizer", "bytes"), describe(data).tokenizer
+    if saved != now:
+        raise InputError(f"--resume {resume}: the checkpoint was trained with tokenizer {saved}, --data "
+                         f"{data or '(the standard library corpus)'} is of tokenizer {now}")
 
 
 def world_size() -> int:
@@ -348,7 +379,8 @@ def memory_estimate(cfg: RunConfig) -> dict:
     from minidist.state.data import DEFAULT_MAX_BYTES
 
     m, d, dev, p = cfg.model, cfg.data, cfg.device, cfg.parallel
-    data_bytes = os.path.getsize(d.data) if d.data else DEFAULT_MAX_BYTES
+    # token shards are memory-mapped: the pages the batches touch, not the corpus, are in memory
+    data_bytes = (0 if os.path.isdir(d.data) else os.path.getsize(d.data)) if d.data else DEFAULT_MAX_BYTES
     rows = max(1, d.batch_size // p.dp)
     accum = dev.grad_accum
     if p.pp > 1:  # microbatches split the rows; only those in flight keep their activations
@@ -359,7 +391,8 @@ def memory_estimate(cfg: RunConfig) -> dict:
                                 accum, m.dtype, dev.mixed_precision, dev.checkpoint_activations or p.zero == 3,
                                 cfg.optim.optimizer, not m.untied, data_bytes=data_bytes,
                                 eval_batches=cfg.report.eval_batches if cfg.report.eval_every else 0,
-                                score_values=score_values(cfg), tp=p.tp, sequence_parallel=p.sequence_parallel)
+                                score_values=score_values(cfg), tp=p.tp, sequence_parallel=p.sequence_parallel,
+                                vocab_size=m.vocab_size)
     states = 2 if cfg.optim.optimizer == "adamw" else 1
     shard = p.hsdp_shard or p.dp * p.cp  # ZeRO's partition: the data-parallel (dp x cp) group, or HSDP's
     div = zero_divisors(p.zero, shard)

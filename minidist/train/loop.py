@@ -41,9 +41,15 @@ def load_data(cfg: RunConfig):
     from minidist.state.data import Sampler, load_corpus, split_corpus
 
     d = cfg.data
-    corpus = load_corpus(d.data)
-    train_data, val_data = split_corpus(corpus, d.val_fraction)
-    name = d.data or "the standard library corpus"
+    if d.data is not None and os.path.isdir(d.data):  # token shards, memory-mapped; split by prepare
+        from minidist.state.shards import open_shards
+
+        _, splits = open_shards(d.data)
+        train_data, val_data = splits["train"], splits["val"]
+        name = f"the token shards {d.data}"
+    else:
+        train_data, val_data = split_corpus(load_corpus(d.data), d.val_fraction)
+        name = d.data or "the standard library corpus"
     sampler = Sampler(train_data, d.seq_len, d.batch_size, cfg.model.seed, source=f"training split of {name}")
     if not cfg.report.eval_every:
         return sampler, []
@@ -160,12 +166,24 @@ def save(cfg, strategy, step: int, scaler=None, saver=None):
     """Checkpoint ``step`` into ``--save`` (every rank writes its part; minidist/state/checkpoint.py),
     now or, with ``saver`` (--save-async), in the background."""
     from minidist.state import checkpoint
+    from minidist.state.shards import describe
     from minidist.parallel.compose import model_config
 
     extra = {"loss_scale": scaler.scale, "loss_scale_clean_steps": scaler.clean_steps} if scaler else {}
+    extra.update(data_position(describe(cfg.data.data)))
     if saver is not None:
         return saver.save(cfg.checkpoint.save, step, strategy, model_config(cfg), extra)
     return checkpoint.save(cfg.checkpoint.save, step, strategy, model_config(cfg), extra)
+
+
+def data_position(info) -> dict:
+    """The loader's position as a checkpoint records it: batches are a function of the step
+    (Sampler), so the step plus which data, named by its tokenizer's hash and its shard set's
+    identity (minidist/state/shards.py).  --resume refuses another tokenizer (flags.py)."""
+    out = {"data_tokenizer": info.tokenizer}
+    if info.shards is not None:
+        out["data_shards"] = info.shards
+    return out
 
 
 def resume(cfg, strategy, scaler, report) -> int:
@@ -191,7 +209,22 @@ def resume(cfg, strategy, scaler, report) -> int:
     if not cfg.report.quiet:
         saved = " x ".join(f"{a}={n}" for a, n in meta["mesh"].items() if n > 1) or "one process"
         report.log(f"resumed from {cfg.checkpoint.resume} (step {meta['step']}, saved on {saved})")
+        if (other := other_shards(meta["scalars"], cfg.data.data)) is not None:
+            report.log(other)
     return int(meta["step"])
+
+
+def other_shards(scalars: dict, data: str | None) -> str | None:
+    """A note when the checkpoint was trained on another shard set of the same tokenizer (the
+    batches from here on are not the ones the saved run would have drawn); None otherwise."""
+    from minidist.state.shards import describe
+
+    saved, now = scalars.get("data_shards"), describe(data).shards
+    if saved == now:
+        return None
+    name = lambda shards: f"shard set {shards}" if shards else "text"  # noqa: E731
+    return (f"note: the checkpoint was trained on {name(saved)}, this run reads {name(now)}: the batches "
+            "from here on are not the ones the saved run would have drawn")
 
 
 class Interrupted(Exception):
@@ -247,6 +280,7 @@ def _one_step(step, first, cfg, strategy, sampler, val_batches, report, memory, 
     if cfg.report.eval_every and (step % cfg.report.eval_every == 0 or step == o.steps):
         t4 = clock()
         r["val_loss"] = strategy.evaluate(val_batches, low)
+        r["val_bpb"] = report.bits_per_byte(r["val_loss"], "val")
         if tracer is not None:
             tracer.add("compute", "evaluate", "eval", t4, clock(), {"step": step})
     report.add(r, memory.last_bytes)
@@ -306,7 +340,7 @@ def _comm_seconds(world: int) -> float:
 def not_text_warning(path, corpus) -> str | None:
     """A warning when ``--data`` does not look like text (many NUL bytes, as in a binary file):
     minidist trains on its bytes all the same, but the user probably named the wrong file."""
-    if path is None or len(corpus) == 0:
+    if path is None or os.path.isdir(path) or len(corpus) == 0:  # shards: token ids, not text
         return None
     head = corpus[:1 << 20]
     nul = float((head == 0).mean())

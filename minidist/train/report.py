@@ -21,6 +21,7 @@ class Reporter:
 
     def __init__(self, cfg, strategy, world: int, rank0: bool, log=print, peak_gflops: float = 1.0):
         from minidist.observe.profile import flops_per_token
+        from minidist.state.shards import describe
 
         self.cfg, self.strategy, self.world, self.rank0 = cfg, strategy, world, rank0
         self.log = log if rank0 else (lambda *_: None)
@@ -31,10 +32,16 @@ class Reporter:
         self.hardware_flops_per_step = self.flops_per_step + self.tokens_per_step * recompute_flops_per_token(
             m, d.seq_len, recomputes)
         self.peak = peak_gflops
+        self.bytes_per_token = dict(zip(("train", "val"), describe(d.data).bytes_per_token))
         self.metrics: list[dict] = []
         path = cfg.report.metrics_jsonl
         self.file = open(path, "w") if path and rank0 else None
         self.mesh = mesh_label(cfg.parallel)
+
+    def bits_per_byte(self, loss: float, split: str = "train") -> float:
+        """``loss`` (nats per token) as bits per byte of text: / ln 2, / the split's bytes per
+        token (1 for the byte tokenizer), so runs with different tokenizers compare."""
+        return float(loss) / math.log(2) / self.bytes_per_token[split]
 
     def logged(self, step: int) -> bool:
         """Is the progress line of step ``step`` (1..steps) printed?  The first, every
@@ -50,7 +57,7 @@ class Reporter:
         update = dict(update)
         state = update.pop("state_mb", None)
         capacity = step_time * self.peak * 1e9 * self.world
-        r = {"step": step, "loss": loss, "lr": lr, **update, "step_time_s": step_time,
+        r = {"step": step, "loss": loss, "bpb": self.bits_per_byte(loss), "lr": lr, **update, "step_time_s": step_time,
              "tokens_per_s": self.tokens_per_step / step_time,
              "mfu": self.flops_per_step / capacity, "hfu": self.hardware_flops_per_step / capacity}
         r.update(self.strategy.metrics())  # the pipeline's bubble and activation memory (collective)
@@ -101,13 +108,18 @@ def strict_json(r: dict) -> dict:
     return out
 
 
-def start_line(cfg, train_bytes: int, peak: float, strategy) -> str:
+def start_line(cfg, train_tokens: int, peak: float, strategy) -> str:
     from minidist.plan.model import num_params, spec_of
+    from minidist.state.shards import describe
 
     m, d = cfg.model, cfg.data
     num_params = num_params(spec_of(m, d.seq_len))  # the whole model
     arch = f"Llama {m.layers}x{m.d_model}, {m.heads} heads / {m.kv} key-value" if m.arch == "llama" else f"GPT {m.layers}x{m.d_model}"
-    return (f"minidist: {arch} ({num_params:,} parameters), {train_bytes:,} training bytes, "
+    info = describe(d.data)
+    data = f"{train_tokens:,} training bytes" if info.tokenizer == "bytes" else (
+        f"{train_tokens:,} training tokens (tokenizer {info.tokenizer}: {m.vocab_size:,} tokens, "
+        f"{info.bytes_per_token[0]:.2f} bytes per token)")
+    return (f"minidist: {arch} ({num_params:,} parameters), {data}, "
             f"batch {d.batch_size}x{d.seq_len}, peak {peak:.1f} GFLOP/s per rank for MFU, {strategy.name}")
 
 
@@ -174,17 +186,22 @@ def progress_line(r: dict, steps: int, history: list, mem_bytes: int) -> str:
     done = r["step"]
     recent = [h["step_time_s"] for h in history[-20:]]  # recent steps: the first one pays warm-up
     eta = sum(recent) / len(recent) * (steps - done)
-    line = (f"step {done:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+    line = (f"step {done:>5}/{steps} | loss {r['loss']:.4f}{_bpb(r, 'bpb')} | lr {r['lr']:.2e} | "
             f"{r['tokens_per_s']:,.0f} tok/s | MFU {100 * r['mfu']:.1f}% | "
             f"mem {mem_bytes / 2**20:.0f} MiB | ETA {int(eta // 60)}m{int(eta % 60):02d}s")
     if "val_loss" in r:
-        line += f" | val {r['val_loss']:.4f}"
+        line += f" | val {r['val_loss']:.4f}{_bpb(r, 'val_bpb')}"
     if r.get("skipped"):
         line += " | skipped (overflow)"
     if "bubble" in r:
         line += (f" | bubble {100 * r['bubble']:.0f}% (theory {100 * r['bubble_theory']:.0f}%)"
                  f" | act {max(r['peak_activation_mb']):.1f} MiB")
     return line
+
+
+def _bpb(r: dict, key: str, unit: str = "bpb") -> str:
+    """`` (1.234 bpb)``: the record's bits per byte, where it has them."""
+    return f" ({r[key]:.3f} {unit})" if isinstance(r.get(key), float) and math.isfinite(r[key]) else ""
 
 
 def summary_table(metrics: list, wall_s: float, expected_bytes: dict | None = None) -> str:
@@ -204,8 +221,9 @@ def summary_table(metrics: list, wall_s: float, expected_bytes: dict | None = No
     peaks = [r["peak_mem_mb"] for r in metrics if "peak_mem_mb" in r]
     rows = [
         ("steps", f"{len(metrics)}"),
-        ("final train loss", f"{last['loss']:.4f}"),
-        ("final validation loss", f"{vals[-1]['val_loss']:.4f} (after step {vals[-1]['step']})" if vals
+        ("final train loss", f"{last['loss']:.4f}{_bpb(last, 'bpb', 'bits per byte')}"),
+        ("final validation loss", f"{vals[-1]['val_loss']:.4f}{_bpb(vals[-1], 'val_bpb', 'bits per byte')} "
+                                  f"(after step {vals[-1]['step']})" if vals
          else "not evaluated (--eval-every 0)"),
         ("tokens/s", f"{tokens_per_s:,.0f}"),
         ("MFU", f"{100 * mfu:.1f}%" + (f" (HFU {100 * sum(r['hfu'] * r['step_time_s'] for r in timed) / step_s:.1f}%)"

@@ -26,8 +26,9 @@ def problems(given, cfg) -> list[str]:
     if m.kv % tp and tp % m.kv:
         out.append(f"--kv-heads {m.kv} and --tp {tp}: the key/value heads are split over the tensor-parallel "
                    "ranks or each shared by several, so one must divide the other")
-    if 256 % tp:
-        out.append(f"the vocabulary (256 byte values) is not divisible by --tp {tp}")
+    if m.vocab_size % tp:
+        what = "256 byte values" if m.vocab_size == 256 else f"{m.vocab_size} tokens"
+        out.append(f"the vocabulary ({what}) is not divisible by --tp {tp}")
     tokens = cfg.data.seq_len // p.cp
     if (p.sequence_parallel or p.tp_async) and tokens % tp:
         what = "--sequence-parallel" if p.sequence_parallel else f"--tp-async {p.tp_async} (sequence parallel)"
