@@ -67,6 +67,12 @@ def test_every_send_has_exactly_one_matching_receive():
         assert len(sends) == 2 * M * boundaries
 
 
+def test_peak_in_flight_closed_forms_are_the_simulators():
+    for name, P, M, V in CONFIGS:
+        sim = simulate(make_schedule(name, P, M, V))
+        assert sim.peak_in_flight == [S.peak_in_flight(name, P, M, r, V) for r in range(P)], (name, P, M, V)
+
+
 def test_1f1b_holds_at_most_P_microbatches_and_gpipe_holds_M():
     for P in (1, 2, 3, 4, 5):
         for M in (1, 2, 4, 8, 9):

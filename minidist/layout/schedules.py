@@ -406,6 +406,17 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_sta
     return Schedule(name, P, M, V, actions)
 
 
+def peak_in_flight(name: str, P: int, M: int, rank: int, V: int = 1) -> int:
+    """The most (microbatch, chunk) activations ``rank`` holds at once (a chunk is 1/V of its
+    stage's blocks), in closed form: what :func:`simulate.simulate` finds (a test checks every
+    valid schedule).  Naive 1; GPipe M; looping V*M; 1F1B P-rank; interleaved its warm-up plus
+    one, 2(P-rank-1) + (V-1)P + 1; ZB-H1 P and ZB-H2 2P-1 on every rank (W holds the
+    activations); ZB-V 2P half-stage chunks on every rank, 1F1B's first stage's P microbatches."""
+    count = {"naive": 1, "gpipe": M, "looping": V * M, "1f1b": P - rank,
+             "interleaved": 2 * (P - rank - 1) + (V - 1) * P + 1, "zb-h1": P, "zb-h2": 2 * P - 1, "zbv": 2 * P}[name]
+    return min(count, V * M)
+
+
 def theoretical_bubble(name: str, P: int, M: int, V: int = 1, t_forward: float = 1.0, t_backward: float = 2.0) -> float:
     """The idle share of a step with equal stages and free communication:
     (P-1)/P for naive, (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for the looped
