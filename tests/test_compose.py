@@ -32,7 +32,7 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
                 dict(dp=2, pp=2, zero=1, schedule="gpipe", grad_accum=2),
                 dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, zero=3, schedule="interleaved", untied=True),
                 dict(dp=2, pp=2, zero=1, **LLAMA, grad_accum=2), dict(dp=2, pp=2, zero=3, schedule="zb-h1", untied=True),
-                dict(dp=2, pp=2, zero=1, schedule="zbv", microbatches=3)],
+                dict(dp=2, pp=2, zero=1, schedule="zbv", microbatches=3), dict(dp=2, pp=2, zero=3, schedule="zbv", microbatches=3)],
     "dp2-tp2": [dict(dp=2, tp=2, zero=0, sequence_parallel=True), dict(dp=2, tp=2, zero=1, tp_async="ring", clip_grad=0.05),
                 dict(dp=2, tp=2, zero=3, checkpoint_activations=True),
                 dict(dp=2, tp=2, zero=3, **MQA, sequence_parallel=True, clip_grad=0.05)],
