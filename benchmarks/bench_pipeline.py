@@ -21,6 +21,15 @@ are reported:
 With P ranks on fewer cores (P=4 on a 2-core machine) the ranks take turns and a waiting
 rank spins: the bubble reads high and the speed-up is below 1; those rows are reported for
 completeness, marked "oversubscribed".  BLAS runs with one thread per rank.
+
+Zero-bubble table (full mode, at P = 4, M = 8, in the same launch as P = 4's rows): 1F1B,
+interleaved (V=2), zb-h1, zb-h2 and zbv (V=2), each with its formula (theoretical_bubble,
+equal F, B, W), its bubble simulated with the measured F, B and W times of every action of
+the same step (free messages), and the measured bubble (idle share between the pipeline
+group's barriers, median over reps), beside the mean measured F, B and W of one chunk.  On
+fewer cores than ranks the measured column includes the time a rank waits for a core (the
+runtime's clock keeps running while the operating system runs another rank); the simulated
+column is only the order's cost, on compute times that themselves were stretched by sharing.
 """
 from __future__ import annotations
 
@@ -34,6 +43,9 @@ import tempfile
 SHAPE = dict(n_layer=8, n_head=4, d_model=128, seq_len=64, batch=64, microbatches=8)
 QUICK_SHAPE = dict(n_layer=8, n_head=2, d_model=32, seq_len=16, batch=8, microbatches=8)
 SIDES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looping", 2)]
+ZERO_BUBBLE_SIDES = [("zb-h1", 1), ("zb-h2", 1), ("zbv", 2)]  # full mode, P = 4 only
+ZERO_BUBBLE_TABLE = ["1f1b", "interleaved", "zb-h1", "zb-h2", "zbv"]
+ZERO_BUBBLE_P = 4
 
 
 # ----------------------------------------------------------------- inside mpiexec
@@ -45,7 +57,7 @@ def _forward_backward(model, x, y):
     return Strategy(model, OneReplica(model, None)).forward_backward(x, y)
 
 
-def worker(out_path: str, reps: int, shape: dict) -> None:
+def worker(out_path: str, reps: int, shape: dict, zero_bubble: bool = False) -> None:
     import time
 
     import numpy as np
@@ -58,6 +70,7 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
 
     g = comm.world()
     P, M = g.size, shape["microbatches"]
+    sides = SIDES + (ZERO_BUBBLE_SIDES if zero_bubble else [])
 
     def model():
         return GPT(GPTConfig(seq_len=shape["seq_len"], n_layer=shape["n_layer"], n_head=shape["n_head"],
@@ -66,15 +79,16 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
     serial = model()
     serial_opt = AdamW(serial.parameters(), lr=1e-4)
     pipes = {}
-    for name, V in SIDES:
+    for name, V in sides:
         m = model()
         pipes[name] = (PipelineRuntime(m, g, name, M, V), AdamW(m.parameters(), lr=1e-4))
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (shape["batch"], shape["seq_len"]))
     y = rng.integers(0, 256, (shape["batch"], shape["seq_len"]))
-    times = {k: [] for k in ["serial"] + [n for n, _ in SIDES]}
-    bubbles = {n: [] for n, _ in SIDES}
-    replayed = {n: [] for n, _ in SIDES}
+    times = {k: [] for k in ["serial"] + [n for n, _ in sides]}
+    bubbles = {n: [] for n, _ in sides}
+    replayed = {n: [] for n, _ in sides}
+    op_seconds = {n: [] for n, _ in sides}  # per rep: mean seconds of one chunk's F, B (and W)
     last_serial = np.array([0.5])
     for rep in range(reps + 2):
         # The one-rank reference runs on rank 0 while the other ranks SLEEP (a rank waiting in
@@ -93,7 +107,7 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
         comm.barrier(g)
         if rep >= 2 and g.rank == 0:
             times["serial"].append(t)
-        for name, _ in SIDES:
+        for name, _ in sides:
             pipe, opt = pipes[name]
             comm.barrier(g)
             t0 = time.perf_counter()
@@ -107,13 +121,15 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
                 times[name].append(t)
                 bubbles[name].append(float(np.mean([s["bubble"] for s in stats])))
                 replayed[name].append(replay(pipe.schedule, timelines))
+                op_seconds[name].append(mean_op_seconds(timelines))
     if g.rank == 0:
         tokens = shape["batch"] * shape["seq_len"]
         serial_s = float(np.median(times["serial"]))
         rows = []
-        for name, V in SIDES:
+        for name, V in sides:
             step_s = float(np.median(times[name]))
-            rows.append({"schedule": name, "V": V, "P": P, "M": M, "step_s": step_s,
+            ops = {op: float(np.median([s[op] for s in op_seconds[name]])) for op in op_seconds[name][0]}
+            rows.append({"schedule": name, "V": V, "P": P, "M": M, "step_s": step_s, "op_seconds": ops,
                          "tokens_per_s": tokens / step_s, "speedup_vs_1_rank": serial_s / step_s,
                          "bubble_measured": float(np.median(bubbles[name])),
                          "bubble_best": float(np.min(bubbles[name])),
@@ -123,6 +139,15 @@ def worker(out_path: str, reps: int, shape: dict) -> None:
                   "load_avg": os.getloadavg()[0], "rows": rows}
         with open(out_path, "w") as f:
             json.dump(result, f)
+
+
+def mean_op_seconds(timelines) -> dict:
+    """Mean measured seconds of one chunk's F, B (and W) over every rank's actions of a step."""
+    by_op = {}
+    for row in timelines:
+        for start, end, a in row:
+            by_op.setdefault(a.op, []).append(end - start)
+    return {op: sum(v) / len(v) for op, v in by_op.items()}
 
 
 def replay(schedule, timelines) -> float:
@@ -138,7 +163,7 @@ def replay(schedule, timelines) -> float:
 
 
 # ----------------------------------------------------------------- the driver
-def launch(P: int, reps: int, quick: bool) -> dict:
+def launch(P: int, reps: int, quick: bool, zero_bubble: bool = False) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from minidist.host.launcher import mpiexec_command
 
@@ -149,6 +174,8 @@ def launch(P: int, reps: int, quick: bool) -> dict:
     cmd = mpiexec_command(P) + [sys.executable, os.path.abspath(__file__), "--worker", path, "--reps", str(reps)]
     if quick:
         cmd.append("--quick")
+    if zero_bubble:
+        cmd.append("--zero-bubble")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if r.returncode:
         sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
@@ -166,15 +193,17 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a tiny model, 2 reps, P=2 only")
     ap.add_argument("--out", default=None, help="directory for pipeline.json")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--zero-bubble", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = QUICK_SHAPE if args.quick else SHAPE
     if args.worker:
-        worker(args.worker, args.reps, shape)
+        worker(args.worker, args.reps, shape, args.zero_bubble)
         return
     if args.quick:
         args.pp, args.reps = [2], 2
     cores = os.cpu_count() or 1
-    results = [launch(P, args.reps, args.quick) for P in args.pp]
+    # the zero-bubble table: full mode, in the P = 4 launch (M = 8: SHAPE's microbatches)
+    results = [launch(P, args.reps, args.quick, not args.quick and P == ZERO_BUBBLE_P) for P in args.pp]
     print(f"pipeline step, {shape}, float32, median of {args.reps} interleaved reps; "
           f"speed-up: tokens/s over the 1-rank run of the same model")
     print("bubble: measured (median, best rep), replayed (the schedule on the measured compute times with free "
@@ -190,10 +219,34 @@ def main():
                   f"{100 * row['bubble_replayed']:>7.1f}% {100 * row['bubble_theory']:>7.1f}% "
                   f"{diff:>+5.1f} {row['tokens_per_s']:>10,.0f} {row['speedup_vs_1_rank']:>8.2f} "
                   f"{res['load_avg']:>5.1f}{note}")
+    for res in results:
+        zero_bubble_table(res, cores)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "pipeline.json"), "w") as f:
             json.dump({"shape": shape, "cores": cores, "results": results}, f, indent=2)
+
+
+def zero_bubble_table(res: dict, cores: int) -> None:
+    """Print the zero-bubble table of one launch's result if it has the zero-bubble rows."""
+    rows = {r["schedule"]: r for r in res["rows"]}
+    if not all(name in rows for name in ZERO_BUBBLE_TABLE):
+        return
+    P, M = res["P"], rows["zbv"]["M"]
+    shared = (f"{P} ranks on {cores} cores: the ranks take turns on the cores, so the measured bubble also counts "
+              f"a rank's wait for a core" if P > cores else f"{P} ranks on {cores} cores")
+    print(f"\nzero-bubble schedules, P={P}, M={M}: bubble by formula (equal F, B, W), simulated with this step's "
+          f"measured F/B/W times (free messages), measured (median over reps); {shared}")
+    print(f"{'schedule':<16} {'formula':>8} {'simulated':>9} {'measured':>8} {'best':>6} "
+          f"{'F ms':>6} {'B ms':>6} {'W ms':>6}  (one chunk, mean)")
+    for name in ZERO_BUBBLE_TABLE:
+        r = rows[name]
+        ops = r["op_seconds"]
+        label = name + (f" V={r['V']}" if r["V"] > 1 else "")
+        w = f"{1e3 * ops['W']:>6.2f}" if "W" in ops else f"{'-':>6}"
+        print(f"{label:<16} {100 * r['bubble_theory']:>7.1f}% {100 * r['bubble_replayed']:>8.1f}% "
+              f"{100 * r['bubble_measured']:>7.1f}% {100 * r['bubble_best']:>5.1f}% "
+              f"{1e3 * ops['F']:>6.2f} {1e3 * ops['B']:>6.2f} {w}")
 
 
 if __name__ == "__main__":

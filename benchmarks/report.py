@@ -154,7 +154,8 @@ def _pipeline(d):
             v = f" V={r['V']}" if r.get("V", 1) > 1 else ""
             rows.append((f"{r['schedule']}{v} P={r['P']} M={r['M']}: measured bubble / formula",
                          r["bubble_measured"] / r["bubble_theory"] if r.get("bubble_theory") else None,
-                         f"measured {_fmt(r['bubble_measured'])}, formula {_fmt(r['bubble_theory'])}; "
+                         f"measured {_fmt(r['bubble_measured'])}, formula {_fmt(r['bubble_theory'])}, "
+                         f"simulated with the measured times {_fmt(r.get('bubble_replayed'))}; "
                          f"{_fmt(r['speedup_vs_1_rank'])}x one rank"))
     return rows
 

@@ -107,4 +107,4 @@ def test_composed_meshes_equal_the_formulas_exactly():
 @pytest.mark.mpi
 def test_mixed_precision_equals_the_formulas_exactly():
     out = body("mixed_precision")
-    assert out.count("axis bytes ok:") == 4 * 5, out
+    assert out.count("axis bytes ok:") == 4 * 6, out

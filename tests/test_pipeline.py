@@ -26,7 +26,7 @@ def _group(size, rank=0):
 
 @pytest.mark.parametrize("schedule, M, V", [("gpipe", 4, 1), ("1f1b", 2, 1), ("looping", 2, 2),
                                              ("interleaved", 4, 2), ("naive", 2, 1), ("zb-h1", 2, 1),
-                                             ("zb-h2", 3, 1)])
+                                             ("zb-h2", 3, 1), ("zbv", 2, 2)])
 def test_one_rank_pipeline_equals_serial(schedule, M, V):
     """P = 1: every stage on this rank, activations handed over locally (no MPI).  The most
     microbatches whose activations the runtime held at once is the schedule simulator's
@@ -47,6 +47,8 @@ def test_one_rank_pipeline_equals_serial(schedule, M, V):
     (dict(schedule="zigzag", num_microbatches=2), "unknown pipeline schedule"),
     (dict(schedule="interleaved", num_microbatches=3, virtual_stages=2), "multiple of the pipeline stages"),
     (dict(schedule="looping", num_microbatches=2, virtual_stages=3), "4 layers cannot be cut into 2 pipeline"),
+    (dict(schedule="zbv", num_microbatches=4, virtual_stages=1), "runs exactly 2 virtual stages per rank"),
+    (dict(schedule="zbv", num_microbatches=2, virtual_stages=2), "needs at least 2P-1 = 3 microbatches"),
 ])
 def test_bad_pipelines_are_refused_before_any_message(kwargs, fragment):
     """The group here cannot send anything: the checks come first."""
@@ -69,6 +71,23 @@ def test_each_rank_keeps_only_its_stage():
     assert "wte.weight" in looped.model.state_dict() and "lm_head.weight" not in looped.model.state_dict()
 
 
+def test_zbv_puts_both_ends_of_the_model_on_rank_0():
+    """ZB-V's V: rank 0 holds stages 0 and 3 (blocks 0 and 3, the embeddings, the final
+    LayerNorm and the head: one tied embedding, nothing to exchange), rank 1 the turn of the V
+    (blocks 1 and 2, handed over locally).  The loss comes from rank 0."""
+    ends = PipelineRuntime(GPT(B._config(4, False)), _group(2, 0), "zbv", 3, 2)
+    turn = PipelineRuntime(GPT(B._config(4, False)), _group(2, 1), "zbv", 3, 2)
+    names0, names1 = set(ends.model.state_dict()), set(turn.model.state_dict())
+    assert {n.split(".")[1] for n in names0 if n.startswith("h.")} == {"0", "3"}
+    assert {n.split(".")[1] for n in names1 if n.startswith("h.")} == {"1", "2"}
+    assert {"wte.weight", "wpe.weight", "ln_f.weight"} <= names0 and not any(n.startswith(("wte", "wpe", "ln_f")) for n in names1)
+    assert ends.is_first and ends.is_last and ends.last_rank == turn.last_rank == 0
+    assert ends.tied_weight() is None and turn.tied_weight() is None  # one copy: no tied-gradient exchange
+    # ... but the head's chunk finishes its W's before the embedding's: data parallelism reduces it after the pass
+    assert ends.held_weights() == [ends.model.wte.weight] and turn.held_weights() == []
+    assert all(a.peer in (None, 1) for a in ends.actions) and all(a.peer in (None, 0) for a in turn.actions)
+
+
 def test_graph_activation_bytes_counts_the_kept_arrays():
     import numpy as np
 
@@ -83,21 +102,21 @@ def test_graph_activation_bytes_counts_the_kept_arrays():
 @pytest.mark.mpi
 def test_two_ranks_every_schedule_equals_serial():
     out = run_mpi(2, f"{BODIES}::two_ranks", timeout=180).stdout
-    assert "pipeline configs: 32 worst rel" in out, out
+    assert "pipeline configs: 36 worst rel" in out, out
     assert out.count("pipeline accounting ok") == 2, out
-    assert out.count("train path ok: dp=1 x pp=2") == 7 and "train path done" in out, out
+    assert out.count("train path ok: dp=1 x pp=2") == 9 and "train path done" in out, out
 
 
 @pytest.mark.mpi
 def test_four_ranks_every_schedule_equals_serial():
     out = run_mpi(4, f"{BODIES}::four_ranks", timeout=240).stdout
-    assert "pipeline configs: 20 worst rel" in out, out
+    assert "pipeline configs: 22 worst rel" in out, out
     assert out.count("pipeline accounting ok") == 4, out
-    assert out.count("train path ok: dp=2 x pp=2") == 7 and "train path done" in out, out
+    assert out.count("train path ok: dp=2 x pp=2") == 9 and "train path done" in out, out
 
 
 @pytest.mark.parametrize("schedule, M, V", [("1f1b", 3, 1), ("looping", 2, 2), ("interleaved", 2, 2),
-                                             ("zb-h1", 3, 1), ("zb-h2", 2, 1)])
+                                             ("zb-h1", 3, 1), ("zb-h2", 2, 1), ("zbv", 3, 2)])
 def test_each_parameter_is_final_once_inside_the_last_backward_window(schedule, M, V):
     """Data parallelism opens its hooks around each chunk's last backward (zero-bubble: last B
     and last W): there every parameter's gradient becomes final exactly once (its other
@@ -159,6 +178,8 @@ def _problems(**kw):
     (dict(pp=1, microbatches=4), "--microbatches needs pipeline parallelism: add --pp 2 or more"),
     (dict(pp=4, schedule="zb-h1", layers=8, microbatches=2), "zb-h1 schedule needs at least as many microbatches (2) as pipeline stages (4)"),
     (dict(schedule="zb-h2", virtual_stages=2), "--virtual-stages 2: the zb-h2 schedule has no virtual stages"),
+    (dict(schedule="zbv", virtual_stages=3), "--virtual-stages 3: the zbv schedule runs exactly --virtual-stages 2 (a V)"),
+    (dict(pp=4, schedule="zbv", layers=8, microbatches=4), "needs at least 2P-1 = 7 microbatches for 4 pipeline stages, got 4"),
 ])
 def test_cli_refuses_bad_pipelines_with_one_line(kw, fragment):
     (found,) = _problems(**kw)
@@ -171,6 +192,8 @@ def test_cli_defaults():
     assert (p.schedule, p.microbatches, p.virtual_stages) == ("1f1b", 4, 1)
     p = _given(pp=2, schedule="interleaved").resolved(2).parallel
     assert (p.microbatches, p.virtual_stages) == (4, 2)
+    p = _given(pp=4, schedule="zbv", layers=8).resolved(4).parallel
+    assert (p.microbatches, p.virtual_stages) == (8, 2) and _problems(pp=4, schedule="zbv", layers=8) == []
     assert _given(pp=1).resolved(1).parallel.schedule is None
 
 
@@ -212,6 +235,8 @@ def test_cli_pipeline_trains_like_one_process_and_reports_the_bubble(tmp_path):
     (2, ["--pp", "2", "--schedule", "gpipe", "--virtual-stages", "2"], "the gpipe schedule has no virtual stages"),
     (2, ["--pp", "2", "--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
     (2, ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "1"], "needs at least as many microbatches (1) as pipeline stages (2)"),
+    (2, ["--pp", "2", "--schedule", "zbv", "--virtual-stages", "3"], "the zbv schedule runs exactly --virtual-stages 2"),
+    (2, ["--pp", "2", "--schedule", "zbv", "--microbatches", "2"], "needs at least 2P-1 = 3 microbatches for 2 pipeline stages"),
     (2, ["--pp", "3"], "the world size 2 is not divisible by --pp 3 = 3"),
     (2, ["--pp", "2", "--microbatches", "9"], "--microbatches 9 exceeds the 8 sequence(s)"),
 ])

@@ -56,14 +56,21 @@ def test_every_send_has_exactly_one_matching_receive():
         for rank, actions in enumerate(sched.actions):
             for a in actions:
                 if a.op in (S.SEND_ACT, S.SEND_GRAD):
-                    sends.append((rank, a.peer, _message_key(a, rank, P)))
+                    sends.append((rank, a.peer, _message_key(a, rank, P, sched.placement)))
                 elif a.op in (S.RECV_ACT, S.RECV_GRAD):
-                    recvs.append((a.peer, rank, _message_key(a, rank, P)))
+                    recvs.append((a.peer, rank, _message_key(a, rank, P, sched.placement)))
         assert sorted(sends) == sorted(recvs), (name, P, M, V)
         assert len(set(sends)) == len(sends)
-        # every stage boundary crossed by every microbatch, both ways, when ranks differ
-        boundaries = (P * V - 1) if P > 1 else 0
+        # every stage boundary crossed by every microbatch, both ways, when ranks differ: all
+        # of them with the looping placement, all but the V's turn (stages P-1, P) with ZB-V's
+        boundaries = 0 if P == 1 else (P * V - 1) - (sched.placement == S.V_SHAPE)
         assert len(sends) == 2 * M * boundaries
+
+
+def test_peak_in_flight_closed_forms_are_the_simulators():
+    for name, P, M, V in CONFIGS:
+        sim = simulate(make_schedule(name, P, M, V))
+        assert sim.peak_in_flight == [S.peak_in_flight(name, P, M, r, V) for r in range(P)], (name, P, M, V)
 
 
 def test_1f1b_holds_at_most_P_microbatches_and_gpipe_holds_M():
@@ -87,6 +94,21 @@ def test_placement_is_looping():
     assert [S.model_stage(r, c, 2) for c in range(2) for r in range(2)] == [0, 1, 2, 3]
     assert S.stage_location(3, 2) == (1, 1)
     assert list(S.layer_range(1, 8, 4)) == [2, 3]
+    assert {name: S.placement_of(name) for name in S.ORDERS if S.placement_of(name) != S.LOOPING} == {"zbv": S.V_SHAPE}
+
+
+def test_v_placement_puts_both_ends_on_rank_0_and_turns_on_the_last_rank():
+    """ZB-V: chunk 0 of rank r is stage r, chunk 1 stage 2P-1-r; stage_location inverts it."""
+    for P in (1, 2, 3, 4, 5):
+        stages = [S.rank_stages(r, P, 2, S.V_SHAPE) for r in range(P)]
+        assert stages == [[r, 2 * P - 1 - r] for r in range(P)]
+        assert sorted(s for pair in stages for s in pair) == list(range(2 * P))
+        for r in range(P):
+            for c in range(2):
+                assert S.stage_location(S.model_stage(r, c, P, S.V_SHAPE), P, S.V_SHAPE) == (r, c)
+    assert S.make_schedule("zbv", 4, 8, 2).placement == S.V_SHAPE
+    # the turn of the V (stage 3 -> 4 on rank 3) is local: rank 3 neither sends to nor receives from itself
+    assert all(a.peer != 3 for a in S.make_schedule("zbv", 4, 8, 2).actions[3] if a.peer is not None)
 
 
 def test_simulator_catches_broken_schedules():
@@ -114,6 +136,9 @@ def test_simulator_catches_broken_schedules():
     (("gpipe", 2, 0, 1), "microbatches must be a positive integer"),
     (("interleaved", 4, 6, 2), "multiple of the pipeline stages"),
     (("looping", 4, 2, 2), "at least as many microbatches"),
+    (("zbv", 2, 4, 1), "runs exactly 2 virtual stages per rank"),
+    (("zbv", 2, 4, 3), "runs exactly 2 virtual stages per rank"),
+    (("zbv", 4, 6, 2), "needs at least 2P-1 = 7 microbatches for 4 pipeline stages, got 6"),
 ])
 def test_bad_input_is_named(args, fragment):
     assert fragment in S.schedule_problem(*args)
@@ -141,6 +166,12 @@ def test_command_line_chart(capsys):
     assert "formula (P-1)/(M+P-1) = 27.3%" in out
     assert main(["--schedule", "interleaved", "--pp", "2", "-m", "4"]) == 0
     assert "F0a" in capsys.readouterr().out
+    assert main(["--schedule", "zbv", "--pp", "2", "-m", "4"]) == 0  # V = 2 by default
+    assert "V=2 chunks per rank" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["--schedule", "zbv", "--pp", "4", "-m", "4"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.count("needs at least 2P-1 = 7 microbatches") == 1
     with pytest.raises(SystemExit) as exc:
         main(["--schedule", "gpipe", "--pp", "2", "-m", "4", "-v", "2"])
     assert exc.value.code == 2
@@ -187,3 +218,21 @@ def test_zero_bubble_schedules_cut_1f1b_idle_time_and_keep_their_memory():
             simulate(make_schedule("zb-h1", P, M), 1.0, 3.0).makespan
     text = chart(make_schedule("zb-h1", 4, 8))
     assert "W7" in text and "F forward, B input gradient, W weight gradients" in text
+
+
+def test_zbv_halves_zb_h1_idle_time_with_1f1b_memory():
+    """ZB-V (two half-stage chunks per rank in a V): for equal F, B, W each rank idles (P-1)
+    chunk forwards, half ZB-H1's (P-1)F, and holds 2P chunks, i.e. 1F1B's P microbatches of
+    activations; the idle time does not grow with M; bubble (P-1)/(6M+P-1)."""
+    from minidist.layout.simulate import chart
+
+    for P, M in ((2, 3), (2, 8), (4, 7), (4, 8), (5, 12)):
+        zbv = simulate(make_schedule("zbv", P, M, 2), 1.0, 2.0)
+        h1 = simulate(make_schedule("zb-h1", P, M), 1.0, 2.0)
+        assert zbv.makespan == h1.makespan - (P - 1) * 0.5  # (P-1)F against (P-1)F/2, the same work
+        assert zbv.peak_in_flight == [2 * P] * P
+        assert zbv.mean_bubble == pytest.approx((P - 1) / (6 * M + P - 1), abs=1e-12)
+    text = chart(make_schedule("zbv", 4, 8, 2))
+    rank0 = text.splitlines()[1]
+    assert rank0.split("|")[1].split()[:9] == ["F0a", "F1a", "F2a", "F3a", "F4a", "F5a", "F6a", "F0b", "B0b"]
+    assert "formula (P-1)/(6M+P-1) = 5.9%" in text

@@ -152,7 +152,8 @@ def test_stages_are_cut_at_whole_blocks_first_and_last_lighter():
 
 
 @pytest.mark.parametrize("name,P,M,V", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1),
-                                        ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 2), ("gpipe", 8, 8, 1)])
+                                        ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 2), ("gpipe", 8, 8, 1),
+                                        ("zb-h1", 4, 8, 1), ("zb-h2", 4, 8, 1), ("zbv", 4, 8, 2), ("zbv", 2, 3, 2)])
 def test_bubble_equals_the_schedule_simulator(name, P, M, V):
     sim = simulate(make_schedule(name, P, M, V))
     assert theoretical_bubble(name, P, M, V) == pytest.approx(sim.mean_bubble, abs=1e-9)
@@ -163,12 +164,43 @@ def test_the_estimated_pipeline_time_is_the_simulated_makespan():
     simulator's makespan for the same per-microbatch forward and backward times."""
     m = tiny_gpt(layers=4, d=64, heads=4, seq=64)
     bare = Machine("bare", {"float32": 1e9}, 1e12, 1e30, (Link("free", float("inf"), 1e30, 0.0),))
-    for sched, V in (("1f1b", 1), ("interleaved", 2)):
+    for sched, V in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2)):
         plan = Plan(pp=2, microbatches=4, schedule=sched, virtual_stages=V, sequence_parallel=True)
         e = estimate(m, bare, plan, 4 * 64, FLOAT32)
         t_f = e.time["compute"] / 4 / 3  # per microbatch, forward; backward is 2 x
         sim = simulate(make_schedule(sched, 2, 4, V), t_forward=t_f, t_backward=2 * t_f)
         assert e.time["compute"] + e.time["bubble"] == pytest.approx(sim.makespan, rel=1e-9)
+
+
+def test_the_zero_bubble_schedules_are_priced_from_the_schedules():
+    """zb-h1, zb-h2 and zbv: the bubble is schedules.theoretical_bubble, the activations in
+    flight the simulator's peak (in whole-stage microbatches), so zbv idles least and holds
+    1F1B's first-stage memory on every stage, zb-h2 the most."""
+    from minidist.plan.cost import in_flight
+
+    m = tiny_gpt(layers=8, d=64, heads=4, seq=64)
+    bare = Machine("bare", {"float32": 1e9}, 1e12, 1e30, (Link("free", float("inf"), 1e30, 0.0),))
+    est = {}
+    for sched, V in (("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2)):
+        plan = Plan(pp=4, microbatches=8, schedule=sched, virtual_stages=V)
+        assert problems(m, plan, 4, 8 * 64) == []
+        sim = simulate(make_schedule(sched, 4, 8, V))
+        assert [in_flight(plan, r) for r in range(4)] == [k / V for k in sim.peak_in_flight]
+        est[sched] = estimate(m, bare, plan, 8 * 64, FLOAT32)
+        share = est[sched].time["bubble"] / (est[sched].time["compute"] + est[sched].time["bubble"])
+        assert share == pytest.approx(theoretical_bubble(sched, 4, 8, V), rel=1e-9)
+    assert est["zbv"].time["bubble"] < est["zb-h1"].time["bubble"] == est["zb-h2"].time["bubble"] < est["1f1b"].time["bubble"]
+    assert [in_flight(Plan(pp=4, microbatches=8, schedule=s, virtual_stages=v), 3) for s, v in
+            (("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2))] == [1, 4, 7, 4]
+    assert "needs at least 2P-1 = 7 microbatches" in problems(m, Plan(pp=4, microbatches=4, schedule="zbv",
+                                                                       virtual_stages=2), 4, 8 * 64)[0]
+
+
+def test_cli_prices_a_zero_bubble_schedule_on_a_mesh():
+    r = _plan("--preset", "minidist-gpt", "--gpus", "4", "--mesh", "tp=1,cp=1,pp=4,dp=1", "--schedule", "zbv", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["pp"], out["schedule"], out["virtual_stages"]) == (4, "zbv", 2), out
 
 
 # ------------------------------------------------------------------ feasibility and the search

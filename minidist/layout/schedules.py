@@ -39,6 +39,11 @@ The schedules (``P`` ranks, ``M`` microbatches, ``V`` model chunks per rank):
   forwards (``2P-1`` microbatches at most) and approaches the floor ``(P-1)F`` that a
   synchronous step keeps (the last stage cannot start before the first forward reaches it).
   Both need ``M >= P``.
+* ``zbv``: ZB-V (Qi et al. 2024, same paper, section 6): the split backward on two chunks per
+  rank placed in a V (chunk 0 of rank r is stage r, chunk 1 stage 2P-1-r; see
+  :func:`placement_of`), so the first and last stages share rank 0.  1F1B's peak memory,
+  bubble ``(P-1)/(6M+P-1)`` for equal F, B, W (half ZB-H1's); needs ``V = 2`` and
+  ``M >= 2P-1``.
 
 Communication is derived from the compute order, identically for every schedule
 (:func:`with_communication`): a forward of stage ``s > 0`` first receives its input
@@ -89,22 +94,44 @@ class Schedule:
     def num_model_stages(self) -> int:
         return self.num_stages * self.virtual_stages
 
+    @property
+    def placement(self) -> str:
+        """Where its model stages live (:func:`placement_of`)."""
+        return placement_of(self.name)
+
 
 # ------------------------------------------------------------------------- placement
-def model_stage(rank: int, chunk: int, num_stages: int) -> int:
-    """The model stage (0..P*V-1, in layer order) that ``chunk`` of ``rank`` holds: chunk c
-    of rank r is stage ``c*P + r`` (the looping placement; with V=1 simply ``r``)."""
+LOOPING, V_SHAPE = "looping", "v"
+"""Where the model stages live.  Looping (Megatron-LM's interleaved placement): chunk c of
+rank r holds stage ``c*P + r``, so a microbatch goes round the ranks V times.  V shape (ZB-V,
+Qi et al. 2024): even chunks go down the ranks and odd chunks come back up, chunk 0 of rank r
+holding stage r and chunk 1 stage ``2P-1-r``: the first and the last stage share rank 0, and
+stages P-1 and P (the turn of the V) share rank P-1."""
+
+
+def placement_of(name: str) -> str:
+    """The placement schedule ``name`` runs on: the V shape for ZB-V, looping for the others."""
+    return V_SHAPE if name in V_SCHEDULES else LOOPING
+
+
+def model_stage(rank: int, chunk: int, num_stages: int, placement: str = LOOPING) -> int:
+    """The model stage (0..P*V-1, in layer order) that ``chunk`` of ``rank`` holds: ``c*P + r``
+    (looping; with V=1 simply ``r``), or with the V shape ``c*P + P-1-r`` for odd chunks."""
+    if placement == V_SHAPE and chunk % 2:
+        return chunk * num_stages + num_stages - 1 - rank
     return chunk * num_stages + rank
 
 
-def rank_stages(rank: int, num_stages: int, virtual_stages: int = 1) -> list[int]:
+def rank_stages(rank: int, num_stages: int, virtual_stages: int = 1, placement: str = LOOPING) -> list[int]:
     """The model stages ``rank`` holds, one per chunk, in chunk order (:func:`model_stage`)."""
-    return [model_stage(rank, c, num_stages) for c in range(virtual_stages)]
+    return [model_stage(rank, c, num_stages, placement) for c in range(virtual_stages)]
 
 
-def stage_location(stage: int, num_stages: int) -> tuple[int, int]:
+def stage_location(stage: int, num_stages: int, placement: str = LOOPING) -> tuple[int, int]:
     """(rank, chunk) holding model ``stage``: the inverse of :func:`model_stage`."""
     chunk, rank = divmod(stage, num_stages)
+    if placement == V_SHAPE and chunk % 2:
+        rank = num_stages - 1 - rank
     return rank, chunk
 
 
@@ -208,11 +235,50 @@ def zb_h2_order(P: int, M: int, rank: int, V: int = 1) -> list[Action]:
     return _split_order(P, M, warmup=2 * (P - rank - 1), lag=2 * rank)
 
 
+def zbv_order(P: int, M: int, rank: int, V: int = 2) -> list[Action]:
+    """ZB-V (Qi et al. 2024, Zero Bubble Pipeline Parallelism, section 6): two chunks per rank
+    in a V (chunk 0 of rank r is stage r, chunk 1 stage 2P-1-r), backward split into B and W.
+    Warm-up: 2(P-r)-1 forwards of chunk 0, r pairs (F chunk 1, F chunk 0), P-r triples (F, B,
+    W) of chunk 1; steady state: F B W of chunk 0, then of chunk 1; drain: r pairs of B's, P-r
+    pairs (B, W) of chunk 0, the W's left.  Needs M >= 2P-1 (rank 0's warm-up).  With a
+    chunk's F, B, W costing f, b, w (half a stage's), each rank holds at most 2P chunks (1F1B's
+    P microbatches) and idles (P-1)f for f = b = w: bubble (P-1)/(6M+P-1), half ZB-H1's, as the
+    last rank waits for P-1 half-stage forwards only.  For b = w != f the idle time is (P-1)b
+    when b >= f, else (P-2)(2f-b) + max(f, 2(f-b)) (checked by simulation)."""
+    order, done = [], {op: [0, 0] for op in SPLIT_COMPUTE}
+
+    def run(op, chunk):
+        order.append(Action(op, done[op][chunk], chunk))
+        done[op][chunk] += 1
+
+    for _ in range(2 * (P - rank) - 1):
+        run(FORWARD, 0)
+    for _ in range(rank):
+        run(FORWARD, 1), run(FORWARD, 0)
+    for _ in range(P - rank):
+        run(FORWARD, 1), run(BACKWARD, 1), run(WEIGHT, 1)
+    while done[FORWARD][1] < M:
+        if done[FORWARD][0] < M:
+            run(FORWARD, 0)
+        run(BACKWARD, 0), run(WEIGHT, 0)
+        run(FORWARD, 1), run(BACKWARD, 1), run(WEIGHT, 1)
+    for _ in range(rank):
+        run(BACKWARD, 0), run(BACKWARD, 1)
+    for _ in range(P - rank):
+        run(BACKWARD, 0), run(WEIGHT, 0)
+    while done[WEIGHT][1] < M:
+        run(WEIGHT, 1)
+    while done[WEIGHT][0] < M:
+        run(WEIGHT, 0)
+    return order
+
+
 ORDERS = {"naive": naive_order, "gpipe": gpipe_order, "1f1b": one_f_one_b_order,
           "interleaved": interleaved_order, "looping": looping_order,
-          "zb-h1": zb_h1_order, "zb-h2": zb_h2_order}
+          "zb-h1": zb_h1_order, "zb-h2": zb_h2_order, "zbv": zbv_order}
 """Schedule name -> compute-order function ``(P, M, rank, V) -> [Action]``."""
-ZERO_BUBBLE = ("zb-h1", "zb-h2")  # the schedules with W actions (backward in two parts)
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv")  # the schedules with W actions (backward in two parts)
+V_SCHEDULES = ("zbv",)  # the schedules on the V-shape placement
 
 
 def splits_backward(name: str) -> bool:
@@ -232,11 +298,15 @@ def schedule_problem(name: str, P: int, M: int, V: int = 1, num_layers: int | No
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"{label} must be a positive integer, got {value!r}"
     if V > 1 and name not in VIRTUAL:
-        return f"schedule {name!r} has no virtual stages (got {V}); use interleaved or looping"
+        return f"schedule {name!r} has no virtual stages (got {V}); use {', '.join(VIRTUAL)}"
     if name == "interleaved" and M % P:
         return f"the interleaved schedule needs the microbatches ({M}) to be a multiple of the pipeline stages ({P})"
     if name == "looping" and M < P:
         return f"the looping schedule needs at least as many microbatches ({M}) as pipeline stages ({P})"
+    if name in V_SCHEDULES and V != 2:
+        return f"the {name} schedule runs exactly 2 virtual stages per rank (a V), got {V}"
+    if name in V_SCHEDULES and M < 2 * P - 1:
+        return f"the {name} schedule needs at least 2P-1 = {2 * P - 1} microbatches for {P} pipeline stages, got {M}"
     if name in ZERO_BUBBLE and M < P:
         return f"the {name} schedule needs at least as many microbatches ({M}) as pipeline stages ({P})"
     if num_layers is not None and num_layers % (P * V):
@@ -264,7 +334,9 @@ def problems(given, cfg) -> list[str]:
     P, M, V, L = p.pp, p.microbatches, p.virtual_stages, cfg.model.layers
     if g.virtual_stages is not None and p.schedule not in VIRTUAL:
         return [f"--virtual-stages {V}: the {p.schedule} schedule has no virtual stages "
-                f"(only {' and '.join(VIRTUAL)} have)"]
+                f"(only {', '.join(VIRTUAL)} have)"]
+    if p.schedule in V_SCHEDULES and V != 2:
+        return [f"--virtual-stages {V}: the {p.schedule} schedule runs exactly --virtual-stages 2 (a V)"]
     if L % (P * V):
         return [f"--layers {L} cannot be cut into --pp {P} x --virtual-stages {V} = {P * V} equal stages"]
     problem = schedule_problem(p.schedule, P, M, V, L)
@@ -289,32 +361,36 @@ def message_tag(kind: str, microbatch: int, dst_stage: int, num_model_stages: in
 
 
 # ------------------------------------------------------------- communication insertion
-def with_communication(order: list[Action], rank: int, P: int, V: int) -> list[Action]:
+def with_communication(order: list[Action], rank: int, P: int, V: int, placement: str = LOOPING) -> list[Action]:
     """Insert the sends and receives that a compute order implies on ``rank``.
 
-    Stage s = chunk*P + rank.  F(m) of stage s > 0 is preceded by a receive of its input from
-    stage s-1's rank, and F(m) of stage s < S-1 followed by a send of its output to stage s+1's
-    rank; B(m) mirrors it with gradients.  A neighbour on the same rank (P = 1) is no message:
-    the runtime hands the tensor over locally.
+    Stage s = :func:`model_stage` of (rank, chunk).  F(m) of stage s > 0 is preceded by a
+    receive of its input from stage s-1's rank, and F(m) of stage s < S-1 followed by a send of
+    its output to stage s+1's rank; B(m) mirrors it with gradients.  A neighbour on the same
+    rank (P = 1; the turn of the V) is no message: the runtime hands the tensor over locally.
     """
     S = P * V
     out = []
+
+    def holder(stage):
+        return stage_location(stage, P, placement)[0]
+
     for a in order:
-        s = model_stage(rank, a.chunk, P)
+        s = model_stage(rank, a.chunk, P, placement)
         if a.op == WEIGHT:  # the weights' gradients: nobody waits for them
             out.append(a)
         elif a.op == FORWARD:
-            if s > 0 and stage_location(s - 1, P)[0] != rank:
-                out.append(Action(RECV_ACT, a.microbatch, a.chunk, stage_location(s - 1, P)[0]))
+            if s > 0 and holder(s - 1) != rank:
+                out.append(Action(RECV_ACT, a.microbatch, a.chunk, holder(s - 1)))
             out.append(a)
-            if s < S - 1 and stage_location(s + 1, P)[0] != rank:
-                out.append(Action(SEND_ACT, a.microbatch, a.chunk, stage_location(s + 1, P)[0]))
+            if s < S - 1 and holder(s + 1) != rank:
+                out.append(Action(SEND_ACT, a.microbatch, a.chunk, holder(s + 1)))
         else:
-            if s < S - 1 and stage_location(s + 1, P)[0] != rank:
-                out.append(Action(RECV_GRAD, a.microbatch, a.chunk, stage_location(s + 1, P)[0]))
+            if s < S - 1 and holder(s + 1) != rank:
+                out.append(Action(RECV_GRAD, a.microbatch, a.chunk, holder(s + 1)))
             out.append(a)
-            if s > 0 and stage_location(s - 1, P)[0] != rank:
-                out.append(Action(SEND_GRAD, a.microbatch, a.chunk, stage_location(s - 1, P)[0]))
+            if s > 0 and holder(s - 1) != rank:
+                out.append(Action(SEND_GRAD, a.microbatch, a.chunk, holder(s - 1)))
     return out
 
 
@@ -325,8 +401,20 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_sta
     if problem:
         raise ValueError(problem)
     P, M, V = num_stages, num_microbatches, virtual_stages
-    actions = tuple(tuple(with_communication(ORDERS[name](P, M, r, V), r, P, V)) for r in range(P))
+    placement = placement_of(name)
+    actions = tuple(tuple(with_communication(ORDERS[name](P, M, r, V), r, P, V, placement)) for r in range(P))
     return Schedule(name, P, M, V, actions)
+
+
+def peak_in_flight(name: str, P: int, M: int, rank: int, V: int = 1) -> int:
+    """The most (microbatch, chunk) activations ``rank`` holds at once (a chunk is 1/V of its
+    stage's blocks), in closed form: what :func:`simulate.simulate` finds (a test checks every
+    valid schedule).  Naive 1; GPipe M; looping V*M; 1F1B P-rank; interleaved its warm-up plus
+    one, 2(P-rank-1) + (V-1)P + 1; ZB-H1 P and ZB-H2 2P-1 on every rank (W holds the
+    activations); ZB-V 2P half-stage chunks on every rank, 1F1B's first stage's P microbatches."""
+    count = {"naive": 1, "gpipe": M, "looping": V * M, "1f1b": P - rank,
+             "interleaved": 2 * (P - rank - 1) + (V - 1) * P + 1, "zb-h1": P, "zb-h2": 2 * P - 1, "zbv": 2 * P}[name]
+    return min(count, V * M)
 
 
 def theoretical_bubble(name: str, P: int, M: int, V: int = 1, t_forward: float = 1.0, t_backward: float = 2.0) -> float:
@@ -334,9 +422,13 @@ def theoretical_bubble(name: str, P: int, M: int, V: int = 1, t_forward: float =
     (P-1)/P for naive, (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for the looped
     pipelines (interleaved, and looping with M >= P), (P-1)/(3M+P-1) for ZB-H1 and ZB-H2 with
     B and W each half of the backward and the forward as long as each: (P-1)(F+B-W) idle in
-    M(F+B+W) + (P-1)(F+B-W)."""
+    M(F+B+W) + (P-1)(F+B-W); (P-1)/(6M+P-1) for ZB-V (see :func:`zbv_order` for other costs)."""
     if name == "naive":
         return (P - 1) / P
+    if name in V_SCHEDULES:
+        f, b = t_forward / 2, t_backward / 4  # one chunk's F, and its B = W
+        idle = 0.0 if P == 1 else (P - 1) * b if b >= f else (P - 2) * (2 * f - b) + max(f, 2 * (f - b))
+        return idle / (2 * M * (f + 2 * b) + idle)
     if name in ZERO_BUBBLE:
         idle = (P - 1) * max(t_forward, t_backward / 2)
         return idle / (M * (t_forward + t_backward) + idle)

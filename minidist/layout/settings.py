@@ -16,7 +16,7 @@ from dataclasses import dataclass
 ATTENTIONS = ("plain", "blockwise")       # one rank's attention (nn.attention_function)
 CP_IMPLEMENTATIONS = ("ring", "ulysses")  # context parallelism (parallel/context/)
 TP_OVERLAPS = ("ring", "bidirectional")   # collective matmuls (parallel/tensor/collective_matmul.py)
-VIRTUAL = ("interleaved", "looping")       # pipeline schedules with several model chunks per rank
+VIRTUAL = ("interleaved", "looping", "zbv")  # pipeline schedules with several model chunks per rank
 ARCHS = ("gpt2", "llama")                  # the model families nn.GPT builds
 FFN_MULTIPLE = 32                          # Llama's feed-forward width: 8/3 d rounded up to a multiple of this
 ROPE_THETA = 500000.0                      # Llama 3's rotary base
@@ -86,7 +86,7 @@ class ParallelConfig:
     # pipeline parallelism
     schedule: str | None = None       # None: 1f1b (when pp > 1)
     microbatches: int | None = None   # None: 2 * pp
-    virtual_stages: int | None = None  # None: 2 for interleaved / looping, else 1
+    virtual_stages: int | None = None  # None: 2 for interleaved / looping / zbv, else 1
 
     @property
     def world_size(self) -> int:

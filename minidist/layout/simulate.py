@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from minidist.layout.settings import VIRTUAL
 
 from minidist.layout.schedules import (BACKWARD, COMPUTE, FORWARD, ORDERS, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
-                                       SPLIT_COMPUTE, WEIGHT, Action, Schedule, make_schedule, model_stage,
+                                       SPLIT_COMPUTE, WEIGHT, LOOPING, Action, Schedule, make_schedule, model_stage,
                                        schedule_problem, splits_backward, stage_location, theoretical_bubble)
 
 @dataclass
@@ -41,9 +41,9 @@ class Deadlock(RuntimeError):
     pass
 
 
-def _message_key(a: Action, rank: int, P: int) -> tuple:
+def _message_key(a: Action, rank: int, P: int, placement: str = LOOPING) -> tuple:
     """(kind, microbatch, destination stage) of the message a send/recv action carries."""
-    s = model_stage(rank, a.chunk, P)
+    s = model_stage(rank, a.chunk, P, placement)
     if a.op == SEND_ACT:
         return ("act", a.microbatch, s + 1)
     if a.op == RECV_ACT:
@@ -57,8 +57,8 @@ class _RankState:
     """One rank during :func:`simulate`: its program counter, clock, compute intervals and
     the (microbatch, chunk) activations it holds."""
 
-    def __init__(self, rank: int, actions, split: bool = False):
-        self.rank, self.actions, self.split = rank, actions, split
+    def __init__(self, rank: int, actions, split: bool = False, placement: str = LOOPING):
+        self.rank, self.actions, self.split, self.placement = rank, actions, split, placement
         self.pc, self.clock = 0, 0.0
         self.timeline, self.done, self.live, self.peak = [], set(), set(), 0
 
@@ -70,17 +70,17 @@ class _RankState:
         not happened yet."""
         a, r = self.actions[self.pc], self.rank
         if a.op in (RECV_ACT, RECV_GRAD):
-            key = _message_key(a, r, P)
+            key = _message_key(a, r, P, self.placement)
             if key not in sent:
                 return False
             if key in received:
                 raise ValueError(f"rank {r} receives {key} twice")
-            if stage_location(key[2] + (-1 if key[0] == "act" else 1), P)[0] != a.peer:
+            if stage_location(key[2] + (-1 if key[0] == "act" else 1), P, self.placement)[0] != a.peer:
                 raise ValueError(f"rank {r}'s {a} names the wrong peer")
             received.add(key)
             self.clock = max(self.clock, sent[key])
         elif a.op in (SEND_ACT, SEND_GRAD):
-            key = _message_key(a, r, P)
+            key = _message_key(a, r, P, self.placement)
             if key in sent:
                 raise ValueError(f"rank {r} sends {key} twice")
             sent[key] = self.clock
@@ -125,7 +125,7 @@ def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0
 
         def cost(rank, a):
             return duration[a.op]
-    ranks = [_RankState(r, schedule.actions[r], split) for r in range(P)]
+    ranks = [_RankState(r, schedule.actions[r], split, schedule.placement) for r in range(P)]
     sent, received = {}, set()  # message key -> time sent; keys received
     while not all(st.finished() for st in ranks):
         moved = False
@@ -179,7 +179,7 @@ def chart(schedule: Schedule, sim: Simulation | None = None) -> str:
 
 def bubble_line(schedule: Schedule, sim: Simulation) -> str:
     P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
-    formula = {"naive": "(P-1)/P", "zb-h1": "(P-1)/(3M+P-1)", "zb-h2": "(P-1)/(3M+P-1)"}.get(
+    formula = {"naive": "(P-1)/P", "zb-h1": "(P-1)/(3M+P-1)", "zb-h2": "(P-1)/(3M+P-1)", "zbv": "(P-1)/(6M+P-1)"}.get(
         schedule.name, "(P-1)/(V*M+P-1)" if V > 1 else "(P-1)/(M+P-1)")
     return (f"bubble: simulated {100 * sim.mean_bubble:.1f}%, formula {formula} = "
             f"{100 * theoretical_bubble(schedule.name, P, M, V):.1f}%; "

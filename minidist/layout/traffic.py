@@ -40,7 +40,7 @@ from __future__ import annotations
 from minidist.layout.collective_bytes import (acc_itemsize, all_gather_bytes, all_reduce_bytes, broadcast_bytes,
                                               reduce_scatter_bytes)
 from minidist.layout.mesh import AXES, MeshLayout
-from minidist.layout.schedules import layer_range, rank_stages
+from minidist.layout.schedules import LOOPING, layer_range, placement_of, rank_stages, stage_location
 from minidist.layout.split import split_sizes
 
 
@@ -252,26 +252,30 @@ def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, 
 
 
 def pp_bytes(passes: list[list[int]], tokens: int, d_model: int, pp: int, pp_rank: int, virtual_stages: int,
-             act_itemsize: int, tied_numel: int = 0, itemsize: int = 4, tied_swaps: int = 1) -> int:
+             act_itemsize: int, tied_numel: int = 0, itemsize: int = 4, tied_swaps: int = 1,
+             placement: str = LOOPING) -> int:
     """Activations and gradients between pipeline stages (GPipe, Huang et al. 2019; 1F1B,
     Narayanan et al. 2019; interleaved, Narayanan et al. 2021), per pass of ``passes[k]``
     microbatch rows (one pass per gradient-accumulation part): every chunk but the model's
     last sends each microbatch's output, rows x tokens x d_model values, to the next stage's
-    rank, every chunk but the first sends its input's gradient back (with P > 1 neighbouring
-    stages are always on different ranks, V chunks per rank).  After each pass the last stage
+    rank, every chunk but the first sends its input's gradient back, unless that neighbour is
+    on the same rank (with the looping placement never for P > 1; ZB-V's V shape turns at rank
+    P-1, whose two chunks hand over locally: ``placement``).  After each pass the last stage
     broadcasts the loss (one float64).  Before each gradient reduction (``tied_swaps``: once
     per step, or every micro-step for ZeRO-2/3) the first and last stages swap their
-    ``tied_numel``-element parts of the tied embedding's gradient (Megatron-LM's embedding group)."""
+    ``tied_numel``-element parts of the tied embedding's gradient (Megatron-LM's embedding
+    group), unless one rank holds both (the V shape's rank 0)."""
     if pp == 1:
         return 0
     S = pp * virtual_stages
-    stages = rank_stages(pp_rank, pp, virtual_stages)
-    sends = sum(s < S - 1 for s in stages) + sum(s > 0 for s in stages)
+    stages = rank_stages(pp_rank, pp, virtual_stages, placement)
+    elsewhere = lambda s: stage_location(s, pp, placement)[0] != pp_rank  # noqa: E731
+    sends = sum(s < S - 1 and elsewhere(s + 1) for s in stages) + sum(s > 0 and elsewhere(s - 1) for s in stages)
     total = 0
     for rows in passes:
         total += sends * sum(rows) * tokens * d_model * act_itemsize
-        total += broadcast_bytes(SCALAR, pp, pp_rank, pp - 1)
-    if pp_rank in (0, pp - 1):
+        total += broadcast_bytes(SCALAR, pp, pp_rank, stage_location(S - 1, pp, placement)[0])
+    if (0 in stages) != (S - 1 in stages):
         total += tied_swaps * tied_numel * itemsize
     return total
 
@@ -325,7 +329,8 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
     n_dp, r_dp = dp * cp, c["dp"] * cp + c["cp"]  # the reduction group: dp outer, cp inner
     parts = split_sizes(split_sizes(batch_size, dp)[c["dp"]], grad_accum)  # each micro-step's (pipeline pass's) rows
     V = virtual_stages if pp > 1 else 1
-    S, stages = pp * V, rank_stages(c["pp"], pp, V)
+    placement = placement_of(schedule) if pp > 1 else LOOPING
+    S, stages = pp * V, rank_stages(c["pp"], pp, V, placement)
     layers = [l for s in stages for l in layer_range(s, n_layer, S)]  # this rank's blocks, by chunk
     first, last = 0 in stages, S - 1 in stages
     numels = param_numels(n_layer, d_model, vocab, block_size, tied, tp, stages, S)
@@ -338,7 +343,7 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
                        recompute, first, last),
         "cp": cp_bytes(rows, tokens, d_model // tp, len(layers), cp, c["cp"], ba, cp_impl, recompute),
         "pp": pp_bytes(micro, tokens // tp if sequence_parallel else tokens, d_model, pp, c["pp"], V, ba,
-                       vocab // tp * d_model if tied else 0, b, grad_accum if zero >= 2 else 1),
+                       vocab // tp * d_model if tied else 0, b, grad_accum if zero >= 2 else 1, placement),
         "world": 0,
     }
     if zero == 3:

@@ -58,7 +58,8 @@ class Strategy:
         self.tied = pipeline.tied_weight() if pipeline is not None else None
         if self.tied is not None:  # the two stages add their parts before the reduction
             data.before_reduce = pipeline.reduce_tied_gradients
-            data.hold(self.tied)
+        for p in pipeline.held_weights() if pipeline is not None else ():
+            data.hold(p)  # reduced after the pass, not from a chunk's hook window
         self.name = describe(mesh, data, context, pipeline)
         self._pipeline_totals = {}
 

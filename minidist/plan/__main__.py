@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 
 from minidist.host.cli_checks import OneLineParser, int_in
-from minidist.plan.cost import PRECISIONS, SCHEDULES, estimate, problems
+from minidist.plan.cost import CHUNKED, PRECISIONS, SCHEDULES, estimate, problems
 from minidist.plan.machine import PRESETS as MACHINES, calibration_path, load
 from minidist.plan.model import PRESETS as MODELS, ModelSpec, num_params
 from minidist.plan.search import search, settings
@@ -133,7 +133,7 @@ def _wanted(args, plan) -> bool:
             and (args.microbatches is None or plan.microbatches == args.microbatches)
             and (args.schedule is None or plan.schedule == args.schedule or (plan.pp == 1 and args.schedule != "interleaved"))
             and (args.virtual_stages is None or plan.virtual_stages == args.virtual_stages
-                 or plan.schedule != "interleaved")
+                 or plan.schedule not in CHUNKED)
             and (args.checkpoint_activations is None
                  or plan.checkpoint_activations == (args.checkpoint_activations == "on")))
 
@@ -146,7 +146,7 @@ def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
     # The settings the user fixed, the rest chosen: the fastest combination that fits.
     given = Plan(**mesh, zero=1 if args.zero is None else args.zero,
                  microbatches=args.microbatches or 1, schedule=args.schedule or "1f1b",
-                 virtual_stages=args.virtual_stages or (2 if args.schedule == "interleaved" else 1),
+                 virtual_stages=args.virtual_stages or (2 if args.schedule in CHUNKED else 1),
                  sequence_parallel=args.sequence_parallel == "on")
     checks = [x for x in problems(model, given, args.gpus, tokens)
               if args.microbatches is not None or "microbatches" not in x]
@@ -155,7 +155,8 @@ def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
         raise ValueError(f"mesh {args.mesh} is infeasible: {checks[0]}")
     if args.schedule == "interleaved" and mesh["pp"] == 1:
         raise ValueError(f"mesh {args.mesh} is infeasible: the interleaved schedule needs pp > 1")
-    candidates = [p for p in settings(model, mesh["tp"], mesh["cp"], mesh["pp"], mesh["dp"], tokens)
+    candidates = [p for p in settings(model, mesh["tp"], mesh["cp"], mesh["pp"], mesh["dp"], tokens,
+                                      zero_bubble=args.schedule in ("zb-h1", "zb-h2", "zbv"))
                   if _wanted(args, p) and not problems(model, p, devices, tokens)]
     if args.microbatches is not None or args.schedule == "gpipe":
         candidates += [p for p in _explicit(args, mesh, model, tokens) if not problems(model, p, devices, tokens)]
@@ -183,7 +184,7 @@ def _explicit(args, mesh, model, tokens):
     for z in ([args.zero] if args.zero is not None else [0, 1, 2, 3]):
         for ck in ([args.checkpoint_activations == "on"] if args.checkpoint_activations else [False, True]):
             sched = args.schedule or "1f1b"
-            v = args.virtual_stages or (2 if sched == "interleaved" else 1)
+            v = args.virtual_stages or (2 if sched in CHUNKED else 1)
             yield Plan(**mesh, zero=z, microbatches=args.microbatches or 1, schedule=sched, virtual_stages=v,
                        checkpoint_activations=ck)
 

@@ -17,9 +17,12 @@ data-parallel reduction and the optimizer):
 * **cp** (Ring Attention, Liu et al. 2023; Llama 3's all-gather of K and V): every rank
   receives the other (C-1)/C of the sequence's keys and values per block forward, and twice
   that backward; hidden behind the attention's own compute where the machine overlaps;
-* **pp**: the schedule's bubble, (P-1)/(V M + P-1) of the pipeline's time (gpipe and 1F1B:
-  V = 1; interleaved 1F1B, Narayanan et al. 2021: V chunks per rank), the same formula as
-  minidist.layout.schedules.theoretical_bubble; activations between stages cross
+* **pp**: the schedule's bubble, minidist.layout.schedules.theoretical_bubble of the
+  pipeline's time with this stage's forward and backward times: (P-1)/(V M + P-1) for gpipe
+  and 1F1B (V = 1) and interleaved 1F1B (Narayanan et al. 2021: V chunks per rank); the
+  zero-bubble schedules (Qi et al. 2023) split the backward into B and W of equal halves:
+  zb-h1 / zb-h2 idle (P-1) max(F, W) per rank instead of 1F1B's (P-1)(F+B+W), zbv (two
+  half-stage chunks in a V) (P-1) F/2 when F, B and W are equal; activations between stages cross
   the link between neighbouring stages; the messages of the fill and the drain are exposed,
   the steady state's overlap with compute (``overlap``);
 * **dp** (ZeRO, Rajbhandari et al. 2020): stage 0 all-reduces the gradients, 1 and 2
@@ -32,8 +35,10 @@ data-parallel reduction and the optimizer):
 and **memory** per device: ZeRO's formulas for parameters, gradients and optimizer state
 (mixed precision: 2 + 2 + 12 bytes per parameter; stage 1 divides the 12, stage 2 also the
 gradients, stage 3 everything by the data-parallel degree), the activations the schedule
-keeps in flight on the first stage (1F1B: P microbatches; GPipe: all M; interleaved: P (1 +
-(P-1)/(P V)), Narayanan et al.), each block's input only with checkpointing, and the logits.
+keeps in flight on each stage (1F1B: P - r microbatches; GPipe: all M; interleaved: P (1 +
+(P-1)/(P V)) on the first, Narayanan et al.; zb-h1 P and zb-h2 2P-1 on every stage, W holding
+them, and zbv P: schedules.peak_in_flight), each block's input only with checkpointing, and
+the logits.
 """
 
 from __future__ import annotations
@@ -43,12 +48,14 @@ import math
 from dataclasses import dataclass, field
 
 from minidist.layout.memory import zero_divisors
+from minidist.layout.schedules import peak_in_flight, schedule_problem, theoretical_bubble
 from minidist.plan.machine import Machine
 from minidist.plan.model import (ModelSpec, activation_bytes_per_token, attention_flops, block_matmul_flops,
                                  block_params, embedding_params, head_flops, model_flops_per_token,
                                  recompute_flops_per_token)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
+CHUNKED = ("interleaved", "zbv")  # several model chunks per rank (Plan.virtual_stages)
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,7 @@ class Plan:
     zero: int = 0
     microbatches: int = 1
     schedule: str = "1f1b"
-    virtual_stages: int = 1             # interleaved: model chunks per rank
+    virtual_stages: int = 1             # interleaved, zbv: model chunks per rank
     checkpoint_activations: bool = False  # full activation checkpointing (recompute each block)
     sequence_parallel: bool = False
 
@@ -79,7 +86,7 @@ class Plan:
     def label(self) -> str:
         s = f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp} ZeRO-{self.zero} M={self.microbatches}"
         if self.pp > 1:
-            s += f" {self.schedule}" + (f" V={self.virtual_stages}" if self.schedule == "interleaved" else "")
+            s += f" {self.schedule}" + (f" V={self.virtual_stages}" if self.schedule in CHUNKED else "")
         return s + (" ckpt" if self.checkpoint_activations else "")
 
 
@@ -180,6 +187,12 @@ def problems(model: ModelSpec, plan: Plan, devices: int, global_batch_tokens: in
                        f"(pp={p.pp}, {model.layers} layers)")
         elif p.microbatches % p.pp:
             out.append(f"the interleaved schedule needs the microbatches ({p.microbatches}) a multiple of pp={p.pp}")
+    if p.schedule in ("zb-h1", "zb-h2", "zbv") and p.pp > 1:
+        problem = schedule_problem(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+        if problem:
+            out.append(problem)
+        elif p.schedule == "zbv" and min(stage_blocks(model.layers, p.pp)) < 2:
+            out.append(f"the zbv schedule needs 2 blocks per stage at least (pp={p.pp}, {model.layers} layers)")
     if p.zero not in (0, 1, 2, 3):
         out.append(f"ZeRO stage {p.zero} is not 0, 1, 2 or 3")
     return out
@@ -216,7 +229,7 @@ class Step:
     n: float            # tokens of one microbatch on one rank
     seqs_mb: int        # sequences per microbatch
     blocks: tuple       # blocks of each pipeline stage
-    V: int              # model chunks per rank (interleaved), else 1
+    V: int              # model chunks per rank (interleaved, zbv), else 1
     ckpt: bool          # forward recomputed in backward
     sp: bool            # sequence parallelism (fused kernels with tp only)
 
@@ -234,7 +247,7 @@ class Step:
         share = min(1.0, mc.cores / (p.devices + mc.load)) if mc.cores else 1.0
         seqs_mb = global_batch_tokens // m.seq_len // p.dp // p.microbatches
         return Step(m, mc, p, pr, minidist, share, seqs_mb * m.seq_len / p.cp, seqs_mb, stage_blocks(m.layers, p.pp),
-                    p.virtual_stages if p.schedule == "interleaved" and p.pp > 1 else 1,
+                    p.virtual_stages if p.schedule in CHUNKED and p.pp > 1 else 1,
                     # minidist's ZeRO-3 recomputes every block in backward (parallel/data/fsdp.py)
                     p.checkpoint_activations or (minidist and p.zero == 3),
                     p.sequence_parallel and p.tp > 1 and not minidist)
@@ -342,7 +355,9 @@ def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens
     msg = pp_message_time(s)
     # the fill and drain's messages are exposed; the steady state's where the machine cannot overlap
     pp_exposed = 2 * (p.pp - 1) * msg + (1 - mc.overlap) * 2 * s.V * M * msg
-    bubble = (p.pp - 1) / s.V * t_mb                               # = share (P-1)/(V M + P-1) of the pipeline
+    # the schedule's idle share b of the pipeline, with this stage's forward and backward: b/(1-b) x the work
+    share = theoretical_bubble(p.schedule, p.pp, M, s.V, t_forward=t_f, t_backward=work - t_f) if p.pp > 1 else 0.0
+    bubble = share / (1 - share) * M * t_mb                        # 1F1B: (P-1) t_mb; interleaved: (P-1)/V t_mb
     psi = _stage_params(m, p)
     window = M * work if p.zero == 3 else t_f * 3                  # what the reduction hides behind
     dp_exposed = max(0.0, dp_time(s, psi) - mc.overlap * window)
@@ -400,10 +415,18 @@ def minidist_block_values(m: ModelSpec, seq: int) -> float:
 
 
 def in_flight(p: Plan, stage: int = 0) -> float:
-    """Microbatches whose activations ``stage`` holds at its peak: GPipe all M; 1F1B P - r
-    (Narayanan et al. 2021); interleaved a share (P-1)/(P V) more for the chunks in warm-up."""
+    """Microbatches (of the whole stage) whose activations ``stage`` holds at its peak: GPipe
+    all M; 1F1B P - r (Narayanan et al. 2021); interleaved a share (P-1)/(P V) more for the
+    chunks in warm-up (Narayanan et al.: exact on the first stage; the simulator finds later
+    stages holding more, up to ((V-1)P+1)/V on the last, which the search's calibration
+    against the published meshes has not absorbed yet); the zero-bubble schedules their
+    simulated peak over their V chunks (schedules.peak_in_flight): zb-h1 P and zb-h2 2P-1 on
+    every stage (W keeps the activations), zbv P."""
     if p.pp == 1:
         return 1.0
+    if p.schedule in ("zb-h1", "zb-h2", "zbv"):
+        V = p.virtual_stages if p.schedule in CHUNKED else 1
+        return peak_in_flight(p.schedule, p.pp, p.microbatches, stage, V) / V
     if p.schedule == "gpipe":
         return float(p.microbatches)
     k = min(p.microbatches, p.pp - stage)

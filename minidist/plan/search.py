@@ -33,8 +33,12 @@ def meshes(model, devices: int, global_batch_tokens: int):
                     yield tp, cp, pp, dp
 
 
-def settings(model, tp, cp, pp, dp, global_batch_tokens: int, zeros=(0, 1, 2, 3), checkpoint=(False, True)):
-    """The step settings tried for one mesh."""
+def settings(model, tp, cp, pp, dp, global_batch_tokens: int, zeros=(0, 1, 2, 3), checkpoint=(False, True),
+             zero_bubble: bool = False):
+    """The step settings tried for one mesh: 1F1B and interleaved (what the published meshes
+    it is compared with ran), and with ``zero_bubble`` zb-h1, zb-h2 and zbv too (priced, but
+    not searched by default: their bubble assumes W as long as B, and the paper's zero
+    bubble also needs its optimizer post-validation)."""
     per_replica = global_batch_tokens // model.seq_len // dp
     sizes = [b for b in (1, 2, 4, 8) if per_replica % b == 0]
     schedules = [("1f1b", 1)]
@@ -44,6 +48,8 @@ def settings(model, tp, cp, pp, dp, global_batch_tokens: int, zeros=(0, 1, 2, 3)
         while v <= most:
             schedules.append(("interleaved", v))
             v *= 2
+        if zero_bubble:  # problems() drops the M and blocks they refuse
+            schedules += [("zb-h1", 1), ("zb-h2", 1), ("zbv", 2)]
     for b in sizes:
         M = per_replica // b
         for sched, v in schedules:

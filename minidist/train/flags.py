@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="microbatches per pipeline pass (default: 2 x --pp)")
     g.add_argument("--schedule", choices=list(ORDERS), default=None, help="pipeline schedule (default: 1f1b)")
     g.add_argument("--virtual-stages", type=POSITIVE, default=None, metavar="V",
-                   help="model chunks per rank, for the interleaved and looping schedules (default: 2 for them)")
+                   help="model chunks per rank, for the interleaved, looping and zbv schedules "
+                        "(default: 2 for them; zbv runs exactly 2)")
     c = p.add_argument_group("checkpoints (sharded: each rank writes what it owns; any mesh resumes)")
     c.add_argument("--save", default=None, metavar="DIR",
                    help="save checkpoints into DIR (an existing directory): DIR/step-NNNNNN, DIR/latest")
@@ -384,7 +385,8 @@ def memory_estimate(cfg: RunConfig) -> dict:
     rows = max(1, d.batch_size // p.dp)
     accum = dev.grad_accum
     if p.pp > 1:  # microbatches split the rows; only those in flight keep their activations
-        held = 2 * p.pp - 1 if p.schedule == "zb-h2" else p.pp * p.virtual_stages  # ZB-H2's longer warm-up
+        # ZB-H2's longer warm-up; ZB-V's 2P half-stage chunks are P microbatches' worth
+        held = {"zb-h2": 2 * p.pp - 1, "zbv": p.pp}.get(p.schedule, p.pp * p.virtual_stages)
         in_flight = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, held)
         accum = max(1, accum * p.microbatches // in_flight)
     est = training_memory_bytes(-(-m.layers // p.pp), m.d_model, m.heads, d.seq_len // p.cp, m.block_size, rows,

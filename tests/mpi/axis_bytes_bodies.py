@@ -17,7 +17,7 @@ import numpy as np
 from minidist import comm
 from minidist.comm.stats import bytes_by_group, reset_stats, stats
 from minidist.layout import traffic
-from minidist.layout.schedules import rank_stages
+from minidist.layout.schedules import placement_of, rank_stages
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "8",
         "--dtype", "float64", "--steps", "2", "--eval-every", "0", "--quiet"]
@@ -117,7 +117,7 @@ def measure_steps(flags, steps=2) -> tuple:
     model, strategy, cfg, mesh = build(TINY + flags)
     m, p = cfg.model, cfg.parallel
     if p.zero != 3:  # the formula's parameter list is what this rank holds (ZeRO-3 keeps only shards)
-        stages = rank_stages(mesh.coord("pp"), p.pp, p.virtual_stages)
+        stages = rank_stages(mesh.coord("pp"), p.pp, p.virtual_stages, placement_of(p.schedule))
         want = traffic.param_numels(m.layers, m.d_model, 256, m.block_size, not m.untied, p.tp, stages,
                                     p.pp * p.virtual_stages)
         assert [q.size for q in model.parameters()] == want, ([q.size for q in model.parameters()], want)
@@ -202,6 +202,8 @@ MIXED = [
     ["--dp", "2", "--cp", "2", "--mixed-precision", "bf16"],
     ["--tp", "2", "--cp", "2", "--cp-impl", "ulysses", "--heads", "4", "--mixed-precision", "fp16"],
     ["--dp", "2", "--tp", "2", "--zero", "3", "--mixed-precision", "bf16"],
+    # ZB-V: one activation message fewer per direction (the V turns on rank 1), no tied-gradient swap
+    ["--dp", "2", "--pp", "2", "--schedule", "zbv", "--layers", "4", "--microbatches", "3", "--mixed-precision", "bf16"],
 ]
 
 

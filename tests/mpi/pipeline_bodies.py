@@ -132,6 +132,9 @@ def equal_to_serial():
     for schedule in ("interleaved", "looping"):
         M = max(P, 2)
         configs.append(dict(schedule=schedule, M=M, V=2, layers=2 * P))
+    # ZB-V: both ends on rank 0 (tied: one copy), its fewest microbatches 2P-1 and 2P, untied
+    configs += [dict(schedule="zbv", M=2 * P - 1, V=2, layers=2 * P),
+                dict(schedule="zbv", M=2 * P, V=2, layers=2 * P, untied=True)]
     if P == 2:
         configs += [
             dict(schedule="1f1b", M=4, layers=4, ckpt=True),
@@ -142,6 +145,8 @@ def equal_to_serial():
             dict(schedule="looping", M=4, V=2, layers=8),
             dict(schedule="zb-h1", M=2, layers=4, ckpt=True, untied=True, accum=2, clip=0.05),
             dict(schedule="zb-h2", M=4, layers=4, ckpt=True),
+            dict(schedule="zbv", M=3, V=2, layers=4, accum=2, clip=0.05),
+            dict(schedule="zbv", M=4, V=2, layers=8, ckpt=True, untied=True, accum=2),
         ]
     worst = 0.0
     for cfg in configs:
@@ -239,6 +244,8 @@ def train_path_matrix():
         dict(schedule="naive", microbatches=2, zero=1, grad_accum=2),
         dict(schedule="zb-h1", microbatches=2, bucket_mb=0),
         dict(schedule="zb-h2", microbatches=2, zero=2, grad_accum=2, untied=True),
+        dict(schedule="zbv", microbatches=3, layers=4, zero=1, bucket_mb=0),
+        dict(schedule="zbv", microbatches=4, layers=4, untied=True, grad_accum=2 if dp == 1 else 1),
     ]
     worst = 0.0
     for cfg in configs:

@@ -3,7 +3,7 @@
 Start reading at ``minidist/layout/schedules.py``:
 
 * :mod:`minidist.layout.schedules` - schedules as pure data (naive, GPipe, 1F1B, interleaved,
-  looping, zero-bubble zb-h1 / zb-h2) and the pipeline flags' checks; no MPI.
+  looping, zero-bubble zb-h1 / zb-h2 / zbv) and the pipeline flags' checks; no MPI.
 * :mod:`minidist.layout.simulate` - a schedule run on a clock, which checks it, and its text /
   matplotlib chart (``python -m minidist.layout.simulate``); no MPI.
 * :mod:`.runtime` - one runtime that executes any schedule for this rank's stage(s).

@@ -1,9 +1,10 @@
 """One pipeline runtime: execute any schedule (``schedules.py``) for this rank's stage(s).
 
 Each rank of the pipeline group holds ``V`` chunks of consecutive blocks (model stage
-``c*P + rank`` for chunk ``c``; ``V = 1`` except for the looped schedules); the first model
-stage also runs the embedding, the last one the final LayerNorm, the head and the loss.  The
-runtime walks this rank's list of actions:
+``c*P + rank`` for chunk ``c``, or ZB-V's V shape, where chunk 1 holds stage ``2P-1-rank``:
+``schedules.model_stage``; ``V = 1`` except for the looped schedules and ZB-V); the first
+model stage also runs the embedding, the last one the final LayerNorm, the head and the
+loss.  The runtime walks this rank's list of actions:
 
 * ``F m c``: run chunk ``c`` on microbatch ``m`` (from the token ids on the first stage,
   else from the activation received) and keep its graph for the backward;
@@ -24,6 +25,8 @@ single-process run (gradient accumulation: GPipe, Huang et al. 2019).  With tied
 the token embedding ``wte`` is used by the first stage (embedding) and the last (head): both
 ranks hold a copy, and :meth:`PipelineRuntime.reduce_tied_gradients` sums the two partial
 gradients between them (Megatron-LM's embedding group), so both copies take the same update.
+ZB-V puts the first and the last stage on rank 0: one copy, whose gradient adds both uses
+as in the serial model, and nothing to exchange.
 
 Every rank builds the whole GPT from the seed (weights are drawn per name in their global
 shape, so they equal the serial model's) and then drops what it does not run: its memory
@@ -47,7 +50,7 @@ from minidist.model.autograd import Parameter, Tensor, deferred_weight_grads, no
 from minidist.model.backend import dtype as backend_dtype, host, host_read, xp
 from minidist.layout.split import shard
 from minidist.layout.schedules import (BACKWARD, FORWARD, WEIGHT, Action, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
-                                       layer_range, make_schedule, message_tag, model_stage,
+                                       layer_range, make_schedule, message_tag, rank_stages,
                                        schedule_problem, splits_backward, stage_location, theoretical_bubble)
 
 
@@ -85,9 +88,11 @@ class PipelineRuntime:
         self.S = P * virtual_stages
         self.schedule = make_schedule(schedule, P, num_microbatches, virtual_stages)
         self.actions = self.schedule.actions[self.rank]
-        self.stages = [model_stage(self.rank, c, P) for c in range(self.V)]
+        self.placement = self.schedule.placement
+        self.stages = rank_stages(self.rank, P, self.V, self.placement)
         self.blocks = [[model.h[i] for i in layer_range(s, L, self.S)] for s in self.stages]
         self.is_first, self.is_last = 0 in self.stages, self.S - 1 in self.stages
+        self.last_rank = self._holder(self.S - 1)  # the loss's rank: P-1, or 0 with the V shape
         self.tied = model.lm_head is None
         self.split = splits_backward(schedule)
         # each chunk's last B and last W (the last one wins): its gradients are final there
@@ -200,7 +205,7 @@ class PipelineRuntime:
                 on_device += loss
             total = host_read(on_device, "loss")
         if self.P > 1:
-            total = comm.broadcast(total, self.group, root=self.P - 1)
+            total = comm.broadcast(total, self.group, root=self.last_rank)
         return float(total[0])
 
     # ---------------------------------------------------------------- the compute actions
@@ -260,10 +265,14 @@ class PipelineRuntime:
     def _hand_over(self, key, array):
         """Give a tensor to stage ``key[2]``: directly if it lives on this rank, else leave it
         for the send action that follows in the schedule."""
-        if stage_location(key[2], self.P)[0] == self.rank:
+        if self._holder(key[2]) == self.rank:
             self._inbox[key] = array
         else:
             self._outbox[key] = array
+
+    def _holder(self, stage: int) -> int:
+        """The pipeline rank that holds model ``stage`` (this schedule's placement)."""
+        return stage_location(stage, self.P, self.placement)[0]
 
     # ------------------------------------------------------------------- the messages
     def _key(self, a):
@@ -314,21 +323,32 @@ class PipelineRuntime:
         The first stage's ``wte.grad`` comes from the embedding lookup, the last stage's from
         the head; their sum is the serial model's gradient, and both ranks end with it (a + b
         equals b + a exactly, so the two copies stay bit-identical).  The strategy runs this
-        before the data-parallel reduction, on the full local gradients (parallel/strategy.py)."""
+        before the data-parallel reduction, on the full local gradients (parallel/strategy.py).
+        Nothing to do where one rank holds both ends (one rank; ZB-V's rank 0)."""
         w = self.tied_weight()
         if w is None:
             return
         if w.grad is None:
             w.grad = xp.zeros_like(w.data)
-        peer = self.P - 1 if self.is_first else 0
+        peer = self.last_rank if self.is_first else 0
         w.grad += comm.sendrecv(w.grad, peer, peer, self.group, tag=TIED_TAG)
 
     def tied_weight(self):
         """The tied embedding weight when this rank holds one of its two copies (the first
-        stage's lookup table, the last stage's head), else None."""
-        if not self.tied or self.P == 1 or not (self.is_first or self.is_last):
+        stage's lookup table, the last stage's head), else None (also where one rank holds
+        both ends, so there is a single copy)."""
+        if not self.tied or self.is_first == self.is_last:
             return None
         return self.model.wte.weight
+
+    def held_weights(self) -> list:
+        """Parameters whose gradient is not final inside any chunk's last-backward window, so
+        data parallelism must reduce them only after the pass: the tied embedding wherever a
+        pipeline rank holds it (a copy whose two parts are added after the pass, or ZB-V's
+        rank 0, where the head's chunk finishes before the embedding's chunk adds its part)."""
+        if not self.tied or self.P == 1 or not (self.is_first or self.is_last):
+            return []
+        return [self.model.wte.weight]
 
     # ------------------------------------------------------------------- evaluation
     def evaluate(self, x, y, low_dtype=None) -> float:
@@ -340,18 +360,18 @@ class PipelineRuntime:
                 if s == 0:
                     h = self.model.embed(x)
                 else:
-                    prev = stage_location(s - 1, self.P)[0]
+                    prev = self._holder(s - 1)
                     if prev != self.rank:
                         dtype = low_dtype if low_dtype is not None else self._param_dtype()
                         h = Tensor(comm.recv(self._activation_shape(x), dtype, prev, self.group, tag=EVAL_TAG))
                 h = self.model.run_blocks(h, self.blocks[c])
                 if s == self.S - 1:
                     loss = float(host_read(self.model.loss(self.model.head(h), y).data, "validation loss"))
-                elif stage_location(s + 1, self.P)[0] != self.rank:
-                    comm.send(h.data, stage_location(s + 1, self.P)[0], self.group, tag=EVAL_TAG)
+                elif self._holder(s + 1) != self.rank:
+                    comm.send(h.data, self._holder(s + 1), self.group, tag=EVAL_TAG)
         total = host.asarray([loss if self.is_last else 0.0], dtype=host.float64)
         if self.P > 1:
-            total = comm.broadcast(total, self.group, root=self.P - 1)
+            total = comm.broadcast(total, self.group, root=self.last_rank)
         return float(total[0])
 
 
