@@ -57,7 +57,8 @@ PARTS = [
          "(simulated 1 Gbit/s link), tp=2 vs 1 rank", [], ["--quick"], full_s=30, quick_s=3),
     Part("context", "bench_context.py", "long sequences: blockwise vs plain attention, ring vs Ulysses vs one rank",
          [], ["--quick"], full_s=120, quick_s=8),
-    Part("pipeline", "bench_pipeline.py", "pipeline schedules (zero-bubble ones too): measured bubble vs formula, tokens/s vs one rank",
+    Part("pipeline", "bench_pipeline.py", "pipeline schedules (zero-bubble ones too): measured bubble vs formula, "
+         "tokens/s vs one rank",
          [], ["--quick"], full_s=400, quick_s=4),
     Part("compose", "bench_compose.py", "4D composition on 4 ranks: dp4, dp2·tp2, pp2·tp2, tp2·cp2 vs one rank; "
          "bytes per axis vs the formulas", [], ["--quick"], full_s=120, quick_s=10),
