@@ -29,10 +29,21 @@ def matplotlib():
 
 
 @pytest.mark.mpi
-def test_pipeline_trace_draws_measured_and_simulated_charts(tmp_path, matplotlib):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pipeline_trace_draws_measured_and_simulated_charts(tmp_path, matplotlib, schedule):
     trace = tmp_path / "trace.json"
-    proc = run_train(2, ["--pp", "2", "--microbatches", "4", *TINY, "--trace", str(trace)], timeout=180)
+    proc = run_train(2, ["--pp", "2", "--microbatches", "4", "--schedule", schedule, *TINY, "--trace", str(trace)],
+                     timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    if schedule == "zb-h1":  # the weight gradients are spans of their own, and the simulation runs them
+        from minidist.observe import plot as plot_module
+
+        doc = plot_module.load(str(trace))
+        weights = [e for e in doc["traceEvents"] if e.get("cat") == "compute" and e["name"].startswith("W")]
+        assert len(weights) == 2 * 4 * 2, len(weights)  # 2 ranks x 4 microbatches x 2 steps
+        t0, t1 = plot_module.window(doc, "last")
+        _, rows, _ = plot_module.simulated(doc, plot_module.pipeline_timelines(doc, t0, t1))
+        assert [sum(op == "weight" for _, _, op, *_ in row) for row in rows] == [4, 4], rows
     out = tmp_path / "timeline.png"
     res = plot(str(trace), "-o", str(out))
     assert res.returncode == 0, res.stderr

@@ -25,11 +25,11 @@ import json
 import sys
 
 COLOURS = {  # kind -> colour (forward light, backward dark: the lecture's pipeline figures)
-    "forward": "#9ecae1", "backward": "#2171b5", "compute": "#6baed6", "optimizer": "#41ab5d",
+    "forward": "#9ecae1", "backward": "#2171b5", "weight": "#6a51a3", "compute": "#6baed6", "optimizer": "#41ab5d",
     "bubble": "#f0f0f0", "collective": "#fd8d3c", "wait": "#d94801", "p2p": "#9e9ac8",
     "message": "#dadaeb", "staging": "#8c6d31", "sync": "#e7298a", "step": "#ffffff", "eval": "#bdbdbd",
 }
-LEGEND = [("forward", "forward"), ("backward", "backward"), ("optimizer", "optimizer"),
+LEGEND = [("forward", "forward"), ("backward", "backward"), ("weight", "weight gradients (W)"), ("optimizer", "optimizer"),
           ("bubble", "idle (waits for input)"), ("collective", "collective"), ("wait", "wait on async collective"),
           ("p2p", "p2p message"), ("staging", "host<->device copy"), ("sync", "host read (waits for the GPU)"),
           ("eval", "validation")]
@@ -38,7 +38,7 @@ LEGEND = [("forward", "forward"), ("backward", "backward"), ("optimizer", "optim
 def kind(e: dict) -> str:
     """The colour key of span ``e``."""
     op = (e.get("args") or {}).get("op")
-    if e["cat"] == "compute" and op in ("forward", "backward"):
+    if e["cat"] == "compute" and op in ("forward", "backward", "weight"):
         return op
     return e["cat"] if e["cat"] in COLOURS else "compute"
 
@@ -110,7 +110,7 @@ def draw_timeline(ax, doc: dict, t0: float, t1: float) -> None:
             start, width = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
             ax.broken_barh([(start, width)], (y - h / 2, h), facecolor=COLOURS[k], edgecolor="grey",
                            linewidth=0.3, hatch="//" if k == "bubble" else None)
-            if k in ("forward", "backward") and "microbatch" in e["args"] and d <= 1:
+            if k in ("forward", "backward", "weight") and "microbatch" in e["args"] and d <= 1:
                 ax.text(start + width / 2, y, str(e["args"]["microbatch"]), ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(tracks)))
     ax.set_yticklabels([label for label, _, _ in tracks], fontsize=7)
@@ -147,7 +147,7 @@ def draw_pipeline(ax, timelines, title: str) -> None:
     for r, row in enumerate(timelines):
         for start, end, op, m, chunk in row:
             ax.broken_barh([(start, end - start)], (r - 0.4, 0.8), facecolor=shades[chunk % len(shades)],
-                           alpha=0.45 if op == "forward" else 0.95, edgecolor="black", linewidth=0.5)
+                           alpha={"forward": 0.45, "weight": 0.7}.get(op, 0.95), edgecolor="black", linewidth=0.5)
             ax.text((start + end) / 2, r, str(m), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(timelines)))
     ax.set_yticklabels([f"stage {r}" for r in range(len(timelines))], fontsize=8)
@@ -155,21 +155,23 @@ def draw_pipeline(ax, timelines, title: str) -> None:
     ax.set_title(title, fontsize=9)
 
 
+OPS = {"F": "forward", "B": "backward", "W": "weight"}  # schedule action -> the trace's op
+
+
 def simulated(doc: dict, measured) -> tuple:
-    """The schedule's simulated timelines with the measured mean F and B times (ms), and its bubble."""
-    from minidist.layout.schedules import BACKWARD, make_schedule
+    """The schedule's simulated timelines with the measured mean F, B (and W) times (ms), and
+    its bubble."""
+    from minidist.layout.schedules import make_schedule
     from minidist.layout.simulate import simulate
 
     run = doc["otherData"]["run"]
     sched = make_schedule(run["schedule"], run["mesh"]["pp"], run["microbatches"], run["virtual_stages"])
-    f = [e - s for row in measured for s, e, op, *_ in row if op == "forward"]
-    b = [e - s for row in measured for s, e, op, *_ in row if op == "backward"]
-    V = sched.virtual_stages
-    t_f = V * sum(f) / max(len(f), 1)  # simulate() divides by V: one chunk's time is the mean measured
-    t_b = V * sum(b) / max(len(b), 1)
-    sim = simulate(sched, t_forward=t_f, t_backward=t_b)
-    rows_ = [[(s, e, "backward" if a.op == BACKWARD else "forward", a.microbatch, a.chunk) for s, e, a in row]
-             for row in sim.timeline]
+    mean = {}
+    for action, op in OPS.items():
+        times = [e - s for row in measured for s, e, o, *_ in row if o == op]
+        mean[action] = sum(times) / len(times) if times else 0.0
+    sim = simulate(sched, cost=lambda rank, a: mean[a.op])  # each action its kind's measured mean
+    rows_ = [[(s, e, OPS[a.op], a.microbatch, a.chunk) for s, e, a in row] for row in sim.timeline]
     return sched, rows_, sim
 
 
@@ -206,7 +208,7 @@ def plot(doc: dict, out: str, step: str = "last") -> str:
         draw_pipeline(axes[1][0], measured, f"measured: {sched.name}, P={sched.num_stages} M={sched.num_microbatches}"
                       f"{f' V={sched.virtual_stages}' if sched.virtual_stages > 1 else ''}, "
                       f"bubble {100 * real_bubble:.0f}% of the stages' span")
-        draw_pipeline(axes[2][0], sim_rows, f"simulated with the measured mean forward / backward times: "
+        draw_pipeline(axes[2][0], sim_rows, f"simulated with the measured mean forward / backward (/ W) times: "
                       f"bubble {100 * sim.mean_bubble:.0f}%")
         for a in (axes[1][0], axes[2][0]):
             a.set_xlim(0, end)

@@ -108,8 +108,8 @@ class Tracer:
     def wrap(self, strategy) -> None:
         """Time what a training step runs, at the seams the model and the strategy name:
         each micro-batch's forward and backward (``Strategy.micro_forward`` / ``micro_backward``)
-        or, with a pipeline, each F and B of the schedule and each wait for a stage's input (the
-        bubble), and each transformer block's forward (``model.block_runner``; backward runs in
+        or, with a pipeline, each F, B and W (zero-bubble schedules' weight gradients) of the
+        schedule and each wait for a stage's input (the bubble), and each transformer block's forward (``model.block_runner``; backward runs in
         the autograd graph, inside the micro-batch's backward span).  The code timed holds no
         tracing of its own: these wrappers are the instrument."""
         from minidist.layout.schedules import RECV_ACT
@@ -124,7 +124,7 @@ class Tracer:
                  ] if pipe is None else [
             (pipe, method, lambda m, c, op=op: (f"{op[0].upper()}{m}{chunk(c)}", "compute",
                                                 {"op": op, "microbatch": m, "chunk": c, "stage": pipe.stages[c]}))
-            for method, op in (("_forward", "forward"), ("_backward", "backward"))] + [
+            for method, op in (("_forward", "forward"), ("_backward", "backward"), ("_weights", "weight"))] + [
             (pipe, "_receive", lambda a: ("idle", "bubble", {"waits_for": "activation" if a.op == RECV_ACT else "gradient",
                                                              "microbatch": a.microbatch, "peer": a.peer}))]
         for owner, method, describe in seams:  # the strategy's or the pipeline's seam, timed
