@@ -58,12 +58,15 @@ STATES = ("param", "exp_avg", "exp_avg_sq", "momentum_buffer")  # the optimizers
 #: Fields of the model that a checkpoint's arrays depend on: a resumed run must agree on them
 #: (``rope_theta`` and ``norm_eps`` change no array: they are checked, not compared).
 MODEL_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "bias", "tie_embeddings", "dtype",
-                "arch", "n_kv_head", "ffn_hidden")
+                "arch", "n_kv_head", "ffn_hidden", "n_experts", "moe_every")
 #: How a checkpoint written before the Llama family reads: each field it lacks takes GPT-2's
 #: value, a function of the fields it has (GPT-2: a key/value head per query head, a 4 d MLP).
 LEGACY_DEFAULTS = {"arch": lambda m: "gpt2", "n_kv_head": lambda m: m["n_head"],
                    "ffn_hidden": lambda m: 4 * m["d_model"], "rope_theta": lambda m: ROPE_THETA,
-                   "norm_eps": lambda m: 1e-5}
+                   "norm_eps": lambda m: 1e-5, "n_experts": lambda m: 0, "moe_every": lambda m: 1,
+                   "top_k": lambda m: 2, "capacity_factor": lambda m: 0.0, "aux_loss_coef": lambda m: 0.01,
+                   "z_loss_coef": lambda m: 0.001}
+MAX_EXPERTS = 2**16  # a bound on what a checkpoint may claim, far above any mixture's
 MAX_METADATA_BYTES = 64 * 2**20  # far above any minidist run's (about 20 KB per layer and rank)
 MAX_LATEST_BYTES = 4096
 MAX_INT = 2**63 - 1  # every count, size and offset fits an int64
@@ -179,9 +182,16 @@ def parameter_count(model: dict) -> int:
     ``bias`` is false); Llama's two RMSNorms and six bias-free weights (q, k, v, o, gate|up,
     down), and it has no position table and no bias in the final norm."""
     untied = not model["tie_embeddings"]
-    if model["arch"] == "llama":
-        return 2 + untied + model["n_layer"] * 8
-    return 4 + untied + model["n_layer"] * (12 if model["bias"] else 8)
+    block = len(_llama_block(model) if model["arch"] == "llama" else _gpt2_block(model))
+    mlp = 2 if model["arch"] == "llama" else (4 if model["bias"] else 2)
+    moe = _moe_blocks(model)  # each: a router and n_experts MLPs instead of one
+    dense = (2 if model["arch"] == "llama" else 4) + untied + model["n_layer"] * block
+    return dense + moe * (1 + (model["n_experts"] - 1) * mlp)
+
+
+def _moe_blocks(model: dict) -> int:
+    """How many blocks hold a mixture of experts (model/moe.py's is_moe_block)."""
+    return model["n_layer"] // model["moe_every"] if model["n_experts"] else 0
 
 
 def parameter_shapes(model: dict) -> dict:
@@ -192,7 +202,14 @@ def parameter_shapes(model: dict) -> dict:
     block = _llama_block(model) if llama else _gpt2_block(model)
     out = {"wte.weight": (vocab, d)} if llama else {"wte.weight": (vocab, d), "wpe.weight": (model["seq_len"], d)}
     for i in range(model["n_layer"]):
-        out.update({f"h.{i}.{k}": s for k, s in block.items()})
+        if model["n_experts"] and (i + 1) % model["moe_every"] == 0:  # a mixture: router + experts
+            E = model["n_experts"]
+            out.update({f"h.{i}.{k}": s for k, s in block.items() if not k.startswith("mlp.")})
+            out[f"h.{i}.mlp.router.weight"] = (d, E)
+            out.update({f"h.{i}.mlp.experts.{e}.{k[4:]}": s for e in range(E) for k, s in block.items()
+                        if k.startswith("mlp.")})
+        else:
+            out.update({f"h.{i}.{k}": s for k, s in block.items()})
     out.update({"ln_f.weight": (d,)} if llama else {"ln_f.weight": (d,), "ln_f.bias": (d,)})
     if not model["tie_embeddings"]:
         out["lm_head.weight"] = (d, vocab)
@@ -339,9 +356,22 @@ class _Check:
             what = "n_kv_head" if K != H else "ffn_hidden"
             self.fail(f"model.{what}", f"is {model[what]}: GPT-2 has n_kv_head = n_head ({H}) and "
                       f"ffn_hidden = 4 d_model ({4 * model['d_model']})")
+        self.moe(model)
         if model["arch"] == "llama" and (model["d_model"] // H) % 2:
             self.fail("model.n_head", f"{H} gives heads of {model['d_model'] // H} features: rotary positions "
                       "need an even head dimension")
+
+    def moe(self, model: dict) -> None:
+        """The mixture-of-experts fields (model/moe.py), as ``nn.GPTConfig`` accepts them: the
+        experts (0: dense) and the blocks holding them, which decide the arrays; top-k (at most
+        the experts), the capacity factor and the two losses' weights, which do not."""
+        E = self.integer(model["n_experts"], "model.n_experts", lo=0, hi=MAX_EXPERTS)
+        self.integer(model["moe_every"], "model.moe_every", lo=1)
+        self.integer(model["top_k"], "model.top_k", lo=1, hi=E or MAX_INT)
+        for key in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
+            value = self.kind(model[key], (int, float), f"model.{key}", "a non-negative finite number")
+            if not 0 <= value <= sys.float_info.max:
+                self.fail(f"model.{key}", f"is {_show(value)}: must be a non-negative finite number")
 
     def tensor_names(self, tensors, model: dict) -> dict:
         """Check that the tensors are the model's parameters (all of them) and their optimizer
