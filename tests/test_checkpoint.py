@@ -397,3 +397,37 @@ def test_ctrl_c_with_save_writes_a_final_checkpoint(tmp_path, ranks, sig, words,
     assert {e["pid"] for e in events} == set(range(ranks or 1))
     steps = {e["name"] for e in events if e.get("ph") == "X" and e["name"].startswith("step ")}
     assert steps == {f"step {k}" for k in range(1, done + 1)}, steps
+
+
+MOE = ["--experts", "4", "--top-k", "1", "--capacity-factor", "1.5"]
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_of_expert_parallelism_resumes_on_one_process_and_another_ep(tmp_path):
+    """A mixture of 4 experts saved on dp4·ep2 with ZeRO-1 (each rank holds 2 experts of every
+    mixture; each expert's optimizer state sharded over the 2 ranks holding it), resumed on
+    one process and on dp2·ep2 without ZeRO: the trajectory and the parameters equal the
+    uninterrupted single-process run to 1e-9.  Every expert is written by the ranks of one
+    edp group only (under its global name and shape), and its parameter once."""
+    (tmp_path / "one").mkdir(), (tmp_path / "ck").mkdir()
+    straight, _ = _train(None, MOE + ["--save", str(tmp_path / "one")], tmp_path, "straight")
+    saved, _ = _train(4, MOE + ["--ep", "2", "--zero", "1", "--save", str(tmp_path / "ck"), "--save-every", "3"],
+                      tmp_path, "saved")
+    assert _rel(np.array(saved), np.array(straight)) < 1e-9
+    meta = json.loads((tmp_path / "ck" / "step-000003" / "metadata.json").read_text())
+    # ep groups {0, 1} and {2, 3}: experts 0-1 on ranks 0 and 2 (edp group {0, 2}), 2-3 on 1 and 3.
+    for e, files in enumerate([["rank-00000.bin"], ["rank-00000.bin"], ["rank-00001.bin"], ["rank-00001.bin"]]):
+        pieces = meta["tensors"][f"h.1.mlp.experts.{e}.c_fc.weight/param"]["pieces"]
+        assert [pc["file"] for pc in pieces] == files, (e, pieces)  # the first rank of its edp group
+        state = meta["tensors"][f"h.1.mlp.experts.{e}.c_fc.weight/exp_avg"]["pieces"]
+        assert {pc["file"] for pc in state} <= {files[0], f"rank-{int(files[0][5:10]) + 2:05d}.bin"}, (e, state)
+    want = _params(tmp_path / "one")
+    for i, (n, mesh) in enumerate([(None, []), (2, ["--ep", "2"])]):
+        out = tmp_path / f"resumed-{i}"
+        out.mkdir()
+        losses, _ = _train(n, MOE + mesh + ["--resume", str(tmp_path / "ck" / "step-000003"), "--save", str(out)],
+                           tmp_path, f"resumed-{i}")
+        assert len(losses) == 3 and _rel(np.array(losses), np.array(straight[3:])) < 1e-9, (mesh, losses, straight)
+        got = _params(out)
+        assert got.keys() == want.keys(), (mesh, sorted(got.keys() ^ want.keys()))
+        assert max(_rel(got[k], want[k]) for k in want) < 1e-9, mesh

@@ -408,7 +408,8 @@ def test_the_expected_shapes_are_the_models():
     for kw in ({}, {"bias": False}, {"tie_embeddings": False}, {"bias": False, "tie_embeddings": False},
                llama, {**llama, "n_kv_head": 2}, {**llama, "n_kv_head": 1, "ffn_hidden": 24},
                {**llama, "n_kv_head": 2, "tie_embeddings": True},
-               {"n_experts": 3, "top_k": 1}, {**llama, "n_kv_head": 2, "n_experts": 2, "moe_every": 2}):
+               {"n_experts": 3, "top_k": 1}, {"n_experts": 2, "moe_every": 2, "bias": False},
+               {**llama, "n_kv_head": 2, "n_experts": 2, "moe_every": 2, "tie_embeddings": False}):
         cfg = GPTConfig(**{"n_layer": 2, "d_model": 8, "n_head": 2, "seq_len": 4, **kw})
         model = {**vars(cfg)}
         got = {name: tuple(p.data.shape) for name, p in GPT(cfg).named_parameters()}

@@ -27,17 +27,24 @@ BODIES = os.path.join(os.path.dirname(__file__), "mpi", "compose_bodies.py")
 
 LLAMA = dict(arch="llama", kv_heads=2)  # 4 query heads, 2 key/value heads
 MQA = dict(arch="llama", kv_heads=1)    # one key/value head: with tp=2 each rank shares it (K < tp)
+# A mixture of 4 experts in every block; experts run on data-parallel ranks only, so its
+# variants ride along in 4-rank launches as dp4 meshes (expert parallelism splits dp: ep2, ep4).
+MOE = dict(experts=4)
 PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} where the design allows, GPT-2 and Llama
     "dp2-pp2": [dict(dp=2, pp=2, zero=0, bucket_mb=0.0, optimizer="sgd"),
                 dict(dp=2, pp=2, zero=1, schedule="gpipe", grad_accum=2),
                 dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, zero=3, schedule="interleaved", untied=True),
                 dict(dp=2, pp=2, zero=1, **LLAMA, grad_accum=2), dict(dp=2, pp=2, zero=3, schedule="zb-h1", untied=True),
-                dict(dp=2, pp=2, zero=1, schedule="zbv", microbatches=3), dict(dp=2, pp=2, zero=3, schedule="zbv", microbatches=3)],
+                dict(dp=2, pp=2, zero=1, schedule="zbv", microbatches=3), dict(dp=2, pp=2, zero=3, schedule="zbv", microbatches=3),
+                dict(dp=4, **MOE, ep=2, zero=1, capacity_factor=1.25, grad_accum=2, clip_grad=0.05, moe_every=2)],
     "dp2-tp2": [dict(dp=2, tp=2, zero=0, sequence_parallel=True), dict(dp=2, tp=2, zero=1, tp_async="ring", clip_grad=0.05),
                 dict(dp=2, tp=2, zero=3, checkpoint_activations=True),
-                dict(dp=2, tp=2, zero=3, **MQA, sequence_parallel=True, clip_grad=0.05)],
+                dict(dp=2, tp=2, zero=3, **MQA, sequence_parallel=True, clip_grad=0.05),
+                dict(dp=4, **MOE, ep=4, top_k=1, capacity_factor=1.0, zero=2, clip_grad=0.05),
+                dict(dp=4, **MOE, ep=2, zero=2, **LLAMA)],
     "dp2-cp2": [dict(dp=2, cp=2, zero=0), dict(dp=2, cp=2, zero=1, cp_impl="ulysses", optimizer="sgd"),
-                dict(dp=2, cp=2, zero=3, grad_accum=2), dict(dp=2, cp=2, zero=2, **LLAMA)],
+                dict(dp=2, cp=2, zero=3, grad_accum=2), dict(dp=2, cp=2, zero=2, **LLAMA),
+                dict(dp=4, **MOE, ep=2, top_k=2), dict(dp=4, **MOE, top_k=1)],
     "pp2-tp2": [dict(pp=2, tp=2, sequence_parallel=True),
                 dict(pp=2, tp=2, schedule="interleaved", tp_async="bidirectional", untied=True),
                 dict(pp=2, tp=2, **MQA, schedule="interleaved", checkpoint_activations=True),
@@ -100,12 +107,14 @@ FAULTS = [  # (variant, fault, what the failure must say)
                                  "nothing sent on the tp axis")),
     (dict(dp=2, cp=2, zero=1), "alone", ("bytes of optimizer state here", "the optimizer state adds up to",
                                          "nothing sent on the dp axis", "nothing sent on the cp axis")),
+    (dict(dp=4, experts=4, ep=2, zero=1), "alone", ("this rank holds experts", "ranks holding each expert",
+                                                    "nothing sent on the ep groups", "bytes of optimizer state here")),
 ]
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("variant, fault, says", FAULTS,
-                         ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in v.items() if k in ('dp', 'pp', 'tp', 'cp', 'mixed_precision', 'clip_grad'))}"
+                         ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in v.items() if k in ('dp', 'pp', 'tp', 'cp', 'ep', 'mixed_precision', 'clip_grad'))}"
                               for v, f, _ in FAULTS])
 def test_a_broken_run_fails_the_matrix(variant, fault, says):
     """The equivalence body, run with a bug injected into the parallel run only, must fail

@@ -214,6 +214,9 @@ def test_bad_moe_config_is_one_line_naming_the_value(kw, words):
     (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the --experts 2"),
     (["--experts", "2", "--capacity-factor", "-1"], "--capacity-factor: expected a finite number >= 0, got -1"),
     (["--experts", "2", "--tp", "2"], "--experts runs on data-parallel ranks only so far, not with --tp 2"),
+    (["--ep", "2"], "--ep 2 splits the experts of a mixture over ranks: it needs --experts E"),
+    (["--experts", "3", "--ep", "2"], "--ep 2 does not divide --experts 3"),
+    (["--experts", "4", "--ep", "2"], "--ep 2 does not divide the data-parallel ranks (--dp 1)"),
 ])
 def test_bad_moe_flags_exit_2_with_one_line(args, words):
     from minidist.train.testing import run_train
@@ -221,3 +224,22 @@ def test_bad_moe_flags_exit_2_with_one_line(args, words):
     done = run_train(None, args + ["--steps", "1"], timeout=60)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and words in lines[0], (done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize("flat, words", [
+    (dict(dp=6, experts=4, ep=3), "--ep 3 does not divide --experts 4"),
+    (dict(dp=2, experts=4, ep=4), "--ep 4 does not divide the data-parallel ranks (--dp 2)"),
+    (dict(dp=4, experts=4, ep=2, zero=3), "--experts does not run with --zero 3 yet"),
+    (dict(dp=4, experts=4, hsdp_shard=2), "--experts does not run with --hsdp-shard 2 yet"),
+    (dict(dp=4, experts=4, ep=2, zero=1), None),
+])
+def test_expert_parallel_settings_are_refused_before_any_message(flat, words):
+    """--ep's checks (parallel/expert/checks.py, gathered by compose.problems) are arithmetic
+    on the settings: every rank reaches them before any message.  ZeRO-3 runs a block without
+    its graph and recomputes it in backward, which loses the auxiliary losses: refused."""
+    from minidist.parallel.compose import problems
+    from minidist.train.config import RunConfig
+
+    sections = {"model": {"experts": flat.pop("experts")}, "parallel": flat}
+    found = problems(RunConfig().replace(**sections), flat["dp"])
+    assert (found == []) if words is None else (len(found) == 1 and words in found[0]), found

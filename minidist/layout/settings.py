@@ -78,6 +78,8 @@ class ParallelConfig:
     hsdp_shard: int | None = None
     bucket_mb: float | None = None    # None: 25 (PyTorch DDP's default)
     overlap: bool = True              # False: --no-overlap
+    # expert parallelism (parallel/expert/): each mixture's experts split over ep ranks of ("dp", "cp")
+    ep: int = 1
     # tensor parallelism
     sequence_parallel: bool = False
     tp_async: str | None = None       # None | ring | bidirectional

@@ -80,9 +80,12 @@ def combine_rows(rows: Tensor, idx, n: int) -> Tensor:
 
 
 def run_local_experts(experts, xs: Tensor, counts) -> Tensor:
-    """The rows of ``xs`` sorted by expert, ``counts[e]`` for expert e: each expert on its own."""
+    """The rows of ``xs`` sorted by expert, ``counts[e]`` for expert e: each expert on its own.
+    An expert no token chose runs on zero rows: its gradient is zeros rather than missing, as
+    data parallelism counts a missing gradient, so one process and N ranks take the same step
+    (AdamW's moments and weight decay move for it too) and the gradient hooks fire alike."""
     parts = ops.split(xs, [int(c) for c in counts], axis=0)
-    return ops.concat([experts[e](p) if counts[e] else p for e, p in enumerate(parts)], axis=0)
+    return ops.concat([experts[e](p) for e, p in enumerate(parts)], axis=0)
 
 
 class Route:

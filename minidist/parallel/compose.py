@@ -9,11 +9,14 @@ GPUs).  :func:`build` does it in the order each axis needs the one before:
 2. **context** (Ring Attention / DeepSpeed-Ulysses): every block's attention and the token
    positions become those of this rank's part of each sequence;
 3. **pipeline** (GPipe, 1F1B, interleaved): the model keeps only this rank's stage;
-4. **data** (DDP, ZeRO-1/2, ZeRO-3 = FSDP, HSDP): the gradients of what is left are reduced
+4. **expert** (GShard; ``--ep``): every mixture keeps only this rank's share of its experts,
+   split over ``ep`` ranks of the ``("dp", "cp")`` group, and sends tokens to them and back;
+5. **data** (DDP, ZeRO-1/2, ZeRO-3 = FSDP, HSDP): the gradients of what is left are reduced
    over the ``("dp", "cp")`` group -- the ranks that hold the same parameters and see different
    tokens -- each rank reducing (or sharding) *its* tensor-parallel slices, as FSDP2 x TP does
-   in torchtitan;
-5. the loop's :class:`~minidist.parallel.strategy.Strategy`, the same interface for every mesh.
+   in torchtitan; with expert parallelism the experts' gradients over the ranks holding the
+   same experts instead (Megatron Core's expert data parallelism);
+6. the loop's :class:`~minidist.parallel.strategy.Strategy`, the same interface for every mesh.
 
 Which axes compose with which is one table, :data:`COMPOSES` (the README's table is checked
 against it by a test); each axis checks its own settings in its own module (``problems``).
@@ -28,11 +31,19 @@ from minidist.layout.mesh import AXES
 MODEL_AXES = tuple(a for a in AXES if a != "dp")  # the axes that split the model, in the mesh's order
 
 #: Every pair of axes and every data-parallel flavour, with "yes" or the reason it is refused.
-#: The target of the design is no refusal at all; each entry is tested by the equivalence matrix.
+#: The target of the design is no refusal at all; each "yes" is tested by the equivalence matrix, each
+#: refusal by a test of its one-line message.
 COMPOSES = {
     **{pair: "yes" for pair in combinations(AXES, 2)},
     **{("zero", axis): "yes" for axis in MODEL_AXES},
     **{("hsdp", axis): "yes" for axis in MODEL_AXES},
+    # Expert parallelism (--ep, parallel/expert/) splits the experts over data-parallel ranks;
+    # the mixture of experts itself runs on data-parallel ranks only so far (docs/moe.md).
+    ("ep", "dp"): "yes (DDP, ZeRO-1/2)",
+    ("ep", "zero3"): "no: ZeRO-3 recomputes each block in backward, losing the auxiliary losses",
+    ("ep", "pp"): "no: a stage's auxiliary losses would have to join the last stage's loss",
+    ("ep", "cp"): "no: capacity and the load-balancing loss are per sequence, a cp rank sees part of one",
+    ("ep", "tp"): "no: the experts are not split over tp",
 }
 
 
@@ -41,7 +52,8 @@ def composition_table() -> str:
     rows = ["| axes | composes |", "|---|---|"]
     for (a, b), verdict in COMPOSES.items():
         name = {"zero": "ZeRO-1/2/3", "hsdp": "HSDP"}.get(a, f"--{a}")
-        rows.append(f"| {name} x --{b} | {verdict} |")
+        other = "ZeRO-3 / HSDP" if b == "zero3" else f"--{b}"
+        rows.append(f"| {name} x {other} | {verdict} |")
     return "\n".join(rows)
 
 
@@ -49,14 +61,14 @@ def problems(given, world_size: int) -> list[str]:
     """Every reason the run configuration ``given`` (as the user gave it: None = not given)
     cannot run on ``world_size`` ranks, one line each; [] if it can.  Pure arithmetic on the
     settings, so every rank reaches the same verdict before any message is sent."""
-    from minidist.parallel import context, data, tensor
+    from minidist.parallel import context, data, expert, tensor
     from minidist.layout import schedules
 
     out = _mesh_problems(given.parallel, world_size)
     if out:
         return out  # the other checks need a mesh that fits
     cfg = given.resolved(world_size)
-    for axis in (data, tensor, context, schedules):
+    for axis in (data, expert, tensor, context, schedules):
         out += axis.problems(given, cfg)
     return out
 
@@ -80,16 +92,19 @@ def build(cfg, mesh=None):
     """``(model, strategy)`` for the resolved run configuration ``cfg`` on ``mesh`` (a
     ``comm.Mesh``; None for one process).  Collective over the mesh: every rank calls it."""
     from minidist.model.nn import GPT
-    from minidist.parallel import context, data, pipeline, tensor
+    from minidist.parallel import context, data, expert, pipeline, tensor
     from minidist.parallel.strategy import Strategy
 
     model = GPT(model_config(cfg), tensor.apply(cfg, mesh))                   # 1. tensor
     model.checkpoint_activations = cfg.device.checkpoint_activations
     sequence = context.apply(model, cfg, mesh)                                 # 2. context
     stages = pipeline.apply(model, cfg, mesh)                                  # 3. pipeline
-    optimizer = make_optimizer(cfg.optim, model.parameters())
-    replicas = data.apply(model, optimizer, cfg.parallel, mesh)                # 4. data
-    return model, Strategy(model, replicas, mesh, sequence, stages)            # 5. the loop's interface
+    experts = expert.apply(model, cfg, mesh)                                   # 4. expert
+    mine = set() if experts is None else {id(p) for p in experts.params}
+    optimizer = make_optimizer(cfg.optim, [p for p in model.parameters() if id(p) not in mine])
+    expert_optimizer = make_optimizer(cfg.optim, experts.params) if experts is not None else None
+    replicas = data.apply(model, optimizer, cfg.parallel, mesh, experts, expert_optimizer)  # 5. data
+    return model, Strategy(model, replicas, mesh, sequence, stages)            # 6. the loop's interface
 
 
 def model_config(cfg):

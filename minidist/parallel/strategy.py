@@ -144,11 +144,10 @@ class Strategy:
 
         Each rank adds the squares of the gradients it is the one to count -- its tp slices,
         a tp-replicated gradient on tp rank 0 only, a data-parallel replica's gradients on
-        one replica only (ZeRO's shards on every rank: they are disjoint), the tied
-        embedding on the first stage only -- and one sum over the world gives the norm."""
-        sq = 0.0
-        if self.data.counts_in_norm:
-            sq = total_sum_of_squares(g for p, g in self.data.grad_segments() if self._counted(p))  # one sync
+        one replica only (ZeRO's shards on every rank: they are disjoint), an expert's on
+        one rank of the edp group that holds it, the tied embedding on the first stage
+        only -- and one sum over the world gives the norm."""
+        sq = total_sum_of_squares(g for p, g in self.data.norm_segments() if self._counted(p))  # one sync
         if self.world is not None:
             sq = reduce_sum(sq, self.world)
         total = math.sqrt(sq)

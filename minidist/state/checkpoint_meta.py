@@ -63,10 +63,10 @@ MODEL_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "bias",
 #: value, a function of the fields it has (GPT-2: a key/value head per query head, a 4 d MLP).
 LEGACY_DEFAULTS = {"arch": lambda m: "gpt2", "n_kv_head": lambda m: m["n_head"],
                    "ffn_hidden": lambda m: 4 * m["d_model"], "rope_theta": lambda m: ROPE_THETA,
-                   "norm_eps": lambda m: 1e-5,
-                   # ... and one written before the mixture of experts is dense
-                   "n_experts": lambda m: 0, "top_k": lambda m: 2, "moe_every": lambda m: 1,
-                   "capacity_factor": lambda m: 0.0, "aux_loss_coef": lambda m: 0.01, "z_loss_coef": lambda m: 0.001}
+                   "norm_eps": lambda m: 1e-5, "n_experts": lambda m: 0, "moe_every": lambda m: 1,
+                   "top_k": lambda m: 2, "capacity_factor": lambda m: 0.0, "aux_loss_coef": lambda m: 0.01,
+                   "z_loss_coef": lambda m: 0.001}
+MAX_EXPERTS = 2**16  # a bound on what a checkpoint may claim, far above any mixture's
 MAX_METADATA_BYTES = 64 * 2**20  # far above any minidist run's (about 20 KB per layer and rank)
 MAX_LATEST_BYTES = 4096
 MAX_INT = 2**63 - 1  # every count, size and offset fits an int64
@@ -350,18 +350,18 @@ class _Check:
             what = "n_kv_head" if K != H else "ffn_hidden"
             self.fail(f"model.{what}", f"is {model[what]}: GPT-2 has n_kv_head = n_head ({H}) and "
                       f"ffn_hidden = 4 d_model ({4 * model['d_model']})")
+        self.moe(model)
         if model["arch"] == "llama" and (model["d_model"] // H) % 2:
             self.fail("model.n_head", f"{H} gives heads of {model['d_model'] // H} features: rotary positions "
                       "need an even head dimension")
-        self.experts(model)
 
-    def experts(self, model: dict) -> None:
-        """The mixture of experts' fields (n_experts 0: dense), as ``nn.GPTConfig`` accepts them."""
-        E = self.integer(model["n_experts"], "model.n_experts")
-        k = self.integer(model["top_k"], "model.top_k", lo=1)
-        if E and k > E:
-            self.fail("model.top_k", f"is {k}: more than the model.n_experts {E}")
+    def moe(self, model: dict) -> None:
+        """The mixture-of-experts fields (model/moe.py), as ``nn.GPTConfig`` accepts them: the
+        experts (0: dense) and the blocks holding them, which decide the arrays; top-k (at most
+        the experts), the capacity factor and the two losses' weights, which do not."""
+        E = self.integer(model["n_experts"], "model.n_experts", lo=0, hi=MAX_EXPERTS)
         self.integer(model["moe_every"], "model.moe_every", lo=1)
+        self.integer(model["top_k"], "model.top_k", lo=1, hi=E or MAX_INT)
         for key in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
             value = self.kind(model[key], (int, float), f"model.{key}", "a non-negative finite number")
             if not 0 <= value <= sys.float_info.max:

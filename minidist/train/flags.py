@@ -47,6 +47,7 @@ EXAMPLES = """examples (after make install, with .venv/bin first on PATH: it hol
   mpiexec -n 4 minidist-train --hsdp-shard 2                  HSDP: ZeRO-3 in pairs, 2 replicas
   mpiexec -n 4 minidist-train --pp 2 --dp 2 --schedule 1f1b   pipeline of 2 stages x 2 replicas
   mpiexec -n 4 minidist-train --tp 2 --cp 2 --cp-impl ulysses tensor x context parallelism
+  mpiexec -n 4 minidist-train --experts 8 --ep 2 --zero 1     8 experts, 4 per rank, over 4 data-parallel ranks
 
 Bad input (a value out of range, a missing file, an output that would overwrite --data, a
 model too large for memory) stops the run before any work with one message and exit code 2.
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the load-balancing loss (default: 0.01)")
     e.add_argument("--z-loss-coef", type=float_in(0), default=None, metavar="X",
                    help="weight of the router z-loss (default: 0.001)")
+    e.add_argument("--ep", type=POSITIVE, default=1, metavar="N",
+                   help="expert parallelism (run under mpiexec): each mixture's experts split over N ranks of the "
+                        "data-parallel group, tokens sent to their experts and back (all-to-all); N divides "
+                        "--experts and the data-parallel ranks")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, metavar="FILE|DIR",
                    help="text file to train on as bytes, or a directory of token shards (python -m "

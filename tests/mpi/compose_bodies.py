@@ -72,7 +72,7 @@ def _rel(a, b) -> float:
 
 def _one_process(cfg):
     """``cfg`` on one process: the same model, data and global batch."""
-    one = dataclasses.replace(cfg.parallel, dp=1, pp=1, tp=1, cp=1, zero=None, hsdp_shard=None,
+    one = dataclasses.replace(cfg.parallel, dp=1, pp=1, tp=1, cp=1, ep=1, zero=None, hsdp_shard=None,
                               sequence_parallel=False, tp_async=None, cp_impl=None, schedule=None,
                               microbatches=None, virtual_stages=None)
     return dataclasses.replace(cfg, parallel=one).resolved(1)
@@ -170,14 +170,32 @@ def check_split(cfg, got, ref, label):
         wrong.append(f"this rank holds blocks {held} of {cfg.model.layers} (pp={p.pp})")
     if np.any(per_block != world.size // p.pp):
         wrong.append(f"ranks holding each block: {per_block.tolist()}, want {world.size // p.pp}")
-    # ZeRO: bytes of optimizer state per parameter element, from the one-process run.
+    experts = {k for k in got.params if ".experts." in k} if p.ep > 1 else set()
+    if p.ep > 1:  # expert parallelism: each expert of each mixture on world / ep ranks, E / ep here
+        mixtures = {k.split(".")[1] for k in experts}
+        held_experts = sorted({tuple(k.split(".")[1:5:3]) for k in experts})  # (block, expert)
+        holders = {}
+        for pairs in world.allgather(held_experts):
+            for pair in pairs:
+                holders[pair] = holders.get(pair, 0) + 1
+        if any(len([e for b, e in held_experts if b == m]) != cfg.model.experts // p.ep for m in mixtures):
+            wrong.append(f"this rank holds experts {held_experts} (ep={p.ep}, {cfg.model.experts} experts)")
+        if set(holders.values()) != {world.size // p.ep}:
+            wrong.append(f"ranks holding each expert: {sorted(set(holders.values()))}, want {world.size // p.ep}")
+        if not sum(v for g, v in got.sent.items() if ".ep" in g):
+            wrong.append(f"nothing sent on the ep groups (bytes by group: {got.sent})")
+    # ZeRO: bytes of optimizer state per parameter element, from the one-process run; the
+    # experts' state is sharded over the ranks holding the same experts (dp x cp / ep).
     per_element = ref.state_bytes["optimizer"] / sum(v.size for v in ref.params.values())
     n = (p.hsdp_shard or p.dp * p.cp) if p.zero else 1
-    full = per_element * sum(numel.values())
-    mine = got.state_bytes["optimizer"]
-    if abs(mine - full / n) > per_element * len(numel):
-        wrong.append(f"{mine} bytes of optimizer state here, want {full / n:.0f} (1/{n} of {full:.0f})")
-    total, want = world.allreduce(mine), world.allreduce(full / n)
+    n_experts = p.dp * p.cp // p.ep if p.zero else 1
+    full = per_element * sum(v for k, v in numel.items() if k not in experts)
+    full_experts = per_element * sum(numel[k] for k in experts)
+    mine, want_here = got.state_bytes["optimizer"], full / n + full_experts / n_experts
+    if abs(mine - want_here) > per_element * len(numel):
+        wrong.append(f"{mine} bytes of optimizer state here, want {want_here:.0f} (1/{n} of {full:.0f}"
+                     + (f", 1/{n_experts} of the experts' {full_experts:.0f})" if experts else ")"))
+    total, want = world.allreduce(mine), world.allreduce(want_here)
     if round(total) != round(want):
         wrong.append(f"the optimizer state adds up to {total} bytes over the ranks, want {want:.0f}")
     for axis in ("dp", "pp", "tp", "cp"):

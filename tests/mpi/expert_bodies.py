@@ -46,7 +46,7 @@ def equal_to_one_process(ep):
     for name, kw in CASES.items():
         want_loss, want = _reference(kw, x, y)
         model = _model(**kw)
-        expert.apply(model, ep_group)
+        expert.split_experts(model, ep_group)
         names = dict(model.named_parameters())
         local = model(x[rows], y[rows])
         (local * (1.0 / D)).backward()

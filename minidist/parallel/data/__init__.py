@@ -10,7 +10,9 @@ Read it in the order of the ideas, each file one step from the last:
 4. ``flat.py`` -- parameters seen as one flat vector, cut into a shard per rank;
 5. ``zero.py`` -- ZeRO-1/2: DDP's buckets, the optimizer state and then the gradients
    sharded (Rajbhandari et al. 2020), and the memory table;
-6. ``fsdp.py`` -- ZeRO-3 = FSDP, the parameters sharded too, and HSDP (Zhao et al. 2023).
+6. ``fsdp.py`` -- ZeRO-3 = FSDP, the parameters sharded too, and HSDP (Zhao et al. 2023);
+7. ``experts.py`` -- with expert parallelism, two parts: the dense parameters over the
+   data-parallel group, the experts over the ranks holding the same ones.
 
 ``checks.py`` holds the settings' checks, and :func:`apply` is the composer's step for this
 axis.  Imports: the comm layer, the backend, autograd, ops and optim; nothing above
@@ -22,23 +24,38 @@ from __future__ import annotations
 from minidist.parallel.data.allreduce import allreduce_gradients, any_rank, reduce_sum  # noqa: F401  (the textbook's API)
 from minidist.parallel.data.checks import problems  # noqa: F401
 from minidist.parallel.data.ddp import DistributedDataParallel
+from minidist.parallel.data.experts import DenseAndExperts
 from minidist.parallel.data.fsdp import FSDP, hsdp_groups
 from minidist.parallel.data.replica import OneReplica
 from minidist.parallel.data.zero import ZeRO
 
 
-def apply(model, optimizer, p, mesh):
+def apply(model, optimizer, p, mesh, experts=None, expert_optimizer=None):
     """The data-parallel part of a run (``p``: its ParallelConfig) over the ``("dp", "cp")``
     group -- the ranks that hold the same parameters and see different tokens -- : one
-    replica, DDP, ZeRO-1/2, ZeRO-3 (FSDP) or HSDP (ZeRO-3 in groups of ``p.hsdp_shard``)."""
-    if mesh is None or mesh.size(("dp", "cp")) == 1:
-        return OneReplica(model, optimizer)
-    group = mesh.group(("dp", "cp"))
-    if p.zero == 3:
+    replica, DDP, ZeRO-1/2, ZeRO-3 (FSDP) or HSDP (ZeRO-3 in groups of ``p.hsdp_shard``).
+
+    With expert parallelism (``experts``: parallel.expert.ExpertGroups) the dense parameters
+    get that part and this rank's experts a second one of the same flavour over the edp group,
+    updated by ``expert_optimizer`` (experts.py)."""
+    group = mesh.group(("dp", "cp")) if mesh is not None else None
+    if experts is None:
+        return _part(model, optimizer, p, group, None)
+    mine = {id(q) for q in experts.params}
+    dense = [q for q in model.parameters() if id(q) not in mine]
+    return DenseAndExperts(_part(model, optimizer, p, group, dense),
+                           _part(model, expert_optimizer, p, experts.edp_group, experts.params))
+
+
+def _part(model, optimizer, p, group, params):
+    """The data-parallel part of ``params`` (None: the model's) over ``group``."""
+    if group is None or group.size == 1:
+        return OneReplica(model, optimizer, None, params)
+    if p.zero == 3:  # not with experts: their checks refuse it
         shards, replicas = group, None
         if p.hsdp_shard and p.hsdp_shard != group.size:
             shards, replicas = hsdp_groups(group, p.hsdp_shard)
         return FSDP(model, optimizer, group, shards, replicas)
     if p.zero:
-        return ZeRO(model, optimizer, group, p.zero, p.bucket_mb, p.overlap)
-    return DistributedDataParallel(model, optimizer, group, p.bucket_mb, p.overlap)
+        return ZeRO(model, optimizer, group, p.zero, p.bucket_mb, p.overlap, params=params)
+    return DistributedDataParallel(model, optimizer, group, p.bucket_mb, p.overlap, params=params)

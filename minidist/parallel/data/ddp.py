@@ -155,12 +155,12 @@ class DistributedDataParallel(OneReplica):
 
     ``bucket_mb`` (default 25, as PyTorch) caps a bucket; ``overlap=False`` launches every
     bucket after backward instead (for comparison).  ``algorithm`` is passed to
-    ``comm.all_reduce``.
+    ``comm.all_reduce``; ``params`` (default: all the model's) are the ones reduced.
     """
 
     def __init__(self, model, optimizer, group, bucket_mb: float = 25.0, overlap: bool = True,
-                 algorithm: str = "auto"):
-        super().__init__(model, optimizer, group)
+                 algorithm: str = "auto", params=None):
+        super().__init__(model, optimizer, group, params)
         broadcast_parameters(self.params, group)
         check_identical(self.params, group)
         self.algorithm = algorithm

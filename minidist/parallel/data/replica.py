@@ -27,7 +27,8 @@ class OneReplica:
     micro-batch's forward and backward, ``hook_window()`` (the pipeline opens gradient hooks
     inside it), ``hold(param)`` (reduce that gradient only at the end: the tied embedding),
     ``before_reduce`` (run on the full gradients just before they are reduced),
-    ``grad_holders`` / ``grad_segments()`` (what to unscale, clip and count in the norm),
+    ``grad_holders`` / ``grad_segments()`` / ``norm_segments()`` (what to unscale, clip and
+    count in the norm),
     ``step``, ``zero_grad``, ``evaluating``, ``parameters``, ``memory_bytes``,
     ``comm_wait_s``, and for checkpoints ``owned_state``, ``load_state``,
     ``checkpoint_scalars``.  ``optimizer`` may be None for forward and backward only.
@@ -35,9 +36,11 @@ class OneReplica:
 
     reduces_every_micro_step = False  # ZeRO-2/3 reduce-scatter each micro-step (their gradient memory)
 
-    def __init__(self, model, optimizer, group=None):
+    def __init__(self, model, optimizer, group=None, params=None):
         self.model, self.optimizer, self.group = model, optimizer, group
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # ``params``: the ones this part reduces and updates (default: all of the model's);
+        # expert parallelism gives the dense ones to one part, the experts to another (experts.py).
+        self.params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
         self.before_reduce = None
         self.counts_in_norm = True  # this rank counts its gradients in the global norm
         self.name = "one data-parallel replica"
@@ -66,6 +69,11 @@ class OneReplica:
     def grad_segments(self):
         """``(parameter, gradient array)`` of every gradient this rank holds (for the norm)."""
         return ((p, p.grad) for p in self.grad_holders if p.grad is not None)
+
+    def norm_segments(self):
+        """The ``grad_segments()`` this rank counts in the global norm: all of them, or none
+        where another rank of the group holds the same gradients (``counts_in_norm``)."""
+        return self.grad_segments() if self.counts_in_norm else iter(())
 
     def step(self):
         self.optimizer.step()

@@ -111,11 +111,12 @@ class ZeRO(Sharded, DistributedDataParallel):
     learning rate is read at each step); ``shard_optimizer`` updates the shards.
     """
 
-    def __init__(self, model, optimizer, group, stage: int, bucket_mb: float = 25.0, overlap: bool = True):
+    def __init__(self, model, optimizer, group, stage: int, bucket_mb: float = 25.0, overlap: bool = True,
+                 params=None):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO here is stage 1 or 2, got {stage!r} (stage 3: fsdp.FSDP)")
         self.stage = stage
-        super().__init__(model, optimizer, group, bucket_mb, overlap)
+        super().__init__(model, optimizer, group, bucket_mb, overlap, params=params)
         self.reduces_every_micro_step = stage == 2  # a rank keeps only its gradient shard
         # Stage 1 clips the full, all-reduced gradients (the same on every rank: count them
         # once); stage 2 clips the disjoint gradient shards (count every rank's).

@@ -16,8 +16,16 @@ mixture's forward on a rank (:class:`ExpertParallelDispatch`, the MoE's ``dispat
 
 Gradients: an expert's gradient on a rank sums the contributions of every token of its ep
 group routed to it; the ranks holding the same experts (the same place in their ep groups:
-the ``edp`` group) sum theirs (:func:`reduce_expert_gradients`), as the data-parallel
-gradients of the dense parameters are summed over the whole data-parallel group.
+the ``edp`` group) sum theirs (:func:`reduce_expert_gradients`, the textbook step), as the
+data-parallel gradients of the dense parameters are summed over the whole data-parallel group.
+
+In training (:func:`apply`, the composer's step between the pipeline and data parallelism)
+the expert parameters are carved out of data parallelism, as Megatron Core and torchtitan
+do: the data-parallel part (parallel/data/experts.py) reduces the dense parameters over
+``("dp", "cp")`` and the experts' over the edp group, each with the run's flavour (DDP's
+buckets, ZeRO-1/2's shards over its own group).  Every local expert runs on every pass, on
+zero rows if no token chose it, so its gradient exists (zeros) on every rank and the gradient
+hooks fire in the same order everywhere.  ``checks.py`` holds ``--ep``'s checks.
 """
 
 from __future__ import annotations
@@ -28,16 +36,19 @@ from minidist import comm
 from minidist.model import ops
 from minidist.model.backend import xp
 from minidist.model.moe import MoE
+from minidist.parallel.expert.checks import problems  # noqa: F401  (compose.problems gathers it)
 
-__all__ = ["ExpertParallelDispatch", "apply", "expert_groups", "expert_parameters", "reduce_expert_gradients"]
+__all__ = ["ExpertGroups", "ExpertParallelDispatch", "apply", "expert_groups", "expert_parameters", "problems",
+           "reduce_expert_gradients", "split_experts"]
 
 
 def expert_groups(dp_group, ep: int):
     """``(ep_group, edp_group)`` of this rank: ``ep`` consecutive ranks of ``dp_group`` split
     the experts; the ranks at the same place in every ep group hold the same experts."""
     d = dp_group.rank
-    ep_group = comm.Group(dp_group.user_comm.Split(d // ep, d), name="ep")
-    edp_group = comm.Group(dp_group.user_comm.Split(d % ep, d), name="edp")
+    # Split is collective over dp_group: every rank makes both calls, in the same order.
+    ep_group = comm.Group(dp_group.user_comm.Split(d // ep, d), name=f"{dp_group.name}.ep{ep}")
+    edp_group = comm.Group(dp_group.user_comm.Split(d % ep, d), name=f"{dp_group.name}.edp{dp_group.size // ep}")
     return ep_group, edp_group
 
 
@@ -64,13 +75,34 @@ class ExpertParallelDispatch:
         by_expert = ops.index_rows(received, order)
         sizes = theirs.sum(axis=0)
         parts = ops.split(by_expert, [int(s) for s in sizes], axis=0)
-        ys = ops.concat([experts[self.first + i](p) if sizes[i] else p for i, p in enumerate(parts)], axis=0)
+        ys = ops.concat([experts[self.first + i](p) for i, p in enumerate(parts)], axis=0)  # zero rows too
         back = ops.index_rows(ys, np.argsort(order))      # the received order again
         out, _ = comm.functional.all_to_all_v(back, got, g)
         return out
 
 
-def apply(model, ep_group) -> None:
+class ExpertGroups:
+    """What expert parallelism hands the data-parallel part: this rank's expert ``params``,
+    the ``ep`` group they are split over and the ``edp`` group that holds the same ones."""
+
+    def __init__(self, params, ep_group, edp_group):
+        self.params, self.ep_group, self.edp_group = params, ep_group, edp_group
+
+
+def apply(model, cfg, mesh) -> ExpertGroups | None:
+    """The composer's step for this axis: with ``cfg.parallel.ep`` > 1, make the ep and edp
+    groups from the mesh's ``("dp", "cp")`` group (collective: every rank calls it once, in
+    the same order), keep this rank's experts of every mixture and dispatch over ep; None
+    without expert parallelism (the experts stay ordinary data-parallel parameters)."""
+    ep = cfg.parallel.ep
+    if mesh is None or ep == 1:
+        return None
+    ep_group, edp_group = expert_groups(mesh.group(("dp", "cp")), ep)
+    split_experts(model, ep_group)
+    return ExpertGroups(expert_parameters(model), ep_group, edp_group)
+
+
+def split_experts(model, ep_group) -> None:
     """Keep this rank's experts of every mixture and dispatch their tokens over ``ep_group``."""
     for block in model.h:
         layer = getattr(block, "mlp", None)
