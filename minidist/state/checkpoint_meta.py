@@ -177,8 +177,23 @@ def _show(value) -> str:
 # The model: which tensors a checkpoint of it holds
 # ------------------------------------------------------------------------------------------------
 def parameter_count(model: dict) -> int:
-    """How many parameters ``nn.GPT`` of ``model`` (a checked config) has."""
-    return len(parameter_shapes(model))
+    """How many parameters ``nn.GPT`` of ``model`` (a checked config) has, in closed form (the
+    checker counts before it lists: a config claiming 10**12 layers is refused without
+    enumerating them; a test keeps this equal to len(parameter_shapes)).  GPT-2's block holds
+    two LayerNorms (weight, bias), c_attn, c_proj, c_fc, c_proj (weights, biases unless
+    ``bias`` is false); Llama's two RMSNorms and six bias-free weights (q, k, v, o, gate|up,
+    down), and it has no position table and no bias in the final norm."""
+    untied = not model["tie_embeddings"]
+    block = len(_llama_block(model) if model["arch"] == "llama" else _gpt2_block(model))
+    mlp = 2 if model["arch"] == "llama" else (4 if model["bias"] else 2)
+    moe = _moe_blocks(model)  # each: a router and n_experts MLPs instead of one
+    dense = (2 if model["arch"] == "llama" else 4) + untied + model["n_layer"] * block
+    return dense + moe * (1 + (model["n_experts"] - 1) * mlp)
+
+
+def _moe_blocks(model: dict) -> int:
+    """How many blocks hold a mixture of experts (model/moe.py's is_moe_block)."""
+    return model["n_layer"] // model["moe_every"] if model["n_experts"] else 0
 
 
 def parameter_shapes(model: dict) -> dict:
