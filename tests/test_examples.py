@@ -126,16 +126,16 @@ def test_10_4d_parallel_grid_training_and_bytes_per_axis():
     assert sum(line.strip().split()[0].isdigit() for line in table.splitlines() if line.strip()) == 16, out
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
 def test_10_4d_parallel_llama_shows_who_holds_each_kv_head():
     """The same grid with Llama's grouped-query attention, one key/value head for tp=2: each tp
-    rank holds two query heads and shares key/value head 0; the 4D mesh trains."""
-    out = run_mpi(16, os.path.join(EXAMPLES, "10_4d_parallel.py"), "--no-png", "--arch", "llama", "--kv-heads", "1",
-                  timeout=240).stdout
+    rank holds two query heads and shares key/value head 0.  (The grid alone, on one process:
+    a Llama on dp2·pp2·tp2·cp2 trains equal to one process in tests/test_compose.py.)"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "10_4d_parallel.py"), "--grid-only", "--no-png",
+                          "--arch", "llama", "--kv-heads", "1"], capture_output=True, text=True, timeout=60).stdout
     assert "4 heads sharing 1 key/value heads" in out, out
     lines = [line for line in out.splitlines() if line.startswith("rank ") and " | " in line]
     assert len(lines) == 16 and all(("heads 0-1 kv 0" if i % 2 == 0 else "heads 2-3 kv 0") in line
                                      for i, line in enumerate(lines)), lines
-    assert "minidist: Llama 4x32, 4 heads / 1 key-value" in out and "step     3/3" in out, out
-    assert "measured only: no traffic formula for --arch llama" in out, out

@@ -266,7 +266,7 @@ def _validate(args) -> RunConfig:
     from minidist.parallel.compose import problems
 
     given, world = from_args(args), world_size()
-    given.model.vocab_size = _vocabulary(args.data, given.parallel.tp)
+    given.model.vocab_size = _vocabulary(args.data)  # before the axes' checks: tp must divide it
     found = problems(given, world)
     if found:
         raise InputError(found[0])
@@ -297,19 +297,15 @@ def _check_experts(args) -> None:
                          "losses are recorded in the forward pass that checkpointing runs without gradients)")
 
 
-def _vocabulary(data: str | None, tp: int) -> int:
+def _vocabulary(data: str | None) -> int:
     """The model's vocabulary: the tokenizer's of ``--data`` (256 for text, read as bytes; a shard
-    directory's, every shard checked: minidist/state/shards.py), which tp must divide."""
+    directory's, every shard checked: minidist/state/shards.py)."""
     from minidist.state.shards import ShardError, describe
 
     try:
         info = describe(data)
     except ShardError as exc:
         raise InputError(f"--data {exc}") from None
-    if info.vocab_size % tp:
-        raise InputError(f"--tp {tp} does not divide the vocabulary of {info.vocab_size} tokens (tokenizer "
-                         f"{info.tokenizer}): tensor parallelism splits the embedding by tokens; train a "
-                         "tokenizer whose vocabulary tp divides")
     return info.vocab_size
 
 
