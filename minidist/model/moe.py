@@ -42,11 +42,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from minidist.model import ops
 from minidist.model.autograd import Tensor, make_tensor
-from minidist.model.backend import to_host, xp
+from minidist.model.backend import host, to_host, xp  # host: the routing's index bookkeeping
 from minidist.model.module import Module, _param
 from minidist.model.ops.basic import scatter_add_rows
 
@@ -93,24 +91,24 @@ class Route:
 
     def __init__(self, choice, keep, n_experts: int):
         n, k = choice.shape
-        token, slot = np.nonzero(keep)  # kept (token, choice) pairs, by token
+        token, slot = host.nonzero(keep)  # kept (token, choice) pairs, by token
         expert = choice[token, slot]
-        order = np.argsort(expert * n + token, kind="stable")  # by expert, then by token
+        order = host.argsort(expert * n + token, kind="stable")  # by expert, then by token
         self.token, self.slot, self.expert = token[order], slot[order], expert[order]
-        self.counts = np.bincount(self.expert, minlength=n_experts)
+        self.counts = host.bincount(self.expert, minlength=n_experts)
 
 
-def route(cfg, probs: np.ndarray, T: int):
+def route(cfg, probs: host.ndarray, T: int):
     """The top-k choices of every token (N, k) and the mask of those kept under capacity."""
     n, k, E = probs.shape[0], cfg.top_k, cfg.n_experts
-    choice = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # ties: the lower expert first
+    choice = host.argsort(-probs, axis=1, kind="stable")[:, :k]  # ties: the lower expert first
     C = capacity(cfg, T)
     if C is None:
-        return choice, np.ones((n, k), bool)
-    picked = np.zeros((n // T, T, E), np.int64)  # picked[b, t, e]: token t of sequence b chose e
-    np.put_along_axis(picked.reshape(n, E), choice, 1, axis=1)
-    place = np.cumsum(picked, axis=1) - 1  # the token's place in its expert's queue, by token order
-    return choice, np.take_along_axis(place.reshape(n, E), choice, axis=1) < C
+        return choice, host.ones((n, k), bool)
+    picked = host.zeros((n // T, T, E), host.int64)  # picked[b, t, e]: token t of sequence b chose e
+    host.put_along_axis(picked.reshape(n, E), choice, 1, axis=1)
+    place = host.cumsum(picked, axis=1) - 1  # the token's place in its expert's queue, by token order
+    return choice, host.take_along_axis(place.reshape(n, E), choice, axis=1) < C
 
 
 class MoE(Module):
@@ -134,8 +132,8 @@ class MoE(Module):
         flat = ops.reshape(x, (B * T, d))
         logits = self.router(flat)                                   # (N, E)
         probs = ops.softmax(logits, axis=-1)
-        choice, keep = route(cfg, to_host(probs.data).astype(np.float64), T)
-        tokens = np.arange(B * T)[:, None]
+        choice, keep = route(cfg, to_host(probs.data).astype(host.float64), T)
+        tokens = host.arange(B * T)[:, None]
         gates = ops.getitem(probs, (xp.asarray(tokens), xp.asarray(choice)))  # (N, k)
         if cfg.top_k > 1:  # Mixtral: the chosen weights renormalised
             gates = ops.div(gates, ops.sum(gates, axis=1, keepdims=True))
@@ -153,8 +151,8 @@ class MoE(Module):
         cfg, E, k = self.cfg, self.cfg.n_experts, self.cfg.top_k
         total = None
         if cfg.aux_loss_coef:
-            share = np.zeros((B * T, E))
-            np.put_along_axis(share, choice, 1.0 / (T * k), axis=1)
+            share = host.zeros((B * T, E))
+            host.put_along_axis(share, choice, 1.0 / (T * k), axis=1)
             f = xp.asarray(share.reshape(B, T, E).sum(axis=1).astype(probs.dtype))   # (B, E), constant
             P = ops.mean(ops.reshape(probs, (B, T, E)), axis=1)                        # (B, E)
             total = ops.mul(ops.sum(ops.mul(P, f)), cfg.aux_loss_coef * E / B)

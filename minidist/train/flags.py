@@ -222,7 +222,7 @@ def _validate(args) -> RunConfig:
         raise InputError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     if args.arch != "llama":
         for flag in ("kv_heads", "ffn_hidden", "rope_theta"):
-            if getattr(args, flag) is not None:
+            if vars(args)[flag] is not None:
                 raise InputError(f"--{flag.replace('_', '-')} is a Llama setting: it needs --arch llama "
                                  f"(got --arch {args.arch})")
     _check_experts(args)
@@ -283,8 +283,8 @@ def _check_experts(args) -> None:
     moe = ("top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
     if not args.experts:
         for flag in moe:
-            if getattr(args, flag) is not None:
-                raise InputError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is a mixture-of-experts setting: "
+            if vars(args)[flag] is not None:
+                raise InputError(f"--{flag.replace('_', '-')} {vars(args)[flag]} is a mixture-of-experts setting: "
                                  "it needs --experts E")
         return
     if args.top_k is not None and args.top_k > args.experts:

@@ -30,11 +30,9 @@ hooks fire in the same order everywhere.  ``checks.py`` holds ``--ep``'s checks.
 
 from __future__ import annotations
 
-import numpy as np
-
 from minidist import comm
 from minidist.model import ops
-from minidist.model.backend import xp
+from minidist.model.backend import host, xp  # host: the dispatch's index bookkeeping
 from minidist.model.moe import MoE
 from minidist.parallel.expert.checks import problems  # noqa: F401  (compose.problems gathers it)
 
@@ -62,21 +60,21 @@ class ExpertParallelDispatch:
 
     def __call__(self, experts, xs, counts):
         g, n, per = self.group, self.group.size, self.per
-        counts = np.asarray(counts, np.int64)
+        counts = host.asarray(counts, host.int64)
         # Counts first: row j of (n, per) tells rank j how many rows come for each of its experts.
         theirs, _ = comm.all_to_all_v(counts.reshape(n, per), [1] * n, g)           # (n, per): from each source
-        theirs = np.asarray(theirs).reshape(n, per)
+        theirs = host.asarray(theirs).reshape(n, per)
         received, got = comm.functional.all_to_all_v(xs, counts.reshape(n, per).sum(axis=1), g)
         # Source-major -> expert-major: the rows for local expert i from source j start at
         # start[j, i] of the received buffer.
-        start = (np.cumsum(theirs.reshape(-1)) - theirs.reshape(-1)).reshape(n, per)
-        order = np.concatenate([np.arange(start[j, i], start[j, i] + theirs[j, i])
-                                for i in range(per) for j in range(n)] or [np.zeros(0, np.int64)]).astype(np.int64)
+        start = (host.cumsum(theirs.reshape(-1)) - theirs.reshape(-1)).reshape(n, per)
+        order = host.concatenate([host.arange(start[j, i], start[j, i] + theirs[j, i])
+                                for i in range(per) for j in range(n)] or [host.zeros(0, host.int64)]).astype(host.int64)
         by_expert = ops.index_rows(received, order)
         sizes = theirs.sum(axis=0)
         parts = ops.split(by_expert, [int(s) for s in sizes], axis=0)
         ys = ops.concat([experts[self.first + i](p) for i, p in enumerate(parts)], axis=0)  # zero rows too
-        back = ops.index_rows(ys, np.argsort(order))      # the received order again
+        back = ops.index_rows(ys, host.argsort(order))      # the received order again
         out, _ = comm.functional.all_to_all_v(back, got, g)
         return out
 
