@@ -34,6 +34,22 @@ def _params(path):
     return load_full(str(path))[1]
 
 
+def _resumes_like_one_process(tmp_path, flags, meshes, straight):
+    """The step-3 checkpoint in tmp_path/ck, resumed with ``flags`` on each ``(ranks, mesh flags)``,
+    trains steps 4-6 as the uninterrupted one-process run (``straight``, saved in tmp_path/one)
+    did: losses and every parameter to 1e-9."""
+    want = _params(tmp_path / "one")
+    for i, (n, mesh) in enumerate(meshes):
+        out = tmp_path / f"resumed-{i}"
+        out.mkdir()
+        losses, _ = _train(n, flags + mesh + ["--resume", str(tmp_path / "ck" / "step-000003"), "--save", str(out)],
+                           tmp_path, f"resumed-{i}")
+        assert len(losses) == 3 and _rel(np.array(losses), np.array(straight[3:])) < 1e-9, (mesh, losses, straight)
+        got = _params(out)
+        assert got.keys() == want.keys(), (mesh, sorted(got.keys() ^ want.keys()))
+        assert max(_rel(got[k], want[k]) for k in want) < 1e-9, mesh
+
+
 def _rel(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
@@ -317,16 +333,8 @@ def test_a_llama_checkpoint_of_tp2_with_one_kv_head_resumes_on_other_meshes(tmp_
     assert meta["model"]["arch"] == "llama" and meta["model"]["n_kv_head"] == 1
     kv = meta["tensors"]["h.0.attn.k_proj.weight/param"]["pieces"]
     assert [pc["file"] for pc in kv] == ["rank-00000.bin"], kv  # the shared head, once
-    want = _params(tmp_path / "one")
-    for i, (n, mesh) in enumerate([(None, []), (4, ["--dp", "2", "--tp", "2", "--zero", "1"])]):
-        out = tmp_path / f"resumed-{i}"
-        out.mkdir()
-        losses, _ = _train(n, LLAMA + mesh + ["--resume", str(tmp_path / "ck" / "step-000003"), "--save", str(out)],
-                           tmp_path, f"resumed-{i}")
-        assert len(losses) == 3 and _rel(np.array(losses), np.array(straight[3:])) < 1e-9, (mesh, losses, straight)
-        got = _params(out)
-        assert got.keys() == want.keys(), (mesh, sorted(got.keys() ^ want.keys()))
-        assert max(_rel(got[k], want[k]) for k in want) < 1e-9, mesh
+    _resumes_like_one_process(tmp_path, LLAMA, [(None, []), (4, ["--dp", "2", "--tp", "2", "--zero", "1"])],
+                              straight)
 
 
 @pytest.mark.mpi
@@ -421,13 +429,4 @@ def test_a_checkpoint_of_expert_parallelism_resumes_on_one_process_and_another_e
         assert [pc["file"] for pc in pieces] == files, (e, pieces)  # the first rank of its edp group
         state = meta["tensors"][f"h.1.mlp.experts.{e}.c_fc.weight/exp_avg"]["pieces"]
         assert {pc["file"] for pc in state} <= {files[0], f"rank-{int(files[0][5:10]) + 2:05d}.bin"}, (e, state)
-    want = _params(tmp_path / "one")
-    for i, (n, mesh) in enumerate([(None, []), (2, ["--ep", "2"])]):
-        out = tmp_path / f"resumed-{i}"
-        out.mkdir()
-        losses, _ = _train(n, MOE + mesh + ["--resume", str(tmp_path / "ck" / "step-000003"), "--save", str(out)],
-                           tmp_path, f"resumed-{i}")
-        assert len(losses) == 3 and _rel(np.array(losses), np.array(straight[3:])) < 1e-9, (mesh, losses, straight)
-        got = _params(out)
-        assert got.keys() == want.keys(), (mesh, sorted(got.keys() ^ want.keys()))
-        assert max(_rel(got[k], want[k]) for k in want) < 1e-9, mesh
+    _resumes_like_one_process(tmp_path, MOE, [(None, []), (2, ["--ep", "2"])], straight)
