@@ -201,7 +201,7 @@ def _nvrtc_ptx(source: str, options: list[str]) -> str:
 
 
 def kernel_names(source: str) -> list[str]:
-    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(', source)
+    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(', source)
 
 
 class Module:

@@ -117,6 +117,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "(ops/cuda/softmax.py), GELU (ops/cuda/gelu.py), LayerNorm (ops/cuda/layernorm.py) and "
              "the one-launch optimizer step (ops/cuda/multi_tensor.py); off: the xp forms they are "
              "tested against"),
+    Variable("MINIDIST_FLASH_MMA", _choice("auto", "off"), "'auto' or 'off'", "auto",
+             "attention with bf16/fp16 operands and head size 64 or 128 on CuPy runs as the "
+             "tensor-core FlashAttention-2 kernels (auto: no T x T array), or as batched products "
+             "(off) (minidist/model/ops/cuda/flash_mma.py)"),
     Variable("MINIDIST_CUBLAS_BATCHED", _choice("auto", "off"), "'auto' or 'off'", "auto",
              "matrix products on CuPy call cuBLAS's strided batched GEMM on the arrays' own strides, "
              "and write float32 products of bf16/fp16 operands directly (auto), or use CuPy's matmul, "

@@ -274,6 +274,8 @@ def self_attention(qkv: Tensor, n_head: int, causal: bool = True, scale=None) ->
     H, D = n_head, C // n_head
     scale = _check_scale(D, scale)
     (X,), out_dtype = gemm_operands(qkv.data)
+    if tuning.fused_attention(X.dtype, D):
+        return _self_attention_flash(qkv, X, out_dtype, B, T, H, D, causal, scale)
     if not tuning.tuned():
         return _self_attention_whole(qkv, X, out_dtype, B, T, H, D, causal, scale)
     X = to_dtype(X, compute_dtype(X.dtype))  # the tuned slabs multiply in float32 (see attention)
@@ -334,6 +336,25 @@ def _self_attention_whole(qkv, X, out_dtype, B, T, H, D, causal, scale) -> Tenso
         dX = xp.empty((B, T, 3 * C), dtype=X.dtype)  # dQ, dK, dV land in its three parts
         dQ, _, _ = _attend_backward(Qs, K, V, P, P_op, O, dO, causal, out=(heads(dX, 0), heads(dX, 1), heads(dX, 2)))
         dQ *= scale
+        return (to_dtype(dX, qkv.dtype),)
+
+    return make_tensor(to_dtype(Y, out_dtype), (qkv,), backward)
+
+
+def _self_attention_flash(qkv, X, out_dtype, B, T, H, D, causal, scale) -> Tensor:
+    """:func:`self_attention` as the tensor-core FlashAttention-2 kernels (``cuda/flash_mma.py``):
+    Q, K and V read in place from ``X``, the output written into its heads' columns of (B, T, C),
+    the gradients into (B, T, 3C); only the rows' log-sum-exp is kept for backward, no T x T array."""
+    X = xp.ascontiguousarray(X)
+    parts = [cuda.flash_mma.Layout.of_fused(X, i, H) for i in range(3)]
+    Y = xp.empty((B, T, H * D), dtype=X.dtype)
+    out = cuda.flash_mma.Layout.of_merged(Y, H)
+    lse = cuda.flash_mma.forward(*parts, out, B, scale, causal)
+
+    def backward(g):
+        dO = xp.ascontiguousarray(to_dtype(g, X.dtype))  # read with O's layout
+        dX = xp.empty_like(X)
+        cuda.flash_mma.backward(*parts, out, dO, lse, dX, dX, dX, B, scale, causal)
         return (to_dtype(dX, qkv.dtype),)
 
     return make_tensor(to_dtype(Y, out_dtype), (qkv,), backward)

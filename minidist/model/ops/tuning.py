@@ -17,7 +17,8 @@ bottleneck is memory traffic and its BLAS threads, not launches:
 Both paths compute the same function (``tests/test_ops_paths.py`` checks values and gradients
 to float64 round-off).  ``MINIDIST_OPS_PATH`` picks one for the whole process: ``auto`` (the
 default) is tuned on NumPy and whole on CuPy; ``whole`` or ``tuned`` force one.  Tests and
-benchmarks switch with :func:`use`.  No op decides for itself: each asks :func:`tuned`.
+benchmarks switch with :func:`use`.  No op decides for itself: each asks :func:`tuned`, and
+self-attention also :func:`fused_attention` (tensor-core FlashAttention for 16-bit operands).
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def current() -> str:
 def tuned() -> bool:
     """True when the ops take their CPU-tuned path (blocks, row chunks, slabs, BLAS threads)."""
     return _state["path"] == "tuned"
+
+
+def fused_attention(dtype, head_dim: int) -> bool:
+    """Does self-attention run as the tensor-core FlashAttention-2 kernels (``cuda/flash_mma.py``)?
+    On the whole-array path with bf16/fp16 operands of head size 64 or 128 on CuPy, unless
+    ``MINIDIST_FLASH_MMA=off`` (or ``MINIDIST_CUDA_KERNELS=off``); otherwise batched products."""
+    if tuned():
+        return False
+    from minidist.model.ops.cuda import flash_mma  # the kernels import the backend, not the ops
+
+    return flash_mma.why_not(dtype, head_dim) is None
 
 
 def set_path(name: str) -> str:
