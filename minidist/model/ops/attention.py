@@ -345,14 +345,14 @@ def _self_attention_flash(qkv, X, out_dtype, B, T, H, D, causal, scale) -> Tenso
     """:func:`self_attention` as the tensor-core FlashAttention-2 kernels (``cuda/flash_mma.py``):
     Q, K and V read in place from ``X``, the output written into its heads' columns of (B, T, C),
     the gradients into (B, T, 3C); only the rows' log-sum-exp is kept for backward, no T x T array."""
-    X = xp.ascontiguousarray(X)
+    X = cuda.flash_mma.aligned(X)
     parts = [cuda.flash_mma.Layout.of_fused(X, i, H) for i in range(3)]
     Y = xp.empty((B, T, H * D), dtype=X.dtype)
     out = cuda.flash_mma.Layout.of_merged(Y, H)
     lse = cuda.flash_mma.forward(*parts, out, B, scale, causal)
 
     def backward(g):
-        dO = xp.ascontiguousarray(to_dtype(g, X.dtype))  # read with O's layout
+        dO = cuda.flash_mma.aligned(to_dtype(g, X.dtype))  # read with O's layout
         dX = xp.empty_like(X)
         cuda.flash_mma.backward(*parts, out, dO, lse, dX, dX, dX, B, scale, causal)
         return (to_dtype(dX, qkv.dtype),)

@@ -446,6 +446,13 @@ class Layout:
         return cls(A, 0, (H * T * D, T * D, D), H, T, D)
 
 
+def aligned(a):
+    """``a`` as the kernels read it: C-contiguous, starting on a 16-byte boundary (rows are
+    loaded 16 bytes at a time); a copy only where ``a`` is not already so."""
+    a = xp.ascontiguousarray(a)
+    return a if a.data.ptr % 16 == 0 else a.copy()
+
+
 def _int64(*values):
     return tuple(xp.int64(v) for v in values)
 
