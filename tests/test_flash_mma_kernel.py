@@ -56,8 +56,8 @@ def poisoned(shape, dtype):
 
 
 @on_numpy
-@pytest.mark.parametrize("low", ["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim, T, causal", [(64, 80, True), (64, 70, False), (128, 64, True)])
+@pytest.mark.parametrize("low, head_dim, T, causal", [("bf16", 64, 80, True), ("fp16", 64, 70, False),
+                                                      ("bf16", 128, 64, True)])
 def test_fused_layout_equals_float64_attention(low, head_dim, T, causal):
     """Self-attention on a fused (B, T, 3C) projection, the model's call: O straight into the
     heads' columns of (B, T, C), the gradients into (B, T, 3C).  T not a multiple of the 64-row
@@ -137,8 +137,7 @@ def test_the_cpu_form_of_mma_is_the_instruction():
 
 
 @cuda_on_cpu.needs_cuda_compiler
-@pytest.mark.parametrize("low", ["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("low, head_dim", [("bf16", 64), ("fp16", 128)])  # each macro's two values
 def test_source_compiles_for_an_h100(tmp_path, low, head_dim):
     """NVRTC (or nvcc) compiles the GPU form, inline mma.sync PTX included, for sm_90."""
     entries = cuda_on_cpu.cuda_entries(flash_mma.SOURCE, flash_mma.defines(low, head_dim), tmp_path)
