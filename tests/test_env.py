@@ -67,7 +67,7 @@ def test_good_values_defaults_and_empty_values():
             "MINIDIST_RANKS_PER_NODE": ("2", 2), "MINIDIST_HANG_DIR": ("/tmp/x", "/tmp/x"),
             "MINIDIST_HANG_AFTER_S": ("100", 100.0), "MINIDIST_TEST_KILL_IN_SAVE": ("1:renamed:4", (1, "renamed", 4)),
             "MINIDIST_OPS_PATH": ("Whole", "whole"), "MINIDIST_CUDA_AWARE_MPI": ("1", True),
-            "MINIDIST_CUDA_KERNELS": ("OFF", "off"), "MINIDIST_CUBLAS_BATCHED": ("Off", "off"),
+            "MINIDIST_CUDA_KERNELS": ("OFF", "off"), "MINIDIST_CUBLAS_BATCHED": ("Off", "off"), "MINIDIST_FLASH_MMA": ("off", "off"),
             "MINIDIST_CAUSAL_BLOCKS": (" 8 ", 8), "MINIDIST_RESTART": ("2", 2), "MINIDIST_TEST_LOST_RANKS": ("1", 1)}
     assert set(good) == set(env.VARIABLES)
     for name, (text, value) in good.items():
