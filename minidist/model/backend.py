@@ -173,13 +173,35 @@ def _pinned_copy(a):
     return out
 
 
-def to_host(a, kind: str = "to_host"):
+def host_empty(shape, dtype):
+    """An uninitialised host array for copies to and from the device: page-locked (pinned)
+    under CuPy, from CuPy's pinned pool, so that a copy runs on the DMA engines and may be
+    queued on a stream without waiting (``ndarray.get(out=..., blocking=False)``, ``set``);
+    plain NumPy otherwise.  The optimizer offload keeps its state in these (optim/offload.py):
+    ``to_host(a, out=buffer, stream=s)`` and ``from_host(buffer, out=a, stream=s)`` queue copies."""
+    if xp is _np:
+        return _np.empty(shape, dtype)
+    import cupyx
+
+    return cupyx.empty_pinned(shape, dtype=dtype)
+
+
+def to_host(a, kind: str = "to_host", out=None, stream=None):
     """The array as a host (NumPy) array, for MPI buffers, printing and saving.
 
     Under CuPy the copy lands in *pinned* (page-locked) host memory from CuPy's pinned pool:
     the GPU's DMA engine reads and writes pinned pages directly, about twice as fast as
     pageable memory, which the driver must first copy through a pinned bounce buffer of its
-    own.  The pool takes the buffer back when the NumPy array is freed."""
+    own.  The pool takes the buffer back when the NumPy array is freed.
+
+    ``out``: a host buffer of ``a``'s shape and dtype (``host_empty``) to copy into instead.
+    With ``stream`` too, the copy of a contiguous device array is only queued on that stream:
+    ``out`` holds the values once the stream's work so far is done (an event recorded after)."""
+    if out is not None:
+        if on_device(a):
+            return _timed(kind, lambda x: x.get(out=out, stream=stream, blocking=stream is None), a)
+        out[...] = a
+        return out
     if xp is _np or isinstance(a, _np.ndarray):
         return a
     if not isinstance(a, xp.ndarray):
@@ -208,8 +230,17 @@ def host_reads() -> dict[str, int]:
     return dict(_host_reads)
 
 
-def from_host(a):
-    """A host array moved to the backend's device (a no-op with NumPy)."""
+def from_host(a, out=None, stream=None):
+    """A host array moved to the backend's device (a no-op with NumPy).
+
+    ``out``: a device array of ``a``'s shape and dtype to copy into instead (on NumPy: a
+    copy); with ``stream`` the copy is queued there, asynchronous when ``a`` is pinned."""
+    if out is not None:
+        if on_device(out):
+            _timed("from_host", lambda x: out.set(x, stream=stream) or out, a)
+        else:
+            out[...] = a
+        return out
     if xp is _np or isinstance(a, xp.ndarray):
         return a
     return _timed("from_host", xp.asarray, a)

@@ -35,7 +35,7 @@ seam                   what it sets                                 who uses it
 ``layers``             how every layer is built (split or not)      tensor parallelism
 ``use_attention``      every block's attention function             context parallelism
 ``use_positions``      the positions of the tokens a rank embeds    context parallelism
-``use_block_runner``   how one block runs (given the plain runner)  ZeRO-3 / FSDP, the tracer
+``use_block_runner``   how one block runs (given the plain runner)  ZeRO-3, offload, tracer
 ``keep_stage``         the blocks and the ends a stage keeps        the pipeline
 =====================  ===========================================  ==========================
 

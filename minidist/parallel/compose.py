@@ -101,7 +101,9 @@ def build(cfg, mesh=None):
     stages = pipeline.apply(model, cfg, mesh)                                  # 3. pipeline
     experts = expert.apply(model, cfg, mesh)                                   # 4. expert
     mine = set() if experts is None else {id(p) for p in experts.params}
-    optimizer = make_optimizer(cfg.optim, [p for p in model.parameters() if id(p) not in mine])
+    optimizer = make_optimizer(cfg.optim, [p for p in model.parameters() if id(p) not in mine], cfg.device)
+    if cfg.device.offload == "optimizer":  # each block's forward waits for its host step (optim/offload.py)
+        optimizer.attach(model)
     expert_optimizer = make_optimizer(cfg.optim, experts.params) if experts is not None else None
     replicas = data.apply(model, optimizer, cfg.parallel, mesh, experts, expert_optimizer)  # 5. data
     return model, Strategy(model, replicas, mesh, sequence, stages)            # 6. the loop's interface
@@ -130,10 +132,16 @@ def moe_settings(m) -> dict:
                 **{f: v for f, v in given.items() if v is not None})
 
 
-def make_optimizer(o, params):
-    """AdamW or SGD over ``params``; biases and LayerNorm gains are not decayed (GPT-2 / nanoGPT)."""
+def make_optimizer(o, params, device=None):
+    """AdamW or SGD over ``params``; biases and LayerNorm gains are not decayed (GPT-2 / nanoGPT).
+    With ``device.offload == "optimizer"`` (a DeviceConfig), AdamW on the host (optim/offload.py)."""
     from minidist.model.optim import SGD, AdamW, no_decay_below_2d
 
+    if device is not None and device.offload == "optimizer":
+        from minidist.model.optim.offload import OffloadAdamW
+
+        return OffloadAdamW(params, lr=o.lr, weight_decay=o.weight_decay, no_decay=no_decay_below_2d,
+                            overlap=device.offload_overlap)
     if o.optimizer == "sgd":
         return SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, no_decay=no_decay_below_2d)
     return AdamW(params, lr=o.lr, weight_decay=o.weight_decay, no_decay=no_decay_below_2d)

@@ -169,7 +169,13 @@ class Strategy:
     def parameters(self) -> dict:
         """``{name: array}`` of every parameter this rank holds (its tensor-parallel slices of
         its pipeline stage), whole even under ZeRO-3 (gathered from the shards)."""
+        self._updated()
         return self.data.parameters()
+
+    def _updated(self):
+        """Wait for the last update: an offloaded one may still be writing (optim/offload.py)."""
+        if self.optimizer is not None:
+            self.optimizer.wait()
 
     # -- checkpoints (minidist/state/checkpoint.py) ----------------------------------------------------
     def owned_state(self):
@@ -177,6 +183,7 @@ class Strategy:
         everything this rank is the one to save: its data-parallel part's (one replica writes
         what replicas share; ZeRO ranks their shards), a tp-replicated parameter by tp rank 0,
         the tied embedding by the first stage."""
+        self._updated()
         for item in self.data.owned_state():
             if self._counted(item[0]):  # as for the norm: tp-replicated ones from tp rank 0 only
                 yield item
@@ -184,6 +191,8 @@ class Strategy:
     def load_state(self, reader):
         """This rank's parameters and optimizer state from a checkpoint ``reader`` (any mesh)."""
         self.data.load_state(reader)
+        if self.optimizer is not None:
+            self.optimizer.reloaded()  # an offloaded optimizer moves the loaded state to the host
 
     def checkpoint_scalars(self) -> dict:
         return self.data.checkpoint_scalars()

@@ -49,6 +49,8 @@ class DeviceConfig:
     mixed_precision: str = "none"     # none | bf16 | fp16
     backend: str | None = None        # numpy | cupy; None: $MINIDIST_BACKEND
     tf32: bool = False                # CuPy: float32 matmuls on TF32 tensor cores (CUPY_TF32=1)
+    offload: str = "none"             # none | optimizer: AdamW's state in host memory, stepped there
+    offload_overlap: bool = True      # the host step of the blocks overlaps the next forward
 
 
 @dataclass

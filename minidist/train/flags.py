@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tf32", action="store_true",
                    help="CuPy: float32 matmuls on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation; "
                         "off by default, as in PyTorch); no effect on NumPy")
+    t.add_argument("--offload", choices=["none", "optimizer"], default="none",
+                   help="optimizer: AdamW's master weights and moments in (pinned) host memory, stepped by the "
+                        "CPU while the next forward runs (ZeRO-Offload); docs/gpu.md")
+    t.add_argument("--no-offload-overlap", dest="offload_overlap", action="store_false",
+                   help="--offload optimizer: finish the host step before the next forward starts (by default "
+                        "the blocks' host steps overlap it; for comparison)")
     dp = p.add_argument_group("data parallelism (run under mpiexec -n N)")
     dp.add_argument("--dp", type=POSITIVE, default=None, metavar="N",
                     help="data-parallel ranks (default: the world size over the other mesh axes)")
@@ -226,6 +232,7 @@ def _validate(args) -> RunConfig:
                 raise InputError(f"--{flag.replace('_', '-')} is a Llama setting: it needs --arch llama "
                                  f"(got --arch {args.arch})")
     _check_experts(args)
+    _check_offload(args)
     if args.kv_heads is not None and args.heads % args.kv_heads:
         raise InputError(f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}")
     if args.arch == "llama" and (args.d_model // args.heads) % 2:
@@ -295,6 +302,24 @@ def _check_experts(args) -> None:
     if args.checkpoint_activations:
         raise InputError("--experts does not run with --checkpoint-activations yet (the router's auxiliary "
                          "losses are recorded in the forward pass that checkpointing runs without gradients)")
+
+
+def _check_offload(args) -> None:
+    """--offload optimizer steps AdamW on the host (model/optim/offload.py), for a replica's
+    whole parameters: not SGD, nor the sharded optimizers of ZeRO and HSDP, nor experts' two parts."""
+    if args.offload == "none":
+        if not args.offload_overlap:
+            raise InputError("--no-offload-overlap needs --offload optimizer")
+        return
+    if args.optimizer != "adamw":
+        raise InputError(f"--offload {args.offload} steps AdamW on the host; --optimizer {args.optimizer} "
+                         "is not supported (use --optimizer adamw)")
+    if args.zero or args.hsdp_shard:
+        given = f"--zero {args.zero}" if args.zero else f"--hsdp-shard {args.hsdp_shard}"
+        raise InputError(f"--offload {args.offload} does not run with {given} yet (ZeRO shards the optimizer "
+                         "itself); use DDP (--zero 0)")
+    if args.ep > 1:
+        raise InputError(f"--offload {args.offload} does not run with --ep {args.ep} yet")
 
 
 def _vocabulary(data: str | None) -> int:

@@ -9,6 +9,8 @@ One idea per module:
 * :mod:`.clip` - global-norm gradient clipping, split so the squared norm can be all-reduced.
 * :mod:`.schedule` - ``lr_at``: linear warmup + cosine decay.
 * :mod:`.loss_scale` - ``DynamicLossScaler`` for float16.
+* :mod:`.offload` - ``OffloadAdamW``: AdamW's state in pinned host memory, stepped by the CPU
+  while the next forward runs (ZeRO-Offload; ``--offload optimizer``).
 """
 
 from minidist.model.optim.clip import clip_coefficient, clip_grad_norm, grad_norm_sq, scale_grads

@@ -27,9 +27,9 @@ def _scratch(p, scratch):
     return scratch
 
 
-def _sub_scaled(p, alpha, x, scratch):
+def _sub_scaled(p, alpha, x, scratch, lib=xp):
     """p -= alpha * x, through ``scratch`` (which may be ``x`` itself: it is then overwritten)."""
-    xp.multiply(x, alpha, out=scratch)
+    lib.multiply(x, alpha, out=scratch)
     p -= scratch
 
 
@@ -77,7 +77,7 @@ def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, wd, scratch=None):
         decay, inv_sqrt_bc2, step_size = adamw_hyper(step, lr, beta1, beta2, wd)
         kernel(g, t(decay), t(beta1), t(beta2), t(eps), t(inv_sqrt_bc2), t(step_size), p, m, v)
         return
-    hyper = (1.0 - lr * wd, beta1, beta2, eps, 1.0 - beta2**step, lr / (1.0 - beta1**step))
+    hyper = adamw_block_hyper(step, lr, beta1, beta2, eps, wd)
     if not tuning.tuned():  # whole-array on NumPy: the passes over the whole arrays
         _adamw_block(p, g, m, v, _scratch(p, scratch), *hyper)
         return
@@ -89,29 +89,43 @@ def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, wd, scratch=None):
     G = g.reshape(-1)  # read only: a copy is fine if g is strided (e.g. a transposed grad)
     # the scratch only ever holds one block: a small buffer that stays in cache
     B = _scratch(p, scratch).reshape(-1) if scratch is not None else xp.empty(min(P.size, _ADAM_BLOCK), P.dtype)
+    adamw_flat(P, G, M, V, B, hyper)
+
+
+def adamw_block_hyper(step, lr, beta1, beta2, eps, wd):
+    """The numbers :func:`adamw_flat` takes: (decay, beta1, beta2, eps, bias correction 2,
+    step size)."""
+    return 1.0 - lr * wd, beta1, beta2, eps, 1.0 - beta2**step, lr / (1.0 - beta1**step)
+
+
+def adamw_flat(P, G, M, V, B, hyper, lib=xp):
+    """AdamW on flat contiguous arrays in cache-sized blocks (``_ADAM_BLOCK``), through the
+    scratch ``B`` (at least one block long); ``hyper`` from :func:`adamw_block_hyper`.
+    ``lib`` is the arrays' module: ``xp``, or the host's NumPy for an offloaded step
+    (optim/offload.py), which so runs the same passes in the same order."""
     for start in range(0, P.size, _ADAM_BLOCK):
         b = slice(start, start + _ADAM_BLOCK)
         pb = P[b]
-        _adamw_block(pb, G[b], M[b], V[b], B[: pb.size], *hyper)
+        _adamw_block(pb, G[b], M[b], V[b], B[: pb.size], *hyper, lib=lib)
 
 
-def _adamw_block(p, g, m, v, buf, decay, beta1, beta2, eps, bias_correction2, step_size):
+def _adamw_block(p, g, m, v, buf, decay, beta1, beta2, eps, bias_correction2, step_size, lib=xp):
     """The AdamW arithmetic on one block, in place, through the scratch ``buf``."""
     if decay != 1.0:
         p *= decay
     # m += (1 - beta1) * (g - m)  is  beta1 * m + (1 - beta1) * g  without a second buffer
-    xp.subtract(g, m, out=buf)
+    lib.subtract(g, m, out=buf)
     buf *= 1.0 - beta1
     m += buf
     v *= beta2
-    xp.multiply(g, g, out=buf)
+    lib.multiply(g, g, out=buf)
     buf *= 1.0 - beta2
     v += buf
-    xp.sqrt(v, out=buf)
+    lib.sqrt(v, out=buf)
     buf /= math.sqrt(bias_correction2)
     buf += eps
-    xp.divide(m, buf, out=buf)
-    _sub_scaled(p, step_size, buf, buf)
+    lib.divide(m, buf, out=buf)
+    _sub_scaled(p, step_size, buf, buf, lib)
 
 
 def sgd_update(p, g, buf, lr, momentum=0.0, wd=0.0, nesterov=False, scratch=None):

@@ -63,6 +63,15 @@ class Optimizer:
         """Bytes of the optimizer state's arrays (the step counters are not arrays)."""
         return sum(st[k].nbytes for st in self.state.values() for k in self.state_keys if k in st)
 
+    def wait(self):
+        """Return once the parameters' arrays hold the last step's values.  The update here
+        is done when ``step`` returns; an offloaded one finishes in the background
+        (optim/offload.py), and the loop's readers of the parameters call this first."""
+
+    def reloaded(self):
+        """The parameters' arrays and ``state`` were just overwritten (a checkpoint load).
+        Nothing to do here; an offloaded optimizer moves the state to its host copies."""
+
     def decay_of(self, p) -> float:
         """The weight decay applied to ``p`` (0 where the ``no_decay`` predicate says so)."""
         return 0.0 if self.no_decay is not None and self.no_decay(p) else self.weight_decay
