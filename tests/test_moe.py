@@ -1,13 +1,15 @@
 """The mixture-of-experts layer (minidist/model/moe.py) on one process: its forward against a
 token-by-token reference (routing, weights, capacity and its dropping order, both auxiliary
 losses), its gradients and the whole MoE model's against float64 finite differences, names,
-initialisation and the config's one-line errors."""
+initialisation and the config's one-line errors.  Under ``MINIDIST_BACKEND=cupy`` the layer's
+arrays live on the GPU: inputs go there with ``dev`` and results come back with ``host``
+(``backend.from_host``/``to_host``), the reference computes on the host."""
 import math
 
 import numpy as np
 import pytest
 
-from minidist.model import moe
+from minidist.model import backend, moe
 from minidist.model.autograd import Tensor
 from minidist.model.nn import GPT, GPTConfig, MLP
 from minidist.parallel.data import OneReplica
@@ -21,6 +23,16 @@ CASES = {
                                 capacity_factor=0.75),
     "llama-top1-dropless": dict(arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24, n_experts=2, top_k=1),
 }
+
+
+def host(a):
+    """A minidist array (on the device under CuPy) as a NumPy array."""
+    return np.asarray(backend.to_host(a))
+
+
+def dev(a):
+    """A host array on the backend's device (the same array under NumPy)."""
+    return backend.from_host(np.asarray(a))
 
 
 def tiny(**kw):
@@ -41,7 +53,7 @@ def reference(layer, x):
     B, T, d = x.shape
     E, k = cfg.n_experts, cfg.top_k
     C = math.ceil(cfg.capacity_factor * T * k / E) if cfg.capacity_factor else T * k
-    W = layer.router.weight.data
+    W = host(layer.router.weight.data)
     out, aux, z = np.zeros_like(x), 0.0, 0.0
     for b in range(B):
         taken, f, P = [0] * E, np.zeros(E), np.zeros(E)
@@ -57,7 +69,7 @@ def reference(layer, x):
                 f[e] += 1 / (T * k)
                 if taken[e] < C:
                     taken[e] += 1
-                    out[b, t] += we * layer.experts[e](Tensor(x[b, t][None])).data[0]
+                    out[b, t] += we * host(layer.experts[e](Tensor(dev(x[b, t][None]))).data)[0]
         aux += E * (f * P).sum() / B
     return out, cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
 
@@ -67,9 +79,9 @@ def test_layer_forward_matches_the_token_by_token_reference(kw):
     model = tiny(**kw)
     layer = model.h[0].mlp
     x = np.random.default_rng(3).standard_normal((3, 8, 16))
-    y = layer(Tensor(x))
+    y = layer(Tensor(dev(x)))
     want, want_aux = reference(layer, x)
-    np.testing.assert_allclose(y.data, want, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(host(y.data), want, rtol=0, atol=1e-13)
     np.testing.assert_allclose(layer.aux_loss.item(), want_aux, rtol=1e-12)
     cap = moe.capacity(layer.cfg, 8)
     assert layer.last_counts.sum() <= 3 * 8 * layer.cfg.top_k
@@ -87,9 +99,48 @@ def test_capacity_drops_the_later_tokens_of_each_sequence_and_they_pass_on_the_r
     layer.router.weight.data[0, 0] = 50.0  # x[..., 0] > 0: expert 0, surely
     x = np.random.default_rng(0).standard_normal((2, 8, 16))
     x[..., 0] = 1.0
-    y = layer(Tensor(x)).data
+    y = host(layer(Tensor(dev(x))).data)
     assert layer.last_counts.tolist() == [4, 0]
     assert np.all(y[:, 2:] == 0) and np.all(np.abs(y[:, :2]).sum(axis=-1) > 0)
+
+
+def test_low_precision_rows_add_up_in_float32_and_are_rounded_once():
+    """The MoE's scatter-adds under mixed precision: combining the experts' outputs (forward)
+    and the dispatch's gather (backward).  1 + 2**-8 + 2**-8 is 1 added up in bfloat16 (each
+    2**-8 is half a bfloat16 step at 1 and rounds away) but 1 + 2**-7 added up in float32, which
+    bfloat16 holds exactly.  CuPy's scatter-add has no bfloat16: on CuPy this runs only because
+    the sum is in float32."""
+    bf16 = backend.dtype("bfloat16")
+    values = dev(np.array([[1.0], [2.0**-8], [2.0**-8]])).astype(bf16)
+    out = moe.combine_rows(Tensor(values), dev(np.array([0, 0, 0])), 2)
+    assert out.dtype == bf16
+    assert host(out.data.astype(np.float32)).tolist() == [[1 + 2**-7], [0.0]]
+    x = Tensor(dev(np.zeros((2, 1))).astype(bf16), requires_grad=True)
+    moe.gather_rows(x, np.array([0, 0, 0])).backward(values)
+    assert x.grad.dtype == bf16
+    assert host(x.grad.astype(np.float32)).tolist() == [[1 + 2**-7], [0.0]]
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_a_mixed_precision_layer_keeps_its_activations_low_and_every_gradient(low):
+    """Under autocast (the training loop's mixed precision) the layer takes and returns
+    low-precision activations, and backward reaches the input, the router and every expert
+    that took tokens (on CuPy: no scatter-add in the low dtype)."""
+    from minidist.model import ops
+
+    layer = tiny(dtype="float32", n_experts=4, top_k=2, capacity_factor=1.0).h[0].mlp
+    dt = backend.dtype(low)
+    x = Tensor(dev(np.random.default_rng(3).standard_normal((2, 8, 16))).astype(dt), requires_grad=True)
+    with ops.autocast(low):
+        y = layer(x)
+        loss = ops.add(ops.sum(ops.mul(y, y)), layer.aux_loss)
+    assert y.dtype == dt
+    loss.backward()
+    assert x.grad.dtype == dt and np.isfinite(host(x.grad.astype(np.float32))).all()
+    assert np.abs(host(layer.router.weight.grad)).max() > 0
+    for e, taken in enumerate(layer.last_counts):
+        for name, p in layer.experts[e].named_parameters():
+            assert p.grad.dtype == np.float32 and (np.abs(host(p.grad)).max() > 0) == (taken > 0), (e, name)
 
 
 def _directional_check(f, params, grads, rng, h=1e-6):
@@ -98,15 +149,15 @@ def _directional_check(f, params, grads, rng, h=1e-6):
     f0 = abs(f())
     atol = 8 * 2.0**-53 * max(f0, 1.0) / h
     for name, p in params:
-        g = grads[name]
+        g = host(grads[name])
         d1 = rng.standard_normal(g.shape)
         d2 = np.zeros(g.shape)
         d2.reshape(-1)[np.abs(g).argmax()] = 1.0
         for d in (d1 / np.linalg.norm(d1), d2):
             old = p.data.copy()
-            p.data[...] = old + h * d
+            p.data[...] = old + dev(h * d)
             up = f()
-            p.data[...] = old - h * d
+            p.data[...] = old - dev(h * d)
             down = f()
             p.data[...] = old
             fd, an = (up - down) / (2 * h), float((g * d).sum())
@@ -118,11 +169,11 @@ def test_layer_gradients_match_finite_differences(kw):
     """The input's, the router's and every expert's gradient of <c, y> + the auxiliary losses."""
     layer = tiny(**kw).h[0].mlp
     rng = np.random.default_rng(5)
-    x = Tensor(rng.standard_normal((2, 8, 16)), requires_grad=True)
-    c = rng.standard_normal((2, 8, 16))
+    x = Tensor(dev(rng.standard_normal((2, 8, 16))), requires_grad=True)
+    c = dev(rng.standard_normal((2, 8, 16)))
 
     def f():
-        return float((layer(x).data * c).sum() + layer.aux_loss.item())
+        return float(host((layer(x).data * c).sum())) + layer.aux_loss.item()
 
     y = layer(x)
     loss = (y * Tensor(c)).sum() + layer.aux_loss
@@ -142,7 +193,7 @@ def test_whole_moe_model_gradient_matches_finite_differences(kw):
     model.zero_grad()
     loss = Strategy(model, OneReplica(model, None)).forward_backward(x, y)
     assert loss > 0
-    grads = {n: p.grad.copy() for n, p in model.named_parameters()}
+    grads = {n: host(p.grad).copy() for n, p in model.named_parameters()}
     for block in model.h:
         if isinstance(block.mlp, moe.MoE):
             assert np.abs(grads[f"h.{model.h.index(block)}.mlp.router.weight"]).max() > 0
@@ -173,10 +224,27 @@ def test_gradient_accumulation_equals_the_whole_batch():
     for k in (1, 2):
         model.zero_grad()
         loss = Strategy(model, OneReplica(model, None)).forward_backward(x, y, k)
-        grads.append((loss, {n: p.grad.copy() for n, p in model.named_parameters()}))
+        grads.append((loss, {n: host(p.grad).copy() for n, p in model.named_parameters()}))
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-12)
     for n, g in grads[0][1].items():
         np.testing.assert_allclose(grads[1][1][n], g, rtol=1e-9, atol=1e-12, err_msg=n)
+
+
+def test_a_step_reads_the_routing_once_per_mixture_and_microbatch(tmp_path):
+    """The routing is decided on the host: each mixture's router probabilities are one counted
+    read (backend.host_read, a synchronisation on a GPU) per microbatch, besides the step's
+    loss; nothing else (2 mixtures x 2 microbatches here)."""
+    import json
+
+    from minidist.train.testing import run_train
+
+    metrics = tmp_path / "m.jsonl"
+    r = run_train(None, ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
+                         "--experts", "2", "--grad-accum", "2", "--steps", "2", "--eval-every", "0", "--clip-grad", "0",
+                         "--quiet", "--metrics-jsonl", str(metrics)], timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [row["host_reads"] for row in rows] == [{"loss": 1, "routing": 4}] * 2
 
 
 def test_names_and_initialisation_by_name():
@@ -186,8 +254,8 @@ def test_names_and_initialisation_by_name():
     assert "h.1.mlp.router.weight" in names and "h.1.mlp.experts.2.down_proj.weight" in names
     again = tiny(n_experts=3, moe_every=2, arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24)
     for n, a in model.state_dict().items():
-        assert np.array_equal(a, again.state_dict()[n]), n
-    experts = [model.state_dict()[f"h.1.mlp.experts.{e}.down_proj.weight"] for e in range(3)]
+        assert np.array_equal(host(a), host(again.state_dict()[n])), n
+    experts = [host(model.state_dict()[f"h.1.mlp.experts.{e}.down_proj.weight"]) for e in range(3)]
     assert not np.array_equal(experts[0], experts[1])
     dense = tiny()
     assert list(dense.state_dict()) == list(tiny(n_experts=0, top_k=5).state_dict())

@@ -1,11 +1,12 @@
 """Backward in two parts (zero-bubble pipelines): B, the activations' gradients, then W, the
 weights' gradients (``autograd.deferred_weight_grads``).  B then W must give the joint
 backward's gradients bit for bit (float64), and each gradient hook must fire once, with the
-complete gradient, in the order the joint backward fires them."""
+complete gradient, in the order the joint backward fires them.  Under ``MINIDIST_BACKEND=cupy``
+the inputs go to the GPU (``_normal``) and the gradients are compared on the host."""
 import numpy as np
 import pytest
 
-from minidist.model import ops
+from minidist.model import backend, ops
 from minidist.model.autograd import Parameter, Tensor, deferred_weight_grads
 from minidist.model.nn import GPT, GPTConfig
 from minidist.model.ops import tuning
@@ -13,8 +14,17 @@ from minidist.model.ops import tuning
 RNG = np.random.default_rng(7)
 
 
+def _normal(shape):
+    """Standard normal values drawn on the host, on the backend's device."""
+    return backend.from_host(RNG.standard_normal(shape))
+
+
+def _equal(a, b, **kw):
+    np.testing.assert_array_equal(backend.to_host(a), backend.to_host(b), **kw)
+
+
 def _leaves(*shapes):
-    return [Parameter(RNG.standard_normal(s), name=f"p{i}") for i, s in enumerate(shapes)]
+    return [Parameter(_normal(s), name=f"p{i}") for i, s in enumerate(shapes)]
 
 
 def _backward(build, params, x, g, deferred):
@@ -39,47 +49,47 @@ def _backward(build, params, x, g, deferred):
 
 def _check_split(build, params, x, g):
     joint, split = (_backward(build, params, x, g, deferred) for deferred in (False, True))
-    np.testing.assert_array_equal(split[0], joint[0])
+    _equal(split[0], joint[0])
     for a, b in zip(split[1], joint[1]):
-        np.testing.assert_array_equal(a, b)
+        _equal(a, b)
     assert [n for n, _ in split[2]] == [n for n, _ in joint[2]], "each hook once, in the joint order"
     for (_, a), (_, b) in zip(split[2], joint[2]):
-        np.testing.assert_array_equal(a, b)
+        _equal(a, b)
 
 
 @pytest.mark.parametrize("path", ["whole", "tuned"])
 def test_each_op_with_weights_b_then_w_equals_joint(path):
     with tuning.use(path):
-        x = Tensor(RNG.standard_normal((3, 5, 4)), requires_grad=True)
+        x = Tensor(_normal((3, 5, 4)), requires_grad=True)
         w, b = _leaves((4, 6), (6,))
-        _check_split(lambda: ops.linear(x, w, b), [w, b], x, RNG.standard_normal((3, 5, 6)))
-        _check_split(lambda: ops.linear(x, w), [w], x, RNG.standard_normal((3, 5, 6)))
+        _check_split(lambda: ops.linear(x, w, b), [w, b], x, _normal((3, 5, 6)))
+        _check_split(lambda: ops.linear(x, w), [w], x, _normal((3, 5, 6)))
         gain, shift = _leaves((4,), (4,))
-        _check_split(lambda: ops.layer_norm(x, gain, shift), [gain, shift], x, RNG.standard_normal((3, 5, 4)))
-        _check_split(lambda: ops.rms_norm(x, gain), [gain], x, RNG.standard_normal((3, 5, 4)))
+        _check_split(lambda: ops.layer_norm(x, gain, shift), [gain, shift], x, _normal((3, 5, 4)))
+        _check_split(lambda: ops.rms_norm(x, gain), [gain], x, _normal((3, 5, 4)))
         table, = _leaves((10, 4))
         ids = np.array([[1, 2, 1], [9, 0, 1]])  # repeated ids: the scatter-add sums them
-        _check_split(lambda: ops.embedding(table, ids) * x[:2, :3], [table], x, RNG.standard_normal((2, 3, 4)))
+        _check_split(lambda: ops.embedding(table, ids) * x[:2, :3], [table], x, _normal((2, 3, 4)))
 
 
 def test_weight_only_nodes_wait_for_w_and_a_weight_used_twice_sums_in_order():
     """A tied head (linear through transpose(w)) and a weight used by three ops: the
     contributions are added in the joint backward's order (bitwise, with 3 terms)."""
-    x = Tensor(RNG.standard_normal((4, 6)), requires_grad=True)
+    x = Tensor(_normal((4, 6)), requires_grad=True)
     w, = _leaves((5, 6))
 
     def build():
         h = ops.linear(x, ops.transpose(w, (1, 0)))          # (4, 5): deferred through transpose
         h = ops.tanh(ops.linear(ops.tanh(h), w))              # (4, 6): w again, directly
         return ops.linear(h, ops.transpose(w, (1, 0))) * 0.5  # and a third time
-    _check_split(build, [w], x, RNG.standard_normal((4, 5)))
+    _check_split(build, [w], x, _normal((4, 5)))
 
 
 def test_a_deferred_gradient_reaching_an_activation_is_computed_in_b():
     """An activation used only as linear's weight: its gradient (and x's behind it) must not wait."""
-    x = Tensor(RNG.standard_normal((4, 4)), requires_grad=True)
+    x = Tensor(_normal((4, 4)), requires_grad=True)
     a, = _leaves((3, 4))
-    _check_split(lambda: ops.linear(a, ops.tanh(x)), [], x, RNG.standard_normal((3, 4)))
+    _check_split(lambda: ops.linear(a, ops.tanh(x)), [], x, _normal((3, 4)))
 
 
 def _stage_run(model, h, y, deferred):
@@ -102,7 +112,7 @@ def test_whole_stage_and_model_b_then_w_equals_joint(arch, checkpointing):
     params = model.parameters()
     ids = RNG.integers(0, 32, size=(2, 7))
     x, y = ids[:, :-1], ids[:, 1:]
-    h = RNG.standard_normal((2, 6, 8))
+    h = _normal((2, 6, 8))
 
     def grads(deferred, whole):
         calls = []
@@ -126,10 +136,10 @@ def test_whole_stage_and_model_b_then_w_equals_joint(arch, checkpointing):
     for whole in (False, True):
         a, b = grads(False, whole), grads(True, whole)
         if a[0] is not None:
-            np.testing.assert_array_equal(a[0], b[0])
+            _equal(a[0], b[0])
         for ga, gb, p in zip(a[1], b[1], params):
             assert (ga is None) == (gb is None), p.name
             if ga is not None:
-                np.testing.assert_array_equal(ga, gb, err_msg=p.name)
+                _equal(ga, gb, err_msg=p.name)
         assert b[2] == a[2], "every hook once, in the joint backward's order"
         assert len(b[2]) == len(set(b[2]))

@@ -30,7 +30,7 @@ The rules, each chosen so that a data-parallel or expert-parallel run equals one
 Both losses of the last forward stay on the layer (``aux_loss``, a Tensor in the graph), and
 ``GPT.loss`` adds every layer's to the cross-entropy (:func:`add_aux_losses`).
 
-The tokens travel in one buffer sorted by expert (``index_rows``: its backward scatter-adds),
+The tokens travel in one buffer sorted by expert (:func:`gather_rows`: its backward scatter-adds),
 each expert runs on its rows, and the weighted outputs go back to their tokens with
 :func:`combine_rows` (one op, written by hand: a scatter-add forward, a gather backward).  The
 step in the middle is the **dispatcher** (``MoE.dispatch``): here every expert is local;
@@ -44,9 +44,10 @@ import math
 
 from minidist.model import ops
 from minidist.model.autograd import Tensor, make_tensor
-from minidist.model.backend import host, to_host, xp  # host: the routing's index bookkeeping
+from minidist.model.backend import host, host_read, xp  # host: the routing's index bookkeeping
 from minidist.model.module import Module, _param
-from minidist.model.ops.basic import scatter_add_rows
+from minidist.model.ops.basic import check_index, scatter_add_rows
+from minidist.model.ops.precision import compute_dtype
 
 
 def is_moe_block(cfg, i: int) -> bool:
@@ -71,10 +72,26 @@ class Router(Module):
         return ops.linear(x, self.weight)
 
 
+def _add_rows(idx, rows, n: int):
+    """``rows`` added into ``n`` zero rows at ``idx`` (repeats add up).  Low-precision rows
+    (mixed precision) add up in float32 and are rounded once to their dtype: minidist does no
+    arithmetic in float16/bfloat16, and CuPy's scatter-add has no bfloat16."""
+    dt = compute_dtype(rows.dtype)
+    return scatter_add_rows(idx, rows.astype(dt, copy=False), n, dt).astype(rows.dtype, copy=False)
+
+
 def combine_rows(rows: Tensor, idx, n: int) -> Tensor:
     """``out[idx[m]] += rows[m]`` into ``n`` zero rows (repeated indices add up); backward:
     the gradient of each row is that of the token it went to, ``grad[idx]``."""
-    return make_tensor(scatter_add_rows(idx, rows.data, n, rows.dtype), (rows,), lambda g: (g[idx],))
+    return make_tensor(_add_rows(idx, rows.data, n), (rows,), lambda g: (g[idx],))
+
+
+def gather_rows(x: Tensor, idx) -> Tensor:
+    """``x[idx]`` along axis 0 (``idx`` an int array, checked on the host when it lies there),
+    as ``ops.index_rows``; backward scatter-adds the rows' gradients as :func:`combine_rows`
+    does (in float32 for low-precision rows)."""
+    idx = check_index(idx, x.shape[0], "gather_rows idx")
+    return make_tensor(x.data[idx], (x,), lambda g: (_add_rows(idx, g, x.shape[0]),))
 
 
 def run_local_experts(experts, xs: Tensor, counts) -> Tensor:
@@ -132,16 +149,21 @@ class MoE(Module):
         flat = ops.reshape(x, (B * T, d))
         logits = self.router(flat)                                   # (N, E)
         probs = ops.softmax(logits, axis=-1)
-        choice, keep = route(cfg, to_host(probs.data).astype(host.float64), T)
+        # The routing is decided on the host: one counted read of the probabilities per
+        # mixture and pass (on a GPU a synchronisation, like the loss's).
+        choice, keep = route(cfg, host_read(probs.data, "routing").astype(host.float64), T)
         tokens = host.arange(B * T)[:, None]
-        gates = ops.getitem(probs, (xp.asarray(tokens), xp.asarray(choice)))  # (N, k)
+        # The gates in float32 under mixed precision: the gather's backward scatter-adds, and
+        # minidist does no arithmetic in low precision (nor has CuPy's scatter-add bfloat16).
+        p32 = ops.cast(probs, compute_dtype(probs.dtype))
+        gates = ops.getitem(p32, (xp.asarray(tokens), xp.asarray(choice)))  # (N, k)
         if cfg.top_k > 1:  # Mixtral: the chosen weights renormalised
             gates = ops.div(gates, ops.sum(gates, axis=1, keepdims=True))
         r = Route(choice, keep, cfg.n_experts)
         self.last_counts = r.counts
         token, slot = xp.asarray(r.token), xp.asarray(r.slot)
-        ys = self.dispatch(self.experts, ops.index_rows(flat, r.token), r.counts)   # (M, d), by expert
-        weighted = ops.mul(ys, ops.reshape(ops.getitem(gates, (token, slot)), (-1, 1)))
+        ys = self.dispatch(self.experts, gather_rows(flat, r.token), r.counts)   # (M, d), by expert
+        weighted = ops.mul(ys, ops.cast(ops.reshape(ops.getitem(gates, (token, slot)), (-1, 1)), ys.dtype))
         self.aux_loss = self.losses(logits, probs, choice, B, T)
         return ops.reshape(combine_rows(weighted, token, B * T), (B, T, d))
 
