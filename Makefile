@@ -92,7 +92,8 @@ GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_gemm.py te
 	tests/test_compose.py tests/test_context.py tests/test_data_parallel.py tests/test_tensor_parallel.py tests/test_pipeline.py \
 	tests/test_train_cli.py::test_memory_estimate_is_near_a_measured_step \
 	tests/test_llama_parity.py tests/test_moe.py tests/test_expert_parallel.py \
-	tests/test_weight_grad_split.py tests/test_pipeline_schedules.py
+	tests/test_weight_grad_split.py tests/test_pipeline_schedules.py \
+	tests/test_flash_mma_kernel.py tests/test_offload.py
 
 test-gpu: install
 	@reason="$$($(BIN)/python -c 'from minidist.model.backend import gpu_unavailable_reason as r; print(r() or "")')"; \
