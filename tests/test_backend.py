@@ -127,7 +127,7 @@ def test_bench_gpu_runs_its_modes_and_profiles_on_the_cpu(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     modes = json.loads((tmp_path / "gpu.json").read_text())["modes"]
-    assert set(modes) == {"fp32", "bf16", "bf16 batched", "fp32 blocks4", "fp32 flash", "bf16 flash"}
+    assert set(modes) == {"fp32", "bf16", "bf16 batched", "fp32 whole", "fp32 flash", "bf16 flash"}
     for mode, m in modes.items():
         assert "error" not in m, (mode, m)
         assert m["ratio"] > 0 and m["minidist"]["first_loss"] > 0
@@ -142,7 +142,7 @@ def test_bench_gpu_names_a_mode_it_does_not_have():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--modes", "fp32,bf61"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--modes 'fp32,bf61': 'bf61' is not a mode" in r.stderr, r.stderr
-    assert "fp32, bf16, bf16 batched, fp32 blocks4, fp32 flash, bf16 flash" in r.stderr
+    assert "fp32, bf16, bf16 batched, fp32 whole, fp32 flash, bf16 flash" in r.stderr
 
 
 def test_the_summary_names_the_gpu_and_its_memory(monkeypatch):

@@ -125,7 +125,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "matrix products on CuPy call cuBLAS's strided batched GEMM on the arrays' own strides, "
              "and write float32 products of bf16/fp16 operands directly (auto), or use CuPy's matmul, "
              "which copies non-contiguous operands, and casts (off) (minidist/model/ops/cuda/gemm.py)"),
-    Variable("MINIDIST_CAUSAL_BLOCKS", _integer(1), "an integer >= 1", 1,
+    Variable("MINIDIST_CAUSAL_BLOCKS", _integer(1), "an integer >= 1", 4,
              "plain causal attention with minidist's CUDA kernels cuts its T x T products into this "
              "many query blocks and skips the masked ones above the diagonal, (n + 1) / 2n of the work "
              "in n cuBLAS calls a product, on contiguous copies of self-attention's heads; 1: whole "

@@ -24,8 +24,10 @@ a block has at least ``MIN_ROWS`` rows, so short sequences stay whole.
 The price is n times the cuBLAS calls, smaller ones, and (in self-attention, whose heads are
 strided views costing a call per batch element in ``cuda/gemm.py``) a contiguous copy of Q, K and V
 and of their gradients, so that a block is one call over every (batch, head) pair
-(``attention._self_attention_copied``).  Hence the default n = 1 (whole products, no copies)
-until a GPU measurement settles it (docs/gpu.md).
+(``attention._self_attention_copied``).  On an H200 the skipped work pays for both (docs/gpu.md),
+so the default is n = 4; n = 1 gives whole products on the heads' views, no copies.  Under
+mixed precision the tensor-core FlashAttention kernels (``cuda/flash_mma.py``) skip the masked
+tiles themselves, and these blocks serve float32 and float64.
 """
 
 from __future__ import annotations
