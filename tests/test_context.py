@@ -87,7 +87,7 @@ def test_context_parallel_memory_and_work(nprocs):
 
 
 def test_training_flags_are_checked_with_their_names():
-    from minidist.train.flags import score_values
+    from minidist.train.estimate import score_values
 
     def refused(message, **kw):
         found = _problems(**kw)

@@ -245,7 +245,8 @@ def test_timeout_flag_reaches_the_communication_watchdog(monkeypatch):
 
 def _estimate(argv, world):
     from minidist.train.config import from_args
-    from minidist.train.flags import build_parser, memory_estimate
+    from minidist.train.estimate import memory_estimate
+    from minidist.train.flags import build_parser
 
     return memory_estimate(from_args(build_parser().parse_args(argv)).resolved(world))
 

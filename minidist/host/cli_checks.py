@@ -195,7 +195,7 @@ def training_memory_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int,
     float32.  ``data_bytes`` of corpus are held twice while loading; ``eval_batches`` fixed
     validation batches are int64 inputs and targets.  ``score_values``: the attention scores a
     block keeps per sequence (default ``n_head * seq_len**2``, plain attention's; blockwise and
-    context-parallel attention keep fewer, see ``flags.score_values``).  Tensor parallelism
+    context-parallel attention keep fewer, see ``estimate.score_values``).  Tensor parallelism
     (``tp``) splits 14 of a block's 24 arrays (the heads' and the MLP's hidden ones) and the
     logits' vocabulary; sequence parallelism splits the other 10 too (Korthikanti et al. 2022).
     """

@@ -44,10 +44,11 @@ def cores() -> int:
 
 def local_ranks(environ=None) -> int | None:
     """Ranks on this node, as the launcher tells them before MPI starts (Hydra:
-    ``MPI_LOCALNRANKS``; Open MPI: ``OMPI_COMM_WORLD_LOCAL_SIZE``), or None (no launcher, or
-    one that does not say)."""
+    ``MPI_LOCALNRANKS``; Open MPI: ``OMPI_COMM_WORLD_LOCAL_SIZE``; MVAPICH, Slurm's srun,
+    torchrun-style launchers), or None (no launcher, or one that does not say)."""
     environ = os.environ if environ is None else environ
-    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
+                "LOCAL_WORLD_SIZE"):
         if environ.get(var, "").isdigit():
             return int(environ[var])
     return None

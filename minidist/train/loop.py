@@ -32,7 +32,8 @@ import warnings
 
 from minidist.host.cli_checks import available_memory_bytes
 from minidist.train.config import RunConfig
-from minidist.train.flags import build_parser, memory_estimate, validate, world_rank, world_size
+from minidist.train.estimate import memory_estimate
+from minidist.train.flags import build_parser, validate, world_rank, world_size
 from minidist.parallel.compose import build, build_mesh
 
 
