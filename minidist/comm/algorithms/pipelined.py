@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.comm.algorithms.ring import ring_steps
-from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _irecv, _isend, _recv, _wait_recv, _waitall, _withdraw
+from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _abandon, _irecv, _isend, _recv, _wait_recv, _waitall, _withdraw
 from minidist.layout.split import split_bounds
 
 PIPELINE_BYTES = 1024 * 1024
@@ -45,6 +45,7 @@ def pipelined_step(comm, outgoing, dst, src, size, nchunks, tmp, combine) -> Non
         return got, _irecv(comm, got, src, TAG), _isend(comm, outgoing[sends[c][0]:sends[c][1]], dst, TAG)
 
     pending = post(0)
+    send_req = None
     try:
         for c, (lo, hi) in enumerate(recvs):
             got, recv_req, send_req = pending
@@ -53,8 +54,9 @@ def pipelined_step(comm, outgoing, dst, src, size, nchunks, tmp, combine) -> Non
             _wait_recv(comm, recv_req, src, TAG, got.nbytes)
             combine(lo, hi, got)
             _waitall([send_req])
-    except BaseException:  # a mismatch (or any error): the next chunk's receive must not stay posted
-        _withdraw([pending[1]])
+    except BaseException:  # a mismatch (or any error): the next chunk's receive must not stay
+        _withdraw([pending[1]])  # posted, and the sends in flight keep their memory
+        _abandon([req for req in (send_req, pending[2]) if req is not None])
         raise
 
 

@@ -322,6 +322,18 @@ def _withdraw(requests) -> None:
                 pass
 
 
+_ABANDONED: list = []  # sends failing collectives left in flight, with the buffers they read
+
+
+def _abandon(requests) -> None:
+    """Keep the sends a failing collective leaves in flight alive, and with them (mpi4py's
+    request holds its buffer) the memory they read, until each completes: the peer may be
+    copying that memory straight out of this process (MPICH's CMA reads the sender's pages),
+    and freeing it under the copy fails the peer's receive (seen: process_vm_readv EFAULT,
+    a CommError where the peer should have raised the collective mismatch)."""
+    _ABANDONED[:] = [r for r in _ABANDONED if not r.Test()] + [r for r in requests if r != MPI.REQUEST_NULL]
+
+
 def _stage_in(out, buf: np.ndarray) -> None:
     """Copy a received host buffer into ``out`` (a device array; a span on the timeline)."""
     out[...] = from_host(buf)
