@@ -10,7 +10,8 @@ on NumPy).  The modules here replace pieces of it on CuPy:
 * ``softmax``: attention's causal softmax and its gradient, a thread block per row;
 * ``flash``: FlashAttention's forward and backward, for blockwise attention;
 * ``flash_mma``: FlashAttention-2 on tensor cores (``mma`` instructions) for bf16/fp16
-  operands, the attention of a mixed-precision step;
+  operands, the attention of a mixed-precision step; ``mma``: the warp's tensor-core product
+  and shuffle it uses, with their CPU form;
 * ``gelu``, ``layernorm``: GELU and LayerNorm each way in one kernel, reading and writing
   bfloat16 as it is;
 * ``multi_tensor``: one launch for the optimizer's update, clipping's norm and scale over
@@ -34,6 +35,6 @@ autograd or anything above them, so each kernel is tested alone against its ``xp
 
 from __future__ import annotations
 
-from minidist.model.ops.cuda import flash, flash_mma, gelu, gemm, layernorm, multi_tensor, softmax, source
+from minidist.model.ops.cuda import flash, flash_mma, gelu, gemm, layernorm, mma, multi_tensor, softmax, source
 
-__all__ = ["flash", "flash_mma", "gelu", "gemm", "layernorm", "multi_tensor", "softmax", "source"]
+__all__ = ["flash", "flash_mma", "gelu", "gemm", "layernorm", "mma", "multi_tensor", "softmax", "source"]
