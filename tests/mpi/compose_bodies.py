@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 import faults
 from minidist import comm
-from minidist.model.backend import from_host, to_host
+from minidist.model.backend import BACKEND, from_host, to_host, xp
 from minidist.train.config import RunConfig
 from minidist.state.data import load_corpus
 from minidist.parallel.compose import problems
@@ -49,6 +49,14 @@ UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 # gradients agreed to 1.4 u, and with the loss scale at 2^16 its fp16 overflowed where one
 # process's did not (see the skipped-steps check below).
 LOSS_ULPS, PARAM_ULPS = 2.0, 10.0
+# On a GPU (an H200) the parameters ended 3.1-23.4 u from one process (the most: fp16 dp2-tp2
+# 11.8 u, Llama bf16 dp2-cp2 at lr 1e-2 23.4 u), the losses within 0.7 u.  minidist's own
+# kernels are not the cause: with them and cuBLAS's batched products off, 4.9-12.7 u and the
+# Llama run's losses 3.3 u.  cuBLAS's products accumulate in an order set by each shard's
+# shape, and 30 steps grow the difference.  The bar there is 40 u, under a third of the
+# smallest fault's 146 u (the CuPy emulator computes on NumPy and keeps the CPU's bar).
+if BACKEND == "cupy" and not hasattr(xp, "_emulator"):
+    PARAM_ULPS = 40.0
 _SECTION = {f.name: section for section in ("model", "data", "optim", "device", "parallel", "report")
             for f in dataclasses.fields(getattr(BASE, section))}
 

@@ -17,7 +17,7 @@ import builtins
 
 from minidist.model.autograd import Tensor, make_tensor
 from minidist.model.backend import from_host, host, host_read, on_device, xp
-from minidist.model.ops import tuning
+from minidist.model.ops import cuda, tuning
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -313,16 +313,20 @@ def check_index(idx, n, what="index"):
 def scatter_add_rows(idx, g, num_rows, dtype):
     """zeros((num_rows, *row_shape)) with the rows of ``g`` added at ``idx`` (repeats add up).
 
-    Whole-array: ``add.at``, one scatter-add (atomic adds on a GPU).  CPU-tuned:
-    sort-and-segment-sum: sorting the indices groups the repeats, ``add.reduceat`` sums
-    each group in one vectorised pass, and each distinct row is then written once.  (It
-    is several times faster than ``np.add.at``, which handles one row at a time.)
+    Whole-array: ``add.at``, one scatter-add.  CPU-tuned: sort-and-segment-sum: sorting the
+    indices groups the repeats, ``add.reduceat`` sums each group in one vectorised pass, and
+    each distinct row is then written once.  (It is several times faster than ``np.add.at``,
+    which handles one row at a time.)  On a GPU ``add.at`` is atomic adds, whose order, and
+    so whose rounding, changes from run to run; ``cuda.scatter`` sums each row's repeats in
+    index order instead, as ``add.at`` does on a CPU.
     """
     row_shape = tuple(g.shape[idx.ndim:])
     out = xp.zeros((num_rows,) + row_shape, dtype=dtype)
     flat = idx.reshape(-1)
     if flat.size == 0:
         return out
+    if cuda.scatter.why_not(out) is None:
+        return cuda.scatter.add_rows(flat, g, out)
     if not tuning.tuned() or not hasattr(xp.add, "reduceat"):  # the plain scatter-add (atomics on a GPU)
         xp.add.at(out, flat, g.reshape((-1,) + row_shape))
         return out

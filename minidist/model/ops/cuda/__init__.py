@@ -14,6 +14,8 @@ on NumPy).  The modules here replace pieces of it on CuPy:
   and shuffle it uses, with their CPU form;
 * ``gelu``, ``layernorm``: GELU and LayerNorm each way in one kernel, reading and writing
   bfloat16 as it is;
+* ``scatter``: the embedding's gradient (rows added at repeated indices) summed in index
+  order, without atomics, so that it is the same on every run;
 * ``multi_tensor``: one launch for the optimizer's update, clipping's norm and scale over
   every parameter;
 * ``source``: what the kernels share: whether they can run here, their compilation (CuPy's
@@ -35,6 +37,7 @@ autograd or anything above them, so each kernel is tested alone against its ``xp
 
 from __future__ import annotations
 
-from minidist.model.ops.cuda import flash, flash_mma, gelu, gemm, layernorm, mma, multi_tensor, softmax, source
+from minidist.model.ops.cuda import flash, flash_mma, gelu, gemm, layernorm, mma, multi_tensor, scatter, softmax, source
 
-__all__ = ["flash", "flash_mma", "gelu", "gemm", "layernorm", "mma", "multi_tensor", "softmax", "source"]
+__all__ = ["flash", "flash_mma", "gelu", "gemm", "layernorm", "mma", "multi_tensor", "scatter", "softmax",
+           "source"]
