@@ -34,7 +34,9 @@ training loop; the first two (warm-up) calls build them.
 
 Bus bandwidth (the nccl-tests convention, comparable across N): for a message of S bytes
 taking t seconds, all_reduce busbw = S/t * 2(N-1)/N; all_gather and reduce_scatter busbw =
-S/t * (N-1)/N, S being the full (gathered / pre-scatter) size.
+S/t * (N-1)/N, S being the full (gathered / pre-scatter) size.  all_to_all_v: S is what each
+rank sends in all (S/N to each rank, its own block included; MPI's Alltoallv is told the
+receive counts, minidist's exchanges them first), busbw = S/t * (N-1)/N.
 """
 from __future__ import annotations
 
@@ -50,8 +52,9 @@ SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
 CROSSOVER_SIZES = {"all_reduce": [64 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20, 8 << 20],
                    "all_gather": [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20],
-                   "reduce_scatter": [16 << 10, 64 << 10, 256 << 10, 1 << 20]}
-COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter"]
+                   "reduce_scatter": [16 << 10, 64 << 10, 256 << 10, 1 << 20],
+                   "all_to_all_v": [4 << 10, 64 << 10, 1 << 20, 16 << 20]}
+COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all_v"]
 
 
 def _reps(size: int, quick: bool) -> int:
@@ -96,10 +99,15 @@ def worker(out_path: str, quick: bool, collective: str) -> None:
         gathered, gathered_mpi, mine = res[: n * (count // n)], full[: n * (count // n)], res[: len(piece)]
         ours = {"all_reduce": lambda: comm.all_reduce(x, g, out=res),
                 "all_gather": lambda: comm.all_gather(part, g, out=gathered),
-                "reduce_scatter": lambda: comm.reduce_scatter(even, g, out=mine)}[name]
+                "reduce_scatter": lambda: comm.reduce_scatter(even, g, out=mine)}.get(name)
         mpi = {"all_reduce": lambda: world.Allreduce(x, full),
                "all_gather": lambda: world.Allgather(part, gathered_mpi),
-               "reduce_scatter": lambda: world.Reduce_scatter_block(even, piece)}[name]
+               "reduce_scatter": lambda: world.Reduce_scatter_block(even, piece)}.get(name)
+        if name == "all_to_all_v":  # count // n elements to each rank
+            per = [count // n] * n
+            at = [k * (count // n) for k in range(n)]
+            ours = lambda: comm.all_to_all_v(even, per, g)  # noqa: E731
+            mpi = lambda: world.Alltoallv([even, per, at, MPI.FLOAT], [gathered_mpi, per, at, MPI.FLOAT])  # noqa: E731
         return ours, mpi
 
     results = []
@@ -162,6 +170,9 @@ def crossover_variants(collective, size, g):
     if collective == "all_reduce":
         x = np.ones(size // 4, np.float32)
         return {a: (lambda a=a: comm.all_reduce(x, g, algorithm=a)) for a in ("recursive_doubling", "pairwise")}
+    if collective == "all_to_all_v":  # no threshold: the one-shot rounds against the textbook's steps
+        x, per = np.ones((size // 4 // n) * n, np.float32), [size // 4 // n] * n
+        return {a: (lambda a=a: comm.all_to_all_v(x, per, g, algorithm=a)) for a in ("direct", "pairwise")}
     x = np.ones((size // 4 // n) * (n if collective == "reduce_scatter" else 1), np.float32)
     variants = {}
     for name, limit in (("direct", 1 << 62), ("rounds", -1)):

@@ -38,7 +38,8 @@ reduce          small: binomial tree; large: pipelined chain tree: X; chain: X
 scatter/gather  linear at the root, N-1 messages             root: (N-1)/N * X
 all_to_all      pairwise exchange, N-1 steps                 (N-1)/N * X
 all_to_all_v    pairwise exchange of the counts, then of     8(N-1) + the rows sent to
-                the rows (2(N-1) steps)                      the other ranks
+                the rows (2(N-1) steps); fast path: each     the other ranks
+                exchange one round posted at once
 ppermute        one Isend + one Recv                         X (if it sends)
 barrier         dissemination, ceil(log2 N) rounds           0
 =============== ============================================ ==============================
@@ -56,7 +57,7 @@ import numpy as np
 
 from minidist.comm import check, fast
 from minidist.model.backend import on_device
-from minidist.comm.algorithms import bruck, evengather, pairwise, pipelined, ring, trees
+from minidist.comm.algorithms import bruck, evengather, oneshot, pairwise, pipelined, ring, trees
 from minidist.comm.algorithms.blocks import ROWS_RULE
 from minidist.comm.errors import CommError
 from minidist.comm.launch import (check_algorithm as _algorithm, check_group as _check_group,
@@ -210,26 +211,30 @@ def all_to_all(x, g, async_op: bool = False):
     return _launch("all_to_all", pairwise.pairwise_all_to_all, g, x, sig, async_op, device=device)
 
 
-def all_to_all_v(x, counts, g, async_op: bool = False):
+def all_to_all_v(x, counts, g, async_op: bool = False, *, algorithm: str = "auto"):
     """Rows of ``x`` (axis 0) to each rank, a different number to each (MPI's Alltoallv).
 
     ``counts[j]`` rows go to rank j, in order: rank 0 gets the first ``counts[0]`` rows,
     rank 1 the next ``counts[1]``, ... (``sum(counts) == x.shape[0]``; any count may be 0).
     Returns ``(y, recv_counts)``: the rows received, concatenated in source-rank order, and
     ``recv_counts[j]``, how many came from rank j (an int64 array).  The trailing shape and
-    the dtype must agree on every rank; the counts need not.  Pairwise exchange of the
-    counts, then of the rows (pairwise.py).  With ``async_op=True`` the handle's ``wait()``
-    returns the pair.  Its differentiable form is ``comm.functional.all_to_all_v``."""
+    the dtype must agree on every rank; the counts need not.  The counts are exchanged
+    first, then the rows: "pairwise" (the textbook, pairwise.py: N-1 steps each) or
+    "direct" (oneshot.py: each exchange one round of messages posted at once; the same
+    messages); "auto" runs "direct" unless the fast path is off.  With ``async_op=True`` the
+    handle's ``wait()`` returns the pair.  Its differentiable form is
+    ``comm.functional.all_to_all_v``."""
     _check_group(g, "all_to_all_v")
+    _algorithm(algorithm, ("auto", "pairwise", "direct"), "all_to_all_v")
     device, x = on_device(x), _host(x, "all_to_all_v")
     check.need_axis0(x, "all_to_all_v")
     counts = check.check_counts(counts, g, x.shape[0], "all_to_all_v")
+    if algorithm == "auto":
+        algorithm = "direct" if fast.fast_path_enabled() else "pairwise"
     sig = ("all_to_all_v", x, dict(rule="trailing"))
-    return _launch("all_to_all_v", _all_to_all_v, g, x, sig, async_op, counts, device=device)
-
-
-def _all_to_all_v(g, x, counts):
-    return pairwise.pairwise_all_to_all_v(g, x, counts)  # (rows, recv_counts): launch moves the rows only
+    body = oneshot.one_shot_all_to_all_v if algorithm == "direct" else pairwise.pairwise_all_to_all_v
+    # launch moves the rows only (the counts stay on the host)
+    return _launch("all_to_all_v", body, g, x, sig, async_op, counts, algorithm=algorithm, device=device)
 
 
 def ppermute(x, g, perm, async_op: bool = False):

@@ -11,7 +11,9 @@ Waitall"; Thakur, Rabenseifner & Gropp 2005).
 * all-gather: rank r sends its block to each other rank and receives each other block
   straight into its place in ``out``;
 * reduce-scatter: rank r sends block j of its input to rank j and receives the N-1 copies of
-  its own block, then adds the N of them in rank order (block of rank 0 + rank 1 + ...).
+  its own block, then adds the N of them in rank order (block of rank 0 + rank 1 + ...);
+* all-to-all-v: two rounds, the row counts (8 bytes to each rank) and then the rows, where
+  the pairwise exchange takes 2(N-1) steps, each waiting for one partner.
 
 Both send and receive (N-1)/N * X bytes per rank (X = gathered or pre-scatter size), like the
 ring, in N-1 messages each way, all in flight together: good for small messages, while large
@@ -115,3 +117,35 @@ def add_in_rank_order(ufunc, operands, result) -> None:
     ufunc(operands[0], operands[1], result)  # out= positionally: cheaper than a keyword
     for operand in operands[2:]:
         ufunc(result, operand, result)
+
+
+def one_shot_all_to_all_v(g, x: np.ndarray, counts: np.ndarray):
+    """MPI_Alltoallv in two one-shot rounds: rows ``x[sum(counts[:j]) : sum(counts[:j+1])]``
+    go to rank j.  Returns the rows received, in source-rank order, and how many came from
+    each rank -- pairwise.pairwise_all_to_all_v's result, from the same messages (8(N-1)
+    bytes of counts, then the rows sent to the other ranks), posted all at once per round.
+    Raises CommError (naming the rank and sizes) on a message of the wrong size."""
+    n, r = g.size, g.rank
+    to, frm = peers(n, r)
+    sent = np.ascontiguousarray(counts, np.int64)
+    recv_counts = np.empty(n, np.int64)
+    recv_counts[r] = sent[r]
+    reqs = post_round(g.comm, [(recv_counts[s:s + 1].view(np.uint8), s) for s in frm],
+                      [(sent[d:d + 1].view(np.uint8), d) for d in to], TAG)
+    wrong = first_wrong(wait_round(reqs, n - 1), 8, frm)
+    if wrong is not None:
+        raise _size_error(g.comm, wrong[0], TAG, 8, wrong[1], "all_to_all_v counts")
+    send_at = np.concatenate([[0], np.cumsum(sent)])
+    recv_at = np.concatenate([[0], np.cumsum(recv_counts)])
+    x = np.ascontiguousarray(x)
+    out = np.empty((int(recv_at[-1]),) + x.shape[1:], x.dtype)
+    out[recv_at[r]:recv_at[r + 1]] = x[send_at[r]:send_at[r + 1]]
+    row = x.dtype.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
+    xb, ob = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
+    reqs = post_round(g.comm, [(ob[recv_at[s] * row:recv_at[s + 1] * row], s) for s in frm],
+                      [(xb[send_at[d] * row:send_at[d + 1] * row], d) for d in to], TAG)
+    for got, s in zip(wait_round(reqs, n - 1), frm):
+        want = int(recv_counts[s]) * row
+        if got != want:
+            raise _size_error(g.comm, s, TAG, want, got, "all_to_all_v rows")
+    return out, recv_counts
