@@ -212,3 +212,31 @@ def test_cli_prices_an_ep_mesh_and_refuses_a_bad_one_in_one_line():
     assert r.returncode == 2 and "--top-k 3 is more than the --experts 2" in r.stderr
     r = _plan(*base, "--top", "2")
     assert r.returncode == 0 and "12.88B active per token" in r.stdout and "ep=8" in r.stdout
+
+
+def test_a_float32_plan_on_a_gpu_preset_finds_its_peak_rate():
+    """The presets name fp32 as NVIDIA does, --precision float32 as NumPy does."""
+    r = _plan("--preset", "minidist-bench", "--gpus", "2", "--mesh", "dp=2", "--precision", "float32", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["step_s"] > 0
+
+
+# ------------------------------------------------------------------ against a real run
+
+
+def test_validation_predicts_the_all_to_all_bytes_of_a_real_ep_run():
+    """The validation's ep row in small: the bytes rank 0 sends per step on its ep group
+    (``bytes_sent``, the all-to-alls) against the planner's, balanced routing assumed: 2
+    sequences of 16 tokens per rank, top-2 of 4 experts, d 16, float32, half the rows leave,
+    dispatch and combine forward and backward: 4 x 32 x 2 x 16 x 4 / 2 = 8,192 bytes."""
+    from minidist.plan.validate import CONFIGS, plan_of, predict, run
+
+    assert any(plan_of(mesh).ep > 1 for _, mesh, _ in CONFIGS)
+    cpu = replace(H100, name="cpu", peak={"float32": 50e9}, cores=2)
+    tiny = dict(layers=1, d_model=16, heads=2, seq_len=16, batch_size=4, experts=4)
+    mesh = dict(dp=2, ep=2, zero=1)
+    pred = predict(cpu, tiny, mesh)
+    assert pred["ep_bytes"] == 4 * 32 * 2 * 16 * 4 / 2
+    assert pred["time"]["ep"] > 0
+    meas = run(tiny, mesh, steps=4)
+    assert meas["ep_bytes"] == pytest.approx(pred["ep_bytes"], rel=0.25)

@@ -143,7 +143,7 @@ def forward_time(s: Step) -> float:
     each saved activation written and read once at the memory bandwidth, and a third of the
     machine's fixed cost per block and microbatch (backward is the other two thirds)."""
     m, mc, p, n, sh = s.m, s.mc, s.p, s.n, s.share
-    peak = mc.peak[s.pr.compute] * sh
+    peak = mc.peak_for(s.pr.compute) * sh
 
     def block(moe: bool) -> float:  # a mixture: its router and the rows its experts run
         act = (minidist_block_values(m, m.seq_len, moe) * s.pr.act if s.minidist
@@ -273,7 +273,7 @@ def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens
 
     mflops = model_flops_per_token(m, m.seq_len) * global_batch_tokens
     hflops = mflops + (recompute_flops_per_token(m, m.seq_len) * global_batch_tokens if s.ckpt else 0.0)
-    total_peak = mc.peak[precision.compute] * (min(p.devices, mc.cores) if mc.cores else p.devices)
+    total_peak = mc.peak_for(precision.compute) * (min(p.devices, mc.cores) if mc.cores else p.devices)
     memory = memory_parts(m, p, precision, global_batch_tokens, minidist=minidist)
     mem = sum(memory.values())
     others = {k: v for k, v in time.items() if k != "compute"}
