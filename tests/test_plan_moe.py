@@ -136,6 +136,18 @@ def test_all_to_all_bytes_by_hand_and_the_link_it_spans():
     assert e_out.time["ep"] > 5 * e_in.time["ep"]
 
 
+def test_a_capacity_factor_pads_the_rows_of_a_fused_implementation_only():
+    """GShard/Switch pad every expert's buffer to c x T x k / E rows: c x k rows per token
+    travel and compute; minidist computes and sends the kept rows, at most k."""
+    m = MIXTRAL.with_(seq_len=4096)
+    p = Plan(dp=64, ep=8, zero=1, microbatches=16)
+    for minidist, factor in ((False, 1.25), (True, 1.0)):
+        base, padded = (Step.of(x, H100, p, MIXED_BF16, 2**22, minidist) for x in (m, replace(m, capacity_factor=1.25)))
+        assert sent_bytes(padded) == pytest.approx(factor * sent_bytes(base))
+    plain, padded = (estimate(x, H100, p, 2**22) for x in (m, replace(m, capacity_factor=1.25)))
+    assert padded.time["compute"] > plain.time["compute"] and padded.mfu < plain.mfu  # model FLOPs stay k experts'
+
+
 def test_experts_gradients_reduce_over_dp_over_ep_ranks():
     """ep = dp leaves no rank holding the same experts: only the dense gradients travel."""
     m = tiny_moe(experts=4, layers=2, d=64, seq=64)
