@@ -4,8 +4,9 @@ the published Llama 3 405B table.
     python benchmarks/bench_plan.py [--out DIR] [--quick]
 
 1. This machine: ``--calibrate`` (GEMM rates, minidist's element-wise rate and fixed costs,
-   point-to-point and sync costs; about 40 s), then ``--validate``: 12 small configurations
-   spanning dp (ZeRO 0-3), tp, pp, cp and their pairs run for real (8 steps each), predicted
+   point-to-point and sync costs; about 40 s), then ``--validate``: 17 small configurations
+   spanning dp (ZeRO 0-3), tp, pp, cp, their pairs and expert parallelism (ep2, with its
+   all-to-all bytes) run for real (8 steps each), predicted
    vs measured step time and peak memory, and the median |predicted - measured| / measured
    (targets: <= 20 % for step time, <= 10 % for peak memory).  --quick (for the tests): 2
    configurations, one process and dp2 (one run of each kind), 6 steps.  The calibration is written to DIR/plan-machine.json (not the user's own).

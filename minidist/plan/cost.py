@@ -330,7 +330,8 @@ def memory_parts(m: ModelSpec, p: Plan, pr: Precision, global_batch_tokens: int,
     def block(moe: bool) -> float:  # one block's activations on one rank
         if minidist:  # half of its 24 arrays lie outside the tp-split layers (norms, residual, gathered outputs)
             split = (minidist_block_values(m, seq, moe) - REPLICATED_ARRAYS * m.d_model) * pr.act
-            return split * n / p.tp + REPLICATED_ARRAYS * m.d_model * pr.act * n
+            ep = moe_cost.minidist_ep_values(m, p.ep) * pr.act * n if moe else 0.0
+            return split * n / p.tp + REPLICATED_ARRAYS * m.d_model * pr.act * n + ep
         # without sequence parallelism the norms' inputs and outputs (4 d per token) are on every tp rank
         per_tok = activation_bytes_per_token(m, pr.act, moe)
         return per_tok * n / p.tp + (0 if sp else 4 * m.d_model * pr.act * n * (1 - 1 / p.tp))

@@ -105,3 +105,10 @@ def minidist_moe_values(m, dense_values: float) -> float:
     d = m.d_model
     mlp = 3 * m.f if m.gated else 8 * d
     return dense_values - mlp + m.top_k * (mlp + 3 * d) + d + 3 * m.experts
+
+
+def minidist_ep_values(m, ep: int) -> float:
+    """Values per token minidist's expert-parallel dispatch (parallel/expert) keeps beyond the
+    local one: the k rows received, put back in received order and returned, each a new
+    array the graph holds for the backward (3 k d; balanced routing)."""
+    return 3 * m.top_k * m.d_model if ep > 1 else 0.0
