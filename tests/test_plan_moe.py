@@ -236,6 +236,7 @@ def test_a_float32_plan_on_a_gpu_preset_finds_its_peak_rate():
 # ------------------------------------------------------------------ against a real run
 
 
+@pytest.mark.mpi
 def test_validation_predicts_the_all_to_all_bytes_of_a_real_ep_run():
     """The validation's ep row in small: the bytes rank 0 sends per step on its ep group
     (``bytes_sent``, the all-to-alls) against the planner's, balanced routing assumed: 2
