@@ -4,14 +4,18 @@ the published Llama 3 405B table.
     python benchmarks/bench_plan.py [--out DIR] [--quick]
 
 1. This machine: ``--calibrate`` (GEMM rates, minidist's element-wise rate and fixed costs,
-   point-to-point and sync costs; about 40 s), then ``--validate``: 12 small configurations
-   spanning dp (ZeRO 0-3), tp, pp, cp and their pairs run for real (8 steps each), predicted
+   point-to-point and sync costs; about 40 s), then ``--validate``: 17 small configurations
+   spanning dp (ZeRO 0-3), tp, pp, cp, their pairs and expert parallelism (ep2, with its
+   all-to-all bytes) run for real (8 steps each), predicted
    vs measured step time and peak memory, and the median |predicted - measured| / measured
    (targets: <= 20 % for step time, <= 10 % for peak memory).  --quick (for the tests): 2
    configurations, one process and dp2 (one run of each kind), 6 steps.  The calibration is written to DIR/plan-machine.json (not the user's own).
 2. Llama 3 405B on H100s (Dubey et al. 2024, table 4): the predicted MFU of each published
    mesh beside the published one, and the mesh's place in the planner's ranking for its
    device count and sequence length (target: within 5 points, among the top 5).
+3. Mixtral 8x7B on H100s (Jiang et al. 2024: 46.7B parameters, 12.9B active): the counts,
+   and the planner's best mesh for 64 GPUs and 4M-token batches of 4,096 tokens beside the
+   best one without expert parallelism (ep = 1).
 
 Writes DIR/plan.json.  A shared machine's load is measured during each run and priced (see
 minidist/plan/validate.py), but a busy neighbour still adds noise: say which machine and when.
@@ -61,6 +65,19 @@ def llama_rows() -> list:
     return rows
 
 
+def mixtral_row(devices: int = 64, seq: int = 4096, tokens: int = 4 * 2**20) -> dict:
+    from minidist.plan.machine import PRESETS as MACHINES
+    from minidist.plan.model import PRESETS, active_params, num_params
+    from minidist.plan.search import search
+
+    m = PRESETS["mixtral-8x7b"].with_(seq_len=seq)
+    ranked, _ = search(m, MACHINES["h100-nvlink-ib"], devices, tokens)
+    best, no_ep = ranked[0], next(e for e in ranked if e.plan.ep == 1)
+    return {"params": num_params(m), "active_params": active_params(m), "devices": devices, "seq_len": seq,
+            "global_batch_tokens": tokens, "best": best.as_dict(), "best_label": best.plan.label(),
+            "best_ep1": no_ep.as_dict(), "best_ep1_label": no_ep.plan.label(), "meshes_ranked": len(ranked)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 configurations, 6 steps")
@@ -85,8 +102,14 @@ def main():
         print(f"{r['devices']:>6} {r['seq_len']:>7} {mesh:<22} {100 * r['published_mfu']:>8.0f}% "
               f"{100 * r['predicted_mfu']:>8.1f}% {r['rank']:>3}/{r['meshes_ranked']:<3}  "
               f"{r['best']} ({100 * r['best_mfu']:.1f}%)")
+    mix = mixtral_row()
+    print(f"Mixtral 8x7B: {mix['params'] / 1e9:.2f}B parameters, {mix['active_params'] / 1e9:.2f}B active; on "
+          f"{mix['devices']} H100s: {mix['best_label']} {mix['best']['step_s']:.2f} s "
+          f"({100 * mix['best']['mfu']:.1f}% MFU, {mix['best']['mem_gb']:.1f} GB); without ep: "
+          f"{mix['best_ep1_label']} {mix['best_ep1']['step_s']:.2f} s ({100 * mix['best_ep1']['mfu']:.1f}%)")
     record = {"machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
-              "quick": args.quick, "validation": result, "llama3_405b": rows, "wall_s": time.perf_counter() - t0}
+              "quick": args.quick, "validation": result, "llama3_405b": rows, "mixtral_8x7b": mix,
+              "wall_s": time.perf_counter() - t0}
     if args.out:
         with open(os.path.join(args.out, "plan.json"), "w") as f:
             json.dump(record, f, indent=1)

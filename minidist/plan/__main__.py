@@ -10,7 +10,7 @@ from dataclasses import replace
 from minidist.host.cli_checks import OneLineParser, int_in
 from minidist.plan.cost import CHUNKED, PRECISIONS, SCHEDULES, estimate, problems
 from minidist.plan.machine import PRESETS as MACHINES, calibration_path, load
-from minidist.plan.model import PRESETS as MODELS, ModelSpec, num_params
+from minidist.plan.model import PRESETS as MODELS, ModelSpec, active_params, num_params
 from minidist.plan.search import search, settings
 from minidist.plan.validate import calibrate, main as validate_main
 
@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab", type=POS, default=None)
     m.add_argument("--seq-len", type=POS, default=None)
     m.add_argument("--gated", action="store_true", default=None, help="SwiGLU MLP (three matrices), RMSNorm, no biases")
+    m.add_argument("--experts", type=int_in(lo=0), default=None, metavar="E",
+                   help="a mixture of E experts in the MLP of every --moe-every-th block (0: dense)")
+    m.add_argument("--top-k", type=POS, default=None, metavar="K", help="experts per token (default 2)")
+    m.add_argument("--moe-every", type=POS, default=None, metavar="N", help="every N-th block a mixture (default 1)")
+    m.add_argument("--capacity-factor", type=float, default=None, metavar="C",
+                   help="an expert takes at most C x T x K / E tokens of a sequence (default 0: dropless)")
     r = p.add_argument_group("run")
     r.add_argument("--machine", default="h100-nvlink-ib",
                    help=f"{', '.join(MACHINES)}, this-machine (after --calibrate), or a machine JSON file")
@@ -48,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--impl", choices=["fused", "minidist"], default=None,
                    help="price fused GPU kernels or minidist's NumPy arrays (default: minidist on this machine)")
     s = p.add_argument_group("one mesh (else every mesh is searched)")
-    s.add_argument("--mesh", default=None, metavar="tp=T,cp=C,pp=P,dp=D")
+    s.add_argument("--mesh", default=None, metavar="tp=T,cp=C,pp=P,dp=D[,ep=N]",
+                   help="ep: each mixture's experts split over N ranks of the data-parallel group")
     s.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None)
     s.add_argument("--microbatches", type=POS, default=None, metavar="M")
     s.add_argument("--schedule", choices=SCHEDULES, default=None)
@@ -68,12 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_mesh(text: str) -> dict:
-    out = {"tp": 1, "cp": 1, "pp": 1, "dp": 1}
+    out = {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "ep": 1}
     for part in text.split(","):
         key, _, value = part.partition("=")
         key = key.strip()
         if key not in out or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh {text!r}: expected tp=T,cp=C,pp=P,dp=D with positive integers (bad {part!r})")
+            raise ValueError(f"--mesh {text!r}: expected tp=T,cp=C,pp=P,dp=D[,ep=N] with positive integers "
+                             f"(bad {part!r})")
         out[key] = int(value)
     return out
 
@@ -81,7 +89,8 @@ def parse_mesh(text: str) -> dict:
 def model_of(args) -> ModelSpec:
     base = MODELS[args.preset] if args.preset else None
     shape = dict(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab, seq_len=args.seq_len,
-                 ffn=args.ffn, kv_heads=args.kv_heads)
+                 ffn=args.ffn, kv_heads=args.kv_heads, experts=args.experts, top_k=args.top_k,
+                 moe_every=args.moe_every, capacity_factor=args.capacity_factor)
     if base is None:
         missing = [f"--{k.replace('_', '-')}" for k in ("layers", "d_model", "heads", "vocab", "seq_len")
                    if shape[k] is None]
@@ -95,6 +104,10 @@ def model_of(args) -> ModelSpec:
         raise ValueError(f"--d-model {model.d_model} is not divisible by --heads {model.heads}")
     if model.heads % model.kv:
         raise ValueError(f"--kv-heads {model.kv} does not divide --heads {model.heads}")
+    if model.experts and model.top_k > model.experts:
+        raise ValueError(f"--top-k {model.top_k} is more than the --experts {model.experts}")
+    if model.capacity_factor < 0:
+        raise ValueError(f"--capacity-factor {model.capacity_factor} is negative")
     return model
 
 
@@ -115,7 +128,7 @@ def main(argv=None) -> int:
         tokens = args.global_batch_tokens or DEFAULT_BATCH.get(args.preset or "", None)
         if tokens is None:
             raise ValueError("--global-batch-tokens N is required for a model given by its shape "
-                             "or a preset without a published batch (llama3-8b)")
+                             "or a preset without a published batch (llama3-8b, mixtral-8x7b)")
         cpu = bool(machine.cores)
         precision = PRECISIONS[args.precision or ("float32" if cpu else "bf16")]
         minidist = (args.impl or ("minidist" if cpu else "fused")) == "minidist"
@@ -142,13 +155,14 @@ def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
     from minidist.plan.cost import Plan
 
     mesh = parse_mesh(args.mesh)
+    ep = mesh.pop("ep")
     devices = mesh["tp"] * mesh["cp"] * mesh["pp"] * mesh["dp"]
     # The settings the user fixed, the rest chosen: the fastest combination that fits.
     given = Plan(**mesh, zero=1 if args.zero is None else args.zero,
                  microbatches=args.microbatches or 1, schedule=args.schedule or "1f1b",
                  virtual_stages=args.virtual_stages or (2 if args.schedule in CHUNKED else 1),
-                 sequence_parallel=args.sequence_parallel == "on")
-    checks = [x for x in problems(model, given, args.gpus, tokens)
+                 sequence_parallel=args.sequence_parallel == "on", ep=ep)
+    checks = [x for x in problems(model, given, args.gpus, tokens, minidist)
               if args.microbatches is not None or "microbatches" not in x]
     checks = [x for x in checks if args.schedule == "interleaved" or "interleaved" not in x]
     if checks:
@@ -156,10 +170,11 @@ def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
     if args.schedule == "interleaved" and mesh["pp"] == 1:
         raise ValueError(f"mesh {args.mesh} is infeasible: the interleaved schedule needs pp > 1")
     candidates = [p for p in settings(model, mesh["tp"], mesh["cp"], mesh["pp"], mesh["dp"], tokens,
-                                      zero_bubble=args.schedule in ("zb-h1", "zb-h2", "zbv"))
-                  if _wanted(args, p) and not problems(model, p, devices, tokens)]
+                                      zero_bubble=args.schedule in ("zb-h1", "zb-h2", "zbv"), ep=ep)
+                  if _wanted(args, p) and not problems(model, p, devices, tokens, minidist)]
     if args.microbatches is not None or args.schedule == "gpipe":
-        candidates += [p for p in _explicit(args, mesh, model, tokens) if not problems(model, p, devices, tokens)]
+        candidates += [replace(p, ep=ep) for p in _explicit(args, mesh, model, tokens)
+                       if not problems(model, replace(p, ep=ep), devices, tokens, minidist)]
     candidates = [replace(p, sequence_parallel=args.sequence_parallel == "on") for p in candidates]
     if not candidates:
         raise ValueError(f"mesh {args.mesh} is infeasible: no setting matches the flags given")
@@ -190,7 +205,7 @@ def _explicit(args, mesh, model, tokens):
 
 
 def _describe(model, machine, tokens, e, devices) -> str:
-    lines = [f"{model.name}: {_count(num_params(model))} parameters, seq {model.seq_len}, "
+    lines = [f"{model.name}: {_params(model)}, seq {model.seq_len}, "
              f"{tokens:,} tokens per step, on {devices} x {machine.name}",
              f"plan: {e.plan.label()}",
              f"step {e.step_s:.3f} s   MFU {100 * e.mfu:.1f}%   HFU {100 * e.hfu:.1f}%   memory {e.mem_bytes / 1e9:.1f} GB "
@@ -204,6 +219,11 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _params(model) -> str:
+    total = f"{_count(num_params(model))} parameters"
+    return total + (f" ({_count(active_params(model))} active per token)" if model.experts else "")
+
+
 def _search(args, model, machine, tokens, precision, minidist) -> int:
     ranked, infeasible = search(model, machine, args.gpus, tokens, precision, minidist)
     top = ranked[:args.top]
@@ -212,16 +232,17 @@ def _search(args, model, machine, tokens, precision, minidist) -> int:
                           "global_batch_tokens": tokens, "meshes_feasible": len(ranked),
                           "meshes_infeasible": len(infeasible), "top": [e.as_dict() for e in top]}))
         return 0
-    print(f"{model.name}: {_count(num_params(model))} parameters, seq {model.seq_len}, {tokens:,} tokens per step, "
+    print(f"{model.name}: {_params(model)}, seq {model.seq_len}, {tokens:,} tokens per step, "
           f"on {args.gpus} x {machine.name}: {len(ranked)} meshes fit, {len(infeasible)} do not")
     if not top:
         print("no mesh fits in memory")
         return 1
-    print(f"{'#':>2}  {'mesh':<22} {'settings':<32} {'step s':>9} {'MFU':>6} {'mem GB':>7}  limited by")
+    print(f"{'#':>2}  {'mesh':<27} {'settings':<32} {'step s':>9} {'MFU':>6} {'mem GB':>7}  limited by")
     for i, e in enumerate(top, 1):
         p = e.plan
-        rest = p.label().split(" ", 4)[4] if len(p.label().split(" ", 4)) > 4 else ""
-        print(f"{i:>2}  {p.mesh():<22} {rest:<32} {e.step_s:>9.3f} {100 * e.mfu:>5.1f}% {e.mem_bytes / 1e9:>7.1f}  "
+        rest = p.label().split("ZeRO", 1)[1]
+        print(f"{i:>2}  {p.mesh():<27} {'ZeRO' + rest:<32} {e.step_s:>9.3f} {100 * e.mfu:>5.1f}% "
+              f"{e.mem_bytes / 1e9:>7.1f}  "
               f"{e.limit} ({e.time[e.limit]:.3g} s)")
     return 0
 

@@ -67,6 +67,15 @@ class Machine:
     sync_slice_s: float = 0.0     # CPU: mean off-CPU stretch of a descheduled partner, paid at a sync point
     notes: dict = field(default_factory=dict)
 
+    def peak_for(self, dtype: str) -> float:
+        """The peak matmul rate for ``dtype`` (``float32`` and ``fp32`` name the same; presets
+        use NVIDIA's names, this machine's calibration NumPy's).  ValueError (one line) if none."""
+        alias = {"float32": "fp32", "fp32": "float32", "float64": "fp64", "fp64": "float64"}
+        for name in (dtype, alias.get(dtype)):
+            if name in self.peak:
+                return self.peak[name]
+        raise ValueError(f"machine {self.name} has no peak rate for {dtype} (it has {', '.join(self.peak)})")
+
     def link_for(self, span: int) -> Link:
         """The innermost level whose domain holds ``span`` consecutive ranks."""
         for link in self.links:

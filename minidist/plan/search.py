@@ -7,6 +7,11 @@ For each mesh the planner tries the step's settings -- ZeRO stage 0-3, the micro
 (1, 2, 4, 8 sequences), the 1F1B schedule or the interleaved one with V = 2, 4, ... up to
 the blocks of a stage, activation checkpointing off and on -- and keeps the fastest that fits
 in memory.  GPipe is not tried: it has 1F1B's bubble and holds all M microbatches' activations.
+
+A model with experts is searched over expert parallelism too (GShard): every ep that divides
+the experts and the data-parallel ranks (ep | dp, as minidist's ``--ep`` requires) is its own
+mesh (tp, cp, pp, dp, ep), priced with its all-to-alls and its experts' memory, so ep > 1
+wins where its memory or its smaller expert reduction pays for the all-to-alls.
 """
 
 from __future__ import annotations
@@ -33,8 +38,14 @@ def meshes(model, devices: int, global_batch_tokens: int):
                     yield tp, cp, pp, dp
 
 
+def expert_degrees(model, dp: int) -> list[int]:
+    """The ep sizes a mesh with ``dp`` data-parallel ranks can use: 1, and with experts every
+    divisor of dp that divides them."""
+    return [ep for ep in divisors(dp) if model.experts and model.experts % ep == 0] or [1]
+
+
 def settings(model, tp, cp, pp, dp, global_batch_tokens: int, zeros=(0, 1, 2, 3), checkpoint=(False, True),
-             zero_bubble: bool = False):
+             zero_bubble: bool = False, ep: int = 1):
     """The step settings tried for one mesh: 1F1B and interleaved (what the published meshes
     it is compared with ran), and with ``zero_bubble`` zb-h1, zb-h2 and zbv too (priced, but
     not searched by default: their bubble assumes W as long as B, and the paper's zero
@@ -58,19 +69,19 @@ def settings(model, tp, cp, pp, dp, global_batch_tokens: int, zeros=(0, 1, 2, 3)
             for z in zeros:
                 for ck in checkpoint:
                     yield Plan(tp=tp, cp=cp, pp=pp, dp=dp, zero=z, microbatches=M, schedule=sched, virtual_stages=v,
-                               checkpoint_activations=ck, sequence_parallel=True)
+                               checkpoint_activations=ck, sequence_parallel=True, ep=ep)
 
 
 def best_for_mesh(model, machine, mesh, global_batch_tokens: int, precision=MIXED_BF16,
-                  minidist: bool = False) -> tuple[Estimate | None, Estimate | None]:
+                  minidist: bool = False, ep: int = 1) -> tuple[Estimate | None, Estimate | None]:
     """(the fastest setting that fits, the one that needs the least memory) of a mesh."""
     fastest = leanest = None
     fitted = set()  # settings that fit without checkpointing: recomputing would only be slower
-    for plan in settings(model, *mesh, global_batch_tokens):
+    for plan in settings(model, *mesh, global_batch_tokens, ep=ep):
         key = (plan.zero, plan.microbatches, plan.schedule, plan.virtual_stages)
         if plan.checkpoint_activations and key in fitted:
             continue
-        if problems(model, plan, plan.devices, global_batch_tokens):
+        if problems(model, plan, plan.devices, global_batch_tokens, minidist):
             continue
         e = estimate(model, machine, plan, global_batch_tokens, precision, minidist)
         if e.fits and not plan.checkpoint_activations:
@@ -83,24 +94,25 @@ def best_for_mesh(model, machine, mesh, global_batch_tokens: int, precision=MIXE
 
 
 def search(model, machine, devices: int, global_batch_tokens: int, precision=MIXED_BF16, minidist: bool = False):
-    """(ranked feasible estimates, one per mesh, fastest first; the meshes that fit nowhere,
-    each with its leanest setting)."""
+    """(ranked feasible estimates, one per mesh (and ep), fastest first; the meshes that fit
+    nowhere, each with its leanest setting)."""
     ranked, infeasible = [], []
     for mesh in meshes(model, devices, global_batch_tokens):
-        fastest, leanest = best_for_mesh(model, machine, mesh, global_batch_tokens, precision, minidist)
-        if fastest is not None:
-            ranked.append(fastest)
-        elif leanest is not None:
-            infeasible.append(leanest)
+        for ep in expert_degrees(model, mesh[3]):
+            fastest, leanest = best_for_mesh(model, machine, mesh, global_batch_tokens, precision, minidist, ep)
+            if fastest is not None:
+                ranked.append(fastest)
+            elif leanest is not None:
+                infeasible.append(leanest)
     ranked.sort(key=lambda e: e.step_s)
     return ranked, infeasible
 
 
-def rank_of(ranked, tp, cp, pp, dp) -> int | None:
-    """1-based rank of a mesh in a ranking (None when absent)."""
+def rank_of(ranked, tp, cp, pp, dp, ep: int | None = None) -> int | None:
+    """1-based rank of a mesh in a ranking (None when absent; any ep unless given)."""
     for i, e in enumerate(ranked, 1):
         p = e.plan
-        if (p.tp, p.cp, p.pp, p.dp) == (tp, cp, pp, dp):
+        if (p.tp, p.cp, p.pp, p.dp) == (tp, cp, pp, dp) and ep in (None, p.ep):
             return i
     return None
 

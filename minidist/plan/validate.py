@@ -17,6 +17,12 @@ What tracemalloc sees is what a step *allocates*: the weights and the optimizer 
 before the step (after the first one) and are not in it; the gradients, the activations, the
 logits, the messages' buffers and the update's temporaries are.  The predicted peak is the
 same parts of :func:`minidist.plan.cost.memory_parts`.
+
+The expert-parallel rows (a mixture of 4 experts in every block, ``--ep 2``) compare one
+more thing: the bytes a rank sends per step on its ep group (``bytes_sent`` of the metrics,
+rank 0), the all-to-alls of GShard's dispatch and combine, against the planner's
+:func:`minidist.plan.moe_cost.sent_bytes` (balanced routing; a real router's imbalance moves
+the measured bytes only a little, since a rank sends its rows out and receives others' back).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import tempfile
 import time
 from dataclasses import replace
 
-from minidist.plan.cost import FLOAT32, Plan, estimate
+from minidist.plan import moe_cost
+from minidist.plan.cost import FLOAT32, Plan, Step, estimate
 from minidist.plan.machine import (INF, Link, Machine, busy_seconds, calibration_path, fixed_costs, load,
                                    measure_sync, mpiexec, others_load)
 from minidist.layout.settings import ModelConfig
@@ -56,29 +63,37 @@ CONFIGS = [
     ("llama K=2, 1 rank", {}, dict(arch="llama", kv_heads=2)),
     ("llama K=2, tp2", dict(tp=2), dict(arch="llama", kv_heads=2)),
     ("llama K=1, dp2 ZeRO-1", dict(dp=2, zero=1), dict(arch="llama", kv_heads=1)),
+    # A mixture of 4 GELU experts, top-2, in every block: on one rank, and split over ep = 2.
+    ("moe E4, 1 rank", {}, dict(experts=4)),
+    ("moe E4, dp2 ep2 ZeRO-1", dict(dp=2, ep=2, zero=1), dict(experts=4)),
 ]
 
 
 def plan_of(mesh: dict) -> Plan:
     return Plan(tp=mesh.get("tp", 1), cp=mesh.get("cp", 1), pp=mesh.get("pp", 1), dp=mesh.get("dp", 1),
                 zero=mesh.get("zero", 0), microbatches=mesh.get("microbatches", 1),
-                schedule=mesh.get("schedule", "1f1b"), sequence_parallel=False)
+                schedule=mesh.get("schedule", "1f1b"), sequence_parallel=False, ep=mesh.get("ep", 1))
 
 
 def model_of(shape: dict) -> ModelSpec:
     """The spec of the model ``minidist.train`` builds from ``shape``'s flags."""
     model = ModelConfig(layers=shape["layers"], d_model=shape["d_model"], heads=shape["heads"],
-                        arch=shape.get("arch", "gpt2"), kv_heads=shape.get("kv_heads"))
+                        arch=shape.get("arch", "gpt2"), kv_heads=shape.get("kv_heads"), experts=shape.get("experts", 0))
     return spec_of(model, shape["seq_len"], name="validation")
 
 
 def predict(machine, shape: dict, mesh: dict) -> dict:
-    """Predicted step seconds and step peak bytes (what tracemalloc sees) on this machine."""
+    """Predicted step seconds and step peak bytes (what tracemalloc sees) on this machine, and
+    the bytes one rank sends per step on its ep group (the all-to-alls)."""
     plan = plan_of(mesh)
     tokens = shape["batch_size"] * shape["seq_len"]
-    e = estimate(model_of(shape), machine, plan, tokens, FLOAT32, minidist=True)
+    model = model_of(shape)
+    e = estimate(model, machine, plan, tokens, FLOAT32, minidist=True)
     transient = {k: v for k, v in e.memory.items() if k not in ("params", "optimizer")}
-    return {"step_s": e.step_s, "peak_bytes": sum(transient.values()), "time": e.time, "memory": transient}
+    s = Step.of(model, machine, plan, FLOAT32, tokens, True)
+    ep_bytes = plan.microbatches * moe_cost.most_mixtures(s) * moe_cost.a2a_per_mixture(s) * moe_cost.sent_bytes(s)
+    return {"step_s": e.step_s, "peak_bytes": sum(transient.values()), "time": e.time, "memory": transient,
+            "ep_bytes": ep_bytes}
 
 
 def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
@@ -93,11 +108,11 @@ def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
             "--warmup", "1", "--eval-every", "0", "--log-every", str(steps + 1), "--quiet", "--metrics-jsonl", path,
             "--peak-gflops", "1"]
     flags = {"dp": "--dp", "tp": "--tp", "pp": "--pp", "cp": "--cp", "zero": "--zero", "microbatches": "--microbatches",
-             "schedule": "--schedule"}
+             "schedule": "--schedule", "ep": "--ep"}
     for key, flag in flags.items():
         if key in mesh:
             args += [flag, str(mesh[key])]
-    for key, flag in (("arch", "--arch"), ("kv_heads", "--kv-heads")):
+    for key, flag in (("arch", "--arch"), ("kv_heads", "--kv-heads"), ("experts", "--experts")):
         if key in shape:
             args += [flag, str(shape[key])]
     launcher = mpiexec(ranks) if ranks > 1 else []
@@ -119,7 +134,11 @@ def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
     untraced = [r["step_time_s"] for r in rows[1:] if "peak_mem_mb" not in r]
     last = [r for r in rows if "peak_mem_mb" in r][-1]  # the last traced step (not the first: it allocates the state)
     peak_mb = max(last.get("rank_peak_mem_mb") or [last["peak_mem_mb"]])
-    return {"step_s": statistics.median(untraced), "peak_bytes": peak_mb * 2**20, "steps": len(rows), "load": load}
+    ep = mesh.get("ep", 1)  # rank 0's bytes on its ep group ("<dp group>.ep<N>"), per untraced step
+    ep_bytes = [sum(n for g, n in r.get("bytes_sent", {}).items() if g.endswith(f".ep{ep}")) for r in rows[1:]
+                if "peak_mem_mb" not in r] if ep > 1 else []
+    return {"step_s": statistics.median(untraced), "peak_bytes": peak_mb * 2**20, "steps": len(rows), "load": load,
+            "ep_bytes": statistics.median(ep_bytes) if ep_bytes else None}
 
 
 PROBE_SHAPE = dict(layers=2, d_model=64, heads=4, seq_len=32, batch_size=16)  # not one of --validate's shapes
@@ -208,6 +227,10 @@ def validate(machine, steps: int = 8, log=print, configs=None) -> dict:
         log(f"{name:<24} {ranks:>5} {1e3 * pred['step_s']:>12.1f} {1e3 * meas['step_s']:>8.1f} {100 * t_err:>+5.0f}%   "
             f"{pred['peak_bytes'] / 2**20:>13.2f} {meas['peak_bytes'] / 2**20:>8.2f} {100 * m_err:>+5.0f}%   "
             f"load {load:.1f}")
+        if meas.get("ep_bytes"):  # the all-to-alls' bytes on the ep group, per step and rank
+            b_err = (pred["ep_bytes"] - meas["ep_bytes"]) / meas["ep_bytes"]
+            rows[-1].update(ep_bytes_predicted=pred["ep_bytes"], ep_bytes_measured=meas["ep_bytes"], ep_bytes_error=b_err)
+            log(f"{'  all-to-all bytes':<30} {pred['ep_bytes']:>12,.0f} {meas['ep_bytes']:>10,.0f} {100 * b_err:>+5.1f}%")
     med_t = statistics.median(abs(r["step_error"]) for r in rows)
     med_m = statistics.median(abs(r["peak_error"]) for r in rows)
     log(f"median |predicted - measured| / measured: step time {100 * med_t:.1f}% (target <= 20%), "

@@ -1,0 +1,76 @@
+"""Why a plan cannot run a model, one line per reason, before anything is priced: the mesh
+against the devices, the heads, the sequence, the layers and the batch; the schedule's own
+conditions; and expert parallelism's (ep divides the experts and the data-parallel ranks,
+as minidist's ``--ep`` requires; with ``minidist`` the combinations its mixture refuses)."""
+
+from __future__ import annotations
+
+import math
+
+from minidist.layout.schedules import schedule_problem
+from minidist.plan.model import ModelSpec
+from minidist.plan.settings import SCHEDULES, Plan
+from minidist.plan.stages import stage_blocks
+
+
+def problems(model: ModelSpec, plan: Plan, devices: int, global_batch_tokens: int, minidist: bool = False) -> list[str]:
+    """Why ``plan`` cannot run ``model`` (one line each; [] when it can), before any cost.
+    ``minidist``: also what minidist's own implementation refuses."""
+    out = []
+    p, seq = plan, model.seq_len
+    if p.devices != devices:
+        out.append(f"mesh {p.mesh()} has {p.devices} devices, not --gpus {devices}")
+    if model.heads % p.tp or model.kv % p.tp:
+        out.append(f"tp={p.tp} does not divide the {model.heads} heads and {model.kv} key/value heads")
+    if seq % (2 * p.cp if p.cp > 1 else 1):
+        out.append(f"cp={p.cp}: the sequence of {seq} tokens does not split into 2 x {p.cp} equal chunks")
+    if p.pp > model.layers:
+        out.append(f"pp={p.pp} exceeds the {model.layers} layers")
+    if global_batch_tokens % seq:
+        out.append(f"the global batch of {global_batch_tokens} tokens is not a whole number of {seq}-token sequences")
+    else:
+        seqs = global_batch_tokens // seq
+        if seqs % p.dp:
+            out.append(f"dp={p.dp} does not divide the {seqs} sequences of the global batch")
+        elif (seqs // p.dp) % p.microbatches:
+            out.append(f"{p.microbatches} microbatches do not split the {seqs // p.dp} sequences of a replica")
+    if p.schedule not in SCHEDULES:
+        out.append(f"schedule {p.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if p.schedule == "interleaved" and p.pp > 1:
+        if p.virtual_stages < 2:
+            out.append("the interleaved schedule needs at least 2 virtual stages")
+        elif p.virtual_stages > math.ceil(model.layers / p.pp):
+            out.append(f"{p.virtual_stages} virtual stages exceed the {math.ceil(model.layers / p.pp)} blocks "
+                       f"of a stage "
+                       f"(pp={p.pp}, {model.layers} layers)")
+        elif p.microbatches % p.pp:
+            out.append(f"the interleaved schedule needs the microbatches ({p.microbatches}) a multiple of pp={p.pp}")
+    if p.schedule in ("zb-h1", "zb-h2", "zbv") and p.pp > 1:
+        problem = schedule_problem(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+        if problem:
+            out.append(problem)
+        elif p.schedule == "zbv" and min(stage_blocks(model.layers, p.pp)) < 2:
+            out.append(f"the zbv schedule needs 2 blocks per stage at least (pp={p.pp}, {model.layers} layers)")
+    if p.zero not in (0, 1, 2, 3):
+        out.append(f"ZeRO stage {p.zero} is not 0, 1, 2 or 3")
+    return out + expert_problems(model, p, minidist)
+
+
+def expert_problems(model: ModelSpec, p: Plan, minidist: bool = False) -> list[str]:
+    """Expert parallelism's conditions: ep splits every mixture's experts evenly over ep ranks
+    of the data-parallel group (parallel/expert/checks.py).  minidist's mixture also refuses
+    tp, pp, cp, ZeRO-3 and checkpointing (docs/moe.md); fused implementations (Megatron Core)
+    run them, and the planner prices them there."""
+    out = []
+    if p.ep > 1 and not model.experts:
+        return [f"ep={p.ep} splits the experts of a mixture over ranks: the model has no experts"]
+    if model.experts and model.experts % p.ep:
+        out.append(f"ep={p.ep} does not divide the {model.experts} experts of a mixture")
+    if p.dp % p.ep:
+        out.append(f"ep={p.ep} does not divide dp={p.dp}: the experts split over ranks of the data-parallel group")
+    if minidist and model.experts:
+        refused = [name for name, on in (("tp", p.tp > 1), ("pp", p.pp > 1), ("cp", p.cp > 1),
+                                         ("ZeRO-3", p.zero == 3), ("checkpointing", p.checkpoint_activations)) if on]
+        if refused:
+            out.append(f"minidist's mixture of experts does not run with {', '.join(refused)} (docs/moe.md)")
+    return out
