@@ -158,7 +158,8 @@ def test_11_experts_routing_table_and_falling_loss():
     for r, line in enumerate(matrix):
         counts = [int(c) for c in line.split()[1:9]]
         other = counts[:4] if r >= 4 else counts[4:]
-        assert sum(counts) == 2 * 32 and not any(other), line  # 2 sequences of 16 tokens, top-2, within the group
+        # 2 sequences of 16 tokens, top-2, less those dropped over capacity; within the group only
+        assert 0 < sum(counts) <= 2 * 32 and not any(other), line
     assert out.count("experts max/mean") == 3, out
     m = re.search(r"loss ([\d.]+) -> ([\d.]+) over 3 steps \(fell\)", out)
     assert m and float(m.group(2)) < float(m.group(1)), out
