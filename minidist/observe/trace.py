@@ -347,7 +347,7 @@ def _wrap_collective(tracer: Tracer, name: str, fn):
         finally:
             tracer.in_call = False
         t1 = clock()
-        g = kw["g"] if "g" in kw else args[0] if name == "barrier" and args else args[1] if len(args) > 1 else None
+        g = kw["g"] if "g" in kw else next((a for a in args if hasattr(a, "user_comm")), None)  # the Group, wherever
         gname = getattr(g, "name", None)
         if isinstance(out, Handle):  # asynchronous: its messages travel on the progress thread
             return _TracedHandle(out, tracer, name, gname)
