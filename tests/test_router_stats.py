@@ -163,9 +163,10 @@ def test_training_reports_the_one_process_statistics_and_ep_bytes(tmp_path):
     assert m and m.group(1) == m.group(2), p2.stdout
 
 
-def test_dense_runs_have_no_router_statistics(tmp_path):
+@pytest.mark.parametrize("moe", [[], ["--experts", "2", "--moe-every", "3"]], ids=["dense", "no-mixture-in-2-layers"])
+def test_runs_without_a_mixture_have_no_router_statistics(tmp_path, moe):
     path = tmp_path / "dense.jsonl"
-    proc = run_train(None, [*TINY, "--steps", "1", "--metrics-jsonl", str(path)])
+    proc = run_train(None, [*TINY, *moe, "--steps", "1", "--metrics-jsonl", str(path)])
     assert proc.returncode == 0, proc.stderr
     assert "router" not in _records(path)[0] and "experts max/mean" not in proc.stdout
     assert "router (last step)" not in proc.stdout

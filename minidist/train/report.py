@@ -97,13 +97,14 @@ class Reporter:
 
 def router_stats(cfg, strategy):
     """The router statistics of ``--experts`` runs (minidist/observe/router.py), summed over
-    the data-parallel group; None for a dense model."""
+    the data-parallel group; None for a dense model (or one whose --moe-every passes every block)."""
     if not cfg.model.experts:
         return None
     from minidist.observe.router import RouterStats
 
     mesh = strategy.mesh
-    return RouterStats(strategy.model, mesh.group(("dp", "cp")) if mesh is not None else None)
+    stats = RouterStats(strategy.model, mesh.group(("dp", "cp")) if mesh is not None else None)
+    return stats if stats.layers else None
 
 
 def strict_json(r: dict) -> dict:
