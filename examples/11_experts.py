@@ -21,7 +21,7 @@ Rank 0 prints, for the first batch and the untrained model's first mixture:
 Then every rank trains the model a few steps as ``python -m minidist.train`` does, whose
 progress lines show the loss falling and the routers' statistics (max/mean tokens per expert,
 the share dropped, the load-balancing loss).  Flags this script does not know are passed on to
-minidist.train (e.g. ``--capacity-factor 0`` for dropless routing).
+minidist.train (e.g. ``--aux-loss-coef 0.1`` for a stronger pull towards balance).
 """
 import argparse
 import sys
