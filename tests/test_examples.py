@@ -139,3 +139,27 @@ def test_10_4d_parallel_llama_shows_who_holds_each_kv_head():
     lines = [line for line in out.splitlines() if line.startswith("rank ") and " | " in line]
     assert len(lines) == 16 and all(("heads 0-1 kv 0" if i % 2 == 0 else "heads 2-3 kv 0") in line
                                      for i, line in enumerate(lines)), lines
+
+
+@pytest.mark.mpi
+def test_11_experts_routing_table_and_falling_loss():
+    """8 ranks, 8 experts split over ep groups of 4: the routing table of the untrained model
+    (every rank's tokens with expert@rank, each rank inside its own ep group), the dispatch
+    matrix (rows only within an ep group), and the loss falling with the routers' statistics."""
+    out = run_mpi(8, os.path.join(EXAMPLES, "11_experts.py"), "--steps", "3", timeout=240).stdout
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("rank | token 0"))
+    table = lines[head + 1:head + 9]
+    assert [int(line.split("|")[0]) for line in table] == list(range(8)), out
+    for r, line in enumerate(table):  # ranks 0-3 send to 0-3, ranks 4-7 to 4-7
+        holders = {int(pick.split("@")[1].rstrip("*")) for pick in re.findall(r"\d+@\d+\*?", line)}
+        assert holders and holders <= set(range(r // 4 * 4, r // 4 * 4 + 4)), line
+    matrix = lines[lines.index(next(l for l in lines if l.startswith("from \\ to"))) + 1:][:8]
+    for r, line in enumerate(matrix):
+        counts = [int(c) for c in line.split()[1:9]]
+        other = counts[:4] if r >= 4 else counts[4:]
+        # 2 sequences of 16 tokens, top-2, less those dropped over capacity; within the group only
+        assert 0 < sum(counts) <= 2 * 32 and not any(other), line
+    assert out.count("experts max/mean") == 3, out
+    m = re.search(r"loss ([\d.]+) -> ([\d.]+) over 3 steps \(fell\)", out)
+    assert m and float(m.group(2)) < float(m.group(1)), out

@@ -233,7 +233,8 @@ def test_gradient_accumulation_equals_the_whole_batch():
 def test_a_step_reads_the_routing_once_per_mixture_and_microbatch(tmp_path):
     """The routing is decided on the host: each mixture's router probabilities are one counted
     read (backend.host_read, a synchronisation on a GPU) per microbatch, besides the step's
-    loss; nothing else (2 mixtures x 2 microbatches here)."""
+    loss, and the routers' statistics once per step (their z-loss sums, observe/router.py);
+    nothing else (2 mixtures x 2 microbatches here)."""
     import json
 
     from minidist.train.testing import run_train
@@ -244,7 +245,7 @@ def test_a_step_reads_the_routing_once_per_mixture_and_microbatch(tmp_path):
                          "--quiet", "--metrics-jsonl", str(metrics)], timeout=120)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [row["host_reads"] for row in rows] == [{"loss": 1, "routing": 4}] * 2
+    assert [row["host_reads"] for row in rows] == [{"loss": 1, "routing": 4, "router statistics": 1}] * 2
 
 
 def test_names_and_initialisation_by_name():

@@ -65,3 +65,25 @@ def test_one_process_trace_and_bad_input(tmp_path, matplotlib):
     bad.write_text(json.dumps({"not": "a trace"}))
     res = plot(str(bad), "-o", str(tmp_path / "y.png"))
     assert res.returncode == 2 and "not a Chrome trace" in res.stderr
+
+
+def test_expert_load_from_a_metrics_file(tmp_path, matplotlib):
+    """An --experts run's metrics file draws its expert load over the steps: the series are
+    the records' tokens per expert; a dense run's metrics file is refused in one line."""
+    from minidist.observe import expert_load
+
+    metrics = tmp_path / "m.jsonl"
+    proc = run_train(None, [*TINY, "--experts", "4", "--capacity-factor", "1", "--quiet",
+                            "--metrics-jsonl", str(metrics)], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = expert_load.read_metrics(metrics.read_text(), str(metrics))
+    steps, load = expert_load.series(records)
+    assert steps == [1, 2] and len(load) == 2 and len(load[0]) == 4  # 2 mixtures of 4 experts
+    assert [sum(e[i] for e in load[1]) for i in range(2)] == [sum(r["router"]["tokens"][1]) for r in records]
+    res = plot(str(metrics), "-o", str(tmp_path / "load.png"))
+    assert res.returncode == 0 and png(tmp_path / "load.png"), res.stderr
+    assert "expert load of 2 mixture(s) over 2 steps" in res.stdout
+    dense = tmp_path / "dense.jsonl"  # a dense run's record: one line, no router statistics
+    dense.write_text(json.dumps({k: v for k, v in records[0].items() if k != "router"}) + "\n")
+    res = plot(str(dense), "-o", str(tmp_path / "z.png"))
+    assert res.returncode == 2 and "no router statistics" in res.stderr and res.stderr.count("\n") <= 3, res.stderr

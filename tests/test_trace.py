@@ -361,3 +361,29 @@ def test_a_long_run_keeps_its_first_and_latest_steps_in_bounded_memory():
     assert tr.dropped_steps == 50 - len(kept) and len(tr.events) == 1 + 10 * len(kept)
     p = tr.payload()
     assert p["dropped_steps"] == tr.dropped_steps
+
+
+@pytest.mark.mpi
+def test_ep2_trace_shows_dispatch_and_combine_on_every_rank(tmp_path):
+    """Expert parallelism: each mixture's forward shows a ``dispatch`` and a ``combine`` span
+    on every rank (observe/trace_experts.py), inside its block's span, each holding the
+    ep group's all-to-alls it runs (dispatch: the counts, then the rows; combine: the rows)."""
+    doc, _, out = run(tmp_path, 2, "--dp", "2", "--ep", "2", "--experts", "4")
+    check_trace(doc, 2)
+    ev = spans(doc)
+    for r in range(2):
+        mine = [e for e in ev if e["pid"] == r]
+        for name, calls in (("dispatch", 2), ("combine", 1)):
+            got = [e for e in mine if e["name"] == name]
+            assert len(got) == 2 * 3, (r, name, len(got))  # 2 mixtures x 3 steps of one micro-batch
+            for e in got:
+                a, end = e["args"], e["ts"] + e["dur"] + 1e-3
+                assert a["op"] == name and a["ep_group"] == "dp.ep2" and a["rows"] >= 0, e
+                assert any(b["name"] == f"block {a['block']}" and b["ts"] <= e["ts"] and e["ts"] + e["dur"]
+                           <= b["ts"] + b["dur"] + 1e-3 for b in mine), e
+                inside = [c for c in mine if c["cat"] == "collective" and c["args"].get("group") == "dp.ep2"
+                          and e["ts"] <= c["ts"] and c["ts"] + c["dur"] <= end]
+                assert len(inside) == calls, (e, inside)
+    one = run_train(None, [*TINY, "--experts", "4", "--trace", str(tmp_path / "one.json")], timeout=120)
+    assert one.returncode == 0, one.stderr  # every expert local: nothing to dispatch, no such spans
+    assert not [e for e in spans(json.load(open(tmp_path / "one.json"))) if e["name"] in ("dispatch", "combine")]

@@ -12,6 +12,7 @@ the runtime (comm/, parallel/, the training command) and the planner (plan/):
   grid.py   who holds what on the 4D grid (layers, heads, tokens, batch rows): a table, a picture
   collective_bytes.py  what one collective call sends from one rank, in closed form
   traffic.py  the bytes each rank sends per optimizer step on each mesh axis
+  expert_traffic.py  the bytes of expert parallelism's dispatch and combine, from the routing
   memory.py  ZeRO's memory table: what each stage partitions of a rank's training state
   schedules.py  pipeline schedules as pure data (naive, GPipe, 1F1B, interleaved, looping),
             which stage holds which layers, and the pipeline flags' checks

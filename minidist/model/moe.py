@@ -128,6 +128,10 @@ def route(cfg, probs: host.ndarray, T: int):
     return choice, host.take_along_axis(place.reshape(n, E), choice, axis=1) < C
 
 
+def ignore_routing(logits, probs, choice, keep, T) -> None:
+    """The default observer of a mixture's routing: nothing (observe/router.py records it)."""
+
+
 class MoE(Module):
     """The mixture of ``cfg.n_experts`` experts ``make_expert()`` with a router; ``cfg``: a
     GPTConfig with n_experts, top_k, capacity_factor, aux_loss_coef and z_loss_coef.
@@ -142,6 +146,7 @@ class MoE(Module):
         self.aux_loss = None  # the last forward's auxiliary losses (a scalar Tensor)
         self.last_counts = None  # the last forward's kept tokens per expert (host int64, E)
         self.dispatch = run_local_experts  # (experts, rows by expert, counts) -> outputs (the seam)
+        self.observe = ignore_routing  # sees each forward's routing: the router statistics' seam (observe/router.py)
 
     def forward(self, x):
         cfg = self.cfg
@@ -151,7 +156,9 @@ class MoE(Module):
         probs = ops.softmax(logits, axis=-1)
         # The routing is decided on the host: one counted read of the probabilities per
         # mixture and pass (on a GPU a synchronisation, like the loss's).
-        choice, keep = route(cfg, host_read(probs.data, "routing").astype(host.float64), T)
+        ph = host_read(probs.data, "routing").astype(host.float64)
+        choice, keep = route(cfg, ph, T)
+        self.observe(logits.data, ph, choice, keep, T)
         tokens = host.arange(B * T)[:, None]
         # The gates in float32 under mixed precision: the gather's backward scatter-adds, and
         # minidist does no arithmetic in low precision (nor has CuPy's scatter-add bfloat16).

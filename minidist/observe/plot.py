@@ -1,5 +1,8 @@
 """``python -m minidist.observe.plot TRACE -o timeline.png``: draw a merged trace (minidist/observe/trace.py).
 
+Given the metrics file of an ``--experts`` run instead (``--metrics-jsonl``), it draws the
+expert load over the steps (minidist/observe/expert_load.py).
+
 One row per rank and thread track, time running right, spans coloured by kind, in the
 manner of the lecture's figures: a *compute* row (forward light, backward dark, the
 optimizer, idle time hatched) above the *communication* rows of the same rank (the main
@@ -49,6 +52,17 @@ def load(path: str) -> dict:
     if not isinstance(doc, dict) or "traceEvents" not in doc:
         raise ValueError(f"{path} is not a Chrome trace (no traceEvents)")
     return doc
+
+
+def is_trace(path: str) -> bool:
+    """Is ``path`` one JSON document (a trace) rather than a metrics file (a JSON object per line)?"""
+    with open(path) as f:
+        text = f.read()
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return False  # several lines of JSON: a metrics file (or neither, which reading it says)
+    return not (isinstance(doc, dict) and "step" in doc)  # a one-step metrics file is one record
 
 
 def window(doc: dict, step: str) -> tuple[float, float]:
@@ -222,8 +236,10 @@ def plot(doc: dict, out: str, step: str = "last") -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minidist.observe.plot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", help="a trace written by --trace (Chrome-trace JSON)")
-    parser.add_argument("-o", "--output", default="timeline.png", help="image to write (default timeline.png)")
+    parser.add_argument("trace", help="a trace written by --trace (Chrome-trace JSON), or the metrics file of an "
+                                      "--experts run (--metrics-jsonl): its expert load over the steps")
+    parser.add_argument("-o", "--output", default=None, help="image to write (default timeline.png, or "
+                                                              "expert_load.png for a metrics file)")
     parser.add_argument("--step", default="last", help="the step to draw: a number, 'last' (default) or 'all'")
     args = parser.parse_args(argv)
     if args.step not in ("last", "all") and not args.step.isdigit():
@@ -233,8 +249,15 @@ def main(argv=None) -> int:
     except ImportError:
         parser.error("drawing needs matplotlib: pip install 'minidist[plot]'")
     try:
-        doc = load(args.trace)
-        summary = plot(doc, args.output, args.step)
+        if is_trace(args.trace):
+            args.output = args.output or "timeline.png"
+            summary = plot(load(args.trace), args.output, args.step)
+        else:  # a metrics file: the routers' load per expert over the steps (observe/expert_load.py)
+            from minidist.observe import expert_load
+
+            args.output = args.output or "expert_load.png"
+            with open(args.trace) as f:
+                summary = expert_load.draw(expert_load.read_metrics(f.read(), args.trace), args.output)
     except (OSError, ValueError, KeyError) as exc:
         parser.error(f"{args.trace}: {exc}")
     print(f"wrote {args.output}: {summary}")

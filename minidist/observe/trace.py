@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 
@@ -109,10 +110,11 @@ class Tracer:
         """Time what a training step runs, at the seams the model and the strategy name:
         each micro-batch's forward and backward (``Strategy.micro_forward`` / ``micro_backward``)
         or, with a pipeline, each F, B and W (zero-bubble schedules' weight gradients) of the
-        schedule and each wait for a stage's input (the bubble), and each transformer block's forward (``model.block_runner``; backward runs in
-        the autograd graph, inside the micro-batch's backward span).  The code timed holds no
-        tracing of its own: these wrappers are the instrument."""
+        schedule and each wait for a stage's input (the bubble), each block's forward (``model.block_runner``; backward
+        runs inside the micro-batch's backward span) and expert parallelism's dispatch and combine
+        (observe/trace_experts.py).  The code timed holds no tracing of its own: these wrappers are the instrument."""
         from minidist.layout.schedules import RECV_ACT
+        from minidist.observe.trace_experts import wrap_dispatch
 
         model, pipe = strategy.model, strategy.pipeline
         index = {id(b): i for i, b in enumerate(model.h) if b is not None}
@@ -129,6 +131,7 @@ class Tracer:
                                                              "microbatch": a.microbatch, "peer": a.peer}))]
         for owner, method, describe in seams:  # the strategy's or the pipeline's seam, timed
             setattr(owner, method, self._timed(getattr(owner, method), describe))
+        wrap_dispatch(self, model)
 
     def _timed(self, inner, describe):
         """``inner`` timed: a span ``describe(*args)`` = (name, cat, args) on the compute track,
@@ -180,9 +183,8 @@ class Tracer:
         if world is None or world.size == 1:
             write_trace(path, [mine], self.origin + self.offset, self.meta)
             return
-        from minidist.model.backend import host
-
         from minidist import comm
+        from minidist.model.backend import host
 
         if world.rank != 0:
             data = host.frombuffer(json.dumps(mine).encode(), dtype=host.uint8)
@@ -345,7 +347,7 @@ def _wrap_collective(tracer: Tracer, name: str, fn):
         finally:
             tracer.in_call = False
         t1 = clock()
-        g = kw["g"] if "g" in kw else args[0] if name == "barrier" and args else args[1] if len(args) > 1 else None
+        g = kw["g"] if "g" in kw else next((a for a in args if hasattr(a, "user_comm")), None)  # the Group, wherever
         gname = getattr(g, "name", None)
         if isinstance(out, Handle):  # asynchronous: its messages travel on the progress thread
             return _TracedHandle(out, tracer, name, gname)
@@ -427,8 +429,6 @@ def stop() -> None:
     global active
     backend.tracer = None
     if active is not None:
-        import sys
-
         if "minidist.comm.p2p" in sys.modules:
             from minidist.comm import collectives, p2p
 

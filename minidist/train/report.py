@@ -37,6 +37,7 @@ class Reporter:
         path = cfg.report.metrics_jsonl
         self.file = open(path, "w") if path and rank0 else None
         self.mesh = mesh_label(cfg.parallel)
+        self.router = router_stats(cfg, strategy)
 
     def bits_per_byte(self, loss: float, split: str = "train") -> float:
         """``loss`` (nats per token) as bits per byte of text: / ln 2, / the split's bytes per
@@ -61,6 +62,10 @@ class Reporter:
              "tokens_per_s": self.tokens_per_step / step_time,
              "mfu": self.flops_per_step / capacity, "hfu": self.hardware_flops_per_step / capacity}
         r.update(self.strategy.metrics())  # the pipeline's bubble and activation memory (collective)
+        if self.router is not None:  # what the routers did, over the global batch (collective)
+            m = self.cfg.model
+            r["router"] = self.router.step(m.d_model, 2 if self.cfg.device.mixed_precision != "none" else
+                                           {"float32": 4, "float64": 8}[m.dtype])
         if self.world > 1:
             r.update(mesh=self.mesh, comm_s=comm_s, comm_exposed_s=self.strategy.comm_wait_s,
                      bytes_sent=dict(sent or {}))
@@ -88,6 +93,18 @@ class Reporter:
     def close(self):
         if self.file:
             self.file.close()
+
+
+def router_stats(cfg, strategy):
+    """The router statistics of ``--experts`` runs (minidist/observe/router.py), summed over
+    the data-parallel group; None for a dense model (or one whose --moe-every passes every block)."""
+    if not cfg.model.experts:
+        return None
+    from minidist.observe.router import RouterStats
+
+    mesh = strategy.mesh
+    stats = RouterStats(strategy.model, mesh.group(("dp", "cp")) if mesh is not None else None)
+    return stats if stats.layers else None
 
 
 def strict_json(r: dict) -> dict:
@@ -193,6 +210,10 @@ def progress_line(r: dict, steps: int, history: list, mem_bytes: int) -> str:
         line += f" | val {r['val_loss']:.4f}{_bpb(r, 'val_bpb')}"
     if r.get("skipped"):
         line += " | skipped (overflow)"
+    if "router" in r:
+        from minidist.observe.router import progress_text
+
+        line += progress_text(r)
     if "bubble" in r:
         line += (f" | bubble {100 * r['bubble']:.0f}% (theory {100 * r['bubble_theory']:.0f}%)"
                  f" | act {max(r['peak_activation_mb']):.1f} MiB")
@@ -231,13 +252,17 @@ def summary_table(metrics: list, wall_s: float, expected_bytes: dict | None = No
         ("peak memory of a step", f"{max(peaks):,.0f} MiB" if peaks else "not measured"),
     ]
     rows += _device_rows()
+    if "router" in last:
+        from minidist.observe.router import summary_row
+
+        rows += summary_row(metrics)
     if timed and "host_reads" in timed[-1]:  # each one waits for the device on a GPU
         reads = timed[-1]["host_reads"]
         rows.append(("host reads in a step", ", ".join(f"{why} {n}" for why, n in sorted(reads.items())) or "none"))
     rows += _breakdown_rows(timed)
     rows += _pipeline_rows(timed)
     rows.append(("wall time", f"{_duration(wall_s)} ({_duration(sum(r['step_time_s'] for r in metrics))} in steps)"))
-    expected = expected_bytes or {}
+    expected = {**(expected_bytes or {}), **last.get("router", {}).get("ep_bytes", {})}  # ep: from the routing
     if "mesh" in last:  # under mpiexec: the mesh, and rank 0's communication over the timed steps
         comm_s = sum(r["comm_s"] for r in timed)
         exposed = sum(r["comm_exposed_s"] for r in timed)

@@ -59,12 +59,8 @@ class ExpertParallelDispatch:
         self.first = group.rank * self.per
 
     def __call__(self, experts, xs, counts):
-        g, n, per = self.group, self.group.size, self.per
-        counts = host.asarray(counts, host.int64)
-        # Counts first: row j of (n, per) tells rank j how many rows come for each of its experts.
-        theirs, _ = comm.all_to_all_v(counts.reshape(n, per), [1] * n, g)           # (n, per): from each source
-        theirs = host.asarray(theirs).reshape(n, per)
-        received, got = comm.functional.all_to_all_v(xs, counts.reshape(n, per).sum(axis=1), g)
+        received, theirs, got = self.send(xs, counts)
+        n, per = self.group.size, self.per
         # Source-major -> expert-major: the rows for local expert i from source j start at
         # start[j, i] of the received buffer.
         start = (host.cumsum(theirs.reshape(-1)) - theirs.reshape(-1)).reshape(n, per)
@@ -75,7 +71,23 @@ class ExpertParallelDispatch:
         parts = ops.split(by_expert, [int(s) for s in sizes], axis=0)
         ys = ops.concat([experts[self.first + i](p) for i, p in enumerate(parts)], axis=0)  # zero rows too
         back = gather_rows(ys, host.argsort(order))      # the received order again
-        out, _ = comm.functional.all_to_all_v(back, got, g)
+        return self.send_back(back, got)
+
+    def send(self, xs, counts):
+        """The dispatch (a seam: the tracer times it): the counts per expert, then the rows, to
+        the ranks holding their experts.  Returns the rows received (source-major), ``theirs``
+        (n, E/N): how many each source sent for each local expert, and the rows per source."""
+        g, n, per = self.group, self.group.size, self.per
+        counts = host.asarray(counts, host.int64)
+        # Counts first: row j of (n, per) tells rank j how many rows come for each of its experts.
+        theirs, _ = comm.all_to_all_v(counts.reshape(n, per), [1] * n, g)           # (n, per): from each source
+        theirs = host.asarray(theirs).reshape(n, per)
+        received, got = comm.functional.all_to_all_v(xs, counts.reshape(n, per).sum(axis=1), g)
+        return received, theirs, got
+
+    def send_back(self, back, got):
+        """The combine (a seam: the tracer times it): each output back to its token's rank."""
+        out, _ = comm.functional.all_to_all_v(back, got, self.group)
         return out
 
 

@@ -1,0 +1,150 @@
+"""What the mixture-of-experts routers did in a training step, over the whole global batch.
+
+A :class:`RouterStats` sits on every mixture's ``observe`` seam (model/moe.py) and adds up,
+over the step's forwards (every micro-batch), per mixture:
+
+* the **tokens per expert**: the (token, choice) pairs each expert kept (a token counts once
+  at each of its k experts), and how many were routed to it before capacity dropped any;
+* the **load-balancing loss** of Switch Transformer (Fedus et al. 2021, eq. 4; GShard's
+  ``l_aux``), ``E · sum_e f_e P_e`` per sequence, without its coefficient: 1 when balanced;
+* the **router z-loss** of ST-MoE (Zoph et al. 2022, eq. 5), the mean over tokens of
+  ``logsumexp(logits)^2``, without its coefficient.
+
+At the step's end (:meth:`RouterStats.step`) one all-reduce of these sums over the
+data-parallel group (``comm.all_reduce``: ranks there see different tokens; with expert
+parallelism the ep ranks are among them) makes them the global batch's, so every mesh
+reports what one process would.  A forward run without recording gradients is not counted:
+evaluation, and a recomputed block's first pass (activation checkpointing), whose recording
+pass is counted instead.
+
+The record (``router`` in each metrics line, docs/moe.md): ``tokens`` [mixture][expert]
+(kept), ``min`` / ``mean`` / ``max`` of those over every expert of every mixture (per
+mixture, not summed over mixtures: an imbalance of one layer is not hidden by another's),
+``dropped`` (choices over capacity / choices routed, all mixtures), ``aux_loss`` and
+``z_loss`` (each the mean over mixtures).  With ``--ep``, ``ep_bytes``: this rank's bytes on
+its ep group by the closed form of layout/expert_traffic.py, from the step's routing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from minidist import comm
+from minidist.layout.expert_traffic import ep_step_bytes
+from minidist.model.autograd import is_grad_enabled
+from minidist.model.backend import host, host_read, xp
+from minidist.model.moe import MoE
+
+
+def mixtures(model) -> list:
+    """The model's MoE layers, in block order."""
+    return [b.mlp for b in model.h if b is not None and isinstance(getattr(b, "mlp", None), MoE)]
+
+
+def sequence_balance(probs, choice, T: int, k: int):
+    """Per sequence of T tokens, Switch's ``E · sum_e f_e P_e`` (host float64, (B,)): ``f_e``
+    the share of the sequence's T·k choices that picked e, ``P_e`` its mean probability."""
+    n, E = probs.shape
+    f = host.zeros((n, E))
+    host.put_along_axis(f, choice, 1.0, axis=1)
+    f = f.reshape(n // T, T, E).sum(axis=1) / (T * k)
+    P = probs.reshape(n // T, T, E).mean(axis=1)
+    return E * (f * P).sum(axis=1)
+
+
+class RouterStats:
+    """Router statistics of ``model``'s mixtures, summed over ``group`` (None: one process).
+
+    Attaching sets every mixture's ``observe``; :meth:`detach` restores the default."""
+
+    def __init__(self, model, group=None):
+        self.layers, self.group = mixtures(model), group
+        self.E = self.layers[0].cfg.n_experts if self.layers else 0
+        self.k = self.layers[0].cfg.top_k if self.layers else 0
+        for i, layer in enumerate(self.layers):
+            layer.observe = functools.partial(self.add, i)
+        d = self.layers[0].dispatch if self.layers else None
+        self.ep_group = getattr(d, "group", None)  # ExpertParallelDispatch's group (None: experts local)
+        self.reset()
+
+    def reset(self) -> None:
+        L, E = len(self.layers), self.E
+        self.kept, self.routed = host.zeros((L, E)), host.zeros((L, E))
+        self.balance, self.sequences, self.tokens = host.zeros(L), host.zeros(L), host.zeros(L)
+        self.z = [xp.zeros((), dtype=xp.float64) for _ in range(L)]  # on the device until the step's end
+        self.forwards = []  # this rank's kept rows per expert, one (E,) per forward (for ep_bytes)
+
+    def add(self, i, logits, probs, choice, keep, T) -> None:
+        """Mixture ``i``'s routing of one forward (the MoE's observe seam)."""
+        if not is_grad_enabled():
+            return
+        E = self.E
+        kept = host.bincount(choice[keep], minlength=E)
+        self.kept[i] += kept
+        self.routed[i] += host.bincount(choice.reshape(-1), minlength=E)
+        self.balance[i] += sequence_balance(probs, choice, T, self.k).sum()
+        self.sequences[i] += probs.shape[0] // T
+        self.tokens[i] += probs.shape[0]
+        x = logits.astype(xp.float64)
+        m = xp.max(x, axis=-1, keepdims=True)
+        lse = xp.log(xp.sum(xp.exp(x - m), axis=-1)) + m[:, 0]
+        self.z[i] = self.z[i] + xp.sum(lse * lse)
+        self.forwards.append([int(c) for c in kept])
+
+    def step(self, d_model: int | None = None, itemsize: int | None = None) -> dict:
+        """The step's record (module docstring), summed over the group; resets the sums.
+        Collective over the group (and the ep group with ``d_model``): every rank calls it."""
+        L, E = len(self.layers), self.E
+        z = host.asarray(host_read(xp.stack(self.z), "router statistics"), dtype=host.float64) if L else host.zeros(0)
+        flat = host.concatenate([self.kept.ravel(), self.routed.ravel(), self.balance, self.sequences, z, self.tokens])
+        if self.group is not None and self.group.size > 1:
+            flat = host.asarray(comm.all_reduce(flat, self.group, op="sum"), dtype=host.float64)
+        kept = flat[:L * E].reshape(L, E)
+        routed = flat[L * E:2 * L * E].reshape(L, E)
+        balance, sequences, z, tokens = flat[2 * L * E:].reshape(4, L)
+        n = routed.sum()
+        out = {"tokens": [[int(c) for c in row] for row in kept],
+               "min": int(kept.min()), "mean": float(kept.mean()), "max": int(kept.max()),
+               "dropped": float((n - kept.sum()) / n) if n else 0.0,
+               "aux_loss": float((balance / host.maximum(sequences, 1)).mean()),
+               "z_loss": float((z / host.maximum(tokens, 1)).mean())}
+        if self.ep_group is not None and d_model is not None:
+            out["ep_bytes"] = {self.ep_group.name: self.ep_bytes(d_model, itemsize)}
+        self.reset()
+        return out
+
+    def ep_bytes(self, d_model: int, itemsize: int) -> int:
+        """This rank's bytes on its ep group in the step, by the closed form, from every ep
+        rank's routing (one all-gather of the forwards' row counts over the ep group)."""
+        g, F, E = self.ep_group, len(self.forwards), self.E
+        mine = host.asarray(self.forwards, dtype=host.int64).reshape(F, E)
+        every = host.asarray(comm.all_gather(mine, g)).reshape(g.size, F, E)
+        forwards = [[[int(c) for c in every[s, f]] for s in range(g.size)] for f in range(F)]
+        return ep_step_bytes(forwards, g.rank, d_model, itemsize)
+
+    def detach(self) -> None:
+        from minidist.model.moe import ignore_routing
+
+        for layer in self.layers:
+            layer.observe = ignore_routing
+
+
+def progress_text(r: dict) -> str:
+    """`` | experts max/mean 1.25 drop 3.1% aux 1.02``: the progress line's router part."""
+    s = r.get("router")
+    if not s:
+        return ""
+    imbalance = s["max"] / s["mean"] if s["mean"] else 0.0
+    return f" | experts max/mean {imbalance:.2f} drop {100 * s['dropped']:.1f}% aux {s['aux_loss']:.3f}"
+
+
+def summary_row(metrics: list) -> list:
+    """The summary's router row: the last step's figures and the mean drop over the run."""
+    rows = [r["router"] for r in metrics if "router" in r]
+    if not rows:
+        return []
+    s = rows[-1]
+    mean_drop = sum(r["dropped"] for r in rows) / len(rows)
+    return [("router (last step)", f"tokens per expert min {s['min']} / mean {s['mean']:.1f} / max {s['max']}, "
+                                   f"dropped {100 * s['dropped']:.1f}% (run mean {100 * mean_drop:.1f}%), "
+                                   f"aux loss {s['aux_loss']:.4f}, z-loss {s['z_loss']:.4f}")]
