@@ -93,7 +93,7 @@ GPU_TESTS := tests/test_backend.py tests/test_ops_paths.py tests/test_gemm.py te
 	tests/test_train_cli.py::test_memory_estimate_is_near_a_measured_step \
 	tests/test_llama_parity.py tests/test_moe.py tests/test_expert_parallel.py \
 	tests/test_weight_grad_split.py tests/test_pipeline_schedules.py \
-	tests/test_flash_mma_kernel.py tests/test_offload.py tests/test_scatter_kernel.py
+	tests/test_flash_mma_kernel.py tests/test_offload.py tests/test_scatter_kernel.py tests/test_router_stats.py
 
 test-gpu: install
 	@reason="$$($(BIN)/python -c 'from minidist.model.backend import gpu_unavailable_reason as r; print(r() or "")')"; \
