@@ -183,6 +183,17 @@ def _checkpoint(d):
             ("--save-async: share of the save hidden behind training", d.get("hidden_share"), "target >= 0.8")]
 
 
+def _data(d):
+    rows = [(f"prepare ({label}): MB of text per CPU-second", r["mb_per_cpu_s"],
+             f"{r['bytes']:,} B, {r['mb_per_s']:.2f} MB/s wall; target >= {d['targets']['prepare_mb_per_cpu_s']}")
+            for label, r in d.get("prepare", {}).items()]
+    load = d["loading"]
+    rows.append(("batches from memory-mapped shards: added share of a training step", load["overhead"],
+                 f"step {load['step_s'] * 1e3:.1f} ms, batch {load['batch_from_shards_s'] * 1e6:.0f} us "
+                 f"(in memory {load['batch_from_memory_s'] * 1e6:.0f} us); target <= {d['targets']['loading_overhead']}"))
+    return rows
+
+
 def _tracing(d):
     return [(f"traced / untraced step time - 1, {mesh}", r["overhead"],
              f"{r['spans_per_traced_step']:.0f} spans per step; target <= {d.get('target', 0.1):.2f}")
@@ -218,6 +229,7 @@ READERS = {
     "compose.json": ("4D composition", _compose),
     "oversubscribed.json": ("more ranks than cores", _oversubscribed),
     "checkpoint.json": ("checkpoints", _checkpoint),
+    "data.json": ("token data: prepare and memory-mapped shards", _data),
 }
 
 

@@ -57,7 +57,7 @@ def test_run_all_quick_says_what_it_runs(quick_run):
 RESULTS = {"collectives": "collectives.json", "model": "model_step.json", "ddp": "ddp.json",
            "tensor": "tensor_parallel.json", "context": "context.json", "pipeline": "pipeline.json",
            "compose": "compose.json", "tracing": "tracing.json", "plan": "plan.json", "gpu": "gpu.json",
-           "checkpoint": "checkpoint.json", "launches": "launches.json", "oversubscribed": "oversubscribed.json"}
+           "checkpoint": "checkpoint.json", "data": "data.json", "launches": "launches.json", "oversubscribed": "oversubscribed.json"}
 
 
 def _skipped(stdout: str) -> set:
@@ -97,7 +97,7 @@ def test_run_all_writes_one_report(quick_run):
     skipped = {RESULTS[name] for name in _skipped(stdout)}
     for name in ("collectives.json", "model_step.json", "ddp.json", "pipeline.json", "compose.json",
                  "checkpoint.json", "context.json", "tensor_parallel.json", "tracing.json", "plan.json",
-                 "launches.json"):
+                 "launches.json", "data.json"):
         assert (out / name).exists() or name in skipped, f"{name} missing, and its part was not skipped"
         if name not in skipped:
             section = text.split(f"(`{name}`)", 1)[1].split("\n## ", 1)[0]
@@ -251,6 +251,20 @@ def test_bench_checkpoint_quick(quick_run):
     for key in ("sharded_save_s", "gathered_save_s", "sharded_load_s", "whole_load_s", "sync_save_s"):
         assert r[key] > 0, (key, r)
     assert r["async_blocking_s"] >= 0 and r["hidden_share"] <= 1
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_data_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "data.json") as f:
+        r = json.load(f)
+    assert set(r["prepare"]) == {"1 thread", "default threads"}
+    for p in r["prepare"].values():
+        assert p["bytes"] == 1 << 20 and p["cpu_s"] > 0 and p["mb_per_cpu_s"] > 0, p
+    load = r["loading"]
+    assert load["step_s"] > 0 and load["batch_from_shards_s"] > 0 and load["batch_from_memory_s"] > 0
+    assert load["overhead"] == pytest.approx((load["batch_from_shards_s"] - load["batch_from_memory_s"]) / load["step_s"])
 
 
 @pytest.mark.mpi
