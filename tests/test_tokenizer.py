@@ -51,6 +51,20 @@ def test_any_byte_string_survives_the_round_trip(tok_file, corpus):
     assert tok.decode(tok.encode("def f(x):\n    return x\n")) == "def f(x):\n    return x\n"
 
 
+def test_encoding_in_pieces_gives_the_whole_texts_tokens(tok_file, corpus, monkeypatch):
+    """The library gets text in small pieces (fast), cut only where GPT-2's word pattern starts
+    a word, so the ids are those of the whole text at once -- indentation, blank lines with
+    trailing spaces and all (a cut after a newline would split a "\n    " run in two)."""
+    tok = tk.BPETokenizer(tok_file)
+    text = corpus.decode() + "x = 1  \n\n  \n    y = 2\n\tz\n"
+    whole = tok.hf.encode(text).ids
+    for chars in (16, 100, 1024):
+        monkeypatch.setattr(tk, "CHUNK_CHARS", chars)
+        pieces = [p for _, p in tk.text_pieces(text.encode())]
+        assert len(pieces) > 1 and "".join(pieces) == text
+        assert tok.encode(text).tolist() == whole, chars
+
+
 def test_training_is_deterministic(corpus):
     assert tk.train(corpus, 300).to_str() == tk.train(corpus, 300).to_str()
 

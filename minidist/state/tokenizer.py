@@ -31,7 +31,13 @@ from minidist.host.cli_checks import OneLineParser
 
 BYTES = 256  # the byte alphabet: the smallest vocabulary that encodes everything
 _ESCAPED = re.compile("([\udc80-\udcff]+)")  # bytes that are not UTF-8, as surrogateescape writes them
-CHUNK_CHARS = 1 << 16  # texts go to the library in pieces of about this size, cut after a newline
+# Texts go to the library in pieces of about this many characters.  Small pieces encode 2-3
+# times faster than large ones (measured: 1.3 MB/s per core at 1 KiB, 0.5 at 64 KiB and at
+# 1 MiB), and a piece is cut just before a newline that follows a non-space character: there
+# GPT-2's word pattern always ends one word and starts the next (a run of spaces and newlines
+# is one word, so a cut inside it would change the tokens), and the pieces' ids are the whole
+# text's.
+CHUNK_CHARS = 1 << 10
 
 
 class TokenizerError(ValueError):
@@ -53,7 +59,7 @@ def byte_chars() -> list[str]:
 
 def text_pieces(data: bytes):
     """``data`` cut for the library: ``(True, text)`` for valid UTF-8 (in pieces of about
-    CHUNK_CHARS, cut after a newline), ``(False, raw bytes)`` for bytes that are not UTF-8."""
+    CHUNK_CHARS, cut where a word starts), ``(False, raw bytes)`` for bytes that are not UTF-8."""
     text = bytes(data).decode("utf-8", errors="surrogateescape")
     for i, part in enumerate(_ESCAPED.split(text)):
         if i % 2:
@@ -61,10 +67,21 @@ def text_pieces(data: bytes):
             continue
         start = 0
         while start < len(part):
-            cut = part.find("\n", start + CHUNK_CHARS)
-            end = len(part) if cut < 0 else cut + 1
+            end = _word_boundary(part, start + CHUNK_CHARS)
             yield True, part[start:end]
             start = end
+
+
+def _word_boundary(text: str, at: int) -> int:
+    """The first position from ``at`` (or the end) just before a newline that follows a
+    non-space character: the start of a word under GPT-2's pattern, whatever comes after."""
+    while True:
+        cut = text.find("\n", max(at, 1))
+        if cut < 0:
+            return len(text)
+        if not text[cut - 1].isspace():
+            return cut
+        at = cut + 1
 
 
 def new_tokenizer():
