@@ -41,7 +41,12 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
                 dict(dp=2, tp=2, zero=3, checkpoint_activations=True),
                 dict(dp=2, tp=2, zero=3, **MQA, sequence_parallel=True, clip_grad=0.05),
                 dict(dp=4, **MOE, ep=4, top_k=1, capacity_factor=1.0, zero=2, clip_grad=0.05),
-                dict(dp=4, **MOE, ep=2, zero=2, **LLAMA)],
+                dict(dp=4, **MOE, ep=2, zero=2, **LLAMA),
+                # ZeRO-3 / HSDP and checkpointing recompute each block in backward: its auxiliary losses too
+                dict(dp=4, **MOE, ep=2, zero=3, top_k=1, capacity_factor=1.0),
+                dict(dp=4, **MOE, hsdp_shard=2, checkpoint_activations=True, grad_accum=2),
+                dict(dp=4, **MOE, ep=2, hsdp_shard=2, capacity_factor=0.5, **LLAMA),
+                dict(dp=4, **MOE, ep=4, zero=1, checkpoint_activations=True, capacity_factor=0.75)],
     "dp2-cp2": [dict(dp=2, cp=2, zero=0), dict(dp=2, cp=2, zero=1, cp_impl="ulysses", optimizer="sgd"),
                 dict(dp=2, cp=2, zero=3, grad_accum=2), dict(dp=2, cp=2, zero=2, **LLAMA),
                 dict(dp=4, **MOE, ep=2, top_k=2), dict(dp=4, **MOE, top_k=1)],

@@ -431,10 +431,10 @@ class GPT(Module):
             return self.lm_head(x)
         return self.wte.logits(x)  # tied: x @ wte^T
 
-    def loss(self, logits: Tensor, targets) -> Tensor:
-        """The mean cross-entropy, plus the mixtures' auxiliary losses (moe.py), if any."""
+    def loss(self, logits: Tensor, targets, blocks=None) -> Tensor:
+        """The mean cross-entropy, plus the auxiliary losses of the mixtures of ``blocks`` (moe.py; default all)."""
         loss = self.layers.cross_entropy(logits, targets)
-        return moe.add_aux_losses(self, loss) if self.config.n_experts else loss
+        return moe.add_aux_losses(self, loss, blocks) if self.config.n_experts else loss
 
     def token_positions(self, T: int):
         """The places in their sequences of the T tokens of each row this rank embeds, 0..T-1,

@@ -40,7 +40,7 @@ COMPOSES = {
     # Expert parallelism (--ep, parallel/expert/) splits the experts over data-parallel ranks;
     # the mixture of experts itself runs on data-parallel ranks only so far (docs/moe.md).
     ("ep", "dp"): "yes (DDP, ZeRO-1/2)",
-    ("ep", "zero3"): "no: ZeRO-3 recomputes each block in backward, losing the auxiliary losses",
+    ("ep", "zero3"): "yes (the dense parameters ZeRO-3 / HSDP, the experts ZeRO-2 over edp)",
     ("ep", "pp"): "no: a stage's auxiliary losses would have to join the last stage's loss",
     ("ep", "cp"): "no: capacity and the load-balancing loss are per sequence, a cp rank sees part of one",
     ("ep", "tp"): "no: the experts are not split over tp",

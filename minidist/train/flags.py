@@ -299,9 +299,6 @@ def _check_experts(args) -> None:
     for flag, value in (("--pp", args.pp), ("--tp", args.tp), ("--cp", args.cp)):
         if value > 1:
             raise InputError(f"--experts runs on data-parallel ranks only so far, not with {flag} {value}")
-    if args.checkpoint_activations:
-        raise InputError("--experts does not run with --checkpoint-activations yet (the router's auxiliary "
-                         "losses are recorded in the forward pass that checkpointing runs without gradients)")
 
 
 def _check_offload(args) -> None:

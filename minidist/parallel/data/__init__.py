@@ -44,18 +44,22 @@ def apply(model, optimizer, p, mesh, experts=None, expert_optimizer=None):
     mine = {id(q) for q in experts.params}
     dense = [q for q in model.parameters() if id(q) not in mine]
     return DenseAndExperts(_part(model, optimizer, p, group, dense),
-                           _part(model, expert_optimizer, p, experts.edp_group, experts.params))
+                           _part(model, expert_optimizer, p, experts.edp_group, experts.params, experts=True))
 
 
-def _part(model, optimizer, p, group, params):
-    """The data-parallel part of ``params`` (None: the model's) over ``group``."""
+def _part(model, optimizer, p, group, params, experts=False):
+    """The data-parallel part of ``params`` (None: the model's) over ``group``.  With ZeRO-3 the
+    ``experts``' part is ZeRO-2 over the edp group: expert parallelism already splits their
+    parameters ``ep`` ways, and FSDP's block runner serves one part of a block (the dense one)."""
     if group is None or group.size == 1:
         return OneReplica(model, optimizer, None, params)
-    if p.zero == 3:  # not with experts: their checks refuse it
+    if p.zero == 3 and not experts:
         shards, replicas = group, None
         if p.hsdp_shard and p.hsdp_shard != group.size:
             shards, replicas = hsdp_groups(group, p.hsdp_shard)
-        return FSDP(model, optimizer, group, shards, replicas)
+        return FSDP(model, optimizer, group, shards, replicas, params=params)
+    if p.zero == 3:
+        return ZeRO(model, optimizer, group, 2, p.bucket_mb, p.overlap, params=params)
     if p.zero:
         return ZeRO(model, optimizer, group, p.zero, p.bucket_mb, p.overlap, params=params)
     return DistributedDataParallel(model, optimizer, group, p.bucket_mb, p.overlap, params=params)

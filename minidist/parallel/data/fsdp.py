@@ -58,8 +58,8 @@ class FSDP(Sharded, OneReplica):
     stage = 3
     reduces_every_micro_step = True  # each block's gradients are reduce-scattered in its backward
 
-    def __init__(self, model, optimizer, group, shard_group=None, replicate_group=None):
-        super().__init__(model, optimizer, group)
+    def __init__(self, model, optimizer, group, shard_group=None, replicate_group=None, params=None):
+        super().__init__(model, optimizer, group, params)
         self.shard_group, self.replicate_group = shard_group or group, replicate_group
         decay = decay_of(optimizer, self.params)  # while the parameters are whole
         for g in (self.shard_group, replicate_group):
@@ -78,9 +78,12 @@ class FSDP(Sharded, OneReplica):
         blocks = [b for b in model.h if b is not None]  # a pipeline stage keeps only its blocks
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         root = [p for p in self.params if id(p) not in in_blocks]
+        # Only this part's parameters: with expert parallelism the experts are another part's
+        # (data/experts.py); their gradients land in .grad in the recomputation, as usual.
+        mine = {id(p) for p in self.params}
         g = self.shard_group
         self.root = FlatUnit(root, g.rank, g.size, "root")
-        self.block_units = [FlatUnit([p for p in b.parameters() if p.requires_grad], g.rank, g.size, f"h.{i}")
+        self.block_units = [FlatUnit([p for p in b.parameters() if id(p) in mine], g.rank, g.size, f"h.{i}")
                             for i, b in enumerate(blocks)]
         self.units = [self.root] + self.block_units
         self.shards = []
