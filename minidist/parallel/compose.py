@@ -41,7 +41,7 @@ COMPOSES = {
     # the mixture of experts itself runs on data-parallel ranks only so far (docs/moe.md).
     ("ep", "dp"): "yes (DDP, ZeRO-1/2)",
     ("ep", "zero3"): "yes (the dense parameters ZeRO-3 / HSDP, the experts ZeRO-2 over edp)",
-    ("ep", "pp"): "no: a stage's auxiliary losses would have to join the last stage's loss",
+    ("ep", "pp"): "yes (each stage backpropagates its own auxiliary losses; every schedule)",
     ("ep", "cp"): "no: capacity and the load-balancing loss are per sequence, a cp rank sees part of one",
     ("ep", "tp"): "no: the experts are not split over tp",
 }

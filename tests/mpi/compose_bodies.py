@@ -179,7 +179,7 @@ def check_split(cfg, got, ref, label):
     if np.any(per_block != world.size // p.pp):
         wrong.append(f"ranks holding each block: {per_block.tolist()}, want {world.size // p.pp}")
     experts = {k for k in got.params if ".experts." in k} if p.ep > 1 else set()
-    if p.ep > 1:  # expert parallelism: each expert of each mixture on world / ep ranks, E / ep here
+    if p.ep > 1:  # expert parallelism: each expert of each mixture on world / (ep pp) ranks, E / ep here
         mixtures = {k.split(".")[1] for k in experts}
         held_experts = sorted({tuple(k.split(".")[1:5:3]) for k in experts})  # (block, expert)
         holders = {}
@@ -188,8 +188,9 @@ def check_split(cfg, got, ref, label):
                 holders[pair] = holders.get(pair, 0) + 1
         if any(len([e for b, e in held_experts if b == m]) != cfg.model.experts // p.ep for m in mixtures):
             wrong.append(f"this rank holds experts {held_experts} (ep={p.ep}, {cfg.model.experts} experts)")
-        if set(holders.values()) != {world.size // p.ep}:
-            wrong.append(f"ranks holding each expert: {sorted(set(holders.values()))}, want {world.size // p.ep}")
+        if set(holders.values()) != {world.size // (p.ep * p.pp)}:
+            wrong.append(f"ranks holding each expert: {sorted(set(holders.values()))}, "
+                         f"want {world.size // (p.ep * p.pp)}")
         if not sum(v for g, v in got.sent.items() if ".ep" in g):
             wrong.append(f"nothing sent on the ep groups (bytes by group: {got.sent})")
     # ZeRO: bytes of optimizer state per parameter element, from the one-process run; the
