@@ -27,8 +27,8 @@ BODIES = os.path.join(os.path.dirname(__file__), "mpi", "compose_bodies.py")
 
 LLAMA = dict(arch="llama", kv_heads=2)  # 4 query heads, 2 key/value heads
 MQA = dict(arch="llama", kv_heads=1)    # one key/value head: with tp=2 each rank shares it (K < tp)
-# A mixture of 4 experts in every block; experts run on data-parallel ranks only, so its
-# variants ride along in 4-rank launches as dp4 meshes (expert parallelism splits dp: ep2, ep4).
+# A mixture of 4 experts in every block (docs/moe.md): with dp, pp and tp, ZeRO-3 / HSDP and
+# checkpointing, expert parallelism splitting dp (ep2, ep4); not with cp yet.
 MOE = dict(experts=4)
 PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} where the design allows, GPT-2 and Llama
     "dp2-pp2": [dict(dp=2, pp=2, zero=0, bucket_mb=0.0, optimizer="sgd"),
@@ -52,7 +52,10 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
                 dict(dp=4, **MOE, ep=2, zero=3, top_k=1, capacity_factor=1.0),
                 dict(dp=4, **MOE, hsdp_shard=2, checkpoint_activations=True, grad_accum=2),
                 dict(dp=4, **MOE, ep=2, hsdp_shard=2, capacity_factor=0.5, **LLAMA),
-                dict(dp=4, **MOE, ep=4, zero=1, checkpoint_activations=True, capacity_factor=0.75)],
+                dict(dp=4, **MOE, ep=4, zero=1, checkpoint_activations=True, capacity_factor=0.75),
+                # the router and experts replicated over tp; sequence parallelism gathers whole sequences
+                dict(dp=2, tp=2, **MOE, ep=2, zero=1),
+                dict(dp=2, tp=2, **MOE, ep=2, sequence_parallel=True, top_k=1, capacity_factor=1.0, zero=3)],
     "dp2-cp2": [dict(dp=2, cp=2, zero=0), dict(dp=2, cp=2, zero=1, cp_impl="ulysses", optimizer="sgd"),
                 dict(dp=2, cp=2, zero=3, grad_accum=2), dict(dp=2, cp=2, zero=2, **LLAMA),
                 dict(dp=4, **MOE, ep=2, top_k=2), dict(dp=4, **MOE, top_k=1)],
@@ -61,7 +64,10 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
                 dict(pp=2, tp=2, **MQA, schedule="interleaved", checkpoint_activations=True),
                 dict(pp=2, tp=2, schedule="zb-h1", sequence_parallel=True, tp_async="ring"),
                 dict(pp=2, tp=2, **MQA, schedule="zb-h2", sequence_parallel=True),
-                dict(pp=2, tp=2, schedule="zbv", sequence_parallel=True, microbatches=3, grad_accum=2)],
+                dict(pp=2, tp=2, schedule="zbv", sequence_parallel=True, microbatches=3, grad_accum=2),
+                dict(pp=2, tp=2, **MOE, **LLAMA, sequence_parallel=True, tp_async="ring", capacity_factor=0.5,
+                     schedule="zb-h1"),
+                dict(pp=2, tp=2, **MOE, checkpoint_activations=True, schedule="interleaved", top_k=1)],
     "pp2-cp2": [dict(pp=2, cp=2, zero=0), dict(pp=2, cp=2, zero=1, cp_impl="ulysses", schedule="gpipe"),
                 dict(pp=2, cp=2, zero=3, checkpoint_activations=True),
                 dict(pp=2, cp=2, **LLAMA, cp_impl="ulysses", attention="blockwise", attention_block=2),
@@ -74,7 +80,10 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
 TRIPLES = {  # 8 ranks
     "dp2-pp2-tp2": [dict(dp=2, pp=2, tp=2, schedule="1f1b", zero=1),
                     dict(dp=2, pp=2, tp=2, schedule="interleaved", sequence_parallel=True, grad_accum=2),
-                    dict(dp=2, pp=2, tp=2, schedule="zb-h2", sequence_parallel=True, zero=3)],
+                    dict(dp=2, pp=2, tp=2, schedule="zb-h2", sequence_parallel=True, zero=3),
+                    # experts with every axis they compose with: dp x pp x tp, ep over dp, ZeRO-3
+                    dict(dp=2, pp=2, tp=2, **MOE, ep=2, sequence_parallel=True, schedule="interleaved", top_k=1,
+                         capacity_factor=1.0, zero=3)],
     "dp2-tp2-cp2": [dict(dp=2, tp=2, cp=2, cp_impl="ring", zero=0), dict(dp=2, tp=2, cp=2, **MQA, cp_impl="ulysses"),
                     dict(dp=2, tp=2, cp=2, cp_impl="ulysses", hsdp_shard=2)],
     "pp2-tp2-cp2": [dict(pp=2, tp=2, cp=2, sequence_parallel=True, zero=3)],

@@ -138,7 +138,13 @@ def route(cfg, probs: host.ndarray, T: int):
 class MoE(Module):
     """The mixture of ``cfg.n_experts`` experts ``make_expert()`` with a router; ``cfg``: a
     GPTConfig with n_experts, top_k, capacity_factor, aux_loss_coef and z_loss_coef.
-    ``experts_here``: the experts this rank holds (the others are None; all by default)."""
+    ``experts_here``: the experts this rank holds (the others are None; all by default).
+
+    Two seams: ``dispatch`` runs the experts on their rows (expert parallelism swaps in one
+    that moves them over ranks), and ``sequence``, None or ``(gather, scatter)``: where a
+    rank holds part of each sequence (tensor parallelism's sequence parallelism), the mixture
+    routes the whole sequences ``gather(x)`` and returns ``scatter(y)``, this rank's part of the
+    output -- capacity and the load-balancing loss are per sequence (parallel/expert/tokens.py)."""
 
     def __init__(self, cfg, dtype, make_expert, experts_here=None):
         E = cfg.n_experts
@@ -149,9 +155,17 @@ class MoE(Module):
         self.aux_loss = None  # the last forward's auxiliary losses (a scalar Tensor)
         self.last_counts = None  # the last forward's kept tokens per expert (host int64, E)
         self.dispatch = run_local_experts  # (experts, rows by expert, counts) -> outputs (the seam)
+        self.sequence = None  # (gather, scatter): whole sequences from this rank's parts, and back (the seam)
         self.aux_grad = None  # d loss / d aux_loss for the backward under way (carry_aux_grad)
 
     def forward(self, x):
+        if self.sequence is None:
+            return self.mix(x)
+        gather, scatter = self.sequence
+        return scatter(self.mix(gather(x)))
+
+    def mix(self, x):
+        """The mixture's output for the whole sequences ``x`` (B, T, d)."""
         cfg = self.cfg
         B, T, d = x.shape
         flat = ops.reshape(x, (B * T, d))

@@ -38,12 +38,12 @@ COMPOSES = {
     **{("zero", axis): "yes" for axis in MODEL_AXES},
     **{("hsdp", axis): "yes" for axis in MODEL_AXES},
     # Expert parallelism (--ep, parallel/expert/) splits the experts over data-parallel ranks;
-    # the mixture of experts itself runs on data-parallel ranks only so far (docs/moe.md).
+    # the mixture of experts runs with every axis but cp so far (docs/moe.md).
     ("ep", "dp"): "yes (DDP, ZeRO-1/2)",
     ("ep", "zero3"): "yes (the dense parameters ZeRO-3 / HSDP, the experts ZeRO-2 over edp)",
     ("ep", "pp"): "yes (each stage backpropagates its own auxiliary losses; every schedule)",
     ("ep", "cp"): "no: capacity and the load-balancing loss are per sequence, a cp rank sees part of one",
-    ("ep", "tp"): "no: the experts are not split over tp",
+    ("ep", "tp"): "yes (the router and experts replicated over tp)",
 }
 
 
