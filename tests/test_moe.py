@@ -281,7 +281,6 @@ def test_bad_moe_config_is_one_line_naming_the_value(kw, words):
     (["--top-k", "2"], "--top-k 2 is a mixture-of-experts setting: it needs --experts E"),
     (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the --experts 2"),
     (["--experts", "2", "--capacity-factor", "-1"], "--capacity-factor: expected a finite number >= 0, got -1"),
-    (["--experts", "2", "--cp", "2"], "--experts does not run with --cp 2 yet"),
     (["--ep", "2"], "--ep 2 splits the experts of a mixture over ranks: it needs --experts E"),
     (["--experts", "3", "--ep", "2"], "--ep 2 does not divide --experts 3"),
     (["--experts", "4", "--ep", "2"], "--ep 2 does not divide the data-parallel ranks (--dp 1)"),

@@ -38,11 +38,11 @@ COMPOSES = {
     **{("zero", axis): "yes" for axis in MODEL_AXES},
     **{("hsdp", axis): "yes" for axis in MODEL_AXES},
     # Expert parallelism (--ep, parallel/expert/) splits the experts over data-parallel ranks;
-    # the mixture of experts runs with every axis but cp so far (docs/moe.md).
+    # the mixture of experts runs with every axis (docs/moe.md).
     ("ep", "dp"): "yes (DDP, ZeRO-1/2)",
     ("ep", "zero3"): "yes (the dense parameters ZeRO-3 / HSDP, the experts ZeRO-2 over edp)",
     ("ep", "pp"): "yes (each stage backpropagates its own auxiliary losses; every schedule)",
-    ("ep", "cp"): "no: capacity and the load-balancing loss are per sequence, a cp rank sees part of one",
+    ("ep", "cp"): "yes (each cp rank routes the whole sequences, gathered)",
     ("ep", "tp"): "yes (the router and experts replicated over tp)",
 }
 
