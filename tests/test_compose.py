@@ -39,7 +39,6 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
                 dict(dp=4, **MOE, ep=2, zero=1, capacity_factor=1.25, grad_accum=2, clip_grad=0.05, moe_every=2),
                 # a mixture on every stage: each backpropagates its auxiliary losses, the loss adds them all
                 dict(dp=2, pp=2, **MOE, ep=2, zero=1), dict(dp=2, pp=2, **MOE, schedule="gpipe", zero=2, moe_every=2),
-                dict(dp=2, pp=2, **MOE, schedule="interleaved", top_k=1, capacity_factor=1.0, grad_accum=2),
                 dict(dp=2, pp=2, **MOE, ep=2, schedule="zb-h1", capacity_factor=0.5, zero=3),
                 dict(dp=2, pp=2, **MOE, **LLAMA, schedule="zb-h2", top_k=1, clip_grad=0.05),
                 dict(dp=2, pp=2, **MOE, ep=2, schedule="zbv", microbatches=3, checkpoint_activations=True)],
@@ -51,15 +50,13 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
                 # ZeRO-3 / HSDP and checkpointing recompute each block in backward: its auxiliary losses too
                 dict(dp=4, **MOE, hsdp_shard=2, checkpoint_activations=True, grad_accum=2),
                 dict(dp=4, **MOE, ep=2, hsdp_shard=2, capacity_factor=0.5, **LLAMA),
-                dict(dp=4, **MOE, ep=4, zero=1, checkpoint_activations=True, capacity_factor=0.75),
                 # the router and experts replicated over tp; sequence parallelism gathers whole sequences
-                dict(dp=2, tp=2, **MOE, ep=2, zero=1),
-                dict(dp=2, tp=2, **MOE, ep=2, sequence_parallel=True, top_k=1, capacity_factor=1.0, zero=3)],
+                dict(dp=2, tp=2, **MOE, ep=2, zero=1, top_k=1, capacity_factor=1.0, grad_accum=2)],
     "dp2-cp2": [dict(dp=2, cp=2, zero=0), dict(dp=2, cp=2, zero=1, cp_impl="ulysses", optimizer="sgd"),
                 dict(dp=2, cp=2, zero=3, grad_accum=2), dict(dp=2, cp=2, zero=2, **LLAMA),
                 dict(dp=4, **MOE, ep=2, top_k=2), dict(dp=4, **MOE, top_k=1),
                 # each cp rank routes the whole sequences, gathered and put in order (zig-zag)
-                dict(dp=2, cp=2, **MOE, ep=2, capacity_factor=0.5), dict(dp=2, cp=2, **MOE, ep=4, zero=3)],
+                dict(dp=2, cp=2, **MOE, ep=2, capacity_factor=0.5)],
     "pp2-tp2": [dict(pp=2, tp=2, sequence_parallel=True),
                 dict(pp=2, tp=2, schedule="interleaved", tp_async="bidirectional", untied=True),
                 dict(pp=2, tp=2, **MQA, schedule="interleaved", checkpoint_activations=True),
@@ -72,8 +69,7 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
     "pp2-cp2": [dict(pp=2, cp=2, zero=0), dict(pp=2, cp=2, zero=1, cp_impl="ulysses", schedule="gpipe"),
                 dict(pp=2, cp=2, zero=3, checkpoint_activations=True),
                 dict(pp=2, cp=2, **LLAMA, cp_impl="ulysses", attention="blockwise", attention_block=2),
-                dict(pp=2, cp=2, zero=1, schedule="zb-h1", cp_impl="ulysses"),
-                dict(pp=2, cp=2, **MOE, **LLAMA, schedule="zb-h1", checkpoint_activations=True, capacity_factor=0.75)],
+                dict(pp=2, cp=2, zero=1, schedule="zb-h1", cp_impl="ulysses")],
     "tp2-cp2": [dict(tp=2, cp=2, zero=0, sequence_parallel=True), dict(tp=2, cp=2, zero=1, cp_impl="ulysses"),
                 dict(tp=2, cp=2, zero=3, tp_async="ring", attention="blockwise", attention_block=2),
                 dict(tp=2, cp=2, **LLAMA, cp_impl="ulysses", zero=1),  # one kv head per tp rank, repeated for cp
@@ -83,10 +79,7 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
 TRIPLES = {  # 8 ranks
     "dp2-pp2-tp2": [dict(dp=2, pp=2, tp=2, schedule="1f1b", zero=1),
                     dict(dp=2, pp=2, tp=2, schedule="interleaved", sequence_parallel=True, grad_accum=2),
-                    dict(dp=2, pp=2, tp=2, schedule="zb-h2", sequence_parallel=True, zero=3),
-                    # experts with every axis they compose with: dp x pp x tp, ep over dp, ZeRO-3
-                    dict(dp=2, pp=2, tp=2, **MOE, ep=2, sequence_parallel=True, schedule="interleaved", top_k=1,
-                         capacity_factor=1.0, zero=3)],
+                    dict(dp=2, pp=2, tp=2, schedule="zb-h2", sequence_parallel=True, zero=3)],
     "dp2-tp2-cp2": [dict(dp=2, tp=2, cp=2, cp_impl="ring", zero=0), dict(dp=2, tp=2, cp=2, **MQA, cp_impl="ulysses"),
                     dict(dp=2, tp=2, cp=2, cp_impl="ulysses", hsdp_shard=2)],
     "pp2-tp2-cp2": [dict(pp=2, tp=2, cp=2, sequence_parallel=True, zero=3)],
@@ -103,7 +96,7 @@ FULL = {"dp2-pp2-tp2-cp2": [dict(dp=2, pp=2, tp=2, cp=2, zero=1, sequence_parall
                            dict(dp=2, pp=2, tp=2, cp=2, **LLAMA, zero=1, sequence_parallel=True),
                            # experts with every axis: ep over dp x cp, ZeRO-3, sequence parallelism
                            dict(dp=2, pp=2, tp=2, cp=2, **MOE, ep=4, sequence_parallel=True, zero=3, top_k=1,
-                                capacity_factor=1.0)]}
+                                capacity_factor=1.0, schedule="interleaved")]}
 
 
 def _cases():
