@@ -40,7 +40,7 @@ COMPOSES = {
     # Expert parallelism (--ep, parallel/expert/) splits the experts over data-parallel ranks;
     # the mixture of experts runs with every axis (docs/moe.md).
     ("ep", "dp"): "yes (DDP, ZeRO-1/2)",
-    ("ep", "zero3"): "yes (the dense parameters ZeRO-3 / HSDP, the experts ZeRO-2 over edp)",
+    ("ep", "zero3"): "yes (each block's experts a unit of their own, sharded over edp)",
     ("ep", "pp"): "yes (each stage backpropagates its own auxiliary losses; every schedule)",
     ("ep", "cp"): "yes (each cp rank routes the whole sequences, gathered)",
     ("ep", "tp"): "yes (the router and experts replicated over tp)",

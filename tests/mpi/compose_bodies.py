@@ -208,6 +208,13 @@ def check_split(cfg, got, ref, label):
     total, want = world.allreduce(mine), world.allreduce(want_here)
     if round(total) != round(want):
         wrong.append(f"the optimizer state adds up to {total} bytes over the ranks, want {want:.0f}")
+    if p.zero == 3:  # ZeRO-3: the parameters at rest are shards too (the experts' over their edp group)
+        per_param = ref.state_bytes["params"] / sum(v.size for v in ref.params.values())
+        held = got.state_bytes["params"]
+        want_params = per_param * (sum(v for k, v in numel.items() if k not in experts) / n
+                                   + sum(numel[k] for k in experts) / n_experts)
+        if abs(held - want_params) > per_param * len(numel):
+            wrong.append(f"{held} bytes of parameters here at rest, want {want_params:.0f} (ZeRO-3 shards)")
     for axis in ("dp", "pp", "tp", "cp"):
         if getattr(p, axis) > 1 and not sum(v for g, v in got.sent.items() if axis in _axes_of(g)):
             wrong.append(f"nothing sent on the {axis} axis (bytes by group: {got.sent})")

@@ -23,7 +23,8 @@ In training (:func:`apply`, the composer's step between the pipeline and data pa
 the expert parameters are carved out of data parallelism, as Megatron Core and torchtitan
 do: the data-parallel part (parallel/data/experts.py) reduces the dense parameters over
 ``("dp", "cp")`` and the experts' over the edp group, each with the run's flavour (DDP's
-buckets, ZeRO-1/2's shards over its own group).  Every local expert runs on every pass, on
+buckets, ZeRO-1/2's shards over its own group; ZeRO-3 gives each block's experts a unit of
+their own, sharded over edp: data/fsdp.py).  Every local expert runs on every pass, on
 zero rows if no token chose it, so its gradient exists (zeros) on every rank and the gradient
 hooks fire in the same order everywhere.  ``checks.py`` holds ``--ep``'s checks; ``tokens.py``
 gives the mixtures whole sequences where an axis splits them (tensor parallelism's sequence
