@@ -142,7 +142,7 @@ class MoE(Module):
 
     Two seams: ``dispatch`` runs the experts on their rows (expert parallelism swaps in one
     that moves them over ranks), and ``sequence``, None or ``(gather, scatter)``: where a
-    rank holds part of each sequence (tensor parallelism's sequence parallelism), the mixture
+    rank holds part of each sequence (sequence parallelism, context parallelism), the mixture
     routes the whole sequences ``gather(x)`` and returns ``scatter(y)``, this rank's part of the
     output -- capacity and the load-balancing loss are per sequence (parallel/expert/tokens.py)."""
 

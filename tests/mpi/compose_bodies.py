@@ -152,7 +152,8 @@ def check_split(cfg, got, ref, label):
       replicated);
     * pipeline: each block is held by exactly world / pp ranks, a rank holds layers / pp;
     * ZeRO: the optimizer state a rank holds is its 1/N of the state of its parameters (N the
-      ranks its shards are split over), and over the world the shards add up exactly;
+      ranks its shards are split over), and over the world the shards add up exactly; with
+      ZeRO-3 the parameters at rest too (an expert's shards over its edp group);
     * traffic: bytes sent on a group of every axis of size > 1.
     The facts come from the arrays each rank holds (and MPI's own all-gather), not from what
     the strategy says it did."""

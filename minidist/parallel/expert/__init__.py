@@ -27,7 +27,7 @@ buckets, ZeRO-1/2's shards over its own group; ZeRO-3 gives each block's experts
 their own, sharded over edp: data/fsdp.py).  Every local expert runs on every pass, on
 zero rows if no token chose it, so its gradient exists (zeros) on every rank and the gradient
 hooks fire in the same order everywhere.  ``checks.py`` holds ``--ep``'s checks; ``tokens.py``
-gives the mixtures whole sequences where an axis splits them (tensor parallelism's sequence
+gives the mixtures whole sequences where an axis splits them (sequence parallelism, context
 parallelism), the router and experts replicated over tp.
 """
 
