@@ -27,8 +27,8 @@ BODIES = os.path.join(os.path.dirname(__file__), "mpi", "compose_bodies.py")
 
 LLAMA = dict(arch="llama", kv_heads=2)  # 4 query heads, 2 key/value heads
 MQA = dict(arch="llama", kv_heads=1)    # one key/value head: with tp=2 each rank shares it (K < tp)
-# A mixture of 4 experts in every block; experts run on data-parallel ranks only, so its
-# variants ride along in 4-rank launches as dp4 meshes (expert parallelism splits dp: ep2, ep4).
+# A mixture of 4 experts in every block (docs/moe.md): with every axis, ZeRO-3 / HSDP and
+# checkpointing, expert parallelism splitting dp x cp (ep2, ep4).
 MOE = dict(experts=4)
 PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} where the design allows, GPT-2 and Llama
     "dp2-pp2": [dict(dp=2, pp=2, zero=0, bucket_mb=0.0, optimizer="sgd"),
@@ -36,21 +36,36 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
                 dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, zero=3, schedule="interleaved", untied=True),
                 dict(dp=2, pp=2, zero=1, **LLAMA, grad_accum=2), dict(dp=2, pp=2, zero=3, schedule="zb-h1", untied=True),
                 dict(dp=2, pp=2, zero=1, schedule="zbv", microbatches=3), dict(dp=2, pp=2, zero=3, schedule="zbv", microbatches=3),
-                dict(dp=4, **MOE, ep=2, zero=1, capacity_factor=1.25, grad_accum=2, clip_grad=0.05, moe_every=2)],
+                dict(dp=4, **MOE, ep=2, zero=1, capacity_factor=1.25, grad_accum=2, clip_grad=0.05, moe_every=2),
+                # a mixture on every stage: each backpropagates its auxiliary losses, the loss adds them all
+                dict(dp=2, pp=2, **MOE, ep=2, zero=1), dict(dp=2, pp=2, **MOE, schedule="gpipe", zero=2, moe_every=2),
+                dict(dp=2, pp=2, **MOE, ep=2, schedule="zb-h1", capacity_factor=0.5, zero=3),
+                dict(dp=2, pp=2, **MOE, **LLAMA, schedule="zb-h2", top_k=1, clip_grad=0.05),
+                dict(dp=2, pp=2, **MOE, ep=2, schedule="zbv", microbatches=3, checkpoint_activations=True)],
     "dp2-tp2": [dict(dp=2, tp=2, zero=0, sequence_parallel=True), dict(dp=2, tp=2, zero=1, tp_async="ring", clip_grad=0.05),
                 dict(dp=2, tp=2, zero=3, checkpoint_activations=True),
                 dict(dp=2, tp=2, zero=3, **MQA, sequence_parallel=True, clip_grad=0.05),
                 dict(dp=4, **MOE, ep=4, top_k=1, capacity_factor=1.0, zero=2, clip_grad=0.05),
-                dict(dp=4, **MOE, ep=2, zero=2, **LLAMA)],
+                dict(dp=4, **MOE, ep=2, zero=2, **LLAMA),
+                # ZeRO-3 / HSDP and checkpointing recompute each block in backward: its auxiliary losses too
+                dict(dp=4, **MOE, hsdp_shard=2, checkpoint_activations=True, grad_accum=2),
+                dict(dp=4, **MOE, ep=2, hsdp_shard=2, capacity_factor=0.5, **LLAMA),
+                # the router and experts replicated over tp; sequence parallelism gathers whole sequences
+                dict(dp=2, tp=2, **MOE, ep=2, zero=1, top_k=1, capacity_factor=1.0, grad_accum=2)],
     "dp2-cp2": [dict(dp=2, cp=2, zero=0), dict(dp=2, cp=2, zero=1, cp_impl="ulysses", optimizer="sgd"),
                 dict(dp=2, cp=2, zero=3, grad_accum=2), dict(dp=2, cp=2, zero=2, **LLAMA),
-                dict(dp=4, **MOE, ep=2, top_k=2), dict(dp=4, **MOE, top_k=1)],
+                dict(dp=4, **MOE, ep=2, top_k=2), dict(dp=4, **MOE, top_k=1),
+                # each cp rank routes the whole sequences, gathered and put in order (zig-zag)
+                dict(dp=2, cp=2, **MOE, ep=2, capacity_factor=0.5)],
     "pp2-tp2": [dict(pp=2, tp=2, sequence_parallel=True),
                 dict(pp=2, tp=2, schedule="interleaved", tp_async="bidirectional", untied=True),
                 dict(pp=2, tp=2, **MQA, schedule="interleaved", checkpoint_activations=True),
                 dict(pp=2, tp=2, schedule="zb-h1", sequence_parallel=True, tp_async="ring"),
                 dict(pp=2, tp=2, **MQA, schedule="zb-h2", sequence_parallel=True),
-                dict(pp=2, tp=2, schedule="zbv", sequence_parallel=True, microbatches=3, grad_accum=2)],
+                dict(pp=2, tp=2, schedule="zbv", sequence_parallel=True, microbatches=3, grad_accum=2),
+                dict(pp=2, tp=2, **MOE, **LLAMA, sequence_parallel=True, tp_async="ring", capacity_factor=0.5,
+                     schedule="zb-h1"),
+                dict(pp=2, tp=2, **MOE, checkpoint_activations=True, schedule="interleaved", top_k=1)],
     "pp2-cp2": [dict(pp=2, cp=2, zero=0), dict(pp=2, cp=2, zero=1, cp_impl="ulysses", schedule="gpipe"),
                 dict(pp=2, cp=2, zero=3, checkpoint_activations=True),
                 dict(pp=2, cp=2, **LLAMA, cp_impl="ulysses", attention="blockwise", attention_block=2),
@@ -58,7 +73,8 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
     "tp2-cp2": [dict(tp=2, cp=2, zero=0, sequence_parallel=True), dict(tp=2, cp=2, zero=1, cp_impl="ulysses"),
                 dict(tp=2, cp=2, zero=3, tp_async="ring", attention="blockwise", attention_block=2),
                 dict(tp=2, cp=2, **LLAMA, cp_impl="ulysses", zero=1),  # one kv head per tp rank, repeated for cp
-                dict(tp=2, cp=2, **LLAMA, sequence_parallel=True, hsdp_shard=2)],
+                dict(tp=2, cp=2, **LLAMA, sequence_parallel=True, hsdp_shard=2),
+                dict(tp=2, cp=2, **MOE, cp_impl="ulysses", sequence_parallel=True, top_k=1, capacity_factor=1.0)],
 }
 TRIPLES = {  # 8 ranks
     "dp2-pp2-tp2": [dict(dp=2, pp=2, tp=2, schedule="1f1b", zero=1),
@@ -77,7 +93,10 @@ MIXED = {  # float32 master weights, low-precision compute: close to one process
     "dp2-tp2-fp16": [dict(dp=2, tp=2, **FP16, zero=0)],
 }
 FULL = {"dp2-pp2-tp2-cp2": [dict(dp=2, pp=2, tp=2, cp=2, zero=1, sequence_parallel=True, checkpoint_activations=True),
-                           dict(dp=2, pp=2, tp=2, cp=2, **LLAMA, zero=1, sequence_parallel=True)]}
+                           dict(dp=2, pp=2, tp=2, cp=2, **LLAMA, zero=1, sequence_parallel=True),
+                           # experts with every axis: ep over dp x cp, ZeRO-3, sequence parallelism
+                           dict(dp=2, pp=2, tp=2, cp=2, **MOE, ep=4, sequence_parallel=True, zero=3, top_k=1,
+                                capacity_factor=1.0, schedule="interleaved")]}
 
 
 def _cases():

@@ -282,7 +282,6 @@ def test_bad_moe_config_is_one_line_naming_the_value(kw, words):
     (["--top-k", "2"], "--top-k 2 is a mixture-of-experts setting: it needs --experts E"),
     (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the --experts 2"),
     (["--experts", "2", "--capacity-factor", "-1"], "--capacity-factor: expected a finite number >= 0, got -1"),
-    (["--experts", "2", "--tp", "2"], "--experts runs on data-parallel ranks only so far, not with --tp 2"),
     (["--ep", "2"], "--ep 2 splits the experts of a mixture over ranks: it needs --experts E"),
     (["--experts", "3", "--ep", "2"], "--ep 2 does not divide --experts 3"),
     (["--experts", "4", "--ep", "2"], "--ep 2 does not divide the data-parallel ranks (--dp 1)"),
@@ -298,17 +297,44 @@ def test_bad_moe_flags_exit_2_with_one_line(args, words):
 @pytest.mark.parametrize("flat, words", [
     (dict(dp=6, experts=4, ep=3), "--ep 3 does not divide --experts 4"),
     (dict(dp=2, experts=4, ep=4), "--ep 4 does not divide the data-parallel ranks (--dp 2)"),
-    (dict(dp=4, experts=4, ep=2, zero=3), "--experts does not run with --zero 3 yet"),
-    (dict(dp=4, experts=4, hsdp_shard=2), "--experts does not run with --hsdp-shard 2 yet"),
+    (dict(dp=4, experts=4, ep=2, zero=3), None),
+    (dict(dp=4, experts=4, hsdp_shard=2), None),
     (dict(dp=4, experts=4, ep=2, zero=1), None),
 ])
 def test_expert_parallel_settings_are_refused_before_any_message(flat, words):
     """--ep's checks (parallel/expert/checks.py, gathered by compose.problems) are arithmetic
-    on the settings: every rank reaches them before any message.  ZeRO-3 runs a block without
-    its graph and recomputes it in backward, which loses the auxiliary losses: refused."""
+    on the settings: every rank reaches them before any message.  ZeRO-3 and HSDP run with
+    experts (the recomputed blocks carry the auxiliary losses' gradient: moe.carry_aux_grad)."""
     from minidist.parallel.compose import problems
     from minidist.train.config import RunConfig
 
     sections = {"model": {"experts": flat.pop("experts")}, "parallel": flat}
     found = problems(RunConfig().replace(**sections), flat["dp"])
     assert (found == []) if words is None else (len(found) == 1 and words in found[0]), found
+
+
+@pytest.mark.parametrize("kw", [CASES["gpt2-top2-capacity"], CASES["llama-top1-dropless"]],
+                         ids=["gpt2-top2-capacity", "llama-top1-dropless"])
+def test_checkpointed_blocks_backpropagate_their_auxiliary_losses_once(kw):
+    """Activation checkpointing runs each block without its graph and recomputes it in
+    backward: the recomputed mixture's output carries the auxiliary losses' gradient
+    (moe.carry_aux_grad), so the loss and every gradient equal those of the loss written out
+    with the auxiliary losses in its graph (the oracle: no gradient carried by the outputs),
+    with and without checkpointing, over two micro-batches and a loss scale."""
+    from minidist.model import ops
+
+    x, y = batch(b=4)
+    model = tiny(**kw, aux_loss_coef=0.5, z_loss_coef=0.1)
+    loss = ops.cross_entropy(model(x), y)
+    for block in model.h:
+        loss = ops.add(loss, block.mlp.aux_loss)  # in the graph: nothing fed to carry_aux_grad
+    ops.mul(loss, 3.0).backward()
+    want = loss.item(), {n: host(p.grad).copy() for n, p in model.named_parameters()}
+    assert np.abs(want[1]["h.0.mlp.router.weight"]).max() > 0
+    for ckpt in (False, True):
+        model = tiny(**kw, aux_loss_coef=0.5, z_loss_coef=0.1)
+        model.checkpoint_activations = ckpt
+        got = Strategy(model, OneReplica(model, None)).forward_backward(x, y, 2, loss_scale=3.0)
+        assert got == pytest.approx(want[0], rel=1e-13)
+        for n, p in model.named_parameters():
+            np.testing.assert_allclose(host(p.grad), want[1][n], rtol=1e-11, atol=1e-14, err_msg=f"{ckpt} {n}")

@@ -28,7 +28,14 @@ The rules, each chosen so that a data-parallel or expert-parallel run equals one
   ``logsumexp(router logits)^2``, times ``z_loss_coef``; it keeps the logits small.
 
 Both losses of the last forward stay on the layer (``aux_loss``, a Tensor in the graph), and
-``GPT.loss`` adds every layer's to the cross-entropy (:func:`add_aux_losses`).
+``GPT.loss`` adds every layer's *value* to the cross-entropy (:func:`add_aux_losses`).  Their
+gradient does not flow back from the loss: the mixture's output carries it
+(:func:`carry_aux_grad`, as Megatron Core's ``MoEAuxLossAutoScaler`` does), so a block that is
+run without its graph and recomputed in backward (activation checkpointing, ZeRO-3) or a
+pipeline stage without the loss still backpropagates its auxiliary losses, exactly once: the
+backward of the output hands the auxiliary losses the loss's gradient with respect to them
+(``MoE.aux_grad``), set as the backward starts -- by the loss's node, or by a pipeline stage
+for its own mixtures (:func:`feed_aux_grad`).
 
 The tokens travel in one buffer sorted by expert (:func:`gather_rows`: its backward scatter-adds),
 each expert runs on its rows, and the weighted outputs go back to their tokens with
@@ -43,7 +50,7 @@ from __future__ import annotations
 import math
 
 from minidist.model import ops
-from minidist.model.autograd import Tensor, make_tensor
+from minidist.model.autograd import Tensor, is_grad_enabled, make_tensor
 from minidist.model.backend import host, host_read, xp  # host: the routing's index bookkeeping
 from minidist.model.module import Module, _param
 from minidist.model.ops.basic import check_index, scatter_add_rows
@@ -135,7 +142,13 @@ def ignore_routing(logits, probs, choice, keep, T) -> None:
 class MoE(Module):
     """The mixture of ``cfg.n_experts`` experts ``make_expert()`` with a router; ``cfg``: a
     GPTConfig with n_experts, top_k, capacity_factor, aux_loss_coef and z_loss_coef.
-    ``experts_here``: the experts this rank holds (the others are None; all by default)."""
+    ``experts_here``: the experts this rank holds (the others are None; all by default).
+
+    Two seams: ``dispatch`` runs the experts on their rows (expert parallelism swaps in one
+    that moves them over ranks), and ``sequence``, None or ``(gather, scatter)``: where a
+    rank holds part of each sequence (sequence parallelism, context parallelism), the mixture
+    routes the whole sequences ``gather(x)`` and returns ``scatter(y)``, this rank's part of the
+    output -- capacity and the load-balancing loss are per sequence (parallel/expert/tokens.py)."""
 
     def __init__(self, cfg, dtype, make_expert, experts_here=None):
         E = cfg.n_experts
@@ -147,8 +160,17 @@ class MoE(Module):
         self.last_counts = None  # the last forward's kept tokens per expert (host int64, E)
         self.dispatch = run_local_experts  # (experts, rows by expert, counts) -> outputs (the seam)
         self.observe = ignore_routing  # sees each forward's routing: the router statistics' seam (observe/router.py)
+        self.sequence = None  # (gather, scatter): whole sequences from this rank's parts, and back (the seam)
+        self.aux_grad = None  # d loss / d aux_loss for the backward under way (carry_aux_grad)
 
     def forward(self, x):
+        if self.sequence is None:
+            return self.mix(x)
+        gather, scatter = self.sequence
+        return scatter(self.mix(gather(x)))
+
+    def mix(self, x):
+        """The mixture's output for the whole sequences ``x`` (B, T, d)."""
         cfg = self.cfg
         B, T, d = x.shape
         flat = ops.reshape(x, (B * T, d))
@@ -172,7 +194,7 @@ class MoE(Module):
         ys = self.dispatch(self.experts, gather_rows(flat, r.token), r.counts)   # (M, d), by expert
         weighted = ops.mul(ys, ops.cast(ops.reshape(ops.getitem(gates, (token, slot)), (-1, 1)), ys.dtype))
         self.aux_loss = self.losses(logits, probs, choice, B, T)
-        return ops.reshape(combine_rows(weighted, token, B * T), (B, T, d))
+        return carry_aux_grad(ops.reshape(combine_rows(weighted, token, B * T), (B, T, d)), self)
 
     def losses(self, logits, probs, choice, B, T):
         """aux_loss_coef * the load-balancing loss + z_loss_coef * the router z-loss (module
@@ -193,10 +215,54 @@ class MoE(Module):
         return total
 
 
-def add_aux_losses(model, loss):
-    """``loss`` plus the auxiliary losses of the model's mixtures (of their last forward)."""
-    for block in model.h:
-        aux = getattr(getattr(block, "mlp", None), "aux_loss", None)
-        if aux is not None:
-            loss = ops.add(loss, aux)
-    return loss
+def carry_aux_grad(y: Tensor, layer: MoE) -> Tensor:
+    """``y`` unchanged; its backward also hands ``layer.aux_loss`` the gradient ``layer.aux_grad``
+    (and clears it: one backward per forward).  The auxiliary losses thus backpropagate with
+    the output they came with -- in the recomputed forward when the first one ran without a
+    graph -- and the loss adds only their values (:func:`add_aux_losses`).  Without a pending
+    gradient (a loss that left them out) they get none this way."""
+    aux = layer.aux_loss
+    if aux is None:
+        return y
+
+    def backward(g):
+        scale, layer.aux_grad = layer.aux_grad, None
+        return g, None if scale is None else xp.asarray(scale, dtype=aux.dtype).reshape(aux.shape)
+
+    return make_tensor(y.data, (y, aux), backward)
+
+
+def mixtures(blocks) -> list:
+    """The mixtures of ``blocks`` (a pipeline stage's: None for the blocks it does not hold)."""
+    return [b.mlp for b in blocks if isinstance(getattr(b, "mlp", None), MoE)]
+
+
+def aux_loss_value(blocks):
+    """The sum of the last forward's auxiliary losses of ``blocks``' mixtures (an array of shape
+    (), float64), or None when they have none."""
+    values = [m.aux_loss.data.astype(xp.float64) for m in mixtures(blocks) if m.aux_loss is not None]
+    return None if not values else sum(values[1:], values[0])
+
+
+def feed_aux_grad(blocks, grad) -> None:
+    """The gradient of the loss being backpropagated with respect to the auxiliary losses of
+    ``blocks``' mixtures (a pipeline stage without the loss: its microbatch's loss weight)."""
+    for m in mixtures(blocks):
+        m.aux_grad = grad
+
+
+def add_aux_losses(model, loss, blocks=None):
+    """``loss`` plus the values of the auxiliary losses of the mixtures of ``blocks`` (default:
+    the model's) of their last forward, as one node without graph parents: its backward feeds
+    its gradient to the mixtures (:func:`feed_aux_grad`), whose outputs carry it on
+    (:func:`carry_aux_grad`).  Added to the graph directly, a recomputed block's auxiliary
+    losses would get no gradient, the first forward's having no graph."""
+    blocks = model.h if blocks is None else blocks
+    value = aux_loss_value(blocks)
+    if value is None:
+        return loss
+    total = Tensor(value.astype(loss.dtype))
+    if is_grad_enabled():
+        total.requires_grad = True
+        total._ctx = ((), lambda g: feed_aux_grad(blocks, g) or ())
+    return ops.add(loss, total)

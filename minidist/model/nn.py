@@ -257,9 +257,9 @@ class Block(Module):
         self.ln_1 = norm(cfg.d_model, dtype)
         self.attn = GroupedQueryAttention(cfg, dtype, layers, positions) if llama else CausalSelfAttention(cfg, dtype, layers)
         self.ln_2 = norm(cfg.d_model, dtype)
-        feed_forward = functools.partial(SwiGLU if llama else MLP, cfg, dtype, layers)
-        # A mixture of experts (moe.py) in every moe_every-th block: each expert this feed-forward.
-        self.mlp = moe.MoE(cfg, dtype, feed_forward) if moe.is_moe_block(cfg, index) else feed_forward()
+        ffn = functools.partial(SwiGLU if llama else MLP, cfg, dtype)
+        # A mixture of experts (moe.py) in every moe_every-th block: each expert this feed-forward, whole on a tp rank.
+        self.mlp = moe.MoE(cfg, dtype, functools.partial(ffn, Layers())) if moe.is_moe_block(cfg, index) else ffn(layers)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -431,10 +431,10 @@ class GPT(Module):
             return self.lm_head(x)
         return self.wte.logits(x)  # tied: x @ wte^T
 
-    def loss(self, logits: Tensor, targets) -> Tensor:
-        """The mean cross-entropy, plus the mixtures' auxiliary losses (moe.py), if any."""
+    def loss(self, logits: Tensor, targets, blocks=None) -> Tensor:
+        """The mean cross-entropy, plus the auxiliary losses of the mixtures of ``blocks`` (moe.py; default all)."""
         loss = self.layers.cross_entropy(logits, targets)
-        return moe.add_aux_losses(self, loss) if self.config.n_experts else loss
+        return moe.add_aux_losses(self, loss, blocks) if self.config.n_experts else loss
 
     def token_positions(self, T: int):
         """The places in their sequences of the T tokens of each row this rank embeds, 0..T-1,

@@ -38,12 +38,12 @@ COMPOSES = {
     **{("zero", axis): "yes" for axis in MODEL_AXES},
     **{("hsdp", axis): "yes" for axis in MODEL_AXES},
     # Expert parallelism (--ep, parallel/expert/) splits the experts over data-parallel ranks;
-    # the mixture of experts itself runs on data-parallel ranks only so far (docs/moe.md).
+    # the mixture of experts runs with every axis (docs/moe.md).
     ("ep", "dp"): "yes (DDP, ZeRO-1/2)",
-    ("ep", "zero3"): "no: ZeRO-3 recomputes each block in backward, losing the auxiliary losses",
-    ("ep", "pp"): "no: a stage's auxiliary losses would have to join the last stage's loss",
-    ("ep", "cp"): "no: capacity and the load-balancing loss are per sequence, a cp rank sees part of one",
-    ("ep", "tp"): "no: the experts are not split over tp",
+    ("ep", "zero3"): "yes (each block's experts a unit of their own, sharded over edp)",
+    ("ep", "pp"): "yes (each stage backpropagates its own auxiliary losses; every schedule)",
+    ("ep", "cp"): "yes (each cp rank routes the whole sequences, gathered)",
+    ("ep", "tp"): "yes (the router and experts replicated over tp)",
 }
 
 

@@ -285,8 +285,8 @@ def _validate(args) -> RunConfig:
 
 
 def _check_experts(args) -> None:
-    """The mixture-of-experts flags: they need --experts; --top-k at most --experts; the axes
-    and techniques a mixture does not run with yet."""
+    """The mixture-of-experts flags: they need --experts; --top-k at most --experts (a mixture
+    runs with every axis and technique: docs/moe.md)."""
     moe = ("top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
     if not args.experts:
         for flag in moe:
@@ -296,12 +296,6 @@ def _check_experts(args) -> None:
         return
     if args.top_k is not None and args.top_k > args.experts:
         raise InputError(f"--top-k {args.top_k} is more than the --experts {args.experts}")
-    for flag, value in (("--pp", args.pp), ("--tp", args.tp), ("--cp", args.cp)):
-        if value > 1:
-            raise InputError(f"--experts runs on data-parallel ranks only so far, not with {flag} {value}")
-    if args.checkpoint_activations:
-        raise InputError("--experts does not run with --checkpoint-activations yet (the router's auxiliary "
-                         "losses are recorded in the forward pass that checkpointing runs without gradients)")
 
 
 def _check_offload(args) -> None:

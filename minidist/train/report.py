@@ -97,13 +97,15 @@ class Reporter:
 
 def router_stats(cfg, strategy):
     """The router statistics of ``--experts`` runs (minidist/observe/router.py), summed over
-    the data-parallel group; None for a dense model (or one whose --moe-every passes every block)."""
+    the data-parallel group (not over cp: every cp rank routes the whole sequences, nor tp: its
+    ranks route the same tokens); None for a dense model (or one whose --moe-every passes every
+    block).  With a pipeline, each stage's ranks count their own stage's mixtures."""
     if not cfg.model.experts:
         return None
     from minidist.observe.router import RouterStats
 
     mesh = strategy.mesh
-    stats = RouterStats(strategy.model, mesh.group(("dp", "cp")) if mesh is not None else None)
+    stats = RouterStats(strategy.model, mesh.group(("dp",)) if mesh is not None else None)
     return stats if stats.layers else None
 
 

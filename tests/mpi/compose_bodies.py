@@ -152,7 +152,8 @@ def check_split(cfg, got, ref, label):
       replicated);
     * pipeline: each block is held by exactly world / pp ranks, a rank holds layers / pp;
     * ZeRO: the optimizer state a rank holds is its 1/N of the state of its parameters (N the
-      ranks its shards are split over), and over the world the shards add up exactly;
+      ranks its shards are split over), and over the world the shards add up exactly; with
+      ZeRO-3 the parameters at rest too (an expert's shards over its edp group);
     * traffic: bytes sent on a group of every axis of size > 1.
     The facts come from the arrays each rank holds (and MPI's own all-gather), not from what
     the strategy says it did."""
@@ -161,7 +162,8 @@ def check_split(cfg, got, ref, label):
     numel = {k: v.size for k, v in got.params.items()}
     ref_numel = {k: ref.params[k].size for k in got.params}
     blocks = {k for k in got.params if k.startswith("h.")}
-    if p.tp > 1:
+    if p.tp > 1:  # the mixtures' router and experts are whole on every tp rank (parallel/expert/tokens.py)
+        blocks = {k for k in blocks if ".mlp.router." not in k and ".mlp.experts." not in k}
         for k, s in got.sharding.items():
             # s.parts: tp, or Llama's K key/value heads where tp > K (each shared by tp / K ranks)
             parts = p.tp if s is None or s.parts == p.tp else min(p.tp, cfg.model.kv)
@@ -179,7 +181,7 @@ def check_split(cfg, got, ref, label):
     if np.any(per_block != world.size // p.pp):
         wrong.append(f"ranks holding each block: {per_block.tolist()}, want {world.size // p.pp}")
     experts = {k for k in got.params if ".experts." in k} if p.ep > 1 else set()
-    if p.ep > 1:  # expert parallelism: each expert of each mixture on world / ep ranks, E / ep here
+    if p.ep > 1:  # expert parallelism: each expert of each mixture on world / (ep pp) ranks, E / ep here
         mixtures = {k.split(".")[1] for k in experts}
         held_experts = sorted({tuple(k.split(".")[1:5:3]) for k in experts})  # (block, expert)
         holders = {}
@@ -188,8 +190,9 @@ def check_split(cfg, got, ref, label):
                 holders[pair] = holders.get(pair, 0) + 1
         if any(len([e for b, e in held_experts if b == m]) != cfg.model.experts // p.ep for m in mixtures):
             wrong.append(f"this rank holds experts {held_experts} (ep={p.ep}, {cfg.model.experts} experts)")
-        if set(holders.values()) != {world.size // p.ep}:
-            wrong.append(f"ranks holding each expert: {sorted(set(holders.values()))}, want {world.size // p.ep}")
+        if set(holders.values()) != {world.size // (p.ep * p.pp)}:
+            wrong.append(f"ranks holding each expert: {sorted(set(holders.values()))}, "
+                         f"want {world.size // (p.ep * p.pp)}")
         if not sum(v for g, v in got.sent.items() if ".ep" in g):
             wrong.append(f"nothing sent on the ep groups (bytes by group: {got.sent})")
     # ZeRO: bytes of optimizer state per parameter element, from the one-process run; the
@@ -206,6 +209,13 @@ def check_split(cfg, got, ref, label):
     total, want = world.allreduce(mine), world.allreduce(want_here)
     if round(total) != round(want):
         wrong.append(f"the optimizer state adds up to {total} bytes over the ranks, want {want:.0f}")
+    if p.zero == 3:  # ZeRO-3: the parameters at rest are shards too (the experts' over their edp group)
+        per_param = ref.state_bytes["params"] / sum(v.size for v in ref.params.values())
+        held = got.state_bytes["params"]
+        want_params = per_param * (sum(v for k, v in numel.items() if k not in experts) / n
+                                   + sum(numel[k] for k in experts) / n_experts)
+        if abs(held - want_params) > per_param * len(numel):
+            wrong.append(f"{held} bytes of parameters here at rest, want {want_params:.0f} (ZeRO-3 shards)")
     for axis in ("dp", "pp", "tp", "cp"):
         if getattr(p, axis) > 1 and not sum(v for g, v in got.sent.items() if axis in _axes_of(g)):
             wrong.append(f"nothing sent on the {axis} axis (bytes by group: {got.sent})")

@@ -37,10 +37,14 @@ def apply(model, optimizer, p, mesh, experts=None, expert_optimizer=None):
 
     With expert parallelism (``experts``: parallel.expert.ExpertGroups) the dense parameters
     get that part and this rank's experts a second one of the same flavour over the edp group,
-    updated by ``expert_optimizer`` (experts.py)."""
+    updated by ``expert_optimizer`` (experts.py); with ZeRO-3 one FSDP holds both, each block's
+    experts a unit of their own sharded over the edp group (fsdp.py)."""
     group = mesh.group(("dp", "cp")) if mesh is not None else None
     if experts is None:
         return _part(model, optimizer, p, group, None)
+    if p.zero == 3 and group.size > 1:  # one FSDP: each block's dense unit and its experts' unit (fsdp.py)
+        shards, replicas = _shard_groups(p, group)
+        return FSDP(model, optimizer, group, shards, replicas, experts=experts)
     mine = {id(q) for q in experts.params}
     dense = [q for q in model.parameters() if id(q) not in mine]
     return DenseAndExperts(_part(model, optimizer, p, group, dense),
@@ -51,11 +55,15 @@ def _part(model, optimizer, p, group, params):
     """The data-parallel part of ``params`` (None: the model's) over ``group``."""
     if group is None or group.size == 1:
         return OneReplica(model, optimizer, None, params)
-    if p.zero == 3:  # not with experts: their checks refuse it
-        shards, replicas = group, None
-        if p.hsdp_shard and p.hsdp_shard != group.size:
-            shards, replicas = hsdp_groups(group, p.hsdp_shard)
-        return FSDP(model, optimizer, group, shards, replicas)
+    if p.zero == 3:  # with experts: apply() makes one FSDP of both
+        return FSDP(model, optimizer, group, *_shard_groups(p, group))
     if p.zero:
         return ZeRO(model, optimizer, group, p.zero, p.bucket_mb, p.overlap, params=params)
     return DistributedDataParallel(model, optimizer, group, p.bucket_mb, p.overlap, params=params)
+
+
+def _shard_groups(p, group):
+    """ZeRO-3's (shard group, replicate group): the whole group, or HSDP's groups of ``p.hsdp_shard``."""
+    if p.hsdp_shard and p.hsdp_shard != group.size:
+        return hsdp_groups(group, p.hsdp_shard)
+    return group, None

@@ -20,6 +20,12 @@ and the root unit (the embedding, final LayerNorm and head).
   gradient shards then all-reduced over the replica group of the N/K ranks holding the
   same shard (:func:`hsdp_groups` makes both groups).
 
+* **Experts** (``experts``: expert parallelism's groups, parallel/expert/): a rank holds only
+  its ep group's share of each mixture's experts, the same as the other ranks of its *edp*
+  group.  Each block then has two units: the dense one sharded over ``shard_group`` and the
+  experts' sharded over the edp group (torchtitan's FSDP of the experts over the ranks that
+  hold the same ones), gathered, recomputed and reduce-scattered together.
+
 FSDP reaches into the model through one seam, ``GPT.use_block_runner``: each block runs in
 :meth:`FSDP._run_block`, which gathers the block's shards around it.  ``group`` is
 the whole data-parallel group (the loss is summed over it); ``shard_group`` the ranks the
@@ -58,31 +64,43 @@ class FSDP(Sharded, OneReplica):
     stage = 3
     reduces_every_micro_step = True  # each block's gradients are reduce-scattered in its backward
 
-    def __init__(self, model, optimizer, group, shard_group=None, replicate_group=None):
+    def __init__(self, model, optimizer, group, shard_group=None, replicate_group=None, experts=None):
         super().__init__(model, optimizer, group)
         self.shard_group, self.replicate_group = shard_group or group, replicate_group
         decay = decay_of(optimizer, self.params)  # while the parameters are whole
-        for g in (self.shard_group, replicate_group):
-            if g is not None:
-                broadcast_parameters(self.params, g)
-                check_identical(self.params, g)
-        self._shard_units(model)
+        self.expert_ids = {id(p) for p in experts.params} if experts is not None else set()
+        dense = [p for p in self.params if id(p) not in self.expert_ids]
+        for g, same in ((self.shard_group, dense), (replicate_group, dense),
+                        (experts and experts.edp_group, experts and experts.params)):
+            if g is not None:  # the ranks of each group hold the same parameters
+                broadcast_parameters(same, g)
+                check_identical(same, g)
+        self._shard_units(model, experts.edp_group if experts is not None else None)
         self.shard_optimizer = ShardedOptimizer(optimizer, self.units, self.shards, decay)
         # The shards are disjoint within a shard group; HSDP's replicas hold the same ones.
         self.counts_in_norm = replicate_group is None or replicate_group.rank == 0
         self.name = (f"HSDP: ZeRO-3 over {self.shard_group.size} ranks x {replicate_group.size} replicas"
                      if replicate_group is not None else f"ZeRO-3 (FSDP) over {self.shard_group.size} ranks")
 
-    def _shard_units(self, model):
-        """One unit per block and a root unit of the rest; keep this rank's shard, free the rest."""
+    def _shard_units(self, model, edp_group=None):
+        """One unit per block and a root unit of the rest (and one per block's experts, over
+        ``edp_group``); keep this rank's shard, free the rest."""
         blocks = [b for b in model.h if b is not None]  # a pipeline stage keeps only its blocks
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         root = [p for p in self.params if id(p) not in in_blocks]
-        g = self.shard_group
+        g, ex = self.shard_group, self.expert_ids
         self.root = FlatUnit(root, g.rank, g.size, "root")
-        self.block_units = [FlatUnit([p for p in b.parameters() if p.requires_grad], g.rank, g.size, f"h.{i}")
-                            for i, b in enumerate(blocks)]
+        self.block_units = [FlatUnit([p for p in b.parameters() if p.requires_grad and id(p) not in ex],
+                                     g.rank, g.size, f"h.{i}") for i, b in enumerate(blocks)]
         self.units = [self.root] + self.block_units
+        self.groups = [g] * len(self.units)  # the ranks each unit is sharded over
+        self.companion = {}  # block unit index -> its experts' unit index
+        for i, b in enumerate(blocks):
+            mine = [p for p in b.parameters() if id(p) in ex]
+            if mine:
+                self.companion[i + 1] = len(self.units)
+                self.units.append(FlatUnit(mine, edp_group.rank, edp_group.size, f"h.{i}.experts"))
+                self.groups.append(edp_group)
         self.shards = []
         for unit in self.units:
             full = unit.flatten([p.data for p in unit.params])
@@ -103,12 +121,17 @@ class FSDP(Sharded, OneReplica):
             return
         self.live.add(i)
         self._count_live()
-        self._inflight[i] = comm.all_gather(to_host(self.shards[i].data), self.shard_group, async_op=True)
+        self._inflight[i] = comm.all_gather(to_host(self.shards[i].data), self.groups[i], async_op=True)
 
     def _prefetch(self, i):
-        """Start gathering block unit i (1..L) while the current block computes."""
-        if 1 <= i < len(self.units):
-            self._launch_gather(i)
+        """Start gathering block unit i (1..L) and its experts while the current block computes."""
+        if 1 <= i <= len(self.block_units):
+            for k in self._block(i):
+                self._launch_gather(k)
+
+    def _block(self, i):
+        """The units of block unit i: itself, and its experts' unit if it has one."""
+        return [i] + ([self.companion[i]] if i in self.companion else [])
 
     def _gathered(self, i):
         """Make unit i's parameters full (waiting for its prefetch if one is in flight)."""
@@ -134,26 +157,31 @@ class FSDP(Sharded, OneReplica):
     def _run_block(self, block, x):
         """A block under FSDP (the model's block runner): gather, prefetch the next block, run, free."""
         i = self.unit_index[id(block)]
-        self._gathered(i)
+        mine = self._block(i)
+        for k in mine:
+            self._gathered(k)
         self._prefetch(i + 1)
         low = get_autocast_dtype()
         with no_grad():
             y = block(x)
-        self._free(i)
+        for k in mine:
+            self._free(k)
         if not (is_grad_enabled() and x.requires_grad):
             return y
 
         def backward_fn(g):
-            self._gathered(i)
+            for k in mine:
+                self._gathered(k)
             self._prefetch(i - 1)  # the block before, in backward order
             inp = Tensor(x.data, requires_grad=True)
             with enable_grad(), autocast(low):
                 out = block(inp)
-            unit = self.units[i]
-            grads = run_backward([out], [g], capture=[inp] + unit.params)
-            self._free(i)
-            flat = to_host(unit.flatten([grads.get(id(p)) for p in unit.params]))
-            self._pending_rs.append((i, comm.reduce_scatter(flat, self.shard_group, async_op=True)))
+            grads = run_backward([out], [g], capture=[inp] + [p for k in mine for p in self.units[k].params])
+            for k in mine:
+                self._free(k)
+                unit = self.units[k]
+                flat = to_host(unit.flatten([grads.get(id(p)) for p in unit.params]))
+                self._pending_rs.append((k, comm.reduce_scatter(flat, self.groups[k], async_op=True)))
             return (grads.get(id(inp)),)
 
         out = Tensor(y.data)
@@ -183,9 +211,10 @@ class FSDP(Sharded, OneReplica):
         if self.before_reduce is not None:
             self.before_reduce()
         self._finish_backward()
-        if last and self.replicate_group is not None:
-            for shard in self.shards:
-                shard.grad = from_host(comm.all_reduce(to_host(shard.grad), self.replicate_group))
+        if last and self.replicate_group is not None:  # the experts' units are not replicated
+            for shard, g in zip(self.shards, self.groups):
+                if g is self.shard_group:
+                    shard.grad = from_host(comm.all_reduce(to_host(shard.grad), self.replicate_group))
 
     def _gather_root(self):
         """The root unit (embedding, final LayerNorm, head) gathered for a whole pass; a
@@ -216,6 +245,11 @@ class FSDP(Sharded, OneReplica):
     def grad_segments(self):
         return shard_segments(self.units, self.shards)
 
+    def norm_segments(self):
+        """HSDP's first replica counts the dense shards; every rank its experts' shards (disjoint)."""
+        counted = [k for k, g in enumerate(self.groups) if self.counts_in_norm or g is not self.shard_group]
+        return shard_segments([self.units[k] for k in counted], [self.shards[k] for k in counted])
+
     def step(self):
         """Update this rank's shards; the parameters stay sharded until the next gather."""
         self.shard_optimizer.step()
@@ -231,21 +265,22 @@ class FSDP(Sharded, OneReplica):
     def parameters(self) -> dict:
         """Every parameter's full array by name, all-gathered from the shards (every rank calls it)."""
         out = {}
-        for unit, shard in zip(self.units, self.shards):
+        for unit, shard, g in zip(self.units, self.shards, self.groups):
             if not unit.params:
                 continue
-            full = from_host(comm.all_gather(to_host(shard.data), self.shard_group))
+            full = from_host(comm.all_gather(to_host(shard.data), g))
             out.update({p.name: v.copy() for p, v in zip(unit.params, unit.views(full))})
         return out
 
 
     def owned_state(self):
-        if not self.counts_in_norm:  # an HSDP replica other than the first
-            return
-        for unit, piece in zip(self.units, self.shards):
+        # An HSDP replica other than the first saves only its experts' shards (not replicated).
+        mine = [k for k, g in enumerate(self.groups) if self.counts_in_norm or g is not self.shard_group]
+        units = [self.units[k] for k in mine]
+        for unit, k in zip(units, mine):
             for p, s, flat in unit.segments():
-                yield p, "param", flat, piece.data[s]
-        yield from owned_shards(self.units, self.shard_optimizer.state)
+                yield p, "param", flat, self.shards[k].data[s]
+        yield from owned_shards(units, [self.shard_optimizer.state[k] for k in mine])
 
     def load_state(self, reader):
         for unit, piece in zip(self.units, self.shards):

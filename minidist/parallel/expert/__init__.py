@@ -23,9 +23,12 @@ In training (:func:`apply`, the composer's step between the pipeline and data pa
 the expert parameters are carved out of data parallelism, as Megatron Core and torchtitan
 do: the data-parallel part (parallel/data/experts.py) reduces the dense parameters over
 ``("dp", "cp")`` and the experts' over the edp group, each with the run's flavour (DDP's
-buckets, ZeRO-1/2's shards over its own group).  Every local expert runs on every pass, on
+buckets, ZeRO-1/2's shards over its own group; ZeRO-3 gives each block's experts a unit of
+their own, sharded over edp: data/fsdp.py).  Every local expert runs on every pass, on
 zero rows if no token chose it, so its gradient exists (zeros) on every rank and the gradient
-hooks fire in the same order everywhere.  ``checks.py`` holds ``--ep``'s checks.
+hooks fire in the same order everywhere.  ``checks.py`` holds ``--ep``'s checks; ``tokens.py``
+gives the mixtures whole sequences where an axis splits them (sequence parallelism, context
+parallelism), the router and experts replicated over tp.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from minidist.model import ops
 from minidist.model.backend import host, xp  # host: the dispatch's index bookkeeping
 from minidist.model.moe import MoE, gather_rows
 from minidist.parallel.expert.checks import problems  # noqa: F401  (compose.problems gathers it)
+from minidist.parallel.expert.tokens import route_whole_sequences
 
 __all__ = ["ExpertGroups", "ExpertParallelDispatch", "apply", "expert_groups", "expert_parameters", "problems",
            "reduce_expert_gradients", "split_experts"]
@@ -100,12 +104,16 @@ class ExpertGroups:
 
 
 def apply(model, cfg, mesh) -> ExpertGroups | None:
-    """The composer's step for this axis: with ``cfg.parallel.ep`` > 1, make the ep and edp
+    """The composer's step for this axis: the mixtures route whole sequences (tokens.py); with
+    ``cfg.parallel.ep`` > 1, make the ep and edp
     groups from the mesh's ``("dp", "cp")`` group (collective: every rank calls it once, in
     the same order), keep this rank's experts of every mixture and dispatch over ep; None
     without expert parallelism (the experts stay ordinary data-parallel parameters)."""
     ep = cfg.parallel.ep
-    if mesh is None or ep == 1:
+    if mesh is None:
+        return None
+    route_whole_sequences(model, cfg, mesh)  # tokens.py: the mixtures see whole sequences
+    if ep == 1:
         return None
     ep_group, edp_group = expert_groups(mesh.group(("dp", "cp")), ep)
     split_experts(model, ep_group)

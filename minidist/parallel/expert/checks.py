@@ -21,9 +21,4 @@ def problems(given, cfg) -> list[str]:
         over = f"--dp {p.dp} x --cp {p.cp} = {replicas}" if p.cp > 1 else f"--dp {p.dp}"
         out.append(f"--ep {p.ep} does not divide the data-parallel ranks ({over}): the experts split over "
                    "ranks of the data-parallel group")
-    if m.experts and p.zero == 3:
-        flag = f"--hsdp-shard {given.parallel.hsdp_shard}" if given.parallel.hsdp_shard else "--zero 3"
-        out.append(f"--experts does not run with {flag} yet: ZeRO-3 runs each block without recording it and "
-                   "recomputes it in backward, which loses the router's auxiliary losses (as "
-                   "--checkpoint-activations would); use --zero 1 or 2")
     return out

@@ -19,6 +19,12 @@ loss.  The runtime walks this rank's list of actions:
 * ``recv_*``: receives are posted (``comm.irecv``) one compute action ahead, so the message
   can arrive while this rank still computes, and waited for only when the data is needed.
 
+A mixture of experts on any stage adds its auxiliary losses to the microbatch's loss (GShard,
+Switch): the last stage's loss adds those of its own chunk (``GPT.loss``), every other
+chunk keeps their values for the reported loss (summed over the pipeline group) and, before
+its B, gives its mixtures the loss's weight as their gradient (``moe.feed_aux_grad``): each
+stage backpropagates its own auxiliary losses through the outputs that carry them.
+
 The loss of microbatch ``m`` is weighted by its share of the batch's rows before backward,
 so the accumulated gradient is the gradient of the batch's mean loss, exactly as in the
 single-process run (gradient accumulation: GPipe, Huang et al. 2019).  With tied embeddings
@@ -45,7 +51,7 @@ import contextlib
 import time
 
 from minidist import comm
-from minidist.model import ops
+from minidist.model import moe, ops
 from minidist.model.autograd import Parameter, Tensor, deferred_weight_grads, no_grad
 from minidist.model.backend import dtype as backend_dtype, host, host_read, xp
 from minidist.layout.split import shard
@@ -143,7 +149,7 @@ class PipelineRuntime:
         self._share = [len(xm) / rows * weight for xm in self._x]
         self._low, self._scale, self._around_last = low_dtype, loss_scale, around_last_backward
         self._inbox, self._outbox, self._saved, self._posted = {}, {}, {}, {}
-        self._losses, self._sends, self._weight_work = {}, [], {}
+        self._losses, self._sends, self._weight_work, self._aux = {}, [], {}, []
         self._live = self._peak = self._in_flight = self._peak_in_flight = 0
 
     def _run_actions(self, t0: float):
@@ -204,6 +210,16 @@ class PipelineRuntime:
             for loss in self._losses.values():
                 on_device += loss
             total = host_read(on_device, "loss")
+        return self._gather_loss(total, self._aux)
+
+    def _gather_loss(self, total, aux):
+        """The loss on every rank of the group: the last stage's ``total`` (a host array (1,)),
+        plus the other chunks' auxiliary losses ``aux`` (device scalars) where the model has
+        mixtures (a sum over the group; else a broadcast from the last stage)."""
+        if self.model.config.n_experts:
+            if aux:
+                total = total + host_read(sum(aux[1:], aux[0]).reshape(1), "loss")
+            return float(comm.all_reduce(total, self.group)[0]) if self.P > 1 else float(total[0])
         if self.P > 1:
             total = comm.broadcast(total, self.group, root=self.last_rank)
         return float(total[0])
@@ -217,10 +233,12 @@ class PipelineRuntime:
             else:
                 x_in = h = Tensor(self._inbox.pop(("act", m, s)), requires_grad=True)
             out = self.model.run_blocks(h, self.blocks[c])
-            if s == self.S - 1:
-                loss = self.model.loss(self.model.head(out), self._y[m])
+            if s == self.S - 1:  # the loss adds this chunk's auxiliary losses
+                loss = self.model.loss(self.model.head(out), self._y[m], self.blocks[c])
                 self._losses[m] = loss.data.astype(xp.float64) * self._share[m]  # stays on the device
                 out = loss * (self._share[m] * self._scale)
+            elif (aux := moe.aux_loss_value(self.blocks[c])) is not None:
+                self._aux.append(aux * self._share[m])
         held = graph_activation_bytes(out)
         self._saved[(m, c)] = (x_in, out, held)
         self._live += held
@@ -233,6 +251,8 @@ class PipelineRuntime:
         s = self.stages[c]
         x_in, out, held = self._saved.pop((m, c))
         grad = None if s == self.S - 1 else self._inbox.pop(("grad", m, s))
+        if grad is not None:  # the loss is not here: its weight is the auxiliary losses' gradient
+            moe.feed_aux_grad(self.blocks[c], self._share[m] * self._scale)
         with self._window(BACKWARD, m, c):
             if self.split:  # B only: the weights' gradients wait for W m c
                 with deferred_weight_grads() as work:
@@ -354,7 +374,7 @@ class PipelineRuntime:
     def evaluate(self, x, y, low_dtype=None) -> float:
         """The mean loss of ``(x, y)`` without gradients: the whole batch goes through the
         stages in order (no microbatches), with blocking messages."""
-        h, loss = None, 0.0
+        h, loss, aux = None, 0.0, []
         with no_grad(), ops.autocast(low_dtype):
             for c, s in enumerate(self.stages):
                 if s == 0:
@@ -366,13 +386,14 @@ class PipelineRuntime:
                         h = Tensor(comm.recv(self._activation_shape(x), dtype, prev, self.group, tag=EVAL_TAG))
                 h = self.model.run_blocks(h, self.blocks[c])
                 if s == self.S - 1:
-                    loss = float(host_read(self.model.loss(self.model.head(h), y).data, "validation loss"))
-                elif self._holder(s + 1) != self.rank:
-                    comm.send(h.data, self._holder(s + 1), self.group, tag=EVAL_TAG)
-        total = host.asarray([loss if self.is_last else 0.0], dtype=host.float64)
-        if self.P > 1:
-            total = comm.broadcast(total, self.group, root=self.last_rank)
-        return float(total[0])
+                    loss = float(host_read(self.model.loss(self.model.head(h), y, self.blocks[c]).data,
+                                           "validation loss"))
+                else:
+                    if (value := moe.aux_loss_value(self.blocks[c])) is not None:
+                        aux.append(value)
+                    if self._holder(s + 1) != self.rank:
+                        comm.send(h.data, self._holder(s + 1), self.group, tag=EVAL_TAG)
+        return self._gather_loss(host.asarray([loss if self.is_last else 0.0], dtype=host.float64), aux)
 
 
 TIED_TAG = 29998  # above every schedule's message tags (schedules.TAG_LIMIT), below comm's reserved range
