@@ -376,8 +376,10 @@ class Reader:
             size = int(np.prod(local_shape))
             local = self._assemble_flat(pieces, slice(0, size), entry["dtype"], size).reshape(local_shape)
             index = [slice(None)] * len(shape)
-            index[sh.dim] = _host(sh.indices(shape[sh.dim]))
-            full[tuple(index)] = local
+            indices = _host(sh.indices(shape[sh.dim]))
+            real = indices < shape[sh.dim]  # a padded vocabulary's rows from V on hold nothing
+            index[sh.dim] = indices[real]
+            full[tuple(index)] = np.compress(real, local, axis=sh.dim)
         return full
 
     def _bytes(self, pc) -> bytes:
