@@ -1,12 +1,18 @@
-"""Sample bytes from a checkpoint, with a KV cache.
+"""Sample text from a checkpoint, with a KV cache.
 
     python -m minidist.state.generate DIR --prompt "def " --tokens 200 [--temperature T] [--top-k K] [--seed S]
+        [--tokenizer FILE]
 
 ``DIR`` is a checkpoint saved on any mesh (a ``step-NNNNNN`` directory, or a ``--save``
 directory: its ``latest``).  Its parameters are gathered whole on this one process
-(:func:`minidist.state.checkpoint.load_full`) into a plain ``nn.GPT``; the prompt's UTF-8 bytes are
-continued by ``--tokens`` sampled bytes and the whole text is printed, decoded with
-``errors="replace"`` (a byte model may stop in the middle of a character).
+(:func:`minidist.state.checkpoint.load_full`) into a plain ``nn.GPT``; the prompt's tokens are
+continued by ``--tokens`` sampled tokens and the whole text is printed, decoded with
+``errors="replace"`` (a model may stop in the middle of a character).
+
+The tokens are the checkpoint's: bytes for a model trained on bytes, or the trained BPE's
+(minidist/state/tokenizer.py) for one trained on token shards -- the checkpoint records its
+tokenizer's hash, and ``--tokenizer`` (the tokenizer file, or the shard directory holding it)
+must be that one.  The prompt is encoded by it and the tokens decoded to their bytes.
 
 The KV cache (:class:`KVCache`) is plain array code, no autograd: each layer keeps the keys and
 values of the tokens seen so far, ``(n_kv_head, t, d_head)``; a step computes q, k, v of the new
@@ -205,13 +211,25 @@ def sample(logits, rng, temperature: float = 1.0, top_k: int | None = None) -> i
 
 
 def generate(model, prompt: bytes, tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             seed: int | None = None) -> bytes:
-    """``prompt`` followed by ``tokens`` sampled bytes (see the module's docstring for the
-    window when the text outgrows the position table)."""
+             seed: int | None = None, tokenizer=None) -> bytes:
+    """``prompt`` followed by ``tokens`` sampled tokens, as bytes: the prompt's bytes are the
+    tokens, or ``tokenizer`` (a BPETokenizer) encodes them and decodes the result."""
+    if not prompt:
+        raise ValueError("the prompt is empty: the model needs at least one byte to continue")
+    if tokenizer is None:
+        return bytes(generate_ids(model, list(prompt), tokens, temperature, top_k, seed))
+    ids = generate_ids(model, tokenizer.encode_bytes(prompt).tolist(), tokens, temperature, top_k, seed)
+    return tokenizer.decode_bytes(ids)
+
+
+def generate_ids(model, prompt: list, tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 seed: int | None = None) -> list:
+    """The token ids ``prompt`` followed by ``tokens`` sampled ones (see the module's docstring
+    for the window when the text outgrows the position table)."""
     from minidist.model.backend import host
 
     if not prompt:
-        raise ValueError("the prompt is empty: the model needs at least one byte to continue")
+        raise ValueError("the prompt is empty: the model needs at least one token to continue")
     rng = host.random.default_rng(seed)
     seq_len = model.config.seq_len
     out = list(prompt)
@@ -226,7 +244,7 @@ def generate(model, prompt: bytes, tokens: int, temperature: float = 1.0, top_k:
         else:  # the table is full: the window of the last seq_len bytes, without the cache
             cache.reset()
             logits = cache.step(xp.asarray(out[-seq_len:]))[-1]
-    return bytes(out)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,11 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
     from minidist.host.cli_checks import float_in, int_in
 
     p = OneLineParser(prog="python -m minidist.state.generate",
-                description="Sample bytes from a minidist checkpoint (saved on any mesh) on one process, "
+                description="Sample text from a minidist checkpoint (saved on any mesh) on one process, "
                             "with a KV cache, and print the prompt and its continuation.")
     p.add_argument("checkpoint", metavar="DIR", help="a step-NNNNNN checkpoint, or a --save directory (its latest)")
     p.add_argument("--prompt", default="\n", help="text to continue (UTF-8; default: a newline)")
-    p.add_argument("--tokens", type=int_in(lo=0), default=200, metavar="N", help="bytes to sample (default: 200)")
+    p.add_argument("--tokens", type=int_in(lo=0), default=200, metavar="N",
+                   help="tokens to sample (bytes for a byte model; default: 200)")
+    p.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="the trained tokenizer the checkpoint records (its file, or the shard directory "
+                        "holding it); not needed for a model of bytes")
     p.add_argument("--temperature", type=float_in(lo=0), default=1.0, metavar="T",
                    help="divide the logits by T; 0 = greedy argmax (default: 1)")
     p.add_argument("--top-k", type=int_in(lo=1), default=None, metavar="K",
@@ -250,8 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def checkpoint_tokenizer(path: str, given: str | None):
+    """The tokenizer checkpoint ``path`` was trained with: None for bytes, else ``given``'s
+    file, checked to be the one the checkpoint records (tokenizer.of_checkpoint)."""
+    from minidist.state.checkpoint import metadata, resolve
+    from minidist.state.tokenizer import of_checkpoint
+
+    return of_checkpoint(metadata(resolve(path))["scalars"].get("data_tokenizer", "bytes"), given)
+
+
 def main(argv=None) -> int:
     from minidist.state.checkpoint import CheckpointError
+    from minidist.state.tokenizer import TokenizerError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -261,11 +293,12 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.checkpoint):
         parser.error(f"{args.checkpoint}: no such checkpoint directory")
     try:
+        tokenizer = checkpoint_tokenizer(args.checkpoint, args.tokenizer)
         model = load_model(args.checkpoint)
-    except CheckpointError as exc:
+    except (CheckpointError, TokenizerError) as exc:
         message = str(exc)
         parser.error(message[len("--resume "):] if message.startswith("--resume ") else message)
-    text = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    text = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed, tokenizer)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
     print(text.decode("utf-8", errors="replace"), flush=True)
