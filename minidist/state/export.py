@@ -74,10 +74,6 @@ EXPORT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 LAYER_NORM_EPS = 1e-5  # minidist.model.nn.LayerNorm's
 
 
-class ExportError(ValueError):
-    """A model the Hugging Face family cannot hold as it is (one line saying why)."""
-
-
 def _np_dtype(name: str) -> host.dtype:
     return bfloat16 if name == "bfloat16" else host.dtype(name)
 
@@ -365,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from minidist.state.checkpoint import CheckpointError
+    from minidist.state.export_mixtral import ExportError
     from minidist.state.tokenizer import TokenizerError
 
     parser = build_parser()
