@@ -86,6 +86,37 @@ def test_transformers_loads_the_mixtral_export_and_gives_minidists_logits(mixtra
     assert err <= 1e-5, err
 
 
+@pytest.mark.slow  # importing torch and transformers takes most of it
+def test_mixtral_generates_greedily_what_minidist_generates(mixtral, tmp_path):
+    """The float64 export and minidist's KV-cache generation (the mixture routed per token, as
+    moe.py routes it) continue a prompt with the same 20 greedy tokens."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from minidist.model.nn import GPT, GPTConfig
+    from minidist.state.checkpoint import load_full
+    from minidist.state.generate import generate_ids
+
+    assert _export(mixtral, "-o", str(tmp_path / "hf"), "--dtype", "float64").returncode == 0
+    # eager: the loop over experts of the reference (the grouped matmul kernel takes no float64)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float64, experts_implementation="eager")
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    config, params = load_full(mixtral)
+    names = {f.name for f in dataclasses.fields(GPTConfig)}
+    mine = GPT(GPTConfig(**{**{k: v for k, v in config.items() if k in names}, "dtype": "float64"}))
+    mine.load_state_dict(params)  # its float32 values widened exactly
+    prompt = list(b"import os\n")
+    want = generate_ids(mine, prompt, 20, temperature=0)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        got = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    assert got[0].tolist() == want
+
+
 @pytest.mark.parametrize("change, needle", [
     (dict(capacity_factor=1.25), "capacity factor is 1.25 (0 is dropless)"),
     (dict(top_k=1), "this model's top-1 weighs it by its probability"),

@@ -104,6 +104,39 @@ def _rotate(x, positions, theta):
     return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def _dense(mlp, h):
+    """One feed-forward on rows ``h``: Llama's SwiGLU, or GPT-2's GELU MLP."""
+    if hasattr(mlp, "gate_up_proj"):
+        gate_up = _linear(h, mlp.gate_up_proj)                                     # (n, 2F): gate | up
+        F = gate_up.shape[-1] // 2
+        return _linear(_silu(gate_up[:, :F]) * gate_up[:, F:], mlp.down_proj)
+    return _linear(_gelu(_linear(h, mlp.c_fc)), mlp.c_proj)
+
+
+def _feed_forward(mlp, h):
+    """The block's feed-forward on rows ``h`` (n, C); a mixture of experts (model/moe.py) routes
+    each row to its top-k experts by the router's softmax, weighted as moe.py weighs them (the
+    k probabilities renormalised for k >= 2, the probability itself for k = 1).  A row's route
+    does not depend on the other rows only without a capacity: KVCache refuses one."""
+    experts = getattr(mlp, "experts", None)
+    if experts is None:
+        return _dense(mlp, h)
+    z = h @ mlp.router.weight.data                                                  # (n, E)
+    p = xp.exp(z - z.max(axis=-1, keepdims=True))
+    p = p / p.sum(axis=-1, keepdims=True)
+    k = mlp.cfg.top_k
+    choice = xp.argsort(-p, axis=1, kind="stable")[:, :k]                          # ties: the lower expert
+    gates = xp.take_along_axis(p, choice, axis=1)
+    if k > 1:
+        gates = gates / gates.sum(axis=1, keepdims=True)
+    out = xp.zeros_like(h)
+    for e, expert in enumerate(experts):
+        rows, slot = xp.nonzero(choice == e)
+        if rows.shape[0]:
+            out[rows] += _dense(expert, h[rows]) * gates[rows, slot][:, None]
+    return out
+
+
 class KVCache:
     """Keys and values of every layer for the tokens seen so far, and the forward of new tokens.
 
@@ -119,6 +152,9 @@ class KVCache:
         self.model, self.cfg, self.llama = model, cfg, cfg.arch == "llama"
         self.n_head, self.n_kv_head, self.d_head = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         dt = model.wte.weight.data.dtype
+        if cfg.n_experts and cfg.capacity_factor:
+            raise ValueError(f"a mixture with capacity factor {cfg.capacity_factor} routes each token by the whole "
+                             "sequence's choices: generation with a KV cache needs a dropless one (0)")
         shape = (cfg.n_layer, self.n_kv_head, cfg.seq_len, self.d_head)
         self.k, self.v = xp.empty(shape, dtype=dt), xp.empty(shape, dtype=dt)
         self.t = 0
@@ -157,8 +193,7 @@ class KVCache:
         qkv = _linear(_norm(x, block.ln_1), block.attn.c_attn)                      # (n, 3C): q | k | v
         q, k, v = (qkv[:, j * H * D:(j + 1) * H * D].reshape(n, H, D).transpose(1, 0, 2) for j in range(3))
         x = x + _linear(self._attend(layer, q, k, v, t0), block.attn.c_proj)
-        h = _norm(x, block.ln_2)
-        return x + _linear(_gelu(_linear(h, block.mlp.c_fc)), block.mlp.c_proj)
+        return x + _feed_forward(block.mlp, _norm(x, block.ln_2))
 
     def _llama_block(self, layer, block, x, t0):
         n, D, a = x.shape[0], self.d_head, block.attn
@@ -167,9 +202,7 @@ class KVCache:
         positions = xp.arange(t0, t0 + n)
         q, k = _rotate(q, positions, a.theta), _rotate(k, positions, a.theta)
         x = x + _linear(self._attend(layer, q, k, v, t0), a.o_proj)
-        gate_up = _linear(_norm(x, block.ln_2), block.mlp.gate_up_proj)             # (n, 2F): gate | up
-        F = gate_up.shape[-1] // 2
-        return x + _linear(_silu(gate_up[:, :F]) * gate_up[:, F:], block.mlp.down_proj)
+        return x + _feed_forward(block.mlp, _norm(x, block.ln_2))
 
     def _attend(self, layer, q, k, v, t0):
         """Causal attention of queries ``q`` (H, n, D) at positions t0.. over the cache, after
