@@ -22,12 +22,15 @@ def _subgroup(size):
     return Group(w.Split(w.Get_rank() // size, w.Get_rank()), name=f"tp{size}")
 
 
-def _config(tp=1, dp=1, sp=False, overlap="none", untied=False):
+def _config(tp=1, dp=1, pp=1, sp=False, overlap="none", untied=False, arch="gpt2"):
+    llama = dict(kv_heads=2) if arch == "llama" else {}
     return RunConfig().replace(
-        model=dict(layers=2, heads=4, d_model=16, untied=untied, dtype="float64", seed=7, vocab_size=V),
+        model=dict(layers=2, heads=4, d_model=16, untied=untied, dtype="float64", seed=7, vocab_size=V, arch=arch,
+                   **llama),
         data=dict(seq_len=8, batch_size=4), optim=dict(lr=1e-2, weight_decay=0.1),
-        parallel=dict(dp=dp, tp=tp, sequence_parallel=sp, tp_async=None if overlap == "none" else overlap),
-    ).resolved(dp * tp)
+        parallel=dict(dp=dp, tp=tp, pp=pp, microbatches=2 if pp > 1 else None, sequence_parallel=sp,
+                      tp_async=None if overlap == "none" else overlap),
+    ).resolved(dp * tp * pp)
 
 
 def _train(strategy, batches):
@@ -77,25 +80,28 @@ def _check(model, losses, serial, label):
 
 
 def training_matches_serial():
-    """On 4 ranks: tp 4 (tied, and untied with sequence parallelism), tp 2 with the ring
-    collective matmul, and dp 2 x tp 2, each 4 clipped AdamW steps on a 301-token vocabulary,
-    equal the one-process run in losses, gradient norms and every parameter."""
+    """On 4 ranks: tp 4 (GPT-2 tied, and untied with sequence parallelism; Llama), tp 2 with the
+    ring collective matmul, dp 2 x tp 2 and pp 2 x tp 2, each 4 clipped AdamW steps on a 301-token
+    vocabulary, equal the one-process run in losses, gradient norms and every parameter."""
     world = comm.world()
     _loss_matches_the_unpadded_softmax(world)
     _loss_matches_the_unpadded_softmax(_subgroup(2))
     rng = np.random.default_rng(5)
     batches = [(rng.integers(0, V, (4, 8)), rng.integers(0, V, (4, 8))) for _ in range(4)]
     serial = {}
-    for untied in (False, True):
-        model, strategy = compose.build(_config(untied=untied), None)
-        serial[untied] = (_train(strategy, batches), {n: p.data.copy() for n, p in model.named_parameters()})
-    runs = [("tp=4 tied", Mesh(tp=4), dict(tp=4), False),
-            ("tp=4 untied, sequence parallel", Mesh(tp=4), dict(tp=4, sp=True, untied=True), True),
-            ("tp=2 ring", Mesh(tp=2, world=_subgroup(2)), dict(tp=2, sp=True, overlap="ring"), False)]
-    for label, mesh, config, untied in runs:
+    for kind, config in (("tied", {}), ("untied", dict(untied=True)), ("llama", dict(arch="llama"))):
+        model, strategy = compose.build(_config(**config), None)
+        serial[kind] = (_train(strategy, batches), {n: p.data.copy() for n, p in model.named_parameters()})
+    runs = [("tp=4 tied", Mesh(tp=4), dict(tp=4), "tied"),
+            ("tp=4 untied, sequence parallel", Mesh(tp=4), dict(tp=4, sp=True, untied=True), "untied"),
+            ("tp=4 llama (untied head, 2 key/value heads)", Mesh(tp=4), dict(tp=4, arch="llama"), "llama"),
+            ("tp=2 ring", Mesh(tp=2, world=_subgroup(2)), dict(tp=2, sp=True, overlap="ring"), "tied")]
+    for label, mesh, config, kind in runs:
         model, strategy = compose.build(_config(**config), mesh)
-        _check(model, _train(strategy, batches), serial[untied], label)
-    cfg = _config(tp=2, dp=2)
-    model, strategy = compose.build(cfg, compose.build_mesh(cfg.parallel))
-    _check(model, _train(strategy, batches), serial[False], "dp=2 x tp=2")
+        _check(model, _train(strategy, batches), serial[kind], label)
+    for label, config in (("dp=2 x tp=2", dict(tp=2, dp=2)), ("pp=2 x tp=2, the tied head on the last stage",
+                                                                dict(tp=2, pp=2))):
+        cfg = _config(**config)
+        model, strategy = compose.build(cfg, compose.build_mesh(cfg.parallel))
+        _check(model, _train(strategy, batches), serial["tied"], label)
     print(f"padded done on rank {world.rank}", flush=True)
