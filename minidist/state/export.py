@@ -144,17 +144,14 @@ def hf_config(model: dict, dtype: str) -> dict:
     """The Hugging Face config (as a dict for config.json) of a minidist model config dict."""
     if model.get("n_experts"):
         from minidist.state.export_mixtral import mixtral_config
-        return mixtral_config(model, dtype)
+        return mixtral_config(model, llama_config(model, dtype))
     return llama_config(model, dtype) if model.get("arch") == "llama" else gpt2_config(model, dtype)
 
 
 def hf_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
     """``{Hugging Face name: array}`` of minidist's ``{name: array}`` (``load_full``'s), in the
     reference's order, cast to ``dtype`` (default: the parameters' own)."""
-    if model.get("n_experts"):
-        from minidist.state.export_mixtral import mixtral_state_dict
-        return mixtral_state_dict(model, params, dtype)
-    if model.get("arch") == "llama":
+    if model.get("arch") == "llama" or model.get("n_experts"):  # with experts: Mixtral's (export_mixtral.py)
         return llama_state_dict(model, params, dtype)
     return gpt2_state_dict(model, params, dtype)
 
@@ -270,9 +267,14 @@ def llama_config(model: dict, dtype: str) -> dict:
 
 def llama_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
     """``{Llama name: array}`` of minidist's Llama ``{name: array}``: every projection
-    transposed to ``torch.nn.Linear``'s ``(out, in)``, the fused gate|up split in two."""
+    transposed to ``torch.nn.Linear``'s ``(out, in)``, the fused gate|up split in two; the
+    mixtures of a model with experts under Mixtral's names (export_mixtral.py)."""
+    from minidist.state.export_mixtral import check, put_mixture
+
     out, F = {}, model["ffn_hidden"]
     put = _putter(out, dtype)
+    if model.get("n_experts"):
+        check(model)
 
     def param(name):
         if name not in params:
@@ -286,6 +288,9 @@ def llama_state_dict(model: dict, params: dict, dtype: str | None = None) -> dic
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             put(f"{at}self_attn.{proj}.weight", param(f"{h}attn.{proj}.weight").T)
         put(f"{at}post_attention_layernorm.weight", param(f"{h}ln_2.weight"))
+        if model.get("n_experts"):
+            put_mixture(put, param, h, at, model)
+            continue
         gate_up = param(f"{h}mlp.gate_up_proj.weight")                      # (d, 2F): [gate | up]
         put(f"{at}mlp.gate_proj.weight", gate_up[:, :F].T)
         put(f"{at}mlp.up_proj.weight", gate_up[:, F:].T)

@@ -23,12 +23,11 @@ as it loads them): per layer ``model.layers.i.block_sparse_moe.gate.weight`` (E,
 router (d, E) transposed -- and ``block_sparse_moe.experts.e.w1`` / ``w3`` / ``w2`` ``.weight``:
 the gate and up halves of expert e's fused ``gate_up_proj`` (d, 2F) and its ``down_proj``
 (F, d), each transposed to ``torch.nn.Linear``'s (out, in).  Attention, norms, embedding and
-head are Llama's (export.py).
+head are Llama's: export.py writes them and calls :func:`put_mixture` for each block's mixture
+(this module imports nothing of export.py, so the two form no import cycle).
 """
 
 from __future__ import annotations
-
-from minidist.state.export import _putter, llama_config
 
 
 class ExportError(ValueError):
@@ -53,16 +52,18 @@ def problems(model: dict) -> list[str]:
     return out
 
 
-def _check(model: dict) -> None:
+def check(model: dict) -> None:
+    """Raise ExportError naming the first reason ``model`` is not a Mixtral, if any."""
     found = problems(model)
     if found:
         raise ExportError(f"cannot export as Mixtral: {found[0]}")
 
 
-def mixtral_config(model: dict, dtype: str) -> dict:
-    """The ``MixtralConfig`` (as a dict for config.json) of a minidist Llama config dict with experts."""
-    _check(model)
-    config = llama_config(model, dtype)
+def mixtral_config(model: dict, llama: dict) -> dict:
+    """The ``MixtralConfig`` (as a dict for config.json) of a minidist Llama config dict with
+    experts, from its Llama config ``llama`` (export.llama_config)."""
+    check(model)
+    config = dict(llama)
     for key in ("attention_bias", "mlp_bias", "pretraining_tp"):  # Llama's fields; Mixtral has none
         config.pop(key)
     config.update({
@@ -78,32 +79,13 @@ def mixtral_config(model: dict, dtype: str) -> dict:
     return config
 
 
-def mixtral_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
-    """``{Mixtral name: array}`` of minidist's Llama-with-experts ``{name: array}``."""
-    _check(model)
-    out, F = {}, model["ffn_hidden"]
-    put = _putter(out, dtype)
-
-    def param(name):
-        if name not in params:
-            raise KeyError(f"the checkpoint has no parameter {name}")
-        return params[name]
-
-    put("model.embed_tokens.weight", param("wte.weight"))
-    for i in range(model["n_layer"]):
-        h, at = f"h.{i}.", f"model.layers.{i}."
-        put(f"{at}input_layernorm.weight", param(f"{h}ln_1.weight"))
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            put(f"{at}self_attn.{proj}.weight", param(f"{h}attn.{proj}.weight").T)
-        put(f"{at}post_attention_layernorm.weight", param(f"{h}ln_2.weight"))
-        moe = f"{at}block_sparse_moe."
-        put(f"{moe}gate.weight", param(f"{h}mlp.router.weight").T)                 # (d, E) -> (E, d)
-        for e in range(model["n_experts"]):
-            gate_up = param(f"{h}mlp.experts.{e}.gate_up_proj.weight")             # (d, 2F): [gate | up]
-            put(f"{moe}experts.{e}.w1.weight", gate_up[:, :F].T)
-            put(f"{moe}experts.{e}.w2.weight", param(f"{h}mlp.experts.{e}.down_proj.weight").T)
-            put(f"{moe}experts.{e}.w3.weight", gate_up[:, F:].T)
-    put("model.norm.weight", param("ln_f.weight"))
-    if not model["tie_embeddings"]:
-        put("lm_head.weight", param("lm_head.weight").T)
-    return out
+def put_mixture(put, param, h: str, at: str, model: dict) -> None:
+    """``put`` block ``h``'s (minidist's ``h.i.``) mixture under Mixtral's names for layer ``at``
+    (``model.layers.i.``); ``param(name)``: minidist's array of that name."""
+    moe, F = f"{at}block_sparse_moe.", model["ffn_hidden"]
+    put(f"{moe}gate.weight", param(f"{h}mlp.router.weight").T)                     # (d, E) -> (E, d)
+    for e in range(model["n_experts"]):
+        gate_up = param(f"{h}mlp.experts.{e}.gate_up_proj.weight")                 # (d, 2F): [gate | up]
+        put(f"{moe}experts.{e}.w1.weight", gate_up[:, :F].T)
+        put(f"{moe}experts.{e}.w2.weight", param(f"{h}mlp.experts.{e}.down_proj.weight").T)
+        put(f"{moe}experts.{e}.w3.weight", gate_up[:, F:].T)

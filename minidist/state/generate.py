@@ -306,12 +306,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def checkpoint_tokenizer(path: str, given: str | None):
-    """The tokenizer checkpoint ``path`` was trained with: None for bytes, else ``given``'s
-    file, checked to be the one the checkpoint records (tokenizer.of_checkpoint)."""
+    """The tokenizer checkpoint ``path`` was trained with: None for bytes, else the BPETokenizer
+    of ``given`` (a tokenizer file, or a shard directory: its tokenizer file), which must be the
+    one the checkpoint records (its ``data_tokenizer``: the file's hash, or ``"bytes"``).
+    TokenizerError, one line, otherwise."""
     from minidist.state.checkpoint import metadata, resolve
-    from minidist.state.tokenizer import of_checkpoint
+    from minidist.state.shards import TOKENIZER
+    from minidist.state.tokenizer import BPETokenizer, TokenizerError
 
-    return of_checkpoint(metadata(resolve(path))["scalars"].get("data_tokenizer", "bytes"), given)
+    saved = metadata(resolve(path))["scalars"].get("data_tokenizer", "bytes")
+    if given is None:
+        if saved == "bytes":
+            return None
+        raise TokenizerError(f"the checkpoint was trained with tokenizer {saved}: give its file with --tokenizer "
+                             "(the tokenizer file, or the shard directory holding it)")
+    tok = BPETokenizer(os.path.join(given, TOKENIZER) if os.path.isdir(given) else given)
+    if tok.hash != saved:
+        what = "on bytes" if saved == "bytes" else f"with tokenizer {saved}"
+        raise TokenizerError(f"--tokenizer {given}: tokenizer {tok.hash}, but the checkpoint was trained {what}")
+    return tok
 
 
 def main(argv=None) -> int:

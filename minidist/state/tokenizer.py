@@ -159,29 +159,6 @@ def _parse(path: str, text: str):
     return tok
 
 
-def load(path: str) -> BPETokenizer:
-    """The tokenizer of ``path``: a tokenizer file, or a shard directory (its ``tokenizer.json``)."""
-    from minidist.state.shards import TOKENIZER
-
-    return BPETokenizer(os.path.join(path, TOKENIZER) if os.path.isdir(path) else path)
-
-
-def of_checkpoint(saved: str, given: str | None):
-    """The tokenizer a checkpoint's model reads: None for bytes, else the file ``given`` (a
-    tokenizer file or a shard directory), which must be the one the checkpoint records
-    (``saved``: its ``data_tokenizer``, a hash or ``"bytes"``).  TokenizerError, one line, else."""
-    if given is None:
-        if saved == "bytes":
-            return None
-        raise TokenizerError(f"the checkpoint was trained with tokenizer {saved}: give its file with --tokenizer "
-                             "(the tokenizer file, or the shard directory holding it)")
-    tok = load(given)
-    if tok.hash != saved:
-        what = "on bytes" if saved == "bytes" else f"with tokenizer {saved}"
-        raise TokenizerError(f"--tokenizer {given}: tokenizer {tok.hash}, but the checkpoint was trained {what}")
-    return tok
-
-
 def hf_files(tok: BPETokenizer, max_length: int) -> dict:
     """``{file name: text}`` that transformers' ``AutoTokenizer.from_pretrained`` loads as a
     ``PreTrainedTokenizerFast``: the tokenizer file itself (``tokenizer.json``, byte for byte, so
