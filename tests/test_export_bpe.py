@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 pytest.importorskip("tokenizers")
@@ -79,7 +78,8 @@ def test_autotokenizer_and_automodel_generate_what_minidist_generates(arch, trai
     config = json.loads((out / "config.json").read_text())
     hf_tok = AutoTokenizer.from_pretrained(str(out))
     assert len(hf_tok) == config["vocab_size"] == VOCAB
-    assert hf_tok.bos_token_id == config["bos_token_id"] is None and hf_tok.eos_token_id == config["eos_token_id"] is None
+    assert hf_tok.bos_token_id is None and hf_tok.eos_token_id is None  # no special tokens, as config.json says
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None
     ids = hf_tok(PROMPT, return_tensors="pt").input_ids
     assert ids[0].tolist() == tk.BPETokenizer(tok_file).encode(PROMPT).tolist()
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float64)
@@ -98,9 +98,10 @@ def test_a_missing_or_foreign_tokenizer_is_one_line_exit_2(trained, tmp_path):
     other = tmp_path / "other.json"
     tk.write_atomically(str(other), tk.train(b"abc abd abe " * 50, 260).to_str())
     h = tk.BPETokenizer(tok_file).hash
-    missing = f"the checkpoint was trained with tokenizer {h}: give its file with --tokenizer"
+    missing, foreign = (f"the checkpoint was trained with tokenizer {h}: give its file with --tokenizer",
+                        f"but the checkpoint was trained with tokenizer {h}")
     for module, args, needle in (("generate", [], missing), ("export", [], missing),
-                                 ("generate", ["--tokenizer", str(other)], f"but the checkpoint was trained with tokenizer {h}"),
+                                 ("generate", ["--tokenizer", str(other)], foreign),
                                  ("export", ["--tokenizer", str(tmp_path / "none.json")], "cannot be read")):
         extra = ["--tokens", "2"] if module == "generate" else ["-o", str(tmp_path / "x")]
         r = _cli(module, checkpoints["gpt2"], *extra, *args)

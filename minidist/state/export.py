@@ -350,9 +350,9 @@ def _write_text(file: str, text: str) -> None:
 # ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m minidist.state.export",
-                description="Export a minidist checkpoint (saved on any mesh) as a Hugging Face GPT-2, Llama or Mixtral "
-                            "model: OUTDIR/model.safetensors and OUTDIR/config.json, for "
-                            "transformers.GPT2LMHeadModel (LlamaForCausalLM, MixtralForCausalLM).from_pretrained(OUTDIR).")
+                description="Export a minidist checkpoint (saved on any mesh) as a Hugging Face GPT-2, Llama or "
+                            "Mixtral model: OUTDIR/model.safetensors and OUTDIR/config.json, for transformers."
+                            "GPT2LMHeadModel (LlamaForCausalLM, MixtralForCausalLM).from_pretrained(OUTDIR).")
     p.add_argument("checkpoint", metavar="DIR", help="a step-NNNNNN checkpoint, or a --save directory (its latest)")
     p.add_argument("-o", "--out", required=True, metavar="OUTDIR",
                    help="directory to write (created if missing; existing files are replaced atomically)")
