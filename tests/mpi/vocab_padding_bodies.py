@@ -22,13 +22,13 @@ def _subgroup(size):
     return Group(w.Split(w.Get_rank() // size, w.Get_rank()), name=f"tp{size}")
 
 
-def _config(tp=1, dp=1, pp=1, sp=False, overlap="none", untied=False, arch="gpt2"):
+def _config(tp=1, dp=1, pp=1, sp=False, overlap="none", untied=False, arch="gpt2", zero=None):
     llama = dict(kv_heads=2) if arch == "llama" else {}
     return RunConfig().replace(
         model=dict(layers=2, heads=4, d_model=16, untied=untied, dtype="float64", seed=7, vocab_size=V, arch=arch,
                    **llama),
         data=dict(seq_len=8, batch_size=4), optim=dict(lr=1e-2, weight_decay=0.1),
-        parallel=dict(dp=dp, tp=tp, pp=pp, microbatches=2 if pp > 1 else None, sequence_parallel=sp,
+        parallel=dict(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=2 if pp > 1 else None, sequence_parallel=sp,
                       tp_async=None if overlap == "none" else overlap),
     ).resolved(dp * tp * pp)
 
@@ -81,7 +81,7 @@ def _check(model, losses, serial, label):
 
 def training_matches_serial():
     """On 4 ranks: tp 4 (GPT-2 tied, and untied with sequence parallelism; Llama), tp 2 with the
-    ring collective matmul, dp 2 x tp 2 and pp 2 x tp 2, each 4 clipped AdamW steps on a 301-token
+    ring collective matmul, dp 2 x tp 2 (DDP, ZeRO-1) and pp 2 x tp 2, each 4 clipped AdamW steps on a 301-token
     vocabulary, equal the one-process run in losses, gradient norms and every parameter."""
     world = comm.world()
     _loss_matches_the_unpadded_softmax(world)
@@ -99,8 +99,8 @@ def training_matches_serial():
     for label, mesh, config, kind in runs:
         model, strategy = compose.build(_config(**config), mesh)
         _check(model, _train(strategy, batches), serial[kind], label)
-    for label, config in (("dp=2 x tp=2", dict(tp=2, dp=2)), ("pp=2 x tp=2, the tied head on the last stage",
-                                                                dict(tp=2, pp=2))):
+    for label, config in (("dp=2 x tp=2", dict(tp=2, dp=2)), ("dp=2 x tp=2 ZeRO-1", dict(tp=2, dp=2, zero=1)),
+                          ("pp=2 x tp=2, the tied head on the last stage", dict(tp=2, pp=2))):
         cfg = _config(**config)
         model, strategy = compose.build(cfg, compose.build_mesh(cfg.parallel))
         _check(model, _train(strategy, batches), serial["tied"], label)
