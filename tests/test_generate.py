@@ -41,7 +41,20 @@ def _rel(a, b):
 
 MODELS = {"tied": lambda: _model(True, True), "untied": lambda: _model(False, True),
           "no-bias": lambda: _model(True, False), "llama-gqa": lambda: _llama(2),
-          "llama-mqa": lambda: _llama(1, rope_theta=10.0), "llama-mha-tied": lambda: _llama(4, tied=True)}
+          "llama-mqa": lambda: _llama(1, rope_theta=10.0), "llama-mha-tied": lambda: _llama(4, tied=True),
+          "llama-moe-top2": lambda: _moe("llama", 2), "gpt2-moe-top1": lambda: _moe("gpt2", 1)}
+
+
+def _moe(arch, top_k):
+    """A tiny float64 model with a dropless mixture of 4 experts in every block, its weights
+    moved far from their init as ``_model``'s (so the tokens spread over the experts)."""
+    kv = dict(n_kv_head=2) if arch == "llama" else {}
+    model = GPT(GPTConfig(arch=arch, n_layer=2, d_model=32, n_head=4, seq_len=32, dtype="float64", n_experts=4,
+                          top_k=top_k, **kv))
+    rng = np.random.default_rng(5)
+    for _, p in model.named_parameters():
+        p.data = p.data + rng.normal(0.0, 0.3, size=p.shape)
+    return model
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
@@ -65,6 +78,14 @@ def test_the_kv_cache_equals_the_full_forward_at_every_position(kind):
         cache.step(ids[:1])
     if kind.startswith("llama"):
         assert cache.k.shape == (2, model.config.n_kv_head, 32, 8)
+    if "moe" in kind:  # the full forward's routing used more than one expert in every block
+        assert all((block.mlp.last_counts > 0).sum() >= 2 for block in model.h)
+
+
+def test_a_mixture_that_drops_tokens_is_refused_by_the_cache():
+    model = GPT(GPTConfig(n_layer=1, d_model=16, n_head=2, seq_len=8, n_experts=2, capacity_factor=1.0))
+    with pytest.raises(ValueError, match="needs a dropless one"):
+        KVCache(model)
 
 
 def test_each_generated_step_equals_the_full_forward_of_the_text_so_far():

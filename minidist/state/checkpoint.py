@@ -375,9 +375,9 @@ class Reader:
             local_shape = sh.local_shape(shape)
             size = int(np.prod(local_shape))
             local = self._assemble_flat(pieces, slice(0, size), entry["dtype"], size).reshape(local_shape)
-            index = [slice(None)] * len(shape)
-            index[sh.dim] = _host(sh.indices(shape[sh.dim]))
-            full[tuple(index)] = local
+            index, indices = [slice(None)] * len(shape), _host(sh.indices(shape[sh.dim]))
+            index[sh.dim] = indices[indices < shape[sh.dim]]  # a padded vocabulary's rows from V on: dropped
+            full[tuple(index)] = np.compress(indices < shape[sh.dim], local, axis=sh.dim)
         return full
 
     def _bytes(self, pc) -> bytes:

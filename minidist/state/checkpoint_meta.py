@@ -487,10 +487,10 @@ class _Check:
         parts = self.integer(tp[2], f"{where}[2] (parts)", lo=1)
         index = self.integer(tp[1], f"{where}[1] (index)", hi=parts - 1)
         blocks = self.integer(tp[3], f"{where}[3] (blocks)", lo=1)
-        if shape[dim] % (parts * blocks):
+        if blocks > 1 and shape[dim] % (parts * blocks):  # one block may be padded: a vocabulary
             self.fail(where, f"is {tp}: {blocks} block(s) of dimension {dim} ({shape[dim]}) do not split "
                       f"into {parts} parts")
-        return (dim, index, parts, blocks), _numel(shape) // parts
+        return (dim, index, parts, blocks), _numel(shape) // max(shape[dim], 1) * -(-shape[dim] // parts)
 
     def flat(self, flat, size: int, where: str) -> tuple[int, int]:
         if flat is None:

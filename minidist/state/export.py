@@ -1,6 +1,6 @@
 """Export a checkpoint to the Hugging Face ecosystem: ``model.safetensors`` + ``config.json``.
 
-    python -m minidist.state.export DIR -o OUTDIR [--dtype float32|float64|float16|bfloat16]
+    python -m minidist.state.export DIR -o OUTDIR [--dtype float32|float64|float16|bfloat16] [--tokenizer FILE]
 
 ``DIR`` is a checkpoint saved on any mesh (a ``step-NNNNNN`` directory, or a ``--save`` directory:
 its ``latest``); :func:`minidist.state.checkpoint.load_full` gathers every parameter whole on this one
@@ -18,7 +18,14 @@ loads (a Llama checkpoint: ``transformers.LlamaForCausalLM``'s, below):
 * ``config.json``: a ``GPT2Config`` with vocabulary 256 (bytes), ``n_positions`` = the
   position table, ``gelu_new`` (the tanh GELU minidist uses), LayerNorm eps 1e-5, no dropout.
 
-A Llama checkpoint (``arch: llama``) becomes Hugging Face's Llama:
+A checkpoint trained on token shards records its tokenizer's hash; ``--tokenizer`` (the
+tokenizer file, or the shard directory holding it) must be that one, and ``OUTDIR`` then also
+holds ``tokenizer.json`` (the file itself) and ``tokenizer_config.json``, which
+``transformers.AutoTokenizer.from_pretrained(OUTDIR)`` loads (tokenizer.hf_files; no special
+tokens, as config.json says).  A model of bytes needs none.
+
+A Llama checkpoint (``arch: llama``) becomes Hugging Face's Llama (with experts: Mixtral,
+export_mixtral.py):
 
 * ``model.safetensors``: ``model.embed_tokens.weight``, per layer ``model.layers.i.``
   ``input_layernorm``, ``self_attn.{q,k,v,o}_proj``, ``post_attention_layernorm``,
@@ -49,6 +56,7 @@ Bad input (a ``DIR`` that is not a checkpoint, a damaged or untrustworthy one: s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import struct
@@ -134,13 +142,16 @@ def read_safetensors(file: str) -> tuple[dict, dict]:
 # ------------------------------------------------------------------------------------------------
 def hf_config(model: dict, dtype: str) -> dict:
     """The Hugging Face config (as a dict for config.json) of a minidist model config dict."""
+    if model.get("n_experts"):
+        from minidist.state.export_mixtral import mixtral_config
+        return mixtral_config(model, llama_config(model, dtype))
     return llama_config(model, dtype) if model.get("arch") == "llama" else gpt2_config(model, dtype)
 
 
 def hf_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
     """``{Hugging Face name: array}`` of minidist's ``{name: array}`` (``load_full``'s), in the
     reference's order, cast to ``dtype`` (default: the parameters' own)."""
-    if model.get("arch") == "llama":
+    if model.get("arch") == "llama" or model.get("n_experts"):  # with experts: Mixtral's (export_mixtral.py)
         return llama_state_dict(model, params, dtype)
     return gpt2_state_dict(model, params, dtype)
 
@@ -256,9 +267,14 @@ def llama_config(model: dict, dtype: str) -> dict:
 
 def llama_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
     """``{Llama name: array}`` of minidist's Llama ``{name: array}``: every projection
-    transposed to ``torch.nn.Linear``'s ``(out, in)``, the fused gate|up split in two."""
+    transposed to ``torch.nn.Linear``'s ``(out, in)``, the fused gate|up split in two; the
+    mixtures of a model with experts under Mixtral's names (export_mixtral.py)."""
+    from minidist.state.export_mixtral import check, put_mixture
+
     out, F = {}, model["ffn_hidden"]
     put = _putter(out, dtype)
+    if model.get("n_experts"):
+        check(model)
 
     def param(name):
         if name not in params:
@@ -272,6 +288,9 @@ def llama_state_dict(model: dict, params: dict, dtype: str | None = None) -> dic
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             put(f"{at}self_attn.{proj}.weight", param(f"{h}attn.{proj}.weight").T)
         put(f"{at}post_attention_layernorm.weight", param(f"{h}ln_2.weight"))
+        if model.get("n_experts"):
+            put_mixture(put, param, h, at, model)
+            continue
         gate_up = param(f"{h}mlp.gate_up_proj.weight")                      # (d, 2F): [gate | up]
         put(f"{at}mlp.gate_proj.weight", gate_up[:, :F].T)
         put(f"{at}mlp.up_proj.weight", gate_up[:, F:].T)
@@ -298,10 +317,14 @@ def _replace(directory: str, name: str, write) -> str:
     return final
 
 
-def export(path: str, outdir: str, dtype: str | None = None) -> list[str]:
-    """Export checkpoint ``path`` into ``outdir`` (created if missing); the files written."""
+def export(path: str, outdir: str, dtype: str | None = None, tokenizer: str | None = None) -> list[str]:
+    """Export checkpoint ``path`` into ``outdir`` (created if missing); the files written.
+    ``tokenizer``: the file (or shard directory) of the tokenizer the checkpoint records, if any."""
     from minidist.state.checkpoint import load_full
+    from minidist.state.generate import checkpoint_tokenizer
+    from minidist.state.tokenizer import hf_files
 
+    tok = checkpoint_tokenizer(path, tokenizer)  # before anything is written
     model, params = load_full(path)
     dtype = dtype or model.get("dtype", "float32")
     tensors = hf_state_dict(model, params, dtype)
@@ -309,16 +332,17 @@ def export(path: str, outdir: str, dtype: str | None = None) -> list[str]:
     os.makedirs(outdir, exist_ok=True)
     meta = {"format": "pt", "source": "minidist"}
     files = [_replace(outdir, SAFETENSORS, lambda f: write_safetensors(f, tensors, meta))]
-
-    def write_config(file):
-        with open(file, "w") as f:
-            json.dump(config, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    files.append(_replace(outdir, CONFIG, write_config))
+    texts = {CONFIG: json.dumps(config, indent=2) + "\n", **(hf_files(tok, model["seq_len"]) if tok else {})}
+    for name, text in texts.items():
+        files.append(_replace(outdir, name, functools.partial(_write_text, text=text)))
     return files
+
+
+def _write_text(file: str, text: str) -> None:
+    with open(file, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -326,19 +350,24 @@ def export(path: str, outdir: str, dtype: str | None = None) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m minidist.state.export",
-                description="Export a minidist checkpoint (saved on any mesh) as a Hugging Face GPT-2 or Llama "
-                            "model: OUTDIR/model.safetensors and OUTDIR/config.json, for "
-                            "transformers.GPT2LMHeadModel (or LlamaForCausalLM).from_pretrained(OUTDIR).")
+                description="Export a minidist checkpoint (saved on any mesh) as a Hugging Face GPT-2, Llama or "
+                            "Mixtral model: OUTDIR/model.safetensors and OUTDIR/config.json, for transformers."
+                            "GPT2LMHeadModel (LlamaForCausalLM, MixtralForCausalLM).from_pretrained(OUTDIR).")
     p.add_argument("checkpoint", metavar="DIR", help="a step-NNNNNN checkpoint, or a --save directory (its latest)")
     p.add_argument("-o", "--out", required=True, metavar="OUTDIR",
                    help="directory to write (created if missing; existing files are replaced atomically)")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default=None,
                    help="dtype of the exported weights (default: the checkpoint's)")
+    p.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="the trained tokenizer the checkpoint records (its file, or the shard directory holding "
+                        "it), written beside the weights for AutoTokenizer; not needed for a model of bytes")
     return p
 
 
 def main(argv=None) -> int:
     from minidist.state.checkpoint import CheckpointError
+    from minidist.state.export_mixtral import ExportError
+    from minidist.state.tokenizer import TokenizerError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -349,8 +378,8 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.checkpoint):
         parser.error(f"{args.checkpoint}: no such checkpoint directory")
     try:
-        files = export(args.checkpoint, args.out, args.dtype)
-    except CheckpointError as exc:
+        files = export(args.checkpoint, args.out, args.dtype, args.tokenizer)
+    except (CheckpointError, TokenizerError, ExportError) as exc:
         message = str(exc)
         message = message[len("--resume "):] if message.startswith("--resume ") else message
         parser.error(message)

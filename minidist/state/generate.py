@@ -1,12 +1,18 @@
-"""Sample bytes from a checkpoint, with a KV cache.
+"""Sample text from a checkpoint, with a KV cache.
 
     python -m minidist.state.generate DIR --prompt "def " --tokens 200 [--temperature T] [--top-k K] [--seed S]
+        [--tokenizer FILE]
 
 ``DIR`` is a checkpoint saved on any mesh (a ``step-NNNNNN`` directory, or a ``--save``
 directory: its ``latest``).  Its parameters are gathered whole on this one process
-(:func:`minidist.state.checkpoint.load_full`) into a plain ``nn.GPT``; the prompt's UTF-8 bytes are
-continued by ``--tokens`` sampled bytes and the whole text is printed, decoded with
-``errors="replace"`` (a byte model may stop in the middle of a character).
+(:func:`minidist.state.checkpoint.load_full`) into a plain ``nn.GPT``; the prompt's tokens are
+continued by ``--tokens`` sampled tokens and the whole text is printed, decoded with
+``errors="replace"`` (a model may stop in the middle of a character).
+
+The tokens are the checkpoint's: bytes for a model trained on bytes, or the trained BPE's
+(minidist/state/tokenizer.py) for one trained on token shards -- the checkpoint records its
+tokenizer's hash, and ``--tokenizer`` (the tokenizer file, or the shard directory holding it)
+must be that one.  The prompt is encoded by it and the tokens decoded to their bytes.
 
 The KV cache (:class:`KVCache`) is plain array code, no autograd: each layer keeps the keys and
 values of the tokens seen so far, ``(n_kv_head, t, d_head)``; a step computes q, k, v of the new
@@ -98,6 +104,39 @@ def _rotate(x, positions, theta):
     return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def _dense(mlp, h):
+    """One feed-forward on rows ``h``: Llama's SwiGLU, or GPT-2's GELU MLP."""
+    if hasattr(mlp, "gate_up_proj"):
+        gate_up = _linear(h, mlp.gate_up_proj)                                     # (n, 2F): gate | up
+        F = gate_up.shape[-1] // 2
+        return _linear(_silu(gate_up[:, :F]) * gate_up[:, F:], mlp.down_proj)
+    return _linear(_gelu(_linear(h, mlp.c_fc)), mlp.c_proj)
+
+
+def _feed_forward(mlp, h):
+    """The block's feed-forward on rows ``h`` (n, C); a mixture of experts (model/moe.py) routes
+    each row to its top-k experts by the router's softmax, weighted as moe.py weighs them (the
+    k probabilities renormalised for k >= 2, the probability itself for k = 1).  A row's route
+    does not depend on the other rows only without a capacity: KVCache refuses one."""
+    experts = getattr(mlp, "experts", None)
+    if experts is None:
+        return _dense(mlp, h)
+    z = h @ mlp.router.weight.data                                                  # (n, E)
+    p = xp.exp(z - z.max(axis=-1, keepdims=True))
+    p = p / p.sum(axis=-1, keepdims=True)
+    k = mlp.cfg.top_k
+    choice = xp.argsort(-p, axis=1, kind="stable")[:, :k]                          # ties: the lower expert
+    gates = xp.take_along_axis(p, choice, axis=1)
+    if k > 1:
+        gates = gates / gates.sum(axis=1, keepdims=True)
+    out = xp.zeros_like(h)
+    for e, expert in enumerate(experts):
+        rows, slot = xp.nonzero(choice == e)
+        if rows.shape[0]:
+            out[rows] += _dense(expert, h[rows]) * gates[rows, slot][:, None]
+    return out
+
+
 class KVCache:
     """Keys and values of every layer for the tokens seen so far, and the forward of new tokens.
 
@@ -113,6 +152,9 @@ class KVCache:
         self.model, self.cfg, self.llama = model, cfg, cfg.arch == "llama"
         self.n_head, self.n_kv_head, self.d_head = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         dt = model.wte.weight.data.dtype
+        if cfg.n_experts and cfg.capacity_factor:
+            raise ValueError(f"a mixture with capacity factor {cfg.capacity_factor} routes each token by the whole "
+                             "sequence's choices: generation with a KV cache needs a dropless one (0)")
         shape = (cfg.n_layer, self.n_kv_head, cfg.seq_len, self.d_head)
         self.k, self.v = xp.empty(shape, dtype=dt), xp.empty(shape, dtype=dt)
         self.t = 0
@@ -151,8 +193,7 @@ class KVCache:
         qkv = _linear(_norm(x, block.ln_1), block.attn.c_attn)                      # (n, 3C): q | k | v
         q, k, v = (qkv[:, j * H * D:(j + 1) * H * D].reshape(n, H, D).transpose(1, 0, 2) for j in range(3))
         x = x + _linear(self._attend(layer, q, k, v, t0), block.attn.c_proj)
-        h = _norm(x, block.ln_2)
-        return x + _linear(_gelu(_linear(h, block.mlp.c_fc)), block.mlp.c_proj)
+        return x + _feed_forward(block.mlp, _norm(x, block.ln_2))
 
     def _llama_block(self, layer, block, x, t0):
         n, D, a = x.shape[0], self.d_head, block.attn
@@ -161,9 +202,7 @@ class KVCache:
         positions = xp.arange(t0, t0 + n)
         q, k = _rotate(q, positions, a.theta), _rotate(k, positions, a.theta)
         x = x + _linear(self._attend(layer, q, k, v, t0), a.o_proj)
-        gate_up = _linear(_norm(x, block.ln_2), block.mlp.gate_up_proj)             # (n, 2F): gate | up
-        F = gate_up.shape[-1] // 2
-        return x + _linear(_silu(gate_up[:, :F]) * gate_up[:, F:], block.mlp.down_proj)
+        return x + _feed_forward(block.mlp, _norm(x, block.ln_2))
 
     def _attend(self, layer, q, k, v, t0):
         """Causal attention of queries ``q`` (H, n, D) at positions t0.. over the cache, after
@@ -205,13 +244,25 @@ def sample(logits, rng, temperature: float = 1.0, top_k: int | None = None) -> i
 
 
 def generate(model, prompt: bytes, tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             seed: int | None = None) -> bytes:
-    """``prompt`` followed by ``tokens`` sampled bytes (see the module's docstring for the
-    window when the text outgrows the position table)."""
+             seed: int | None = None, tokenizer=None) -> bytes:
+    """``prompt`` followed by ``tokens`` sampled tokens, as bytes: the prompt's bytes are the
+    tokens, or ``tokenizer`` (a BPETokenizer) encodes them and decodes the result."""
+    if not prompt:
+        raise ValueError("the prompt is empty: the model needs at least one byte to continue")
+    if tokenizer is None:
+        return bytes(generate_ids(model, list(prompt), tokens, temperature, top_k, seed))
+    ids = generate_ids(model, tokenizer.encode_bytes(prompt).tolist(), tokens, temperature, top_k, seed)
+    return tokenizer.decode_bytes(ids)
+
+
+def generate_ids(model, prompt: list, tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 seed: int | None = None) -> list:
+    """The token ids ``prompt`` followed by ``tokens`` sampled ones (see the module's docstring
+    for the window when the text outgrows the position table)."""
     from minidist.model.backend import host
 
     if not prompt:
-        raise ValueError("the prompt is empty: the model needs at least one byte to continue")
+        raise ValueError("the prompt is empty: the model needs at least one token to continue")
     rng = host.random.default_rng(seed)
     seq_len = model.config.seq_len
     out = list(prompt)
@@ -226,7 +277,7 @@ def generate(model, prompt: bytes, tokens: int, temperature: float = 1.0, top_k:
         else:  # the table is full: the window of the last seq_len bytes, without the cache
             cache.reset()
             logits = cache.step(xp.asarray(out[-seq_len:]))[-1]
-    return bytes(out)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,11 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
     from minidist.host.cli_checks import float_in, int_in
 
     p = OneLineParser(prog="python -m minidist.state.generate",
-                description="Sample bytes from a minidist checkpoint (saved on any mesh) on one process, "
+                description="Sample text from a minidist checkpoint (saved on any mesh) on one process, "
                             "with a KV cache, and print the prompt and its continuation.")
     p.add_argument("checkpoint", metavar="DIR", help="a step-NNNNNN checkpoint, or a --save directory (its latest)")
     p.add_argument("--prompt", default="\n", help="text to continue (UTF-8; default: a newline)")
-    p.add_argument("--tokens", type=int_in(lo=0), default=200, metavar="N", help="bytes to sample (default: 200)")
+    p.add_argument("--tokens", type=int_in(lo=0), default=200, metavar="N",
+                   help="tokens to sample (bytes for a byte model; default: 200)")
+    p.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="the trained tokenizer the checkpoint records (its file, or the shard directory "
+                        "holding it); not needed for a model of bytes")
     p.add_argument("--temperature", type=float_in(lo=0), default=1.0, metavar="T",
                    help="divide the logits by T; 0 = greedy argmax (default: 1)")
     p.add_argument("--top-k", type=int_in(lo=1), default=None, metavar="K",
@@ -250,8 +305,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def checkpoint_tokenizer(path: str, given: str | None):
+    """The tokenizer checkpoint ``path`` was trained with: None for bytes, else the BPETokenizer
+    of ``given`` (a tokenizer file, or a shard directory: its tokenizer file), which must be the
+    one the checkpoint records (its ``data_tokenizer``: the file's hash, or ``"bytes"``).
+    TokenizerError, one line, otherwise."""
+    from minidist.state.checkpoint import metadata, resolve
+    from minidist.state.shards import TOKENIZER
+    from minidist.state.tokenizer import BPETokenizer, TokenizerError
+
+    saved = metadata(resolve(path))["scalars"].get("data_tokenizer", "bytes")
+    if given is None:
+        if saved == "bytes":
+            return None
+        raise TokenizerError(f"the checkpoint was trained with tokenizer {saved}: give its file with --tokenizer "
+                             "(the tokenizer file, or the shard directory holding it)")
+    tok = BPETokenizer(os.path.join(given, TOKENIZER) if os.path.isdir(given) else given)
+    if tok.hash != saved:
+        what = "on bytes" if saved == "bytes" else f"with tokenizer {saved}"
+        raise TokenizerError(f"--tokenizer {given}: tokenizer {tok.hash}, but the checkpoint was trained {what}")
+    return tok
+
+
 def main(argv=None) -> int:
     from minidist.state.checkpoint import CheckpointError
+    from minidist.state.tokenizer import TokenizerError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -261,11 +339,12 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.checkpoint):
         parser.error(f"{args.checkpoint}: no such checkpoint directory")
     try:
+        tokenizer = checkpoint_tokenizer(args.checkpoint, args.tokenizer)
         model = load_model(args.checkpoint)
-    except CheckpointError as exc:
+    except (CheckpointError, TokenizerError) as exc:
         message = str(exc)
         parser.error(message[len("--resume "):] if message.startswith("--resume ") else message)
-    text = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    text = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed, tokenizer)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
     print(text.decode("utf-8", errors="replace"), flush=True)

@@ -176,6 +176,22 @@ def _parse(path: str, text: str):
     return tok
 
 
+def hf_files(tok: BPETokenizer, max_length: int) -> dict:
+    """``{file name: text}`` that transformers' ``AutoTokenizer.from_pretrained`` loads as a
+    ``PreTrainedTokenizerFast``: the tokenizer file itself (``tokenizer.json``, byte for byte, so
+    its hash is the checkpoint's) and a ``tokenizer_config.json`` declaring no special tokens,
+    as the model's config.json does (bos/eos None), and no clean-up of spaces on decoding (it
+    would change the text ``minidist.state.generate`` prints)."""
+    import json
+
+    with open(tok.path, encoding="utf-8") as f:
+        text = f.read()
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "bos_token": None, "eos_token": None, "unk_token": None, "pad_token": None,
+              "add_prefix_space": False, "clean_up_tokenization_spaces": False, "minidist_tokenizer": tok.hash}
+    return {"tokenizer.json": text, "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
 def write_atomically(path: str, text: str) -> None:
     """``path`` holds ``text`` whole or is as before: a temporary file, fsync, rename."""
     tmp = f"{path}.tmp-{os.getpid()}"

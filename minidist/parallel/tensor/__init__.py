@@ -20,6 +20,8 @@ The vocabulary is split too: each rank holds ``V / tp`` rows of the token embedd
 lookup outside them gives zeros; the ranks' partial embeddings are summed), the tied LM
 head produces ``V / tp`` logits per token, and the cross-entropy combines the shards with
 two small all-reduces (a max and a sum per token) without ever forming the full logits.
+A vocabulary tp does not divide is padded to a multiple of tp, as Megatron-LM pads it; the
+padding is masked out of the loss, so it changes no number (vocab_parallel.py).
 
 Sequence parallelism (``sequence_parallel=True``) and collective matmuls (``overlap="ring"``
 or ``"bidirectional"``) keep these layers and replace each all-reduce by an all-gather and a
@@ -28,8 +30,9 @@ reduce-scatter along the sequence: the linear ops live in sequence_parallel.py
 
 Read in this order:
 
-  tensor_parallel.py    the split layers (column, row, vocabulary; Megatron's f and g) and
-                        the layer set ``nn.GPT`` builds from
+  tensor_parallel.py    the split layers (column, row; Megatron's f and g) and the layer set
+                        ``nn.GPT`` builds from
+  vocab_parallel.py     the vocabulary split (the embedding, its tied head, the loss), padded
   sequence_parallel.py  the linear ops of sequence parallelism (all-gather / reduce-scatter)
   collective_matmul.py  those collectives cut into steps that overlap the matmuls
   checks.py             the settings' checks
@@ -44,6 +47,7 @@ from minidist.parallel.tensor.checks import problems  # noqa: F401
 from minidist.parallel.tensor.tensor_parallel import (ColumnParallelLinear, LayerNorm, PositionEmbedding,  # noqa: F401
                                                       RowParallelLinear, Shard, TensorParallelLayers,
                                                       VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from minidist.parallel.tensor.vocab_parallel import real_columns  # noqa: F401
 
 
 def apply(cfg, mesh):

@@ -26,10 +26,7 @@ def problems(given, cfg) -> list[str]:
     if m.kv % tp and tp % m.kv:
         out.append(f"--kv-heads {m.kv} and --tp {tp}: the key/value heads are split over the tensor-parallel "
                    "ranks or each shared by several, so one must divide the other")
-    if m.vocab_size % tp:
-        what = "256 byte values" if m.vocab_size == 256 else f"{m.vocab_size} tokens"
-        out.append(f"the vocabulary ({what}) is not divisible by --tp {tp}: tensor parallelism splits the "
-                   "embedding by tokens")
+    # Any vocabulary: one tp does not divide is padded (vocab_parallel.py).
     tokens = cfg.data.seq_len // p.cp
     if (p.sequence_parallel or p.tp_async) and tokens % tp:
         what = "--sequence-parallel" if p.sequence_parallel else f"--tp-async {p.tp_async} (sequence parallel)"

@@ -8,18 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minidist import comm
 from minidist.model import nn, ops
-from minidist.model.autograd import make_tensor
 from minidist.model.backend import from_host, host, on_host, xp
 from minidist.comm import functional as F
 from minidist.comm.group import Group
-from minidist.model.ops.basic import check_range
-from minidist.model.ops.nn_ops import checked_targets
-from minidist.model.ops.precision import compute_dtype, get_autocast_dtype, to_dtype
+from minidist.model.ops.precision import get_autocast_dtype
 from minidist.layout.settings import TP_OVERLAPS
 from minidist.parallel.tensor import collective_matmul as cm
 from minidist.parallel.tensor.sequence_parallel import all_gather_linear, linear_reduce_scatter
+from minidist.parallel.tensor.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 OVERLAPS = ("none", *TP_OVERLAPS)  # "none": the plain all-reduce of Megatron-LM
 
@@ -44,29 +41,37 @@ class Shard:
     axis: str = "tp"
     copy: int = 0
 
+    def part(self, length: int) -> int:
+        """The length along ``dim`` of this rank's part of one block: a block that the parts do
+        not divide (a vocabulary, one block) is padded at its end to ``parts`` x this."""
+        return -(-(length // self.blocks) // self.parts)
+
     def local_shape(self, shape):
         shape = list(shape)
-        shape[self.dim] //= self.parts
+        shape[self.dim] = self.part(shape[self.dim]) * self.blocks
         return tuple(shape)
 
     def indices(self, length: int):
-        """The global indices along ``dim`` this rank keeps, in its local order."""
-        block = length // self.blocks
-        part = block // self.parts
+        """The global indices along ``dim`` this rank keeps, in its local order; those from
+        ``length`` on are padding (vocab_parallel.py), which holds zeros."""
+        block, part = length // self.blocks, self.part(length)
+        if self.blocks > 1 and block % self.parts:
+            raise ValueError(f"{self.blocks} fused blocks of {block} do not split into {self.parts} equal parts")
         return host.concatenate([host.arange(b * block + self.index * part, b * block + (self.index + 1) * part)
                                  for b in range(self.blocks)])  # host: index bookkeeping
 
     def take(self, full):
         """This rank's slice of the global array ``full``, where ``full`` lies (host or device:
-        a checkpoint rebuilds global tensors on the host)."""
-        indices = self.indices(full.shape[self.dim])
-        if on_host(full):
-            return host.take(full, indices, axis=self.dim)
-        return xp.take(full, from_host(indices), axis=self.dim)
-
-
-
-
+        a checkpoint rebuilds global tensors on the host); its padding rows are zeros."""
+        length = full.shape[self.dim]
+        indices = self.indices(length)
+        lib = host if on_host(full) else xp
+        pad = self.part(length) * self.parts * self.blocks - length
+        if pad:  # the padded vocabulary: zero rows after the last real one
+            shape = list(full.shape)
+            shape[self.dim] = pad
+            full = lib.concatenate([full, lib.zeros(shape, dtype=full.dtype)], axis=self.dim)
+        return lib.take(full, indices if lib is host else from_host(indices), axis=self.dim)
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,6 +101,9 @@ class TensorParallelLayers(nn.Layers):
         self.reverse = (Group(group.user_comm.Dup(), name=f"{group.name}-ccw")
                         if self.overlap == "bidirectional" else None)
         self._copies = {}  # copies per head -> the group of ranks holding this rank's head
+        # The vocabulary, once the token embedding is built (GPT builds it first): the untied
+        # head's columns and the loss's classes beyond it are the padding (vocab_parallel.py).
+        self.vocab_size = None
 
     def __repr__(self):
         return (f"TensorParallelLayers(parts={self.parts}, sequence_parallel={self.sequence_parallel}, "
@@ -168,7 +176,9 @@ class TensorParallelLayers(nn.Layers):
 
     # -- nn.Layers -----------------------------------------------------------------------------
     def column(self, d_in, d_out, dtype, bias=True, std=0.02, fused=1, heads=None):
-        return ColumnParallelLinear(d_in, d_out, dtype, self, bias, std, fused, heads)
+        # The untied LM head (d, V): its vocabulary padded as the embedding's.
+        pad = fused == 1 and heads is None and d_out == self.vocab_size
+        return ColumnParallelLinear(d_in, d_out, dtype, self, bias, std, fused, heads, pad)
 
     def fused_column(self, x, linears):
         weight = ops.concat([lin.used_weight() for lin in linears], axis=1)
@@ -184,6 +194,7 @@ class TensorParallelLayers(nn.Layers):
         return RMSNorm(dim, dtype, self, eps)
 
     def token_embedding(self, num, dim, dtype):
+        self.vocab_size = num
         return VocabParallelEmbedding(num, dim, dtype, self)
 
     def position_embedding(self, num, dim, dtype):
@@ -192,7 +203,7 @@ class TensorParallelLayers(nn.Layers):
     def cross_entropy(self, logits, targets):
         if self.parts == 1:
             return ops.cross_entropy(logits, targets)
-        return vocab_parallel_cross_entropy(logits, targets, self.group)
+        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_size)
 
 
 def _check_split(name, n, parts):
@@ -215,12 +226,16 @@ class ColumnParallelLinear(nn.Module):
 
     ``heads`` fewer than the ranks (grouped-query attention's key/value heads, tp > K): each
     head's columns are held by tp/K ranks, which use them for different query heads, so the
-    weight's gradient is the sum of theirs (Megatron's f on the weight, over those ranks)."""
+    weight's gradient is the sum of theirs (Megatron's f on the weight, over those ranks).
 
-    def __init__(self, d_in, d_out, dtype, tp: TensorParallelLayers, bias=True, std=0.02, fused=1, heads=None):
+    ``pad``: the output features are a vocabulary (the untied LM head), padded to a multiple of
+    the ranks as the embedding's rows (vocab_parallel.py); the padding's columns stay zero."""
+
+    def __init__(self, d_in, d_out, dtype, tp: TensorParallelLayers, bias=True, std=0.02, fused=1, heads=None,
+                 pad=False):
         if heads is not None and heads < tp.parts:
             tp.heads_here(heads)
-        else:
+        elif not pad:
             _check_split("output features" if fused == 1 else f"output features of each of its {fused} fused parts",
                          (d_out // fused) if heads is None else heads, tp.parts)
         self.tp = tp
@@ -301,83 +316,3 @@ class PositionEmbedding(nn.Embedding):
         n = positions.shape[0] // self.tp.parts
         mine = positions[self.tp.rank * n:(self.tp.rank + 1) * n]
         return ops.embedding(self.tp.shared(self.weight), mine)
-
-
-class VocabParallelEmbedding(nn.Embedding):
-    """Token embedding with the vocabulary split: rank r holds rows [r V/tp, (r+1) V/tp).
-
-    Forward looks up the ids in this rank's range (zeros elsewhere) and sums the ranks'
-    partial embeddings (all-reduce, or reduce-scatter along the sequence under sequence
-    parallelism).  ``logits`` is the tied LM head: this rank's V/tp logits of every token.
-    """
-
-    def __init__(self, num, dim, dtype, tp: TensorParallelLayers, std=0.02):
-        _check_split("vocab_size", num, tp.parts)
-        self.tp = tp
-        self.vocab_size = num
-        self.weight = nn._param((num, dim), dtype, ("normal", std), tp.shard(0))
-
-    def forward(self, ids):
-        tp = self.tp
-        if tp.parts == 1:
-            return ops.embedding(self.weight, ids)
-        ids = check_range(ids, self.vocab_size, "embedding id")
-        rows = self.weight.shape[0]
-        # Operators only, so a host batch stays on the host, where its indices are checked for free.
-        local = ids - tp.rank * rows
-        mine = (local >= 0) & (local < rows)
-        partial = ops.embedding(self.weight, local * mine) * from_host(mine)[..., None].astype(self.weight.dtype)
-        return tp.leave(partial)
-
-    def logits(self, x):
-        tp = self.tp
-        w_t = ops.transpose(self.weight, (1, 0))
-        if tp.parts == 1:
-            return ops.linear(x, w_t)
-        if tp.sequence_parallel:
-            return all_gather_linear(x, w_t, None, tp)
-        return ops.linear(tp.enter(x), w_t)
-
-
-# --------------------------------------------------------------------------------------------
-# Vocabulary-parallel cross-entropy
-# --------------------------------------------------------------------------------------------
-def vocab_parallel_cross_entropy(logits, targets, group):
-    """Mean cross-entropy of vocabulary-sharded logits (Megatron-LM's vocab-parallel loss).
-
-    ``logits`` (..., V/tp) are this rank's columns [r V/tp, (r+1) V/tp) of the full logits;
-    ``targets`` (...) are global token ids, the same on every rank.  Per token::
-
-        m = max over ranks of the local maxima                      (all-reduce max)
-        S = sum over ranks of sum_j exp(z_j - m)                      (all-reduce sum)
-        z_t - m from the one rank that holds column t, 0 elsewhere   (same all-reduce)
-        loss = log S - (z_t - m)
-
-    Communication: 3 numbers per token, never the V/tp logits.  The loss is replicated;
-    its gradient with respect to this rank's logits is (softmax - onehot) / n on this
-    rank's columns, which needs no communication.
-    """
-    Vl = logits.shape[-1]
-    lo = group.rank * Vl
-    t, _ = checked_targets(targets, logits.shape, Vl * group.size)
-    cdt = compute_dtype(logits.dtype)
-    z = logits.data.reshape(-1, Vl).astype(cdt, copy=True)
-    n, rows = z.shape[0], xp.arange(z.shape[0])
-    z -= comm.all_reduce(z.max(axis=1), group, op="max")[:, None]
-    local = t - lo
-    mine = (local >= 0) & (local < Vl)
-    local = xp.where(mine, local, 0)
-    picked = xp.where(mine, z[rows, local], 0.0)
-    xp.exp(z, out=z)
-    total, picked = comm.all_reduce(xp.stack([z.sum(axis=1), picked]), group, op="sum")
-    nll = xp.log(total) - picked
-    z /= total[:, None]  # this rank's columns of softmax(z), saved for backward
-    loss = xp.asarray(nll.sum() / n, dtype=cdt)
-
-    def backward(g):
-        scale = xp.asarray(g, dtype=z.dtype) / n  # stays on the device: no host sync
-        dz = z * scale
-        dz[rows, local] -= xp.where(mine, scale, 0)  # no boolean mask: its size would be a host read
-        return (to_dtype(dz.reshape(logits.shape), logits.dtype),)
-
-    return make_tensor(loss, (logits,), backward)
