@@ -66,7 +66,8 @@ from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _isend, _recv, _waitall
 from minidist.comm.reducing import all_reduce, reduce, reduce_scatter
 from minidist.comm.rooted import gather, scatter
 # Read as this module's names, so that a test or a benchmark can move one for the comm layer alone.
-from minidist.layout.thresholds import ALL_GATHER_ONE_SHOT_BYTES, ONE_SHOT_MAX_RANKS, SMALL_BROADCAST_BYTES
+from minidist.layout.thresholds import (ALL_GATHER_ONE_SHOT_BYTES, ALL_TO_ALL_V_ONE_SHOT_BYTES, ONE_SHOT_MAX_RANKS,
+                                       SMALL_BROADCAST_BYTES)
 
 
 
@@ -221,7 +222,8 @@ def all_to_all_v(x, counts, g, async_op: bool = False, *, algorithm: str = "auto
     the dtype must agree on every rank; the counts need not.  The counts are exchanged
     first, then the rows: "pairwise" (the textbook, pairwise.py: N-1 steps each) or
     "direct" (oneshot.py: each exchange one round of messages posted at once; the same
-    messages); "auto" runs "direct" unless the fast path is off.  With ``async_op=True`` the
+    messages); "auto" runs "direct" with the fast path on, on three or more ranks, from
+    ALL_TO_ALL_V_ONE_SHOT_BYTES of rows up, and "pairwise" otherwise.  With ``async_op=True`` the
     handle's ``wait()`` returns the pair.  Its differentiable form is
     ``comm.functional.all_to_all_v``."""
     _check_group(g, "all_to_all_v")
@@ -230,7 +232,8 @@ def all_to_all_v(x, counts, g, async_op: bool = False, *, algorithm: str = "auto
     check.need_axis0(x, "all_to_all_v")
     counts = check.check_counts(counts, g, x.shape[0], "all_to_all_v")
     if algorithm == "auto":
-        algorithm = "direct" if fast.fast_path_enabled() else "pairwise"
+        big = g.size > 2 and x.nbytes >= ALL_TO_ALL_V_ONE_SHOT_BYTES
+        algorithm = "direct" if fast.fast_path_enabled() and big else "pairwise"
     sig = ("all_to_all_v", x, dict(rule="trailing"))
     body = oneshot.one_shot_all_to_all_v if algorithm == "direct" else pairwise.pairwise_all_to_all_v
     # launch moves the rows only (the counts stay on the host)

@@ -25,3 +25,8 @@ SMALL_BROADCAST_BYTES = 256 * 1024
 # rounds (doubling or ring) otherwise (docs/perf-notes.md, "All-gather crossover").
 ALL_GATHER_ONE_SHOT_BYTES = 256 << 10
 ONE_SHOT_MAX_RANKS = 4
+# all_to_all_v: the pairwise steps on two ranks and below this many bytes of rows sent, the
+# one-shot rounds above it on three or more (docs/perf-notes.md, "All-to-all-v").  Either way
+# the same messages go between each pair, so ranks that choose differently (their rows differ)
+# still pair up.
+ALL_TO_ALL_V_ONE_SHOT_BYTES = 1 << 20

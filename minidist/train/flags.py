@@ -273,7 +273,7 @@ def _validate(args) -> RunConfig:
     from minidist.parallel.compose import problems
 
     given, world = from_args(args), world_size()
-    given.model.vocab_size = _vocabulary(args.data)  # before the axes' checks: tp must divide it
+    given.model.vocab_size = _vocabulary(args.data)  # before the axes' checks, which read it
     found = problems(given, world)
     if found:
         raise InputError(found[0])

@@ -760,14 +760,19 @@ def all_to_all_v_cases():
                 y, got = comm.all_to_all_v(x, np.array(counts, np.int32), g, async_op=True).wait()
                 same(y, want, f"async all_to_all_v {case} {dtype} {tail}")
                 assert got.tolist() == list(want_counts)
+                for algorithm in ("pairwise", "direct"):  # forced: the textbook steps and the one-shot rounds
+                    y, got = comm.all_to_all_v(x, counts, g, algorithm=algorithm)
+                    same(y, want, f"all_to_all_v {case} {dtype} {tail} by {algorithm}")
+                    assert got.tolist() == list(want_counts), algorithm
     # Traffic: 8 bytes of count to each other rank, then exactly the rows sent elsewhere.
     counts = _v_counts("uneven", n, r, 0)
     x = make((sum(counts), 4), "float32", r, 99)
     comm.reset_stats()
     comm.all_to_all_v(x, counts, g)
+    comm.all_to_all_v(x, counts, g, algorithm="direct")  # the same messages, so the same bytes
     s = comm.stats()["all_to_all_v"]
     sent_rows = sum(counts) - counts[r]
-    assert s["calls"] == 1 and s["bytes_sent"] == 8 * (n - 1) + 16 * sent_rows, (s, counts)
+    assert s["calls"] == 2 and s["bytes_sent"] == 2 * (8 * (n - 1) + 16 * sent_rows), (s, counts)
     # Bad counts: one line naming the value, on every rank, before anything is sent.
     bad = [([1] * (n + 1), "must be"), ([-1] + [0] * (n - 1), "negative count -1"),
            ([sum(counts) + 1] + [0] * (n - 1), f"x has {sum(counts)} rows"), ([0.5] * n, "must be")]
