@@ -9,8 +9,8 @@ export PATH := $(abspath $(BIN)):$(PATH)
 .PHONY: help install demo test test-fast test-openmpi test-gpu test-gpu-emulated bench clean
 
 help:
-	@echo "make demo       set up .venv (numpy, mpi4py, the mpich wheel with mpiexec), train a small GPT into"
-	@echo "                demo-checkpoint/ and print a sample of the text it generates"
+	@echo "make demo       set up .venv (numpy, mpi4py, the mpich wheel with mpiexec), train a BPE tokenizer and"
+	@echo "                a small GPT into demo-checkpoint/ and print a sample of the Python it writes"
 	@echo "make test       install what the tests need and run the whole suite (single- and multi-process)"
 	@echo "make test-fast  the suite without the slow tests"
 	@echo "make test-openmpi  the communication, composition, checkpoint and failure tests under Open MPI"
