@@ -183,6 +183,12 @@ def _checkpoint(d):
             ("--save-async: share of the save hidden behind training", d.get("hidden_share"), "target >= 0.8")]
 
 
+def _moe(d):
+    return [(f"{name}: step time / dense step time", r["over_dense"],
+             f"{r['tokens_per_s']:,.0f} tokens/s, {r['parameters']:,} parameters")
+            for name, r in d.get("arms", {}).items() if not name.startswith("dense")]
+
+
 def _data(d):
     rows = [(f"prepare ({label}): MB of text per CPU-second", r["mb_per_cpu_s"],
              f"{r['bytes']:,} B, {r['mb_per_s']:.2f} MB/s wall; target >= {d['targets']['prepare_mb_per_cpu_s']}")
@@ -230,6 +236,7 @@ READERS = {
     "oversubscribed.json": ("more ranks than cores", _oversubscribed),
     "checkpoint.json": ("checkpoints", _checkpoint),
     "data.json": ("token data: prepare and memory-mapped shards", _data),
+    "moe.json": ("a mixture-of-experts step vs dense", _moe),
 }
 
 

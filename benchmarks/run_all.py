@@ -71,6 +71,8 @@ PARTS = [
     # Where there is no GPU (or no CuPy) it writes gpu.json with the reason and stops in a second.
     Part("gpu", "bench_gpu.py", "a GPT step on one GPU: minidist (CuPy) vs PyTorch, fp32 and mixed precision, "
          "then 2 ranks sharing the GPU per parallel mode", [], ["--quick", "--no-parallel"], full_s=240, quick_s=60),
+    Part("moe", "bench_moe.py", "a mixture-of-experts step (8 experts, top-2) beside a dense step with the same "
+         "active parameters", [], ["--quick"], full_s=60, quick_s=10),
     Part("data", "bench_data.py", "token data: prepare's MB/s per core, and what memory-mapped shards add to a step",
          [], ["--quick"], full_s=90, quick_s=8),
     Part("checkpoint", "bench_checkpoint.py", "checkpoints at dp2·tp2: sharded vs gathered save and load, "

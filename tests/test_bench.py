@@ -57,7 +57,7 @@ def test_run_all_quick_says_what_it_runs(quick_run):
 RESULTS = {"collectives": "collectives.json", "model": "model_step.json", "ddp": "ddp.json",
            "tensor": "tensor_parallel.json", "context": "context.json", "pipeline": "pipeline.json",
            "compose": "compose.json", "tracing": "tracing.json", "plan": "plan.json", "gpu": "gpu.json",
-           "checkpoint": "checkpoint.json", "data": "data.json", "launches": "launches.json", "oversubscribed": "oversubscribed.json"}
+           "checkpoint": "checkpoint.json", "data": "data.json", "moe": "moe.json", "launches": "launches.json", "oversubscribed": "oversubscribed.json"}
 
 
 def _skipped(stdout: str) -> set:
@@ -97,7 +97,7 @@ def test_run_all_writes_one_report(quick_run):
     skipped = {RESULTS[name] for name in _skipped(stdout)}
     for name in ("collectives.json", "model_step.json", "ddp.json", "pipeline.json", "compose.json",
                  "checkpoint.json", "context.json", "tensor_parallel.json", "tracing.json", "plan.json",
-                 "launches.json", "data.json"):
+                 "launches.json", "data.json", "moe.json"):
         assert (out / name).exists() or name in skipped, f"{name} missing, and its part was not skipped"
         if name not in skipped:
             section = text.split(f"(`{name}`)", 1)[1].split("\n## ", 1)[0]
@@ -265,6 +265,18 @@ def test_bench_data_quick(quick_run):
     load = r["loading"]
     assert load["step_s"] > 0 and load["batch_from_shards_s"] > 0 and load["batch_from_memory_s"] > 0
     assert load["overhead"] == pytest.approx((load["batch_from_shards_s"] - load["batch_from_memory_s"]) / load["step_s"])
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_moe_quick(quick_run):
+    tmp_path, _ = quick_run
+    with open(tmp_path / "moe.json") as f:
+        r = json.load(f)
+    dense, *mixtures = r["arms"].values()
+    assert dense["over_dense"] == 1.0 and len(mixtures) == 2
+    for m in mixtures:  # 8 experts of width h against one feed-forward of width 2h: more parameters
+        assert m["step_s"] > 0 and m["parameters"] > dense["parameters"] and m["over_dense"] > 0, m
 
 
 @pytest.mark.mpi
