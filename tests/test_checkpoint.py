@@ -430,3 +430,16 @@ def test_a_checkpoint_of_expert_parallelism_resumes_on_one_process_and_another_e
         state = meta["tensors"][f"h.1.mlp.experts.{e}.c_fc.weight/exp_avg"]["pieces"]
         assert {pc["file"] for pc in state} <= {files[0], f"rank-{int(files[0][5:10]) + 2:05d}.bin"}, (e, state)
     _resumes_like_one_process(tmp_path, MOE, [(None, []), (2, ["--ep", "2"])], straight)
+
+
+@pytest.mark.mpi
+def test_a_zero3_checkpoint_with_expert_parallelism_resumes_on_one_process(tmp_path):
+    """ZeRO-3 with --ep shards each block's dense parameters over dp and its experts over the
+    ranks that hold them (edp): saved on dp4·ep2, resumed on one process and on dp2·ep2 with
+    ZeRO-1, steps 4-6 equal the uninterrupted single-process run to 1e-9."""
+    (tmp_path / "one").mkdir(), (tmp_path / "ck").mkdir()
+    straight, _ = _train(None, MOE + ["--save", str(tmp_path / "one")], tmp_path, "straight")
+    saved, _ = _train(4, MOE + ["--ep", "2", "--zero", "3", "--save", str(tmp_path / "ck"), "--save-every", "3"],
+                      tmp_path, "saved")
+    assert _rel(np.array(saved), np.array(straight)) < 1e-9
+    _resumes_like_one_process(tmp_path, MOE, [(None, []), (2, ["--ep", "2", "--zero", "1"])], straight)
