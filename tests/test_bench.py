@@ -310,8 +310,8 @@ def test_bench_launches_quick(quick_run):
     """Operation counts of a step (2 layers in --quick): the loss and the clipping norm are its
     only device reads; minidist's CUDA kernels run as often as the model needs them: the
     attention's (ops/cuda/flash.py's three, or the softmax and its gradient) and GELU's two once per
-    layer, LayerNorm's two once per LayerNorm, each in its bf16 form under bf16, and the
-    update's multi-tensor launches once per step."""
+    layer, LayerNorm's two once per LayerNorm, each in its bf16 form under bf16, the ordered
+    scatter-add once per embedding, and the update's multi-tensor launches once per step."""
     tmp_path, _ = quick_run
     with open(tmp_path / "launches.json") as f:
         r = json.load(f)
@@ -330,6 +330,7 @@ def test_bench_launches_quick(quick_run):
             want = {"softmax_rows" + low: layers, "softmax_grad_rows" + low: layers}
         want.update({"gelu_forward" + low: layers, "gelu_backward" + low: layers,
                      "layer_norm_forward" + low: 2 * layers + 1, "layer_norm_backward" + low: 2 * layers + 1,
+                     "add_rows": 2,  # the token and position embeddings' gradients, in index order
                      "sum_squares": 1, "adamw": 1})
         scale = kernels.pop("RawKernel:scale", 0)  # the clipping scale: only when the norm is above 1
         assert kernels == {f"RawKernel:{k}": n for k, n in want.items()} and scale <= 1, (mode, kernels)
