@@ -46,8 +46,11 @@ demo: install
 	$(BIN)/python -m minidist.state.generate demo-checkpoint --tokenizer $(DEMO_DATA)/shards --prompt "class " --tokens 120 \
 	  --temperature 0.8 --top-k 40 --seed 0
 
+# Two pytest-xdist workers: most of the suite is one process waiting for another (mpiexec
+# launches, their start-up), so two at a time keep both cores busy; tests sharing a costly
+# module fixture (xdist_group) stay in one worker.
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+pytestmark = pytest.mark.xdist_group("bench")  # one worker runs the quick_run fixture, once
 
 
 def _import(name):

@@ -32,6 +32,8 @@ import pytest
 
 from minidist.train.testing import run_train
 
+pytestmark = pytest.mark.xdist_group("emulated_gpu")  # its module fixture runs once, in one worker
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMULATOR = os.path.join(ROOT, "tests", "emulated_gpu")
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",

@@ -14,6 +14,8 @@ from minidist.state import tokenizer as tk  # noqa: E402
 from minidist.state.data import load_corpus  # noqa: E402
 from minidist.train.testing import run_train  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("export_bpe")  # its module fixture runs once, in one worker
+
 VOCAB = 301
 PROMPT = "def main(self"
 ARGS = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "8", "--steps", "4",
