@@ -15,7 +15,7 @@ import sys
 import pytest
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-pytestmark = pytest.mark.xdist_group("bench")  # one worker runs the quick_run fixture, once
+pytestmark = pytest.mark.xdist_group(name="bench")  # one worker runs the quick_run fixture, once
 
 
 def _import(name):
@@ -28,12 +28,23 @@ def _import(name):
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """`run_all.py --quick`: every benchmark in its smallest form (seconds), run once."""
-    out = tmp_path_factory.mktemp("bench")
-    r = subprocess.run([sys.executable, os.path.join(BENCH, "run_all.py"), "--quick", "--out", str(out)],
-                       timeout=600, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return out, r.stdout
+    """`run_all.py --quick`: every benchmark in its smallest form (seconds), run once a session:
+    under pytest-xdist the workers share one run (the first to take the lock runs it)."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' common base
+    out, said = root / "bench-quick", root / "bench-quick.stdout"
+    with open(root / "bench-quick.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not said.exists():
+            out.mkdir(exist_ok=True)
+            r = subprocess.run([sys.executable, os.path.join(BENCH, "run_all.py"), "--quick", "--out", str(out)],
+                               timeout=600, capture_output=True, text=True)
+            assert r.returncode == 0, r.stdout + r.stderr
+            said.write_text(r.stdout)
+    return out, said.read_text()
 
 
 @pytest.mark.mpi

@@ -13,7 +13,7 @@ import pytest
 
 from minidist.train.testing import run_train
 
-pytestmark = pytest.mark.xdist_group("checkpoint_trust")  # its module fixture runs once, in one worker
+pytestmark = pytest.mark.xdist_group(name="checkpoint_trust")  # its module fixture runs once, in one worker
 
 MODEL = ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16"]
 TRAIN = MODEL + ["--batch-size", "8", "--eval-every", "0", "--warmup", "0", "--quiet", "--steps", "2",

@@ -32,7 +32,7 @@ import pytest
 
 from minidist.train.testing import run_train
 
-pytestmark = pytest.mark.xdist_group("emulated_gpu")  # its module fixture runs once, in one worker
+pytestmark = pytest.mark.xdist_group(name="emulated_gpu")  # its module fixture runs once, in one worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMULATOR = os.path.join(ROOT, "tests", "emulated_gpu")

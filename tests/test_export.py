@@ -11,7 +11,7 @@ import pytest
 from minidist.state.export import export, read_safetensors, write_safetensors
 from minidist.train.testing import run_train
 
-pytestmark = pytest.mark.xdist_group("export")  # its module fixture runs once, in one worker
+pytestmark = pytest.mark.xdist_group(name="export")  # its module fixture runs once, in one worker
 
 ARGS = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4",
         "--steps", "3", "--eval-every", "0", "--quiet"]

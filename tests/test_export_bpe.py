@@ -14,7 +14,7 @@ from minidist.state import tokenizer as tk  # noqa: E402
 from minidist.state.data import load_corpus  # noqa: E402
 from minidist.train.testing import run_train  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("export_bpe")  # its module fixture runs once, in one worker
+pytestmark = pytest.mark.xdist_group(name="export_bpe")  # its module fixture runs once, in one worker
 
 VOCAB = 301
 PROMPT = "def main(self"

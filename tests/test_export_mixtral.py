@@ -11,7 +11,7 @@ from minidist.state.export import read_safetensors
 from minidist.state.export_mixtral import problems
 from minidist.train.testing import run_train
 
-pytestmark = pytest.mark.xdist_group("export_mixtral")  # its module fixture runs once, in one worker
+pytestmark = pytest.mark.xdist_group(name="export_mixtral")  # its module fixture runs once, in one worker
 
 ARGS = ["--arch", "llama", "--experts", "4", "--top-k", "2", "--layers", "2", "--d-model", "32", "--heads", "4",
         "--kv-heads", "2", "--ffn-hidden", "48", "--seq-len", "16", "--batch-size", "4", "--steps", "3",

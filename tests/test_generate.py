@@ -10,7 +10,7 @@ from minidist.state.generate import KVCache, generate, load_model, sample
 from minidist.model.nn import GPT, GPTConfig
 from minidist.train.testing import run_train
 
-pytestmark = pytest.mark.xdist_group("generate")  # its module fixture runs once, in one worker
+pytestmark = pytest.mark.xdist_group(name="generate")  # its module fixture runs once, in one worker
 
 ARGS = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4",
         "--steps", "3", "--eval-every", "0", "--dtype", "float64", "--quiet"]

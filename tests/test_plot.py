@@ -10,7 +10,7 @@ import pytest
 
 from minidist.train.testing import run_train
 
-pytestmark = pytest.mark.xdist_group("plot")  # its module fixture runs once, in one worker
+pytestmark = pytest.mark.xdist_group(name="plot")  # its module fixture runs once, in one worker
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "8", "--steps", "2",
         "--eval-every", "0", "--peak-gflops", "10"]

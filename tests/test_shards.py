@@ -16,7 +16,7 @@ from minidist.state import tokenizer as tk  # noqa: E402
 from minidist.state.data import Sampler, load_corpus  # noqa: E402
 from minidist.train.testing import run_train  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("shards")  # its module fixture runs once, in one worker
+pytestmark = pytest.mark.xdist_group(name="shards")  # its module fixture runs once, in one worker
 
 ARGS = ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
         "--eval-every", "0", "--dtype", "float64", "--warmup", "0", "--quiet", "--steps", "6"]

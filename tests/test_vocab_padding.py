@@ -10,7 +10,7 @@ from minidist.model.backend import from_host, to_host
 from minidist.parallel import tensor as tpm
 from minidist.train.testing import run_mpi
 
-pytestmark = pytest.mark.xdist_group("vocab_padding")  # its module fixture runs once, in one worker
+pytestmark = pytest.mark.xdist_group(name="vocab_padding")  # its module fixture runs once, in one worker
 
 BODIES = os.path.join(os.path.dirname(__file__), "mpi", "vocab_padding_bodies.py")
 

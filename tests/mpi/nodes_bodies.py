@@ -79,8 +79,13 @@ def internode_link_through_p2p():
     x = np.ones(8)
     timings = {}
     for name, partner in [("inside", g.rank ^ 1), ("across", (g.rank + 2) % g.size)]:
-        t0 = time.perf_counter()
-        comm.sendrecv(x, partner, partner, g)
-        timings[name] = time.perf_counter() - t0
+        # the fastest of 5: on a loaded machine one exchange may wait for its partner's turn on
+        # a core, but every message across pays the link's 20 ms and none inside does
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            comm.sendrecv(x, partner, partner, g)
+            times.append(time.perf_counter() - t0)
+        timings[name] = min(times)
     assert timings["inside"] < 10e-3 <= 20e-3 <= timings["across"], timings
     print(f"rank {g.rank}: p2p link ok {timings}", flush=True)
