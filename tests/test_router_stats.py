@@ -137,6 +137,63 @@ def test_expert_parallel_statistics_and_bytes_on_every_rank(tmp_path, nprocs, ep
         assert line["sent"] == line["formula"] > 0, line
 
 
+# -- every rank of a pipeline: the whole model's mixtures, one process's numbers -----------------
+PIPELINES = [  # 4 ranks, 4 blocks; "pp0 none": the first pipeline rank holds no mixture
+    ["--dp", "2", "--pp", "2", "--moe-every", "2"],                                     # 1f1b, one each
+    ["--pp", "2", "--tp", "2", "--schedule", "interleaved", "--virtual-stages", "2",    # pp0 none: blocks 0, 2
+     "--moe-every", "2", "--sequence-parallel"],
+    ["--pp", "4", "--moe-every", "4", "--capacity-factor", "0"],                        # pp0-2 none, dropless
+    ["--dp", "2", "--pp", "2", "--schedule", "zb-h1", "--ep", "2"],                     # ep bytes beside a pipeline
+    ["--pp", "2", "--cp", "2", "--schedule", "zbv", "--microbatches", "4", "--moe-every", "3",  # V: pp0 none
+     "--top-k", "1"],
+]
+
+
+def pipeline_equals_one_process(out_dir):
+    """MPI body (4 ranks): for each mesh of ``PIPELINES``, one training step's router record
+    on every rank (``report.router_stats``, as the training command builds it) and the
+    one-process model's record of the same batch; with --ep the ep group's counted bytes."""
+    from minidist.comm.stats import bytes_by_group
+    from minidist.parallel.compose import build, build_mesh, model_config
+    from minidist.state.data import Sampler
+    from minidist.train.flags import build_parser, validate
+    from minidist.train.report import router_stats
+
+    parser, out = build_parser(), []
+    for flags in PIPELINES:
+        cfg = validate(parser.parse_args([*TINY, *MOE, "--layers", "4", "--seq-len", "8", "--microbatches", "2",
+                                          "--quiet", *flags]), parser)
+        mesh = build_mesh(cfg.parallel)
+        _, strategy = build(cfg, mesh)
+        stats = router_stats(cfg, strategy)
+        corpus = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
+        x, y = Sampler(corpus, cfg.data.seq_len, cfg.data.batch_size, cfg.model.seed).batch(0)
+        before = bytes_by_group()
+        strategy.forward_backward(x, y, cfg.device.grad_accum, None, 1.0)
+        sent = {g: n - before.get(g, 0) for g, n in bytes_by_group().items()}
+        got = stats.step(cfg.model.d_model, 8)
+        ref = RouterStats(model := GPT(model_config(cfg)))
+        model(x, y).backward()
+        ep = {g: [n, sent[g]] for g, n in got.pop("ep_bytes", {}).items()}  # formula, counted
+        out.append({"flags": " ".join(flags), "got": got, "want": ref.step(), "ep": ep, "held": len(stats.layers)})
+    with open(f"{out_dir}/rank{mesh.rank}.json", "w") as f:
+        json.dump(out, f)
+
+
+@pytest.mark.mpi
+def test_pipelines_report_every_stages_mixtures_on_every_rank(tmp_path):
+    """Each stage counts its own mixtures in rows of the whole model's buffer, summed over dp x pp:
+    every rank, a stage without a mixture among them, reports one process's record."""
+    run_mpi(4, f"{__file__}::pipeline_equals_one_process", str(tmp_path), timeout=400)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for flags, *meshes in zip(PIPELINES, *ranks):
+        for line in meshes:
+            _same(line["got"], line["want"])
+            assert bool(line["ep"]) == ("--ep" in flags), line
+            assert all(formula == counted > 0 for formula, counted in line["ep"].values()), line
+    assert [ranks[0][i]["held"] for i in range(len(PIPELINES))] == [1, 0, 0, 2, 0]  # rank 0 reports, mixtures or none
+
+
 # -- the training command -----------------------------------------------------------------------
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8", "--steps", "2",
         "--eval-every", "0", "--peak-gflops", "10", "--dtype", "float64", "--log-every", "1"]

@@ -10,12 +10,18 @@ over the step's forwards (every micro-batch), per mixture:
 * the **router z-loss** of ST-MoE (Zoph et al. 2022, eq. 5), the mean over tokens of
   ``logsumexp(logits)^2``, without its coefficient.
 
-At the step's end (:meth:`RouterStats.step`) one all-reduce of these sums over the
-data-parallel group (``comm.all_reduce``: ranks there see different tokens; with expert
-parallelism the ep ranks are among them) makes them the global batch's, so every mesh
-reports what one process would.  A forward run without recording gradients is not counted:
-evaluation, and a recomputed block's first pass (activation checkpointing), whose recording
-pass is counted instead.
+At the step's end (:meth:`RouterStats.step`) one all-reduce of these sums over the data- and
+pipeline-parallel ranks (``comm.all_reduce``: data-parallel ranks see different tokens, with
+expert parallelism the ep ranks among them; pipeline stages hold different mixtures) makes
+them the whole model's over the global batch, so every mesh reports what one process would.
+Tensor- and context-parallel ranks are not summed over: they route the same whole sequences
+(parallel/expert/tokens.py).  The sums have one row per mixture of the *whole model* (its
+blocks with a mixture, in block order, from the model's configuration), so every rank lays
+out the same buffer whatever its stage holds: a stage fills its own mixtures' rows and
+leaves the others zero, and a stage without a mixture still takes part, with zeros.
+
+A forward run without recording gradients is not counted: evaluation, and a recomputed
+block's first pass (activation checkpointing), whose recording pass is counted instead.
 
 The record (``router`` in each metrics line, docs/moe.md): ``tokens`` [mixture][expert]
 (kept), ``min`` / ``mean`` / ``max`` of those over every expert of every mixture (per
@@ -33,12 +39,21 @@ from minidist import comm
 from minidist.layout.expert_traffic import ep_step_bytes
 from minidist.model.autograd import is_grad_enabled
 from minidist.model.backend import host, host_read, xp
-from minidist.model.moe import MoE
+from minidist.model.moe import MoE, is_moe_block
 
 
 def mixtures(model) -> list:
-    """The model's MoE layers, in block order."""
+    """The model's MoE layers this rank holds, in block order."""
     return [b.mlp for b in model.h if b is not None and isinstance(getattr(b, "mlp", None), MoE)]
+
+
+def mixture_layout(model) -> tuple[list[int], int, int]:
+    """``(blocks, E, k)``: the indices of the blocks of the whole model that hold a mixture
+    (a pipeline stage keeps ``model.h``'s length, None for the blocks it does not hold), the
+    experts per mixture and the choices per token, from the model's configuration: the same
+    on every rank, so every stage lays out the same buffer."""
+    cfg = model.config
+    return [i for i in range(len(model.h)) if is_moe_block(cfg, i)], cfg.n_experts, cfg.top_k
 
 
 def sequence_balance(probs, choice, T: int, k: int):
@@ -53,22 +68,24 @@ def sequence_balance(probs, choice, T: int, k: int):
 
 
 class RouterStats:
-    """Router statistics of ``model``'s mixtures, summed over ``group`` (None: one process).
+    """Router statistics of the whole model's mixtures, summed over ``group`` (None: one
+    process); this rank counts the ones it holds.  ``L``: the model's mixtures, every stage's.
 
-    Attaching sets every mixture's ``observe``; :meth:`detach` restores the default."""
+    Attaching sets every held mixture's ``observe``; :meth:`detach` restores the default."""
 
     def __init__(self, model, group=None):
-        self.layers, self.group = mixtures(model), group
-        self.E = self.layers[0].cfg.n_experts if self.layers else 0
-        self.k = self.layers[0].cfg.top_k if self.layers else 0
-        for i, layer in enumerate(self.layers):
+        blocks, self.E, self.k = mixture_layout(model)
+        self.L, self.group = len(blocks), group
+        held = [(i, model.h[b].mlp) for i, b in enumerate(blocks) if model.h[b] is not None]  # row i: mixture i
+        for i, layer in held:
             layer.observe = functools.partial(self.add, i)
+        self.layers = [layer for _, layer in held]  # the mixtures this rank holds
         d = self.layers[0].dispatch if self.layers else None
         self.ep_group = getattr(d, "group", None)  # ExpertParallelDispatch's group (None: experts local)
         self.reset()
 
     def reset(self) -> None:
-        L, E = len(self.layers), self.E
+        L, E = self.L, self.E
         self.kept, self.routed = host.zeros((L, E)), host.zeros((L, E))
         self.balance, self.sequences, self.tokens = host.zeros(L), host.zeros(L), host.zeros(L)
         self.z = [xp.zeros((), dtype=xp.float64) for _ in range(L)]  # on the device until the step's end
@@ -94,7 +111,7 @@ class RouterStats:
     def step(self, d_model: int | None = None, itemsize: int | None = None) -> dict:
         """The step's record (module docstring), summed over the group; resets the sums.
         Collective over the group (and the ep group with ``d_model``): every rank calls it."""
-        L, E = len(self.layers), self.E
+        L, E = self.L, self.E
         z = host.asarray(host_read(xp.stack(self.z), "router statistics"), dtype=host.float64) if L else host.zeros(0)
         flat = host.concatenate([self.kept.ravel(), self.routed.ravel(), self.balance, self.sequences, z, self.tokens])
         if self.group is not None and self.group.size > 1:

@@ -97,16 +97,18 @@ class Reporter:
 
 def router_stats(cfg, strategy):
     """The router statistics of ``--experts`` runs (minidist/observe/router.py), summed over
-    the data-parallel group (not over cp: every cp rank routes the whole sequences, nor tp: its
-    ranks route the same tokens); None for a dense model (or one whose --moe-every passes every
-    block).  With a pipeline, each stage's ranks count their own stage's mixtures."""
+    the data- and pipeline-parallel ranks: data-parallel ranks see other rows of the batch,
+    pipeline stages hold other mixtures.  Not over cp (every cp rank routes the whole
+    sequences) nor tp (its ranks route the same tokens).  None for a dense model, or one whose
+    --moe-every passes every block: decided from the whole model, so every stage agrees, a
+    stage without a mixture included."""
     if not cfg.model.experts:
         return None
     from minidist.observe.router import RouterStats
 
     mesh = strategy.mesh
-    stats = RouterStats(strategy.model, mesh.group(("dp",)) if mesh is not None else None)
-    return stats if stats.layers else None
+    stats = RouterStats(strategy.model, mesh.group(("dp", "pp")) if mesh is not None else None)
+    return stats if stats.L else None
 
 
 def strict_json(r: dict) -> dict:
