@@ -108,3 +108,13 @@ def test_composed_meshes_equal_the_formulas_exactly():
 def test_mixed_precision_equals_the_formulas_exactly():
     out = body("mixed_precision")
     assert out.count("axis bytes ok:") == 4 * 6, out
+
+
+@pytest.mark.mpi
+def test_experts_and_padded_vocabularies_equal_the_formulas_exactly():
+    """Mixtures of experts: without --ep the experts reduce with the dense parameters; with it
+    over the edp group (DDP, ZeRO-1/2/3), the dispatch and combine by the routing's closed form;
+    a pipeline all-reduces the loss with the auxiliary losses; tp and cp move whole sequences
+    to the mixtures.  A vocabulary tp does not divide: the embedding's padded rows travel too."""
+    out = body("experts", timeout=600)
+    assert out.count("axis bytes ok:") == 4 * 10, out

@@ -20,6 +20,13 @@ axis is one function, each collective's cost one function:
   name ``comm.Mesh`` gives each of these groups ("dp+cp"; "world" for a group of every
   rank), and :func:`by_group` re-keys a result by them, as ``bytes_by_group`` reports.
 
+Mixtures of experts (model/moe.py) are counted: their parameters (the router, E whole MLPs
+replicated over tp), reduced with the dense ones, or with expert parallelism over the "edp"
+group (parallel/data/experts.py; ZeRO-3: each block's experts a unit of their own); the whole
+sequences tp and cp gather for them (parallel/expert/tokens.py); the loss all-reduced over
+the pipeline with the stages' auxiliary losses.  The ep group's dispatch and combine depend
+on the routing: layout/expert_traffic.py, from the step's routing (observe/router.py).
+
 The scalar collectives of a step travel too and are counted, each a float64 all-reduce of
 one element (recursive doubling: 8 bytes per round, log2(N) rounds on 2^k ranks): the loss
 summed over the reduction group, the squared gradient norm (``clip_grad``) and the fp16
@@ -50,36 +57,76 @@ SCALAR = 8  # a float64 scalar (loss, squared norm, overflow flag) as one all-re
 # ------------------------------------------------------------------ the model's parameters
 
 
-def block_numels(d: int, tp: int) -> list[int]:
+def mlp_numels(d: int, tp: int = 1) -> list[int]:
+    """GPT-2's MLP on a tensor-parallel rank: c_fc (column: weight, bias), c_proj (row; its
+    bias replicated)."""
+    return [d * 4 * d // tp, 4 * d // tp, 4 * d // tp * d, d]
+
+
+def attention_numels(d: int, tp: int) -> list[int]:
+    """A block's first part on a tensor-parallel rank: ln_1 (2), c_attn (column, fused
+    q|k|v), c_proj (row; its bias replicated), ln_2 (2)."""
+    return [d, d, d * 3 * d // tp, 3 * d // tp, d // tp * d, d, d, d]
+
+
+def block_numels(d: int, tp: int, experts: int = 0) -> list[int]:
     """One block's parameters on a tensor-parallel rank, in ``model.parameters()`` order:
-    ln_1 (2), c_attn (column, fused q|k|v), c_proj (row; its bias replicated), ln_2, c_fc
-    (column), c_proj (row).  Megatron-LM's split (Shoeybi et al. 2019)."""
-    return [d, d, d * 3 * d // tp, 3 * d // tp, d // tp * d, d, d, d,
-            d * 4 * d // tp, 4 * d // tp, 4 * d // tp * d, d]
+    :func:`attention_numels`, then the MLP (Megatron-LM's split, Shoeybi et al. 2019), or with
+    ``experts`` E the mixture (model/moe.py): the router (d x E) and E whole MLPs, replicated
+    over tp."""
+    if not experts:
+        return attention_numels(d, tp) + mlp_numels(d, tp)
+    return attention_numels(d, tp) + [d * experts] + experts * mlp_numels(d)
+
+
+def is_mixture(layer: int, experts: int, moe_every: int) -> bool:
+    """Block ``layer`` (from 0) holds a mixture: every ``moe_every``-th (model/moe.py is_moe_block)."""
+    return experts > 0 and (layer + 1) % moe_every == 0
+
+
+def rank_params(n_layer: int, d_model: int, vocab: int = 256, block_size: int = 128, tied: bool = True,
+                tp: int = 1, stages=None, num_stages: int = 1, experts: int = 0, moe_every: int = 1,
+                ep: int = 1, ep_rank: int = 0) -> list[tuple[int, tuple]]:
+    """``(elements, unit)`` of each parameter a rank holds, in ``model.parameters()`` order
+    (the order DDP's buckets are cut from, reversed); ``unit`` says what reduces it: ``("root",)``
+    (embeddings, final LayerNorm, head), ``("block", i)``, or ``("experts", i)`` for block i's
+    experts under expert parallelism (``ep`` > 1: this rank, ``ep_rank`` of its ep group,
+    holds experts ``ep_rank·E/ep ..``; they are reduced over the edp group, parallel/data/experts.py).
+
+    The vocabulary-parallel embedding holds ceil(V/tp) rows (padded where tp does not divide
+    V: parallel/tensor/vocab_parallel.py), as does an untied head's columns.  On a pipeline
+    (``stages``: this rank's model stages of ``num_stages``) the first stage keeps the
+    embeddings, the last the final LayerNorm and the head, and with tied embeddings the last
+    stage keeps its own copy of the token embedding (pipeline/runtime.py)."""
+    stages = list(range(num_stages)) if stages is None else list(stages)
+    first, last = 0 in stages, num_stages - 1 in stages
+    d, rows = d_model, -(-vocab // tp)
+    root = ("root",)
+    out = []
+    if first or (last and tied):
+        out.append((rows * d, root))
+    if first:
+        out.append((block_size * d, root))
+    for layer in range(n_layer):
+        if not any(layer in layer_range(s, n_layer, num_stages) for s in stages):
+            continue
+        if not is_mixture(layer, experts, moe_every):
+            out += [(n, ("block", layer)) for n in block_numels(d, tp)]
+        elif ep == 1:
+            out += [(n, ("block", layer)) for n in block_numels(d, tp, experts)]
+        else:  # the dense part (attention, router), then this rank's E/ep experts
+            out += [(n, ("block", layer)) for n in attention_numels(d, tp) + [d * experts]]
+            out += [(n, ("experts", layer)) for n in experts // ep * mlp_numels(d)]
+    if last:
+        out += [(d, root), (d, root)] + ([] if tied else [(d * rows, root)])
+    return out
 
 
 def param_numels(n_layer: int, d_model: int, vocab: int = 256, block_size: int = 128, tied: bool = True,
-                 tp: int = 1, stages=None, num_stages: int = 1) -> list[int]:
-    """Elements of each parameter a rank holds, in ``model.parameters()`` order (the order
-    DDP's buckets are cut from, reversed): the vocabulary-parallel embedding (V/tp rows), the
-    position table, this rank's blocks, the final LayerNorm, the LM head unless tied.  On a
-    pipeline (``stages``: this rank's model stages of ``num_stages``) the first stage keeps
-    the embeddings, the last the final LayerNorm and the head, and with tied embeddings
-    the last stage keeps its own copy of the token embedding (pipeline/runtime.py)."""
-    stages = list(range(num_stages)) if stages is None else list(stages)
-    first, last = 0 in stages, num_stages - 1 in stages
-    d = d_model
-    out = []
-    if first or (last and tied):
-        out.append(vocab // tp * d)
-    if first:
-        out.append(block_size * d)
-    for layer in range(n_layer):
-        if any(layer in layer_range(s, n_layer, num_stages) for s in stages):
-            out += block_numels(d, tp)
-    if last:
-        out += [d, d] + ([] if tied else [d * vocab // tp])
-    return out
+                 tp: int = 1, stages=None, num_stages: int = 1, **moe) -> list[int]:
+    """Elements of each parameter a rank holds, in ``model.parameters()`` order
+    (:func:`rank_params`; ``moe``: its experts, moe_every, ep, ep_rank)."""
+    return [n for n, _ in rank_params(n_layer, d_model, vocab, block_size, tied, tp, stages, num_stages, **moe)]
 
 
 def buckets(numels: list[int], itemsize: int, bucket_mb: float) -> list[int]:
@@ -133,7 +180,10 @@ def fsdp_bytes(units: list[int], itemsize: int, n: int, r: int, passes: list[lis
     forward gathers it (unless already gathered or prefetched), prefetches the next, frees it;
     its backward, recomputing it, gathers it again and prefetches the one before; a pass ends
     reduce-scattering each block's and the root's gradient.  Without a pipeline: the root
-    once, every block twice, each unit reduce-scattered once, per micro-step."""
+    once, every block twice, each unit reduce-scattered once, per micro-step.  An empty unit
+    (0 elements) sends nothing: with expert parallelism the experts' units, gathered and
+    scattered with their blocks over the edp group, are this list with 0 for the root and the
+    blocks without a mixture."""
     if n == 1:
         return 0
     gather = [all_gather_bytes(split_sizes(u, n), itemsize, r) for u in units]
@@ -144,7 +194,7 @@ def fsdp_bytes(units: list[int], itemsize: int, n: int, r: int, passes: list[lis
 
         def launch(i):
             nonlocal total
-            if 0 <= i < len(units) and (i > 0 or units[0]) and i not in live:
+            if 0 <= i < len(units) and units[i] and i not in live:
                 live.add(i)
                 total += gather[i]
 
@@ -177,7 +227,7 @@ def compute_actions(pp: int, pp_rank: int, schedule: str | None, microbatches: i
 
 def tp_bytes(rows: list[int], tokens: int, d_model: int, n_layer: int, block_size: int, tp: int, r: int,
              itemsize: int, act_itemsize: int, sequence_parallel: bool = False, checkpoint: bool = False,
-             embed: bool = True, head: bool = True) -> int:
+             embed: bool = True, head: bool = True, mixtures: int = 0) -> int:
     """Megatron-LM (Shoeybi et al. 2019) over ``tp`` ranks, summed over the micro-batches of
     ``rows[k]`` sequences of ``tokens`` tokens each (``n_layer``: this rank's blocks; ``embed``
     / ``head``: it runs the embedding / the LM head and loss).  Per micro-batch, with
@@ -192,7 +242,12 @@ def tp_bytes(rows: list[int], tokens: int, d_model: int, n_layer: int, block_siz
       of the sequence before a column-parallel layer and a reduce-scatter after a row-parallel
       one, and backward gathers each column-parallel input again for its weight gradient;
       the replicated parameters used on a sequence shard (LayerNorms, row-parallel biases,
-      the position table) have their gradients all-reduced (f)."""
+      the position table) have their gradients all-reduced (f).
+
+    ``mixtures`` of the ``n_layer`` blocks hold a mixture of experts, replicated over tp
+    (parallel/expert/tokens.py): only the attention's half of the block's collectives remain;
+    with sequence parallelism the mixture all-gathers the sequence before routing (again when
+    recomputed), and its output slice's backward all-gathers the gradient."""
     if tp == 1:
         return 0
     ce_itemsize = max(act_itemsize, 4)  # the loss computes in float32 at least (ops.precision)
@@ -202,18 +257,24 @@ def tp_bytes(rows: list[int], tokens: int, d_model: int, n_layer: int, block_siz
         n = rows_k * tokens
         loss = ar(n, ce_itemsize) + ar(2 * n, ce_itemsize)
         if not sequence_parallel:
-            blocks = n_layer * ar(n * d_model) * (6 if checkpoint else 4)
+            per_block = ar(n * d_model) * (3 if checkpoint else 2)  # one g forward (twice recomputed), one f back
+            blocks = (2 * n_layer - mixtures) * per_block  # a dense block's MLP as many again
             total += blocks + embed * ar(n * d_model, itemsize) + head * (ar(n * d_model) + loss)
             continue
         gather = lambda b: all_gather_bytes(split_sizes(tokens, tp), rows_k * d_model * b, r)  # noqa: E731  (by token)
         ag, rs = gather(act_itemsize), reduce_scatter_bytes(tokens, rows_k * d_model, act_itemsize, tp, r)
         small = lambda k: ar(k, itemsize)  # noqa: E731  (a replicated parameter's gradient)
-        per_block = (2 * ag + 2 * rs) * (2 if checkpoint else 1) + 4 * ag + 2 * rs \
-            + 2 * small(2 * d_model) + 2 * small(d_model)
+        # attention or MLP: forward g (gather) and f (scatter), again when recomputed; backward
+        # the two swapped and the input gathered again for the weight's gradient; the row bias
+        half = (ag + rs) * (2 if checkpoint else 1) + 2 * ag + rs + small(d_model)
+        norms = 2 * small(2 * d_model)  # ln_1, ln_2 (weight and bias)
+        moe = ag * (2 if checkpoint else 1) + ag  # the mixture's sequence gathered; its output slice's backward
+        per_block = 2 * half + norms
+        per_mixture = half + norms + moe
         # the embedding's partial sums (parameter dtype) scattered, their gradient gathered; wpe's gradient
         embedding = rs + gather(itemsize) + small(block_size * d_model)
         lm_head = small(2 * d_model) + ag + rs + ag + loss  # ln_f; logits: gather, backward scatter + gather
-        total += n_layer * per_block + embed * embedding + head * lm_head
+        total += (n_layer - mixtures) * per_block + mixtures * per_mixture + embed * embedding + head * lm_head
     return total
 
 
@@ -221,7 +282,7 @@ def tp_bytes(rows: list[int], tokens: int, d_model: int, n_layer: int, block_siz
 
 
 def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, r: int, act_itemsize: int,
-             impl: str = "ring", checkpoint: bool = False) -> int:
+             impl: str = "ring", checkpoint: bool = False, mixtures: int = 0, d_model: int = 0) -> int:
     """Attention over ``cp`` ranks holding ``tokens`` tokens each of every sequence, per block
     and micro-batch of ``rows[k]`` sequences (``d_local``: this rank's heads x head size):
 
@@ -231,7 +292,11 @@ def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, 
       C-1 more when the block is recomputed).  The blocks travel in the attention's compute
       dtype: float32 under mixed precision (ops.precision.gemm_operands);
     * DeepSpeed-Ulysses (Jacobs et al. 2023): all-to-all of Q|K|V (3 x) to heads and of the
-      output (1 x) back, each sending (C-1)/C of its bytes, and the same two backward."""
+      output (1 x) back, each sending (C-1)/C of its bytes, and the same two backward.
+
+    Each of the ``mixtures`` blocks with a mixture of experts (width ``d_model``) routes the
+    whole sequences (parallel/expert/tokens.py): it all-gathers the ranks' tokens (again when
+    recomputed), and backward reduce-scatters their gradients."""
     if cp == 1:
         return 0
     total = 0
@@ -245,6 +310,9 @@ def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, 
             total += n_layer * forward * (3 if checkpoint else 2)
         else:
             raise ValueError(f"cp_bytes: unknown implementation {impl!r}")
+        gather = all_gather_bytes([tokens] * cp, rows_k * d_model * act_itemsize, r)
+        scatter = reduce_scatter_bytes(tokens * cp, rows_k * d_model, act_itemsize, cp, r)
+        total += mixtures * (gather * (2 if checkpoint else 1) + scatter)
     return total
 
 
@@ -253,7 +321,7 @@ def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, 
 
 def pp_bytes(passes: list[list[int]], tokens: int, d_model: int, pp: int, pp_rank: int, virtual_stages: int,
              act_itemsize: int, tied_numel: int = 0, itemsize: int = 4, tied_swaps: int = 1,
-             placement: str = LOOPING) -> int:
+             placement: str = LOOPING, experts: bool = False) -> int:
     """Activations and gradients between pipeline stages (GPipe, Huang et al. 2019; 1F1B,
     Narayanan et al. 2019; interleaved, Narayanan et al. 2021), per pass of ``passes[k]``
     microbatch rows (one pass per gradient-accumulation part): every chunk but the model's
@@ -261,7 +329,8 @@ def pp_bytes(passes: list[list[int]], tokens: int, d_model: int, pp: int, pp_ran
     rank, every chunk but the first sends its input's gradient back, unless that neighbour is
     on the same rank (with the looping placement never for P > 1; ZB-V's V shape turns at rank
     P-1, whose two chunks hand over locally: ``placement``).  After each pass the last stage
-    broadcasts the loss (one float64).  Before each gradient reduction (``tied_swaps``: once
+    broadcasts the loss (one float64); a model with ``experts`` all-reduces it instead, each
+    stage adding its mixtures' auxiliary losses (pipeline/runtime.py).  Before each gradient reduction (``tied_swaps``: once
     per step, or every micro-step for ZeRO-2/3) the first and last stages swap their
     ``tied_numel``-element parts of the tied embedding's gradient (Megatron-LM's embedding
     group), unless one rank holds both (the V shape's rank 0)."""
@@ -274,7 +343,8 @@ def pp_bytes(passes: list[list[int]], tokens: int, d_model: int, pp: int, pp_ran
     total = 0
     for rows in passes:
         total += sends * sum(rows) * tokens * d_model * act_itemsize
-        total += broadcast_bytes(SCALAR, pp, pp_rank, stage_location(S - 1, pp, placement)[0])
+        total += all_reduce_bytes(1, SCALAR, pp, pp_rank) if experts else \
+            broadcast_bytes(SCALAR, pp, pp_rank, stage_location(S - 1, pp, placement)[0])
     if (0 in stages) != (S - 1 in stages):
         total += tied_swaps * tied_numel * itemsize
     return total
@@ -283,25 +353,29 @@ def pp_bytes(passes: list[list[int]], tokens: int, d_model: int, pp: int, pp_ran
 # ------------------------------------------------------------------ one step
 
 
-def group_names(dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1) -> dict[str, str]:
+def group_names(dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1) -> dict[str, str]:
     """The name of the group each key of :func:`step_bytes` travels on, as ``comm.Mesh`` names
     it: its axes of size > 1 joined by "+" in the mesh's order (dp, pp, cp, tp), "self" for
     none; "dp" is the data-parallel reduction group, ("dp", "cp"), so "dp+cp" when both are
-    split; "world" is the mesh's world group (``comm.world()``), which the scalars use."""
+    split; "world" is the mesh's world group (``comm.world()``), which the scalars use; with
+    ``ep`` > 1, "edp": the ranks holding the same experts, as parallel/expert/ names it."""
     sizes = {"dp": dp, "pp": pp, "tp": tp, "cp": cp}
     out = {}
     for key, members in (("dp", ("dp", "cp")), ("pp", ("pp",)), ("tp", ("tp",)), ("cp", ("cp",))):
         axes = [a for a in ("dp", "pp", "cp", "tp") if a in members and sizes[a] > 1]
         out[key] = "+".join(axes) if axes else "self"
     out["world"] = "world"
+    if ep > 1:
+        out["edp"] = f"{out['dp']}.edp{dp * cp // ep}"
     return out
 
 
-def by_group(per_axis: dict[str, int], dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1) -> dict[str, int]:
+def by_group(per_axis: dict[str, int], dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1,
+             ep: int = 1) -> dict[str, int]:
     """``step_bytes``' result keyed by group name (what ``comm.stats.bytes_by_group`` reports);
     axes sharing a group (dp = 1 with cp: the reduction group is the cp group) are summed."""
     out: dict[str, int] = {}
-    for axis, name in group_names(dp, pp, tp, cp).items():
+    for axis, name in group_names(dp, pp, tp, cp, ep).items():
         if per_axis.get(axis):
             out[name] = out.get(name, 0) + per_axis[axis]
     return out
@@ -314,13 +388,20 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
                virtual_stages: int = 1, schedule: str | None = "1f1b", zero: int = 0,
                sequence_parallel: bool = False, cp_impl: str = "ring", bucket_mb: float = 25.0,
                clip_grad: bool = True, fp16: bool = False, checkpoint_activations: bool = False,
-               tp_async: str | None = None, hsdp_shard: int | None = None) -> dict[str, int]:
+               tp_async: str | None = None, hsdp_shard: int | None = None, experts: int = 0,
+               moe_every: int = 1, ep: int = 1) -> dict[str, int]:
     """Bytes this rank (``coords``: its {"dp", "pp", "tp", "cp"} coordinates) sends in one
     optimizer step, per axis: ``{"dp", "pp", "tp", "cp", "world"}`` (see the module
     docstring; ``itemsize``: the parameters' dtype, ``act_itemsize``: the activations',
     default the same).  "dp" is the ("dp", "cp") reduction group's traffic, "world" the
     scalars every rank agrees on (gradient norm, fp16 overflow; a step skipped for an fp16
-    overflow clips nothing, so it sends one norm all-reduce less)."""
+    overflow clips nothing, so it sends one norm all-reduce less).
+
+    ``experts`` E > 0: every ``moe_every``-th block's MLP is a mixture of E experts.  Without
+    expert parallelism they are ordinary data-parallel parameters; with ``ep`` > 1 this rank
+    holds E/ep of them, reduced over the edp group (key "edp"), the dense ones over "dp".
+    Dispatch and combine (the ep group's all-to-alls) depend on the routing: they are
+    layout/expert_traffic.py's, not here."""
     if tp_async or (hsdp_shard and hsdp_shard != dp * cp):
         raise ValueError("step_bytes has no formula for collective matmuls (tp_async) or HSDP")
     c = {a: 0 for a in AXES} | dict(coords or {})
@@ -333,27 +414,36 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
     S, stages = pp * V, rank_stages(c["pp"], pp, V, placement)
     layers = [l for s in stages for l in layer_range(s, n_layer, S)]  # this rank's blocks, by chunk
     first, last = 0 in stages, S - 1 in stages
-    numels = param_numels(n_layer, d_model, vocab, block_size, tied, tp, stages, S)
+    params = rank_params(n_layer, d_model, vocab, block_size, tied, tp, stages, S, experts, moe_every, ep,
+                         r_dp % ep)  # ep groups: consecutive ranks of the reduction group
+    dense = [n for n, unit in params if unit[0] != "experts"]
+    mixtures = sum(is_mixture(l, experts, moe_every) for l in layers)
     tokens = seq_len // cp
     micro = [split_sizes(p, microbatches) for p in parts] if pp > 1 else [[p] for p in parts]
     rows = [m for pass_rows in micro for m in pass_rows]  # every forward/backward's rows
     recompute = checkpoint_activations or zero == 3
     out = {
         "tp": tp_bytes(rows, tokens, d_model, len(layers), block_size, tp, c["tp"], b, ba, sequence_parallel,
-                       recompute, first, last),
-        "cp": cp_bytes(rows, tokens, d_model // tp, len(layers), cp, c["cp"], ba, cp_impl, recompute),
+                       recompute, first, last, mixtures),
+        "cp": cp_bytes(rows, tokens, d_model // tp, len(layers), cp, c["cp"], ba, cp_impl, recompute, mixtures,
+                       d_model),
         "pp": pp_bytes(micro, tokens // tp if sequence_parallel else tokens, d_model, pp, c["pp"], V, ba,
-                       vocab // tp * d_model if tied else 0, b, grad_accum if zero >= 2 else 1, placement),
+                       -(-vocab // tp) * d_model if tied else 0, b, grad_accum if zero >= 2 else 1, placement,
+                       experts > 0),
         "world": 0,
     }
+    n_edp, r_edp = n_dp // ep, r_dp // ep  # the edp group: the same place in every ep group
+    mine = [n for n, unit in params if unit[0] == "experts"]
     if zero == 3:
-        per_block = sum(block_numels(d_model, tp))
-        units = [sum(numels) - len(layers) * per_block] + [per_block] * len(layers)
+        unit_of = lambda kind: [sum(n for n, u in params if u == (kind, l)) for l in layers]  # noqa: E731
+        units = [sum(n for n, u in params if u[0] == "root")] + unit_of("block")
         chunks = [[k + 1 for k, l in enumerate(layers) if l in layer_range(s, n_layer, S)] for s in stages]
-        actions = compute_actions(pp, c["pp"], schedule, microbatches, V, chunks)
-        out["dp"] = fsdp_bytes(units, b, n_dp, r_dp, [actions] * grad_accum)
+        actions = [compute_actions(pp, c["pp"], schedule, microbatches, V, chunks)] * grad_accum
+        out["dp"] = fsdp_bytes(units, b, n_dp, r_dp, actions)
+        out["edp"] = fsdp_bytes([0] + unit_of("experts"), b, n_edp, r_edp, actions)  # with their blocks
     else:
-        out["dp"] = dp_bytes(numels, b, n_dp, r_dp, zero, bucket_mb, grad_accum)
+        out["dp"] = dp_bytes(dense, b, n_dp, r_dp, zero, bucket_mb, grad_accum)
+        out["edp"] = dp_bytes(mine, b, n_edp, r_edp, zero, bucket_mb, grad_accum) if mine else 0
     world, r_world = dp * pp * tp * cp, MeshLayout(dp=dp, pp=pp, tp=tp, cp=cp).rank_of(**c)
     out["dp"] += all_reduce_bytes(1, SCALAR, n_dp, r_dp)  # the loss, summed over the reduction group
     out["world"] += (clip_grad + fp16) * all_reduce_bytes(1, SCALAR, world, r_world)  # norm, overflow
@@ -369,6 +459,7 @@ def expected_step_bytes(cfg, rank: int = 0) -> dict[str, int]:
     if m.arch != "gpt2":
         raise ValueError(f"no traffic formula for --arch {m.arch} yet (the formulas count GPT-2's blocks)")
     sizes = {"dp": p.dp, "pp": p.pp, "tp": p.tp, "cp": p.cp}
+    moe = {"experts": m.experts, "moe_every": m.moe_every or 1, "ep": p.ep}
     low = dev.mixed_precision in ("bf16", "fp16")
     per_axis = step_bytes(
         n_layer=m.layers, d_model=m.d_model, n_head=m.heads, seq_len=cfg.data.seq_len,
@@ -378,5 +469,5 @@ def expected_step_bytes(cfg, rank: int = 0) -> dict[str, int]:
         schedule=p.schedule, zero=p.zero, sequence_parallel=p.sequence_parallel, cp_impl=p.cp_impl,
         bucket_mb=p.bucket_mb, clip_grad=bool(cfg.optim.clip_grad), fp16=dev.mixed_precision == "fp16",
         checkpoint_activations=dev.checkpoint_activations, tp_async=p.tp_async, hsdp_shard=p.hsdp_shard,
-        **sizes)
-    return by_group(per_axis, **sizes)
+        vocab=m.vocab_size, **moe, **sizes)
+    return by_group(per_axis, **sizes, ep=p.ep)

@@ -73,8 +73,9 @@ class RouterStats:
 
     Attaching sets every held mixture's ``observe``; :meth:`detach` restores the default."""
 
-    def __init__(self, model, group=None):
+    def __init__(self, model, group=None, recomputed: bool = False):
         blocks, self.E, self.k = mixture_layout(model)
+        self.recomputed = recomputed  # blocks run once without a graph before their recorded pass (ep_bytes)
         self.L, self.group = len(blocks), group
         held = [(i, model.h[b].mlp) for i, b in enumerate(blocks) if model.h[b] is not None]  # row i: mixture i
         for i, layer in held:
@@ -132,12 +133,16 @@ class RouterStats:
 
     def ep_bytes(self, d_model: int, itemsize: int) -> int:
         """This rank's bytes on its ep group in the step, by the closed form, from every ep
-        rank's routing (one all-gather of the forwards' row counts over the ep group)."""
+        rank's routing (one all-gather of the forwards' row counts over the ep group).  With
+        ``recomputed`` blocks (activation checkpointing, ZeRO-3) each recorded forward followed
+        a first one without a graph that routed the same tokens alike and exchanged them too
+        (a forward's bytes without the backward's)."""
         g, F, E = self.ep_group, len(self.forwards), self.E
         mine = host.asarray(self.forwards, dtype=host.int64).reshape(F, E)
         every = host.asarray(comm.all_gather(mine, g)).reshape(g.size, F, E)
         forwards = [[[int(c) for c in every[s, f]] for s in range(g.size)] for f in range(F)]
-        return ep_step_bytes(forwards, g.rank, d_model, itemsize)
+        first = ep_step_bytes(forwards, g.rank, d_model, itemsize, backward=False) if self.recomputed else 0
+        return first + ep_step_bytes(forwards, g.rank, d_model, itemsize)
 
     def detach(self) -> None:
         from minidist.model.moe import ignore_routing

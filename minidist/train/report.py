@@ -107,7 +107,8 @@ def router_stats(cfg, strategy):
     from minidist.observe.router import RouterStats
 
     mesh = strategy.mesh
-    stats = RouterStats(strategy.model, mesh.group(("dp", "pp")) if mesh is not None else None)
+    recomputed = cfg.device.checkpoint_activations or cfg.parallel.zero == 3  # ZeRO-3 recomputes each block
+    stats = RouterStats(strategy.model, mesh.group(("dp", "pp")) if mesh is not None else None, recomputed)
     return stats if stats.L else None
 
 

@@ -82,14 +82,17 @@ def counting():
 # ------------------------------------------------------------------ one training step
 
 
-def build(argv):
+def build(argv, vocab=None):
     """(model, strategy, cfg, mesh) for the training flags ``argv``, built as
-    ``python -m minidist.train`` builds them (flags -> RunConfig -> Mesh -> compose.build)."""
+    ``python -m minidist.train`` builds them (flags -> RunConfig -> Mesh -> compose.build);
+    ``vocab``: another vocabulary than the byte tokenizer's 256."""
     from minidist.parallel.compose import build, build_mesh
     from minidist.train.flags import build_parser, validate
 
     parser = build_parser()
     cfg = validate(parser.parse_args(argv), parser)
+    if vocab:
+        cfg = cfg.replace(model=dict(vocab_size=vocab))
     mesh = build_mesh(cfg.parallel)
     model, strategy = build(cfg, mesh)
     return model, strategy, cfg, mesh
@@ -106,27 +109,30 @@ def formula(cfg, mesh) -> dict:
     return traffic.expected_step_bytes(cfg, mesh.rank)
 
 
-def measure_steps(flags, steps=2) -> tuple:
+def measure_steps(flags, steps=2, vocab=None) -> tuple:
     """bytes_by_group around each of ``steps`` training steps of the flags' run, the
-    formula's numbers and the mesh."""
+    formula's numbers (per step: with --ep, the ep group's from that step's routing) and the mesh."""
     from minidist.model.backend import dtype
     from minidist.state.data import Sampler
     from minidist.model.optim import DynamicLossScaler
     from minidist.train.loop import update
+    from minidist.train.report import router_stats
 
-    model, strategy, cfg, mesh = build(TINY + flags)
+    model, strategy, cfg, mesh = build(TINY + flags, vocab)
     m, p = cfg.model, cfg.parallel
     if p.zero != 3:  # the formula's parameter list is what this rank holds (ZeRO-3 keeps only shards)
         stages = rank_stages(mesh.coord("pp"), p.pp, p.virtual_stages, placement_of(p.schedule))
-        want = traffic.param_numels(m.layers, m.d_model, 256, m.block_size, not m.untied, p.tp, stages,
-                                    p.pp * p.virtual_stages)
+        want = traffic.param_numels(m.layers, m.d_model, m.vocab_size, m.block_size, not m.untied, p.tp, stages,
+                                    p.pp * p.virtual_stages, experts=m.experts, moe_every=m.moe_every or 1,
+                                    ep=p.ep, ep_rank=mesh.group(("dp", "cp")).rank % p.ep)
         assert [q.size for q in model.parameters()] == want, ([q.size for q in model.parameters()], want)
-    corpus = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint8)
+    router = router_stats(cfg, strategy)  # --ep: the ep group's bytes from the routing
+    corpus = np.random.default_rng(1).integers(0, m.vocab_size, 4000).astype(np.uint8)
     sampler = Sampler(corpus, cfg.data.seq_len, cfg.data.batch_size, m.seed)
     mp = cfg.device.mixed_precision
     low = {"none": None, "bf16": dtype("bfloat16"), "fp16": dtype("float16")}[mp]
     scaler = DynamicLossScaler() if mp == "fp16" else None  # as train() does
-    out = []
+    out, wants = [], []
     for step in range(steps):
         x, y = sampler.batch(step)
 
@@ -135,13 +141,15 @@ def measure_steps(flags, steps=2) -> tuple:
             update(strategy, scaler, cfg.optim.clip_grad)
 
         out.append(_delta(one_step))
-    return out, formula(cfg, mesh), mesh
+        ep = router.step(m.d_model, 8 if m.dtype == "float64" else 4).get("ep_bytes", {}) if router else {}
+        wants.append({**formula(cfg, mesh), **ep})
+    return out, wants, mesh
 
 
-def check(flags) -> None:
-    measured, want, mesh = measure_steps(flags)
-    label = " ".join(flags)
-    for step, got in enumerate(measured):
+def check(flags, vocab=None) -> None:
+    measured, wants, mesh = measure_steps(flags, vocab=vocab)
+    label = " ".join(flags) + (f" vocab {vocab}" if vocab else "")
+    for step, (got, want) in enumerate(zip(measured, wants)):
         assert got == want, (f"{label}: rank {mesh.rank} {mesh.coords}, step {step}: measured {got}, "
                              f"formula {want}; by collective: {stats()}")
     print(f"axis bytes ok: {label} rank {mesh.rank} {dict(sorted(want.items()))}", flush=True)
@@ -177,6 +185,31 @@ COMPOSED = [
      "--microbatches", "2"],
     ["--dp", "2", "--pp", "2", "--zero", "3", "--schedule", "looping", "--layers", "4", "--microbatches", "2"],
 ]
+
+
+# mixtures of experts (the experts ordinary data-parallel parameters, or with --ep reduced over
+# the edp group; replicated over tp; each cp rank routing the whole sequences), and vocabularies
+# that tp does not divide (the embedding padded)
+MOE = ["--experts", "4", "--capacity-factor", "1.0"]
+EXPERTS = [
+    ["--dp", "4", *MOE, "--bucket-mb", "0.01"],
+    ["--dp", "4", *MOE, "--ep", "2", "--zero", "1", "--moe-every", "2", "--layers", "3"],
+    ["--dp", "4", *MOE, "--ep", "2", "--zero", "2", "--grad-accum", "2"],
+    ["--dp", "2", "--pp", "2", *MOE, "--ep", "2", "--moe-every", "2", "--layers", "4", "--microbatches", "2"],
+    ["--dp", "2", "--tp", "2", *MOE, "--sequence-parallel", "--checkpoint-activations", "--moe-every", "2"],
+    ["--tp", "2", "--cp", "2", *MOE, "--top-k", "1"],
+    ["--dp", "2", "--cp", "2", *MOE, "--ep", "2", "--zero", "3", "--cp-impl", "ulysses"],
+    ["--dp", "2", "--pp", "2", *MOE, "--zero", "3", "--schedule", "interleaved", "--layers", "4",
+     "--microbatches", "2", "--moe-every", "2"],
+]
+PADDED = [["--dp", "2", "--tp", "2"], ["--pp", "2", "--tp", "2", "--sequence-parallel"]]  # vocabulary 255
+
+
+def experts():
+    for flags in EXPERTS:
+        check(flags)
+    for flags in PADDED:
+        check(flags, vocab=255)
 
 
 def step_matrix():
