@@ -59,6 +59,14 @@ def test_param_numels_are_the_models():
     # tp = 2: the matrices (12 d^2) and the column-parallel biases (3d + 4d) halve; the
     # LayerNorms (4d) and the row-parallel biases (2d) are replicated
     assert sum(t.block_numels(16, 2)) == 12 * 16 * 16 // 2 + 7 * 16 // 2 + 6 * 16
+    # mixtures in blocks 1 and 3, Llama's blocks with grouped-query attention
+    for kw in (dict(n_experts=3, moe_every=2), dict(arch="llama", n_kv_head=2, ffn_hidden=40),
+               dict(arch="llama", n_kv_head=1, n_experts=2, moe_every=1)):
+        model = GPT(GPTConfig(seq_len=8, n_layer=4, n_head=4, d_model=16, **kw))
+        c = model.config
+        llama = {"heads": 4, "kv_heads": c.n_kv_head, "ffn": c.ffn_hidden} if c.arch == "llama" else None
+        assert t.param_numels(4, 16, 256, 8, c.tie_embeddings, experts=c.n_experts, moe_every=c.moe_every,
+                              llama=llama) == [p.size for p in model.parameters()], kw
 
 
 def test_group_names_follow_the_mesh():
@@ -118,3 +126,12 @@ def test_experts_and_padded_vocabularies_equal_the_formulas_exactly():
     to the mixtures.  A vocabulary tp does not divide: the embedding's padded rows travel too."""
     out = body("experts", timeout=600)
     assert out.count("axis bytes ok:") == 4 * 10, out
+
+
+@pytest.mark.mpi
+def test_llama_equals_the_formulas_exactly():
+    """The Llama family's blocks (docs/llama.md): tp with key/value heads split and shared
+    (their gradients summed over the "tp-kv" groups), sequence parallelism's RMSNorm weights,
+    Ulysses sending grouped heads as they are or repeated, mixtures of SwiGLU experts."""
+    out = body("llama", timeout=600)
+    assert out.count("axis bytes ok:") == 4 * 7, out

@@ -26,6 +26,8 @@ group (parallel/data/experts.py; ZeRO-3: each block's experts a unit of their ow
 sequences tp and cp gather for them (parallel/expert/tokens.py); the loss all-reduced over
 the pipeline with the stages' auxiliary losses.  The ep group's dispatch and combine depend
 on the routing: layout/expert_traffic.py, from the step's routing (observe/router.py).
+The Llama family's blocks are counted too (``arch="llama"``: :func:`step_bytes`).  Mixed
+precision and experts together are not checked by the tests.
 
 The scalar collectives of a step travel too and are counted, each a float64 all-reduce of
 one element (recursive doubling: 8 bytes per round, log2(N) rounds on 2^k ranks): the loss
@@ -57,26 +59,39 @@ SCALAR = 8  # a float64 scalar (loss, squared norm, overflow flag) as one all-re
 # ------------------------------------------------------------------ the model's parameters
 
 
-def mlp_numels(d: int, tp: int = 1) -> list[int]:
-    """GPT-2's MLP on a tensor-parallel rank: c_fc (column: weight, bias), c_proj (row; its
-    bias replicated)."""
+def mlp_numels(d: int, tp: int = 1, llama: dict | None = None) -> list[int]:
+    """The feed-forward on a tensor-parallel rank: GPT-2's MLP, c_fc (column: weight, bias) and
+    c_proj (row; its bias replicated); or with ``llama`` ({"heads", "kv_heads", "ffn"}) the
+    SwiGLU of width ffn: gate|up (one fused column weight, each half split) and down (row)."""
+    if llama:
+        f = llama["ffn"] // tp
+        return [d * 2 * f, f * d]
     return [d * 4 * d // tp, 4 * d // tp, 4 * d // tp * d, d]
 
 
-def attention_numels(d: int, tp: int) -> list[int]:
-    """A block's first part on a tensor-parallel rank: ln_1 (2), c_attn (column, fused
-    q|k|v), c_proj (row; its bias replicated), ln_2 (2)."""
+def kv_heads_here(kv_heads: int, tp: int) -> int:
+    """Key/value heads a tensor-parallel rank holds: K/tp, or the one it shares with tp/K ranks."""
+    return max(kv_heads // tp, 1)
+
+
+def attention_numels(d: int, tp: int, llama: dict | None = None) -> list[int]:
+    """A block's first part on a tensor-parallel rank: GPT-2's ln_1 (2), c_attn (column, fused
+    q|k|v), c_proj (row; its bias replicated), ln_2 (2); Llama's ln_1, q, k, v (its key/value
+    heads), o, ln_2 (RMSNorm weights, no biases)."""
+    if llama:
+        D, kv = d // llama["heads"], kv_heads_here(llama["kv_heads"], tp)
+        return [d, d * d // tp, d * kv * D, d * kv * D, d // tp * d, d]
     return [d, d, d * 3 * d // tp, 3 * d // tp, d // tp * d, d, d, d]
 
 
-def block_numels(d: int, tp: int, experts: int = 0) -> list[int]:
+def block_numels(d: int, tp: int, experts: int = 0, llama: dict | None = None) -> list[int]:
     """One block's parameters on a tensor-parallel rank, in ``model.parameters()`` order:
-    :func:`attention_numels`, then the MLP (Megatron-LM's split, Shoeybi et al. 2019), or with
-    ``experts`` E the mixture (model/moe.py): the router (d x E) and E whole MLPs, replicated
-    over tp."""
+    :func:`attention_numels`, then the feed-forward (Megatron-LM's split, Shoeybi et al. 2019),
+    or with ``experts`` E the mixture (model/moe.py): the router (d x E) and E whole
+    feed-forwards, replicated over tp."""
     if not experts:
-        return attention_numels(d, tp) + mlp_numels(d, tp)
-    return attention_numels(d, tp) + [d * experts] + experts * mlp_numels(d)
+        return attention_numels(d, tp, llama) + mlp_numels(d, tp, llama)
+    return attention_numels(d, tp, llama) + [d * experts] + experts * mlp_numels(d, 1, llama)
 
 
 def is_mixture(layer: int, experts: int, moe_every: int) -> bool:
@@ -86,7 +101,7 @@ def is_mixture(layer: int, experts: int, moe_every: int) -> bool:
 
 def rank_params(n_layer: int, d_model: int, vocab: int = 256, block_size: int = 128, tied: bool = True,
                 tp: int = 1, stages=None, num_stages: int = 1, experts: int = 0, moe_every: int = 1,
-                ep: int = 1, ep_rank: int = 0) -> list[tuple[int, tuple]]:
+                ep: int = 1, ep_rank: int = 0, llama: dict | None = None) -> list[tuple[int, tuple]]:
     """``(elements, unit)`` of each parameter a rank holds, in ``model.parameters()`` order
     (the order DDP's buckets are cut from, reversed); ``unit`` says what reduces it: ``("root",)``
     (embeddings, final LayerNorm, head), ``("block", i)``, or ``("experts", i)`` for block i's
@@ -97,7 +112,9 @@ def rank_params(n_layer: int, d_model: int, vocab: int = 256, block_size: int = 
     V: parallel/tensor/vocab_parallel.py), as does an untied head's columns.  On a pipeline
     (``stages``: this rank's model stages of ``num_stages``) the first stage keeps the
     embeddings, the last the final LayerNorm and the head, and with tied embeddings the last
-    stage keeps its own copy of the token embedding (pipeline/runtime.py)."""
+    stage keeps its own copy of the token embedding (pipeline/runtime.py).  ``llama``
+    ({"heads", "kv_heads", "ffn"}): the Llama family's blocks, no position table, one
+    RMSNorm weight at the end."""
     stages = list(range(num_stages)) if stages is None else list(stages)
     first, last = 0 in stages, num_stages - 1 in stages
     d, rows = d_model, -(-vocab // tp)
@@ -105,20 +122,20 @@ def rank_params(n_layer: int, d_model: int, vocab: int = 256, block_size: int = 
     out = []
     if first or (last and tied):
         out.append((rows * d, root))
-    if first:
+    if first and not llama:
         out.append((block_size * d, root))
     for layer in range(n_layer):
         if not any(layer in layer_range(s, n_layer, num_stages) for s in stages):
             continue
         if not is_mixture(layer, experts, moe_every):
-            out += [(n, ("block", layer)) for n in block_numels(d, tp)]
+            out += [(n, ("block", layer)) for n in block_numels(d, tp, 0, llama)]
         elif ep == 1:
-            out += [(n, ("block", layer)) for n in block_numels(d, tp, experts)]
+            out += [(n, ("block", layer)) for n in block_numels(d, tp, experts, llama)]
         else:  # the dense part (attention, router), then this rank's E/ep experts
-            out += [(n, ("block", layer)) for n in attention_numels(d, tp) + [d * experts]]
-            out += [(n, ("experts", layer)) for n in experts // ep * mlp_numels(d)]
+            out += [(n, ("block", layer)) for n in attention_numels(d, tp, llama) + [d * experts]]
+            out += [(n, ("experts", layer)) for n in experts // ep * mlp_numels(d, 1, llama)]
     if last:
-        out += [(d, root), (d, root)] + ([] if tied else [(d * rows, root)])
+        out += [(d, root)] * (1 if llama else 2) + ([] if tied else [(d * rows, root)])
     return out
 
 
@@ -227,7 +244,7 @@ def compute_actions(pp: int, pp_rank: int, schedule: str | None, microbatches: i
 
 def tp_bytes(rows: list[int], tokens: int, d_model: int, n_layer: int, block_size: int, tp: int, r: int,
              itemsize: int, act_itemsize: int, sequence_parallel: bool = False, checkpoint: bool = False,
-             embed: bool = True, head: bool = True, mixtures: int = 0) -> int:
+             embed: bool = True, head: bool = True, mixtures: int = 0, llama: bool = False) -> int:
     """Megatron-LM (Shoeybi et al. 2019) over ``tp`` ranks, summed over the micro-batches of
     ``rows[k]`` sequences of ``tokens`` tokens each (``n_layer``: this rank's blocks; ``embed``
     / ``head``: it runs the embedding / the LM head and loss).  Per micro-batch, with
@@ -247,7 +264,8 @@ def tp_bytes(rows: list[int], tokens: int, d_model: int, n_layer: int, block_siz
     ``mixtures`` of the ``n_layer`` blocks hold a mixture of experts, replicated over tp
     (parallel/expert/tokens.py): only the attention's half of the block's collectives remain;
     with sequence parallelism the mixture all-gathers the sequence before routing (again when
-    recomputed), and its output slice's backward all-gathers the gradient."""
+    recomputed), and its output slice's backward all-gathers the gradient.  ``llama``: the
+    replicated parameters are RMSNorm weights alone (no biases, no position table)."""
     if tp == 1:
         return 0
     ce_itemsize = max(act_itemsize, 4)  # the loss computes in float32 at least (ops.precision)
@@ -266,14 +284,14 @@ def tp_bytes(rows: list[int], tokens: int, d_model: int, n_layer: int, block_siz
         small = lambda k: ar(k, itemsize)  # noqa: E731  (a replicated parameter's gradient)
         # attention or MLP: forward g (gather) and f (scatter), again when recomputed; backward
         # the two swapped and the input gathered again for the weight's gradient; the row bias
-        half = (ag + rs) * (2 if checkpoint else 1) + 2 * ag + rs + small(d_model)
-        norms = 2 * small(2 * d_model)  # ln_1, ln_2 (weight and bias)
+        half = (ag + rs) * (2 if checkpoint else 1) + 2 * ag + rs + (0 if llama else small(d_model))
+        norm = small(d_model if llama else 2 * d_model)  # a LayerNorm's weight and bias, an RMSNorm's weight
         moe = ag * (2 if checkpoint else 1) + ag  # the mixture's sequence gathered; its output slice's backward
-        per_block = 2 * half + norms
-        per_mixture = half + norms + moe
+        per_block = 2 * half + 2 * norm
+        per_mixture = half + 2 * norm + moe
         # the embedding's partial sums (parameter dtype) scattered, their gradient gathered; wpe's gradient
-        embedding = rs + gather(itemsize) + small(block_size * d_model)
-        lm_head = small(2 * d_model) + ag + rs + ag + loss  # ln_f; logits: gather, backward scatter + gather
+        embedding = rs + gather(itemsize) + (0 if llama else small(block_size * d_model))
+        lm_head = norm + ag + rs + ag + loss  # ln_f; logits: gather, backward scatter + gather
         total += (n_layer - mixtures) * per_block + mixtures * per_mixture + embed * embedding + head * lm_head
     return total
 
@@ -282,7 +300,8 @@ def tp_bytes(rows: list[int], tokens: int, d_model: int, n_layer: int, block_siz
 
 
 def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, r: int, act_itemsize: int,
-             impl: str = "ring", checkpoint: bool = False, mixtures: int = 0, d_model: int = 0) -> int:
+             impl: str = "ring", checkpoint: bool = False, mixtures: int = 0, d_model: int = 0,
+             qkv_local: int | None = None) -> int:
     """Attention over ``cp`` ranks holding ``tokens`` tokens each of every sequence, per block
     and micro-batch of ``rows[k]`` sequences (``d_local``: this rank's heads x head size):
 
@@ -293,6 +312,10 @@ def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, 
       dtype: float32 under mixed precision (ops.precision.gemm_operands);
     * DeepSpeed-Ulysses (Jacobs et al. 2023): all-to-all of Q|K|V (3 x) to heads and of the
       output (1 x) back, each sending (C-1)/C of its bytes, and the same two backward.
+      ``qkv_local``: the width of this rank's Q|K|V when its key/value heads are fewer
+      (grouped-query attention: context/ulysses.py sends them as they are where cp divides
+      them, else repeated for their query heads, 3 x ``d_local``); ring attention always
+      passes them repeated.
 
     Each of the ``mixtures`` blocks with a mixture of experts (width ``d_model``) routes the
     whole sequences (parallel/expert/tokens.py): it all-gathers the ranks' tokens (again when
@@ -306,7 +329,8 @@ def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, 
             messages = (cp - 1) * (2 if checkpoint else 1) + (cp - 1) + cp
             total += n_layer * messages * 2 * x // act_itemsize * acc_itemsize(act_itemsize)
         elif impl == "ulysses":
-            forward = 4 * (x - x // cp)  # (C-1)/C of 3X and of X; the heads (and tokens) divide evenly
+            q = rows_k * tokens * (qkv_local or 3 * d_local) * act_itemsize
+            forward = q - q // cp + x - x // cp  # (C-1)/C of Q|K|V and of the output; the heads divide evenly
             total += n_layer * forward * (3 if checkpoint else 2)
         else:
             raise ValueError(f"cp_bytes: unknown implementation {impl!r}")
@@ -330,10 +354,10 @@ def pp_bytes(passes: list[list[int]], tokens: int, d_model: int, pp: int, pp_ran
     on the same rank (with the looping placement never for P > 1; ZB-V's V shape turns at rank
     P-1, whose two chunks hand over locally: ``placement``).  After each pass the last stage
     broadcasts the loss (one float64); a model with ``experts`` all-reduces it instead, each
-    stage adding its mixtures' auxiliary losses (pipeline/runtime.py).  Before each gradient reduction (``tied_swaps``: once
-    per step, or every micro-step for ZeRO-2/3) the first and last stages swap their
-    ``tied_numel``-element parts of the tied embedding's gradient (Megatron-LM's embedding
-    group), unless one rank holds both (the V shape's rank 0)."""
+    stage adding its mixtures' auxiliary losses (pipeline/runtime.py).  Before each gradient
+    reduction (``tied_swaps``: once per step, or every micro-step for ZeRO-2/3) the first and
+    last stages swap their ``tied_numel``-element parts of the tied embedding's gradient
+    (Megatron-LM's embedding group), unless one rank holds both (the V shape's rank 0)."""
     if pp == 1:
         return 0
     S = pp * virtual_stages
@@ -374,10 +398,11 @@ def by_group(per_axis: dict[str, int], dp: int = 1, pp: int = 1, tp: int = 1, cp
              ep: int = 1) -> dict[str, int]:
     """``step_bytes``' result keyed by group name (what ``comm.stats.bytes_by_group`` reports);
     axes sharing a group (dp = 1 with cp: the reduction group is the cp group) are summed."""
+    names = group_names(dp, pp, tp, cp, ep)
     out: dict[str, int] = {}
-    for axis, name in group_names(dp, pp, tp, cp, ep).items():
-        if per_axis.get(axis):
-            out[name] = out.get(name, 0) + per_axis[axis]
+    for axis, nbytes in per_axis.items():  # a key that is no axis is a group's name already ("tp-kv0")
+        if nbytes:
+            out[names.get(axis, axis)] = out.get(names.get(axis, axis), 0) + nbytes
     return out
 
 
@@ -389,7 +414,8 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
                sequence_parallel: bool = False, cp_impl: str = "ring", bucket_mb: float = 25.0,
                clip_grad: bool = True, fp16: bool = False, checkpoint_activations: bool = False,
                tp_async: str | None = None, hsdp_shard: int | None = None, experts: int = 0,
-               moe_every: int = 1, ep: int = 1) -> dict[str, int]:
+               moe_every: int = 1, ep: int = 1, arch: str = "gpt2", kv_heads: int | None = None,
+               ffn: int | None = None) -> dict[str, int]:
     """Bytes this rank (``coords``: its {"dp", "pp", "tp", "cp"} coordinates) sends in one
     optimizer step, per axis: ``{"dp", "pp", "tp", "cp", "world"}`` (see the module
     docstring; ``itemsize``: the parameters' dtype, ``act_itemsize``: the activations',
@@ -401,7 +427,12 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
     expert parallelism they are ordinary data-parallel parameters; with ``ep`` > 1 this rank
     holds E/ep of them, reduced over the edp group (key "edp"), the dense ones over "dp".
     Dispatch and combine (the ep group's all-to-alls) depend on the routing: they are
-    layout/expert_traffic.py's, not here."""
+    layout/expert_traffic.py's, not here.
+
+    ``arch="llama"`` (docs/llama.md): RMSNorm, no biases nor position table, SwiGLU of width
+    ``ffn``, ``kv_heads`` key/value heads.  With fewer of them than tp ranks each is held by
+    tp/K ranks, whose gradients of its k and v weights are summed over them in every backward
+    (the group the tensor-parallel layers name "tp-kv<i>", a key of its own)."""
     if tp_async or (hsdp_shard and hsdp_shard != dp * cp):
         raise ValueError("step_bytes has no formula for collective matmuls (tp_async) or HSDP")
     c = {a: 0 for a in AXES} | dict(coords or {})
@@ -414,8 +445,9 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
     S, stages = pp * V, rank_stages(c["pp"], pp, V, placement)
     layers = [l for s in stages for l in layer_range(s, n_layer, S)]  # this rank's blocks, by chunk
     first, last = 0 in stages, S - 1 in stages
+    llama = {"heads": n_head, "kv_heads": kv_heads or n_head, "ffn": ffn} if arch == "llama" else None
     params = rank_params(n_layer, d_model, vocab, block_size, tied, tp, stages, S, experts, moe_every, ep,
-                         r_dp % ep)  # ep groups: consecutive ranks of the reduction group
+                         r_dp % ep, llama)  # ep groups: consecutive ranks of the reduction group
     dense = [n for n, unit in params if unit[0] != "experts"]
     mixtures = sum(is_mixture(l, experts, moe_every) for l in layers)
     tokens = seq_len // cp
@@ -424,9 +456,9 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
     recompute = checkpoint_activations or zero == 3
     out = {
         "tp": tp_bytes(rows, tokens, d_model, len(layers), block_size, tp, c["tp"], b, ba, sequence_parallel,
-                       recompute, first, last, mixtures),
+                       recompute, first, last, mixtures, llama is not None),
         "cp": cp_bytes(rows, tokens, d_model // tp, len(layers), cp, c["cp"], ba, cp_impl, recompute, mixtures,
-                       d_model),
+                       d_model, qkv_width(d_model, n_head, cp, tp, llama)),
         "pp": pp_bytes(micro, tokens // tp if sequence_parallel else tokens, d_model, pp, c["pp"], V, ba,
                        -(-vocab // tp) * d_model if tied else 0, b, grad_accum if zero >= 2 else 1, placement,
                        experts > 0),
@@ -444,30 +476,43 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
     else:
         out["dp"] = dp_bytes(dense, b, n_dp, r_dp, zero, bucket_mb, grad_accum)
         out["edp"] = dp_bytes(mine, b, n_edp, r_edp, zero, bucket_mb, grad_accum) if mine else 0
+    if llama and llama["kv_heads"] < tp:  # a shared key/value head: its k and v gradients summed over its copies
+        copies = tp // llama["kv_heads"]
+        kv = 2 * len(layers) * len(rows) * all_reduce_bytes(d_model * d_model // n_head, b, copies, c["tp"] % copies)
+        out[f"{group_names(tp=tp)['tp']}-kv{c['tp'] // copies}"] = kv
     world, r_world = dp * pp * tp * cp, MeshLayout(dp=dp, pp=pp, tp=tp, cp=cp).rank_of(**c)
     out["dp"] += all_reduce_bytes(1, SCALAR, n_dp, r_dp)  # the loss, summed over the reduction group
     out["world"] += (clip_grad + fp16) * all_reduce_bytes(1, SCALAR, world, r_world)  # norm, overflow
     return out
 
 
+def qkv_width(d: int, heads: int, cp: int, tp: int, llama: dict | None) -> int | None:
+    """The width of a tensor-parallel rank's Q|K|V that Ulysses sends: with grouped-query
+    attention its K/tp key/value heads as they are where cp divides them, else repeated for
+    the query heads (context/ulysses.py); None for GPT-2's 3 x d / tp."""
+    if llama is None:
+        return None
+    D, kv = d // heads, kv_heads_here(llama["kv_heads"], tp)
+    return (heads // tp + 2 * (heads // tp if kv % cp else kv)) * D
+
+
 def expected_step_bytes(cfg, rank: int = 0) -> dict[str, int]:
     """:func:`step_bytes` of world rank ``rank`` for a resolved run configuration
     (``minidist.train.config.RunConfig``, as ``flags.validate`` returns it), keyed by group name:
-    what ``comm.stats.bytes_by_group()`` gains in one step of ``python -m minidist.train``.
-    GPT-2 only: a ValueError for the Llama family, whose blocks these formulas do not count yet."""
+    what ``comm.stats.bytes_by_group()`` gains in one step of ``python -m minidist.train``."""
     m, p, dev = cfg.model, cfg.parallel, cfg.device
-    if m.arch != "gpt2":
-        raise ValueError(f"no traffic formula for --arch {m.arch} yet (the formulas count GPT-2's blocks)")
     sizes = {"dp": p.dp, "pp": p.pp, "tp": p.tp, "cp": p.cp}
     moe = {"experts": m.experts, "moe_every": m.moe_every or 1, "ep": p.ep}
+    llama = m.arch == "llama"
+    arch = {"arch": m.arch, "kv_heads": m.kv, "ffn": m.ffn}
     low = dev.mixed_precision in ("bf16", "fp16")
     per_axis = step_bytes(
         n_layer=m.layers, d_model=m.d_model, n_head=m.heads, seq_len=cfg.data.seq_len,
         batch_size=cfg.data.batch_size, coords=MeshLayout(**sizes).coords(rank), block_size=m.block_size,
-        tied=not m.untied, itemsize={"float32": 4, "float64": 8}[m.dtype], act_itemsize=2 if low else None,
+        tied=not (m.untied or llama), itemsize={"float32": 4, "float64": 8}[m.dtype], act_itemsize=2 if low else None,
         grad_accum=dev.grad_accum, microbatches=p.microbatches, virtual_stages=p.virtual_stages,
         schedule=p.schedule, zero=p.zero, sequence_parallel=p.sequence_parallel, cp_impl=p.cp_impl,
         bucket_mb=p.bucket_mb, clip_grad=bool(cfg.optim.clip_grad), fp16=dev.mixed_precision == "fp16",
         checkpoint_activations=dev.checkpoint_activations, tp_async=p.tp_async, hsdp_shard=p.hsdp_shard,
-        vocab=m.vocab_size, **moe, **sizes)
+        vocab=m.vocab_size, **moe, **arch, **sizes)
     return by_group(per_axis, **sizes, ep=p.ep)

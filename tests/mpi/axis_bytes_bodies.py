@@ -122,9 +122,10 @@ def measure_steps(flags, steps=2, vocab=None) -> tuple:
     m, p = cfg.model, cfg.parallel
     if p.zero != 3:  # the formula's parameter list is what this rank holds (ZeRO-3 keeps only shards)
         stages = rank_stages(mesh.coord("pp"), p.pp, p.virtual_stages, placement_of(p.schedule))
-        want = traffic.param_numels(m.layers, m.d_model, m.vocab_size, m.block_size, not m.untied, p.tp, stages,
-                                    p.pp * p.virtual_stages, experts=m.experts, moe_every=m.moe_every or 1,
-                                    ep=p.ep, ep_rank=mesh.group(("dp", "cp")).rank % p.ep)
+        llama = {"heads": m.heads, "kv_heads": m.kv, "ffn": m.ffn} if m.arch == "llama" else None
+        want = traffic.param_numels(m.layers, m.d_model, m.vocab_size, m.block_size, not (m.untied or llama), p.tp,
+                                    stages, p.pp * p.virtual_stages, experts=m.experts, moe_every=m.moe_every or 1,
+                                    ep=p.ep, ep_rank=mesh.group(("dp", "cp")).rank % p.ep, llama=llama)
         assert [q.size for q in model.parameters()] == want, ([q.size for q in model.parameters()], want)
     router = router_stats(cfg, strategy)  # --ep: the ep group's bytes from the routing
     corpus = np.random.default_rng(1).integers(0, m.vocab_size, 4000).astype(np.uint8)
@@ -210,6 +211,27 @@ def experts():
         check(flags)
     for flags in PADDED:
         check(flags, vocab=255)
+
+
+# the Llama family: RMSNorm, SwiGLU, no biases nor position table, an untied head; grouped-query
+# attention (2 key/value heads of 4: split over tp 2, shared by tp 4, sent as they are or
+# repeated by Ulysses), with mixtures of SwiGLU experts
+LLAMA = ["--arch", "llama", "--heads", "4", "--kv-heads", "2"]
+LLAMAS = [
+    [*LLAMA, "--dp", "2", "--tp", "2", "--sequence-parallel", "--zero", "1"],
+    [*LLAMA, "--tp", "4", "--kv-heads", "1", "--checkpoint-activations"],
+    [*LLAMA, "--tp", "4", "--sequence-parallel"],
+    [*LLAMA, "--dp", "2", "--cp", "2", "--cp-impl", "ulysses", *MOE, "--ep", "2", "--zero", "3"],
+    [*LLAMA, "--cp", "2", "--tp", "2", "--cp-impl", "ulysses"],
+    [*LLAMA, "--dp", "2", "--pp", "2", *MOE, "--moe-every", "2", "--layers", "4",
+     "--microbatches", "2"],
+    [*LLAMA, "--pp", "2", "--cp", "2"],
+]
+
+
+def llama():
+    for flags in LLAMAS:
+        check(flags)
 
 
 def step_matrix():
