@@ -76,7 +76,7 @@ def first_routing(cfg):
     x, y = sampler.batch(0)
     mixture = next(b.mlp for b in model.h if isinstance(b.mlp, MoE))
     seen = {}
-    mixture.observe = lambda logits, probs, choice, keep, T: seen.setdefault("route", (choice, keep))
+    mixture.observe = lambda logits, probs, choice, keep, f, T: seen.setdefault("route", (choice, keep))
     xs, ys, _, _ = next(strategy.micro_batches(x, y, 1))  # this rank's rows
     with no_grad():
         model(xs, ys)  # collective: each mixture dispatches over the ep group

@@ -23,9 +23,10 @@ axis is one function, each collective's cost one function:
 Mixtures of experts (model/moe.py) are counted: their parameters (the router, E whole MLPs
 replicated over tp), reduced with the dense ones, or with expert parallelism over the "edp"
 group (parallel/data/experts.py; ZeRO-3: each block's experts a unit of their own); the whole
-sequences tp and cp gather for them (parallel/expert/tokens.py); the loss all-reduced over
-the pipeline with the stages' auxiliary losses.  The ep group's dispatch and combine depend
-on the routing: layout/expert_traffic.py, from the step's routing (observe/router.py).
+sequences tp gathers for them and the routing choices cp gathers (parallel/expert/tokens.py);
+the loss all-reduced over the pipeline with the stages' auxiliary losses.  The ep group's
+dispatch and combine depend on the routing: layout/expert_traffic.py, from the step's
+routing (observe/router.py).
 The Llama family's blocks are counted too (``arch="llama"``: :func:`step_bytes`).  Mixed
 precision and experts together are not checked by the tests.
 
@@ -300,7 +301,7 @@ def tp_bytes(rows: list[int], tokens: int, d_model: int, n_layer: int, block_siz
 
 
 def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, r: int, act_itemsize: int,
-             impl: str = "ring", checkpoint: bool = False, mixtures: int = 0, d_model: int = 0,
+             impl: str = "ring", checkpoint: bool = False, mixtures: int = 0, top_k: int = 0,
              qkv_local: int | None = None) -> int:
     """Attention over ``cp`` ranks holding ``tokens`` tokens each of every sequence, per block
     and micro-batch of ``rows[k]`` sequences (``d_local``: this rank's heads x head size):
@@ -317,9 +318,9 @@ def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, 
       them, else repeated for their query heads, 3 x ``d_local``); ring attention always
       passes them repeated.
 
-    Each of the ``mixtures`` blocks with a mixture of experts (width ``d_model``) routes the
-    whole sequences (parallel/expert/tokens.py): it all-gathers the ranks' tokens (again when
-    recomputed), and backward reduce-scatters their gradients."""
+    Each of the ``mixtures`` blocks with a mixture of experts decides capacity and the
+    balancing loss's shares from the whole sequences' routing (parallel/expert/tokens.py):
+    it all-gathers the ranks' ``top_k`` choices per token, int64 (again when recomputed)."""
     if cp == 1:
         return 0
     total = 0
@@ -334,9 +335,7 @@ def cp_bytes(rows: list[int], tokens: int, d_local: int, n_layer: int, cp: int, 
             total += n_layer * forward * (3 if checkpoint else 2)
         else:
             raise ValueError(f"cp_bytes: unknown implementation {impl!r}")
-        gather = all_gather_bytes([tokens] * cp, rows_k * d_model * act_itemsize, r)
-        scatter = reduce_scatter_bytes(tokens * cp, rows_k * d_model, act_itemsize, cp, r)
-        total += mixtures * (gather * (2 if checkpoint else 1) + scatter)
+        total += mixtures * all_gather_bytes([tokens] * cp, rows_k * top_k * 8, r) * (2 if checkpoint else 1)
     return total
 
 
@@ -414,7 +413,7 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
                sequence_parallel: bool = False, cp_impl: str = "ring", bucket_mb: float = 25.0,
                clip_grad: bool = True, fp16: bool = False, checkpoint_activations: bool = False,
                tp_async: str | None = None, hsdp_shard: int | None = None, experts: int = 0,
-               moe_every: int = 1, ep: int = 1, arch: str = "gpt2", kv_heads: int | None = None,
+               moe_every: int = 1, top_k: int = 2, ep: int = 1, arch: str = "gpt2", kv_heads: int | None = None,
                ffn: int | None = None) -> dict[str, int]:
     """Bytes this rank (``coords``: its {"dp", "pp", "tp", "cp"} coordinates) sends in one
     optimizer step, per axis: ``{"dp", "pp", "tp", "cp", "world"}`` (see the module
@@ -423,7 +422,8 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
     scalars every rank agrees on (gradient norm, fp16 overflow; a step skipped for an fp16
     overflow clips nothing, so it sends one norm all-reduce less).
 
-    ``experts`` E > 0: every ``moe_every``-th block's MLP is a mixture of E experts.  Without
+    ``experts`` E > 0: every ``moe_every``-th block's MLP is a mixture of E experts, ``top_k``
+    of them per token.  Without
     expert parallelism they are ordinary data-parallel parameters; with ``ep`` > 1 this rank
     holds E/ep of them, reduced over the edp group (key "edp"), the dense ones over "dp".
     Dispatch and combine (the ep group's all-to-alls) depend on the routing: they are
@@ -458,7 +458,7 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
         "tp": tp_bytes(rows, tokens, d_model, len(layers), block_size, tp, c["tp"], b, ba, sequence_parallel,
                        recompute, first, last, mixtures, llama is not None),
         "cp": cp_bytes(rows, tokens, d_model // tp, len(layers), cp, c["cp"], ba, cp_impl, recompute, mixtures,
-                       d_model, qkv_width(d_model, n_head, cp, tp, llama)),
+                       top_k, qkv_width(d_model, n_head, cp, tp, llama)),
         "pp": pp_bytes(micro, tokens // tp if sequence_parallel else tokens, d_model, pp, c["pp"], V, ba,
                        -(-vocab // tp) * d_model if tied else 0, b, grad_accum if zero >= 2 else 1, placement,
                        experts > 0),
@@ -502,7 +502,7 @@ def expected_step_bytes(cfg, rank: int = 0) -> dict[str, int]:
     what ``comm.stats.bytes_by_group()`` gains in one step of ``python -m minidist.train``."""
     m, p, dev = cfg.model, cfg.parallel, cfg.device
     sizes = {"dp": p.dp, "pp": p.pp, "tp": p.tp, "cp": p.cp}
-    moe = {"experts": m.experts, "moe_every": m.moe_every or 1, "ep": p.ep}
+    moe = {"experts": m.experts, "moe_every": m.moe_every or 1, "top_k": m.top_k or min(2, m.experts), "ep": p.ep}
     llama = m.arch == "llama"
     arch = {"arch": m.arch, "kv_heads": m.kv, "ffn": m.ffn}
     low = dev.mixed_precision in ("bf16", "fp16")

@@ -122,20 +122,34 @@ class Route:
         self.counts = host.bincount(self.expert, minlength=n_experts)
 
 
-def route(cfg, probs: host.ndarray, T: int):
-    """The top-k choices of every token (N, k) and the mask of those kept under capacity."""
-    n, k, E = probs.shape[0], cfg.top_k, cfg.n_experts
-    choice = host.argsort(-probs, axis=1, kind="stable")[:, :k]  # ties: the lower expert first
+def top_k(cfg, probs: host.ndarray):
+    """The top-k choices (N, k) of every token, by its router probabilities (N, E); ties go
+    to the lower expert."""
+    return host.argsort(-probs, axis=1, kind="stable")[:, :cfg.top_k]
+
+
+def kept(cfg, choice, T: int):
+    """The mask (N, k) of the choices kept under capacity; ``choice``: the choices of whole
+    sequences of T tokens, in token order (the earlier tokens take an expert's places first)."""
+    n, k, E = choice.shape[0], cfg.top_k, cfg.n_experts
     C = capacity(cfg, T)
     if C is None:
-        return choice, host.ones((n, k), bool)
+        return host.ones((n, k), bool)
     picked = host.zeros((n // T, T, E), host.int64)  # picked[b, t, e]: token t of sequence b chose e
     host.put_along_axis(picked.reshape(n, E), choice, 1, axis=1)
     place = host.cumsum(picked, axis=1) - 1  # the token's place in its expert's queue, by token order
-    return choice, host.take_along_axis(place.reshape(n, E), choice, axis=1) < C
+    return host.take_along_axis(place.reshape(n, E), choice, axis=1) < C
 
 
-def ignore_routing(logits, probs, choice, keep, T) -> None:
+def shares(choice, B: int, E: int):
+    """``f`` (B, E): the share of each sequence's T·k choices (whole sequences) that picked each expert."""
+    n, k = choice.shape
+    f = host.zeros((n, E))
+    host.put_along_axis(f, choice, 1.0 / (n // B * k), axis=1)
+    return f.reshape(B, n // B, E).sum(axis=1)
+
+
+def ignore_routing(logits, probs, choice, keep, f, T) -> None:
     """The default observer of a mixture's routing: nothing (observe/router.py records it)."""
 
 
@@ -144,11 +158,14 @@ class MoE(Module):
     GPTConfig with n_experts, top_k, capacity_factor, aux_loss_coef and z_loss_coef.
     ``experts_here``: the experts this rank holds (the others are None; all by default).
 
-    Two seams: ``dispatch`` runs the experts on their rows (expert parallelism swaps in one
-    that moves them over ranks), and ``sequence``, None or ``(gather, scatter)``: where a
-    rank holds part of each sequence (sequence parallelism, context parallelism), the mixture
-    routes the whole sequences ``gather(x)`` and returns ``scatter(y)``, this rank's part of the
-    output -- capacity and the load-balancing loss are per sequence (parallel/expert/tokens.py)."""
+    Three seams: ``dispatch`` runs the experts on their rows (expert parallelism swaps in one
+    that moves them over ranks); where a rank holds part of each sequence -- capacity and the
+    load-balancing loss are per sequence (parallel/expert/tokens.py) -- either ``sequence``,
+    None or ``(gather, scatter)``: the mixture runs on the whole sequences ``gather(x)`` and
+    returns ``scatter(y)``, this rank's part of the output (sequence parallelism); or
+    ``whole_choices``, None or ``(choice, B) -> (the whole sequences' choices, this rank's
+    token positions in them)``: the mixture runs on this rank's tokens and decides capacity
+    and the balancing loss's shares from every rank's choices (context parallelism)."""
 
     def __init__(self, cfg, dtype, make_expert, experts_here=None):
         E = cfg.n_experts
@@ -161,6 +178,7 @@ class MoE(Module):
         self.dispatch = run_local_experts  # (experts, rows by expert, counts) -> outputs (the seam)
         self.observe = ignore_routing  # sees each forward's routing: the router statistics' seam (observe/router.py)
         self.sequence = None  # (gather, scatter): whole sequences from this rank's parts, and back (the seam)
+        self.whole_choices = None  # (choice, B) -> (every rank's choices in sequence order, this rank's positions)
         self.aux_grad = None  # d loss / d aux_loss for the backward under way (carry_aux_grad)
 
     def forward(self, x):
@@ -170,18 +188,25 @@ class MoE(Module):
         return scatter(self.mix(gather(x)))
 
     def mix(self, x):
-        """The mixture's output for the whole sequences ``x`` (B, T, d)."""
+        """The mixture's output for ``x`` (B, t, d): whole sequences, or with ``whole_choices``
+        this rank's t tokens of each."""
         cfg = self.cfg
-        B, T, d = x.shape
-        flat = ops.reshape(x, (B * T, d))
+        B, t, d = x.shape
+        flat = ops.reshape(x, (B * t, d))
         logits = self.router(flat)                                   # (N, E)
         probs = ops.softmax(logits, axis=-1)
         # The routing is decided on the host: one counted read of the probabilities per
         # mixture and pass (on a GPU a synchronisation, like the loss's).
         ph = host_read(probs.data, "routing").astype(host.float64)
-        choice, keep = route(cfg, ph, T)
-        self.observe(logits.data, ph, choice, keep, T)
-        tokens = host.arange(B * T)[:, None]
+        choice = top_k(cfg, ph)
+        whole, mine = (choice, None) if self.whole_choices is None else self.whole_choices(choice, B)
+        T = whole.shape[0] // B
+        keep = kept(cfg, whole, T)
+        if mine is not None:  # this rank's tokens' part of the whole sequences' decisions
+            keep = keep.reshape(B, T, -1)[:, mine].reshape(B * t, -1)
+        f = shares(whole, B, cfg.n_experts)
+        self.observe(logits.data, ph, choice, keep, f, T)
+        tokens = host.arange(B * t)[:, None]
         # The gates in float32 under mixed precision: the gather's backward scatter-adds, and
         # minidist does no arithmetic in low precision (nor has CuPy's scatter-add bfloat16).
         p32 = ops.cast(probs, compute_dtype(probs.dtype))
@@ -193,19 +218,21 @@ class MoE(Module):
         token, slot = xp.asarray(r.token), xp.asarray(r.slot)
         ys = self.dispatch(self.experts, gather_rows(flat, r.token), r.counts)   # (M, d), by expert
         weighted = ops.mul(ys, ops.cast(ops.reshape(ops.getitem(gates, (token, slot)), (-1, 1)), ys.dtype))
-        self.aux_loss = self.losses(logits, probs, choice, B, T)
-        return carry_aux_grad(ops.reshape(combine_rows(weighted, token, B * T), (B, T, d)), self)
+        self.aux_loss = self.losses(logits, probs, f, B, t)
+        return carry_aux_grad(ops.reshape(combine_rows(weighted, token, B * t), (B, t, d)), self)
 
-    def losses(self, logits, probs, choice, B, T):
+    def losses(self, logits, probs, f, B, t):
         """aux_loss_coef * the load-balancing loss + z_loss_coef * the router z-loss (module
-        docstring), or None when both coefficients are 0."""
-        cfg, E, k = self.cfg, self.cfg.n_experts, self.cfg.top_k
+        docstring), or None when both coefficients are 0; ``f`` (B, E): the whole sequences'
+        shares (:func:`shares`).  Both are means over the t tokens here: on a context-parallel
+        rank the means over its part of each sequence, which the strategy weights by 1/cp, so
+        their sum over the cp ranks is the whole sequences' (the loss is linear in them, f a
+        constant)."""
+        cfg, E = self.cfg, self.cfg.n_experts
         total = None
         if cfg.aux_loss_coef:
-            share = host.zeros((B * T, E))
-            host.put_along_axis(share, choice, 1.0 / (T * k), axis=1)
-            f = xp.asarray(share.reshape(B, T, E).sum(axis=1).astype(probs.dtype))   # (B, E), constant
-            P = ops.mean(ops.reshape(probs, (B, T, E)), axis=1)                        # (B, E)
+            P = ops.mean(ops.reshape(probs, (B, t, E)), axis=1)                        # (B, E)
+            f = xp.asarray(f.astype(probs.dtype))
             total = ops.mul(ops.sum(ops.mul(P, f)), cfg.aux_loss_coef * E / B)
         if cfg.z_loss_coef:
             m = xp.max(logits.data, axis=-1, keepdims=True)  # a constant shift: the gradient is exact

@@ -10,15 +10,16 @@ over the step's forwards (every micro-batch), per mixture:
 * the **router z-loss** of ST-MoE (Zoph et al. 2022, eq. 5), the mean over tokens of
   ``logsumexp(logits)^2``, without its coefficient.
 
-At the step's end (:meth:`RouterStats.step`) one all-reduce of these sums over the data- and
-pipeline-parallel ranks (``comm.all_reduce``: data-parallel ranks see different tokens, with
-expert parallelism the ep ranks among them; pipeline stages hold different mixtures) makes
-them the whole model's over the global batch, so every mesh reports what one process would.
-Tensor- and context-parallel ranks are not summed over: they route the same whole sequences
-(parallel/expert/tokens.py).  The sums have one row per mixture of the *whole model* (its
-blocks with a mixture, in block order, from the model's configuration), so every rank lays
-out the same buffer whatever its stage holds: a stage fills its own mixtures' rows and
-leaves the others zero, and a stage without a mixture still takes part, with zeros.
+At the step's end (:meth:`RouterStats.step`) one all-reduce of these sums over the data-,
+pipeline- and context-parallel ranks (``comm.all_reduce``: data-parallel ranks see other
+sequences, with expert parallelism the ep ranks among them; context-parallel ranks other
+tokens of them; pipeline stages hold other mixtures) makes them the whole model's over the
+global batch, so every mesh reports what one process would.  Tensor-parallel ranks are not
+summed over: they route the same tokens (parallel/expert/tokens.py).  The sums have one row
+per mixture of the *whole model* (its blocks with a mixture, in block order, from the model's
+configuration), so every rank lays out the same buffer whatever its stage holds: a stage
+fills its own mixtures' rows and leaves the others zero, and a stage without a mixture still
+takes part, with zeros.
 
 A forward run without recording gradients is not counted: evaluation, and a recomputed
 block's first pass (activation checkpointing), whose recording pass is counted instead.
@@ -47,24 +48,13 @@ def mixtures(model) -> list:
     return [b.mlp for b in model.h if b is not None and isinstance(getattr(b, "mlp", None), MoE)]
 
 
-def mixture_layout(model) -> tuple[list[int], int, int]:
-    """``(blocks, E, k)``: the indices of the blocks of the whole model that hold a mixture
-    (a pipeline stage keeps ``model.h``'s length, None for the blocks it does not hold), the
-    experts per mixture and the choices per token, from the model's configuration: the same
-    on every rank, so every stage lays out the same buffer."""
+def mixture_layout(model) -> tuple[list[int], int]:
+    """``(blocks, E)``: the indices of the blocks of the whole model that hold a mixture (a
+    pipeline stage keeps ``model.h``'s length, None for the blocks it does not hold) and the
+    experts per mixture, from the model's configuration: the same on every rank, so every
+    stage lays out the same buffer."""
     cfg = model.config
-    return [i for i in range(len(model.h)) if is_moe_block(cfg, i)], cfg.n_experts, cfg.top_k
-
-
-def sequence_balance(probs, choice, T: int, k: int):
-    """Per sequence of T tokens, Switch's ``E · sum_e f_e P_e`` (host float64, (B,)): ``f_e``
-    the share of the sequence's T·k choices that picked e, ``P_e`` its mean probability."""
-    n, E = probs.shape
-    f = host.zeros((n, E))
-    host.put_along_axis(f, choice, 1.0, axis=1)
-    f = f.reshape(n // T, T, E).sum(axis=1) / (T * k)
-    P = probs.reshape(n // T, T, E).mean(axis=1)
-    return E * (f * P).sum(axis=1)
+    return [i for i in range(len(model.h)) if is_moe_block(cfg, i)], cfg.n_experts
 
 
 class RouterStats:
@@ -74,7 +64,7 @@ class RouterStats:
     Attaching sets every held mixture's ``observe``; :meth:`detach` restores the default."""
 
     def __init__(self, model, group=None, recomputed: bool = False):
-        blocks, self.E, self.k = mixture_layout(model)
+        blocks, self.E = mixture_layout(model)
         self.recomputed = recomputed  # blocks run once without a graph before their recorded pass (ep_bytes)
         self.L, self.group = len(blocks), group
         held = [(i, model.h[b].mlp) for i, b in enumerate(blocks) if model.h[b] is not None]  # row i: mixture i
@@ -92,17 +82,21 @@ class RouterStats:
         self.z = [xp.zeros((), dtype=xp.float64) for _ in range(L)]  # on the device until the step's end
         self.forwards = []  # this rank's kept rows per expert, one (E,) per forward (for ep_bytes)
 
-    def add(self, i, logits, probs, choice, keep, T) -> None:
-        """Mixture ``i``'s routing of one forward (the MoE's observe seam)."""
+    def add(self, i, logits, probs, choice, keep, f, T) -> None:
+        """Mixture ``i``'s routing of one forward (the MoE's observe seam): this rank's tokens'
+        (all of B sequences of T tokens, or a context-parallel rank's part of them), ``f``
+        (B, E) the sequences' shares of choices per expert.  Switch's ``E · sum_e f_e P_e`` is
+        linear in ``P_e``, the mean probability over the sequence, so a rank adds its tokens'
+        part, ``E · sum_e f_e · (its tokens' sum of p_e) / T``, and its share of the sequences."""
         if not is_grad_enabled():
             return
-        E = self.E
+        E, (n, B) = self.E, (probs.shape[0], f.shape[0])
         kept = host.bincount(choice[keep], minlength=E)
         self.kept[i] += kept
         self.routed[i] += host.bincount(choice.reshape(-1), minlength=E)
-        self.balance[i] += sequence_balance(probs, choice, T, self.k).sum()
-        self.sequences[i] += probs.shape[0] // T
-        self.tokens[i] += probs.shape[0]
+        self.balance[i] += E * (f * probs.reshape(B, n // B, E).sum(axis=1)).sum() / T
+        self.sequences[i] += n / T
+        self.tokens[i] += n
         x = logits.astype(xp.float64)
         m = xp.max(x, axis=-1, keepdims=True)
         lse = xp.log(xp.sum(xp.exp(x - m), axis=-1)) + m[:, 0]

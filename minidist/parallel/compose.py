@@ -42,7 +42,7 @@ COMPOSES = {
     ("ep", "dp"): "yes (DDP, ZeRO-1/2)",
     ("ep", "zero3"): "yes (each block's experts a unit of their own, sharded over edp)",
     ("ep", "pp"): "yes (each stage backpropagates its own auxiliary losses; every schedule)",
-    ("ep", "cp"): "yes (each cp rank routes the whole sequences, gathered)",
+    ("ep", "cp"): "yes (each cp rank routes its own tokens, capacity from every cp rank's choices)",
     ("ep", "tp"): "yes (the router and experts replicated over tp)",
 }
 

@@ -97,9 +97,9 @@ class Reporter:
 
 def router_stats(cfg, strategy):
     """The router statistics of ``--experts`` runs (minidist/observe/router.py), summed over
-    the data- and pipeline-parallel ranks: data-parallel ranks see other rows of the batch,
-    pipeline stages hold other mixtures.  Not over cp (every cp rank routes the whole
-    sequences) nor tp (its ranks route the same tokens).  None for a dense model, or one whose
+    the data-, context- and pipeline-parallel ranks: data-parallel ranks see other rows of the
+    batch, context-parallel ranks other tokens of them, pipeline stages hold other mixtures;
+    not over tp (its ranks route the same tokens).  None for a dense model, or one whose
     --moe-every passes every block: decided from the whole model, so every stage agrees, a
     stage without a mixture included."""
     if not cfg.model.experts:
@@ -108,7 +108,7 @@ def router_stats(cfg, strategy):
 
     mesh = strategy.mesh
     recomputed = cfg.device.checkpoint_activations or cfg.parallel.zero == 3  # ZeRO-3 recomputes each block
-    stats = RouterStats(strategy.model, mesh.group(("dp", "pp")) if mesh is not None else None, recomputed)
+    stats = RouterStats(strategy.model, mesh.group(("dp", "pp", "cp")) if mesh is not None else None, recomputed)
     return stats if stats.L else None
 
 

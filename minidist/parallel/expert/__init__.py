@@ -27,8 +27,8 @@ buckets, ZeRO-1/2's shards over its own group; ZeRO-3 gives each block's experts
 their own, sharded over edp: data/fsdp.py).  Every local expert runs on every pass, on
 zero rows if no token chose it, so its gradient exists (zeros) on every rank and the gradient
 hooks fire in the same order everywhere.  ``checks.py`` holds ``--ep``'s checks; ``tokens.py``
-gives the mixtures whole sequences where an axis splits them (sequence parallelism, context
-parallelism), the router and experts replicated over tp.
+routes by whole sequences where an axis splits them: sequence parallelism gathers them (the
+router and experts replicated over tp), context parallelism gathers only the routing choices.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class ExpertGroups:
 
 
 def apply(model, cfg, mesh) -> ExpertGroups | None:
-    """The composer's step for this axis: the mixtures route whole sequences (tokens.py); with
+    """The composer's step for this axis: the mixtures route by whole sequences (tokens.py); with
     ``cfg.parallel.ep`` > 1, make the ep and edp
     groups from the mesh's ``("dp", "cp")`` group (collective: every rank calls it once, in
     the same order), keep this rank's experts of every mixture and dispatch over ep; None
@@ -112,7 +112,7 @@ def apply(model, cfg, mesh) -> ExpertGroups | None:
     ep = cfg.parallel.ep
     if mesh is None:
         return None
-    route_whole_sequences(model, cfg, mesh)  # tokens.py: the mixtures see whole sequences
+    route_whole_sequences(model, cfg, mesh)  # tokens.py: capacity and shares per whole sequence
     if ep == 1:
         return None
     ep_group, edp_group = expert_groups(mesh.group(("dp", "cp")), ep)
