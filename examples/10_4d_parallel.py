@@ -142,8 +142,11 @@ def show_axis_bytes(cfg, sent: dict) -> None:
     columns = list(dict.fromkeys(names.values()))  # dp=1 with cp: the reduction group is cp's
     try:
         want = expected_step_bytes(cfg, rank=world.rank)
-    except ValueError as exc:  # no formula (collective matmuls, HSDP, Llama): measured only
+    except ValueError as exc:  # no formula (collective matmuls, HSDP): measured only
         want, why = {}, str(exc)
+    if cfg.model.arch == "llama" and p.tp > 1:  # the shared K/V heads' gradient sums: one column
+        columns.append("tp-kv")
+        sent, want = kv_groups_joined(sent), want and kv_groups_joined(want)
     row = [sent.get(g, 0) for g in columns] + [want.get(g, -1) for g in columns]
     rows = comm.gather(np.asarray([row], dtype=np.float64), world, root=0)
     if rows is None:
@@ -159,6 +162,14 @@ def show_axis_bytes(cfg, sent: dict) -> None:
         return
     exact = all(values[i] == values[n + i] for values in rows for i in range(n) if values[n + i] >= 0)
     print("every rank's bytes equal the formulas" if exact else "some ranks differ from the formulas", flush=True)
+
+
+def kv_groups_joined(by_group: dict) -> dict:
+    """``by_group`` with the tp-kv<i> groups (the ranks sharing key/value head i) summed as
+    "tp-kv": each rank is in one of them at most."""
+    out = {g: b for g, b in by_group.items() if not g.startswith("tp-kv")}
+    out["tp-kv"] = sum(b for g, b in by_group.items() if g.startswith("tp-kv"))
+    return out
 
 
 if __name__ == "__main__":
