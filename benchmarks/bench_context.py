@@ -44,10 +44,11 @@ def _forward_backward(model, x, y):
 
 
 def _model(seq, attention="plain", block=128):
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.optim import AdamW
 
-    model = GPT(GPTConfig(seq_len=seq, dtype="float32", attention=attention, attention_block=block, **WIDTH))
+    model = GPT(ModelConfig(block_size=seq, dtype="float32", attention=attention, attention_block=block, **WIDTH))
     return model, AdamW(model.parameters(), lr=1e-4)
 
 

@@ -51,10 +51,11 @@ def test_small_all_reduces_take_recursive_doubling():
 
 
 def test_param_numels_are_the_models():
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
 
     for tied in (True, False):
-        model = GPT(GPTConfig(seq_len=8, n_layer=3, n_head=2, d_model=16, tie_embeddings=tied))
+        model = GPT(ModelConfig(block_size=8, layers=3, heads=2, d_model=16, tied=tied))
         assert t.param_numels(3, 16, 256, 8, tied) == [p.size for p in model.parameters()]
     # tp = 2: the matrices (12 d^2) and the column-parallel biases (3d + 4d) halve; the
     # LayerNorms (4d) and the row-parallel biases (2d) are replicated

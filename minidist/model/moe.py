@@ -59,14 +59,14 @@ from minidist.model.ops.precision import compute_dtype
 
 def is_moe_block(cfg, i: int) -> bool:
     """Block ``i`` (from 0) has a mixture: every ``moe_every``-th block, counting from 1."""
-    return cfg.n_experts > 0 and (i + 1) % cfg.moe_every == 0
+    return cfg.experts > 0 and (i + 1) % cfg.moe_every == 0
 
 
 def capacity(cfg, tokens: int) -> int | None:
     """How many of a sequence's ``tokens`` one expert takes (None: all, dropless)."""
     if not cfg.capacity_factor:
         return None
-    return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
+    return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.experts)
 
 
 class Router(Module):
@@ -124,7 +124,7 @@ class Route:
 
 def route(cfg, probs: host.ndarray, T: int):
     """The top-k choices of every token (N, k) and the mask of those kept under capacity."""
-    n, k, E = probs.shape[0], cfg.top_k, cfg.n_experts
+    n, k, E = probs.shape[0], cfg.top_k, cfg.experts
     choice = host.argsort(-probs, axis=1, kind="stable")[:, :k]  # ties: the lower expert first
     C = capacity(cfg, T)
     if C is None:
@@ -140,8 +140,8 @@ def ignore_routing(logits, probs, choice, keep, T) -> None:
 
 
 class MoE(Module):
-    """The mixture of ``cfg.n_experts`` experts ``make_expert()`` with a router; ``cfg``: a
-    GPTConfig with n_experts, top_k, capacity_factor, aux_loss_coef and z_loss_coef.
+    """The mixture of ``cfg.experts`` experts ``make_expert()`` with a router; ``cfg``: a
+    ModelConfig with experts, top_k, capacity_factor, aux_loss_coef and z_loss_coef.
     ``experts_here``: the experts this rank holds (the others are None; all by default).
 
     Two seams: ``dispatch`` runs the experts on their rows (expert parallelism swaps in one
@@ -151,7 +151,7 @@ class MoE(Module):
     output -- capacity and the load-balancing loss are per sequence (parallel/expert/tokens.py)."""
 
     def __init__(self, cfg, dtype, make_expert, experts_here=None):
-        E = cfg.n_experts
+        E = cfg.experts
         here = range(E) if experts_here is None else experts_here
         self.router = Router(cfg.d_model, E, dtype)
         self.experts = [make_expert() if e in here else None for e in range(E)]
@@ -188,7 +188,7 @@ class MoE(Module):
         gates = ops.getitem(p32, (xp.asarray(tokens), xp.asarray(choice)))  # (N, k)
         if cfg.top_k > 1:  # Mixtral: the chosen weights renormalised
             gates = ops.div(gates, ops.sum(gates, axis=1, keepdims=True))
-        r = Route(choice, keep, cfg.n_experts)
+        r = Route(choice, keep, cfg.experts)
         self.last_counts = r.counts
         token, slot = xp.asarray(r.token), xp.asarray(r.slot)
         ys = self.dispatch(self.experts, gather_rows(flat, r.token), r.counts)   # (M, d), by expert
@@ -199,7 +199,7 @@ class MoE(Module):
     def losses(self, logits, probs, choice, B, T):
         """aux_loss_coef * the load-balancing loss + z_loss_coef * the router z-loss (module
         docstring), or None when both coefficients are 0."""
-        cfg, E, k = self.cfg, self.cfg.n_experts, self.cfg.top_k
+        cfg, E, k = self.cfg, self.cfg.experts, self.cfg.top_k
         total = None
         if cfg.aux_loss_coef:
             share = host.zeros((B * T, E))

@@ -59,7 +59,7 @@ class RouterStats:
 
     def __init__(self, model, group=None):
         self.layers, self.group = mixtures(model), group
-        self.E = self.layers[0].cfg.n_experts if self.layers else 0
+        self.E = self.layers[0].cfg.experts if self.layers else 0
         self.k = self.layers[0].cfg.top_k if self.layers else 0
         for i, layer in enumerate(self.layers):
             layer.observe = functools.partial(self.add, i)
