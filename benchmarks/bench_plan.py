@@ -56,7 +56,8 @@ def llama_rows() -> list:
 
     rows = []
     for devices, seq, mesh, published in LLAMA_ROWS:
-        ranked, _ = search(replace(PRESETS["llama3-405b"], block_size=seq), MACHINES["h100-nvlink-ib"], devices, 16 * 2**20)
+        model = replace(PRESETS["llama3-405b"], block_size=seq)
+        ranked, _ = search(model, MACHINES["h100-nvlink-ib"], devices, 16 * 2**20)
         place = rank_of(ranked, *mesh)
         e = ranked[place - 1] if place else None
         rows.append({"devices": devices, "seq_len": seq, "mesh": dict(zip(("tp", "cp", "pp", "dp"), mesh)),

@@ -89,7 +89,8 @@ def test_gpt2_counts_equal_the_profile_and_the_built_model(untied, block_size):
 
 def test_llama3_8b_preset():
     m = PRESETS["llama3-8b"]
-    assert (m.layers, m.d_model, m.heads, m.kv, m.ffn, m.vocab_size, m.block_size) == (32, 4096, 32, 8, 14336, 128256, 8192)
+    shape = (m.layers, m.d_model, m.heads, m.kv, m.ffn, m.vocab_size, m.block_size)
+    assert shape == (32, 4096, 32, 8, 14336, 128256, 8192)
     assert m.untied and m.gated
     assert abs(num_params(m) / 8.03e9 - 1) < 0.002
 

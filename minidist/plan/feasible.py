@@ -13,7 +13,8 @@ from minidist.plan.settings import SCHEDULES, Plan
 from minidist.plan.stages import stage_blocks
 
 
-def problems(model: ModelConfig, plan: Plan, devices: int, global_batch_tokens: int, minidist: bool = False) -> list[str]:
+def problems(model: ModelConfig, plan: Plan, devices: int, global_batch_tokens: int,
+             minidist: bool = False) -> list[str]:
     """Why ``plan`` cannot run ``model`` (one line each; [] when it can), before any cost.
     ``minidist``: also what minidist's own implementation refuses."""
     out = []

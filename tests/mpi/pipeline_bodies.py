@@ -253,7 +253,7 @@ def train_path_matrix():
         if dp == 1:  # ZeRO and the buckets' settings need data-parallel ranks: refused with one
             for key in ("zero", "bucket_mb", "no_overlap"):
                 cfg.pop(key, None)
-        common = {k: v for k, v in cfg.items() if k in ("layers", "grad_accum", "checkpoint_activations", "untied")}
+        common = {k: v for k, v in cfg.items() if k in ("layers", "grad_accum", "checkpoint_activations", "tied")}
         ref_losses, ref_params, _ = train_steps(_train_config(**common), STEPS, _CORPUS)
         run = _train_config(pp=2, dp=dp, **cfg)
         losses, params, _ = train_steps(run, STEPS, _CORPUS)

@@ -134,7 +134,8 @@ def _compare_embedding(tp, cfg, ids, c, mode):
     _close(xt.grad, _take(xs.grad, seq, tp), f"{mode} tied head input gradient")
     _close(par.weight.grad, _take(plain.weight.grad, 0, tp, tp.shard(0)), f"{mode} tied head weight gradient")
     # positions: replicated table; a sequence shard looks up its own positions
-    pos_plain, pos_par = nn.Embedding(cfg.block_size, d, np.float64), tp.position_embedding(cfg.block_size, d, np.float64)
+    table = cfg.block_size
+    pos_plain, pos_par = nn.Embedding(table, d, np.float64), tp.position_embedding(table, d, np.float64)
     nn.init_parameters(pos_plain, 4)
     nn.init_parameters(pos_par, 4)
     T = ids.shape[1]
