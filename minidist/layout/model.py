@@ -42,6 +42,9 @@ def llama_ffn_hidden(d_model: int, multiple: int = FFN_MULTIPLE) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A decoder-only transformer (the module docstring); frozen: a copy changes it
+    (``dataclasses.replace``), so the planner can cache what it computes of one."""
+
     arch: str = "gpt2"                # gpt2 | llama
     layers: int = 4
     d_model: int = 128
@@ -203,9 +206,10 @@ def end_shapes(m: ModelConfig) -> dict:
 def parameter_shapes(m: ModelConfig) -> dict:
     """``{name: global shape}`` of every parameter of ``nn.GPT(m)``, in its order."""
     block, ends = block_shapes(m), end_shapes(m)
+    mixture = mixture_shapes(m, block) if m.experts else block
     out = {k: s for k, s in ends.items() if not k.startswith(("ln_f.", "lm_head."))}
     for i in range(m.layers):
-        out.update({f"h.{i}.{k}": s for k, s in (mixture_shapes(m, block) if m.is_moe(i) else block).items()})
+        out.update({f"h.{i}.{k}": s for k, s in (mixture if m.is_moe(i) else block).items()})
     out.update({k: s for k, s in ends.items() if k.startswith(("ln_f.", "lm_head."))})
     return out
 

@@ -90,6 +90,7 @@ def moe_blocks(m: ModelConfig, first: int = 0, stop: int | None = None) -> int:
     return sum(m.is_moe(i) for i in range(first, m.layers if stop is None else stop))
 
 
+@functools.lru_cache(maxsize=256)
 def mlp_params(m: ModelConfig) -> int:
     """Parameters of one MLP: the dense block's, or one expert (the same feed-forward)."""
     return sum(numel(s) for k, s in block_shapes(m).items() if k.startswith("mlp."))
