@@ -38,7 +38,7 @@ def worker(out_path: str, quick: bool, reps: int) -> None:
     from minidist import comm
     from minidist.train.config import RunConfig
     from minidist.state.data import Sampler
-    from minidist.parallel.compose import build, build_mesh, model_config
+    from minidist.parallel.compose import build, build_mesh
     from minidist.train.loop import update
 
     sys.path.insert(0, HERE)
@@ -64,7 +64,7 @@ def worker(out_path: str, quick: bool, reps: int) -> None:
     root = _share_path(root, world)
     rows = {"sharded_save_s": [], "gathered_save_s": [], "sharded_load_s": [], "whole_load_s": [],
             "train_step_s": [], "sync_save_s": [], "async_blocking_s": []}
-    mcfg = model_config(cfg)
+    mcfg = cfg.model
     for rep in range(reps):
         t0 = time.perf_counter()
         path = checkpoint.save(root, 1 + rep, strategy, mcfg)

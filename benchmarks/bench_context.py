@@ -44,10 +44,12 @@ def _forward_backward(model, x, y):
 
 
 def _model(seq, attention="plain", block=128):
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.optim import AdamW
 
-    model = GPT(GPTConfig(seq_len=seq, dtype="float32", attention=attention, attention_block=block, **WIDTH))
+    model = GPT(ModelConfig(block_size=seq, layers=WIDTH["n_layer"], heads=WIDTH["n_head"], d_model=WIDTH["d_model"],
+                            dtype="float32", attention=attention, attention_block=block))
     return model, AdamW(model.parameters(), lr=1e-4)
 
 

@@ -67,7 +67,8 @@ def loading(folder: str, reps: int, quick: bool) -> dict:
     import numpy as np
 
     from bench_model import QUICK, SHAPE
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.optim import AdamW
     from minidist.parallel.data import OneReplica
     from minidist.parallel.strategy import Strategy
@@ -84,8 +85,8 @@ def loading(folder: str, reps: int, quick: bool) -> dict:
     tokens = open_shards(shards)[1]["train"]
     mapped = Sampler(tokens, s["seq_len"], s["batch"])
     held = Sampler(tokens.gather(np.arange(len(tokens))), s["seq_len"], s["batch"])
-    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"],
-                          d_model=s["d_model"], dtype="float32"))
+    model = GPT(ModelConfig(vocab_size=VOCAB, block_size=s["seq_len"], layers=s["n_layer"], heads=s["n_head"],
+                            d_model=s["d_model"], dtype="float32"))
     strategy = Strategy(model, OneReplica(model, AdamW(model.parameters(), lr=1e-4)))
     times = {"step": [], "shards": [], "memory": []}
     for rep in range(reps + 2):  # two warm-up reps

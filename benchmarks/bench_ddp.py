@@ -79,13 +79,14 @@ def worker_torch(shape, steps):
     import torch
     import torch.distributed as dist
 
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.torch_reference import TorchGPT
 
     torch.set_num_threads(1)
     rank, n = _rank_and_size()
-    model = GPT(GPTConfig(seq_len=shape["seq_len"], n_layer=shape["n_layer"], n_head=shape["n_head"],
-                          d_model=shape["d_model"]))
+    model = GPT(ModelConfig(block_size=shape["seq_len"], layers=shape["n_layer"], heads=shape["n_head"],
+                            d_model=shape["d_model"]))
     net = TorchGPT(model.state_dict(), shape["n_head"], dtype=torch.float32)
     if n > 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

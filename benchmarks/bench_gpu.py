@@ -167,7 +167,8 @@ def _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info, tf32, 
     import torch
 
     from minidist.model.backend import synchronize, to_host
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.optim import AdamW
     from minidist.parallel.data import OneReplica
     from minidist.parallel.strategy import Strategy
@@ -176,8 +177,8 @@ def _measure_mode(s, low_name, attention, x, y, tx, ty, dev, flops, info, tf32, 
     from minidist.train.loop import precision, update
 
     tokens = s["batch"] * s["seq_len"]
-    model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"],
-                          d_model=s["d_model"], dtype="float32", attention=attention))
+    model = GPT(ModelConfig(block_size=s["seq_len"], layers=s["n_layer"], heads=s["n_head"],
+                            d_model=s["d_model"], dtype="float32", attention=attention))
     strategy = Strategy(model, OneReplica(model, AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
                                                        betas=(0.9, 0.95), eps=1e-8)))
     low, scaler = precision(low_name)

@@ -84,7 +84,8 @@ def _minidist_counts(shape: dict, modes, steps_warm: int = 1) -> dict:
     from cupy import _emulator
 
     from minidist.model.backend import to_host
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.optim import AdamW
     from minidist.parallel.data import OneReplica
     from minidist.parallel.strategy import Strategy
@@ -96,8 +97,8 @@ def _minidist_counts(shape: dict, modes, steps_warm: int = 1) -> dict:
     x, y = seq[:, :-1], seq[:, 1:]
     out = {}
     for mode, low_name, attention in modes:
-        model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"], d_model=s["d_model"],
-                              dtype="float32", attention=attention))
+        model = GPT(ModelConfig(block_size=s["seq_len"], layers=s["n_layer"], heads=s["n_head"], d_model=s["d_model"],
+                                dtype="float32", attention=attention))
         strategy = Strategy(model, OneReplica(model, AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
                                                            betas=(0.9, 0.95), eps=1e-8)))
         low, scaler = precision(low_name)
@@ -189,14 +190,15 @@ def run_torch(shape: dict, modes) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from minidist.model.backend import to_host
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.torch_reference import TorchGPT
 
     s = shape
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"], d_model=s["d_model"],
-                          dtype="float32"))
+    model = GPT(ModelConfig(block_size=s["seq_len"], layers=s["n_layer"], heads=s["n_head"], d_model=s["d_model"],
+                            dtype="float32"))
     state = {k: to_host(v) for k, v in model.state_dict().items()}
     rng = np.random.default_rng(0)
     seq = rng.integers(0, 256, size=(s["batch"], s["seq_len"] + 1))

@@ -40,12 +40,13 @@ def models(arch: str, s: dict):
     """minidist's model of shape ``s`` and its PyTorch twin on the same weights."""
     import torch
 
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.torch_reference import TorchGPT, TorchLlama
 
     llama = arch == "llama"
-    model = GPT(GPTConfig(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"], d_model=s["d_model"],
-                          dtype="float32", arch=arch, n_kv_head=KV_HEADS if llama else None))
+    model = GPT(ModelConfig(block_size=s["seq_len"], layers=s["n_layer"], heads=s["n_head"], d_model=s["d_model"],
+                            dtype="float32", arch=arch, kv_heads=KV_HEADS if llama else None))
     if llama:
         return model, TorchLlama(model.state_dict(), s["n_head"], KV_HEADS, model.config.rope_theta, torch.float32)
     return model, TorchGPT(model.state_dict(), s["n_head"], torch.float32)
@@ -55,7 +56,7 @@ def measure(arch: str, threads: int, reps: int, quick: bool = False) -> dict:
     import numpy as np
     import torch
 
-    from minidist.layout.settings import ModelConfig
+    from minidist.layout.model import ModelConfig
     from minidist.model.optim import AdamW
     from minidist.observe.profile import flops_per_token, measure_peak_gflops
     from minidist.parallel.data import OneReplica

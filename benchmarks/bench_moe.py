@@ -32,21 +32,22 @@ EXPERTS, TOP_K = 8, 2
 
 
 def arms(s: dict) -> dict:
-    """name -> the GPTConfig keyword arguments of each arm (same active MLP parameters)."""
-    from minidist.layout.settings import llama_ffn_hidden
+    """name -> the ModelConfig keyword arguments of each arm (same active MLP parameters)."""
+    from minidist.layout.model import llama_ffn_hidden
 
-    base = dict(seq_len=s["seq_len"], n_layer=s["n_layer"], n_head=s["n_head"], d_model=s["d_model"],
+    base = dict(block_size=s["seq_len"], layers=s["n_layer"], heads=s["n_head"], d_model=s["d_model"],
                 dtype="float32", arch="llama")
     return {"dense (feed-forward 2h)": dict(base, ffn_hidden=TOP_K * llama_ffn_hidden(s["d_model"])),
-            "MoE 8 experts top-2, dropless": dict(base, n_experts=EXPERTS, top_k=TOP_K),
-            "MoE 8 experts top-2, capacity 1.25": dict(base, n_experts=EXPERTS, top_k=TOP_K, capacity_factor=1.25)}
+            "MoE 8 experts top-2, dropless": dict(base, experts=EXPERTS, top_k=TOP_K),
+            "MoE 8 experts top-2, capacity 1.25": dict(base, experts=EXPERTS, top_k=TOP_K, capacity_factor=1.25)}
 
 
 def measure(reps: int, quick: bool) -> dict:
     import numpy as np
 
     from bench_model import QUICK, SHAPE
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.optim import AdamW
     from minidist.parallel.data import OneReplica
     from minidist.parallel.strategy import Strategy
@@ -54,7 +55,7 @@ def measure(reps: int, quick: bool) -> dict:
     s = QUICK if quick else SHAPE
     runs = {}
     for name, kw in arms(s).items():
-        model = GPT(GPTConfig(**kw))
+        model = GPT(ModelConfig(**kw))
         strategy = Strategy(model, OneReplica(model, AdamW(model.parameters(), lr=1e-4)))
         runs[name] = (model, strategy)
     rng = np.random.default_rng(0)

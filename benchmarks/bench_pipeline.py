@@ -63,7 +63,8 @@ def worker(out_path: str, reps: int, shape: dict, zero_bubble: bool = False) -> 
     import numpy as np
 
     from minidist import comm
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.optim import AdamW
     from minidist.parallel.pipeline.runtime import PipelineRuntime
     from minidist.layout.schedules import theoretical_bubble
@@ -73,8 +74,8 @@ def worker(out_path: str, reps: int, shape: dict, zero_bubble: bool = False) -> 
     sides = SIDES + (ZERO_BUBBLE_SIDES if zero_bubble else [])
 
     def model():
-        return GPT(GPTConfig(seq_len=shape["seq_len"], n_layer=shape["n_layer"], n_head=shape["n_head"],
-                             d_model=shape["d_model"], seed=0))
+        return GPT(ModelConfig(block_size=shape["seq_len"], layers=shape["n_layer"], heads=shape["n_head"],
+                               d_model=shape["d_model"], seed=0))
 
     serial = model()
     serial_opt = AdamW(serial.parameters(), lr=1e-4)

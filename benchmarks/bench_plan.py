@@ -29,6 +29,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -55,7 +56,8 @@ def llama_rows() -> list:
 
     rows = []
     for devices, seq, mesh, published in LLAMA_ROWS:
-        ranked, _ = search(PRESETS["llama3-405b"].with_(seq_len=seq), MACHINES["h100-nvlink-ib"], devices, 16 * 2**20)
+        model = replace(PRESETS["llama3-405b"], block_size=seq)
+        ranked, _ = search(model, MACHINES["h100-nvlink-ib"], devices, 16 * 2**20)
         place = rank_of(ranked, *mesh)
         e = ranked[place - 1] if place else None
         rows.append({"devices": devices, "seq_len": seq, "mesh": dict(zip(("tp", "cp", "pp", "dp"), mesh)),
@@ -70,7 +72,7 @@ def mixtral_row(devices: int = 64, seq: int = 4096, tokens: int = 4 * 2**20) -> 
     from minidist.plan.model import PRESETS, active_params, num_params
     from minidist.plan.search import search
 
-    m = PRESETS["mixtral-8x7b"].with_(seq_len=seq)
+    m = replace(PRESETS["mixtral-8x7b"], block_size=seq)
     ranked, _ = search(m, MACHINES["h100-nvlink-ib"], devices, tokens)
     best, no_ep = ranked[0], next(e for e in ranked if e.plan.ep == 1)
     return {"params": num_params(m), "active_params": active_params(m), "devices": devices, "seq_len": seq,

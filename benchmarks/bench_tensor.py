@@ -69,12 +69,13 @@ def mlp_bench(g, shape, reps, gbps):
     import numpy as np
 
     from minidist import comm
+    from minidist.layout.model import ModelConfig
     from minidist.model import nn
     from minidist.model.autograd import Tensor
     from minidist.parallel import tensor as tpm
 
     B, T, d = shape["batch"], shape["seq_len"], shape["d_model"]
-    cfg = nn.GPTConfig(vocab_size=256, seq_len=T, n_layer=1, n_head=g.size, d_model=d, dtype="float32")
+    cfg = ModelConfig(vocab_size=256, block_size=T, layers=1, heads=g.size, d_model=d, dtype="float32")
     x = np.random.default_rng(0).standard_normal((B, T // g.size, d)).astype(np.float32)
     runs = {}
     for mode in ("sync", "ring", "bidirectional"):
@@ -114,12 +115,13 @@ def gpt_bench(g, shape, reps):
     import numpy as np
 
     from minidist import comm
+    from minidist.layout.model import ModelConfig
     from minidist.model import nn
     from minidist.model.optim import AdamW
     from minidist.parallel import tensor as tpm
 
-    cfg = nn.GPTConfig(vocab_size=256, seq_len=shape["seq_len"], n_layer=shape["n_layer"], n_head=shape["n_head"],
-                       d_model=shape["d_model"], dtype="float32")
+    cfg = ModelConfig(vocab_size=256, block_size=shape["seq_len"], layers=shape["n_layer"], heads=shape["n_head"],
+                      d_model=shape["d_model"], dtype="float32")
     rng = np.random.default_rng(0)
     seq = rng.integers(0, 256, size=(shape["batch"], shape["seq_len"] + 1))
     x, y = seq[:, :-1], seq[:, 1:]

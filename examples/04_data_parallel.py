@@ -31,14 +31,15 @@ import numpy as np  # noqa: E402
 
 from minidist import comm  # noqa: E402
 from minidist.comm.stats import reset_stats, stats  # noqa: E402
-from minidist.model.nn import GPT, GPTConfig  # noqa: E402
+from minidist.layout.model import ModelConfig  # noqa: E402
+from minidist.model.nn import GPT  # noqa: E402
 from minidist.model.optim import AdamW  # noqa: E402
 from minidist.parallel.data import DistributedDataParallel  # noqa: E402
 from minidist.parallel.strategy import Strategy  # noqa: E402
 
 
 def run(mode, args, mesh, batch):
-    model = GPT(GPTConfig(seq_len=args.seq, n_layer=args.layers, n_head=4, d_model=args.width))
+    model = GPT(ModelConfig(block_size=args.seq, layers=args.layers, heads=4, d_model=args.width))
     opt = AdamW(model.parameters(), lr=1e-3)
     bucket_mb = 1e6 if mode == "one bucket" else args.bucket_mb
     # The textbook ring all-reduce: 2(N-1)/N·X bytes per rank for any bucket (the automatic

@@ -31,13 +31,14 @@ import numpy as np  # noqa: E402
 from minidist import comm  # noqa: E402
 from minidist.model.autograd import no_grad  # noqa: E402
 from minidist.comm import p2p  # noqa: E402
-from minidist.model.nn import GPT, GPTConfig  # noqa: E402
+from minidist.layout.model import ModelConfig  # noqa: E402
+from minidist.model.nn import GPT  # noqa: E402
 from minidist.model.optim import SGD  # noqa: E402
 from minidist.parallel.data import DistributedDataParallel  # noqa: E402
 
 
 def model_and_opt(args):
-    model = GPT(GPTConfig(seq_len=args.seq, n_layer=2, n_head=2, d_model=args.width, seed=0))
+    model = GPT(ModelConfig(block_size=args.seq, layers=2, heads=2, d_model=args.width, seed=0))
     return model, SGD(model.parameters(), lr=args.lr, momentum=0.0)
 
 

@@ -36,6 +36,7 @@ pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks a
 import numpy as np  # noqa: E402
 
 from minidist import comm  # noqa: E402
+from minidist.layout.model import ModelConfig
 from minidist.model import nn
 from minidist.model.autograd import Tensor  # noqa: E402
 from minidist.parallel import tensor as tpm
@@ -86,7 +87,7 @@ def table(title, rows):
 
 def mlp_part(B, T, d):
     """The MLP alone: x (B, T, d) in, (B, T, d) out, forward and backward."""
-    cfg = nn.GPTConfig(vocab_size=256, seq_len=T, n_layer=1, n_head=N, d_model=d, dtype="float32")
+    cfg = ModelConfig(vocab_size=256, block_size=T, layers=1, heads=N, d_model=d, dtype="float32")
     x = np.random.default_rng(0).standard_normal((B, T, d)).astype(np.float32)
     rows = []
     for name, _ in MODES:
@@ -111,7 +112,7 @@ def mlp_part(B, T, d):
 
 def gpt_part(B, T, d, L):
     """A whole GPT forward + backward; every mode must give the same loss."""
-    cfg = nn.GPTConfig(vocab_size=256, seq_len=T, n_layer=L, n_head=N, d_model=d, dtype="float32")
+    cfg = ModelConfig(vocab_size=256, block_size=T, layers=L, heads=N, d_model=d, dtype="float32")
     rng = np.random.default_rng(1)
     ids, targets = rng.integers(0, 256, (B, T)), rng.integers(0, 256, (B, T))
     rows = []
@@ -151,8 +152,8 @@ def memory_part(B, T, d, heads):
     measured = {}
     for name, layers in [("1 rank", alone), ("tensor", LAYERS["tensor"]), ("sequence parallel",
                                                                                LAYERS["sequence parallel"])]:
-        per = [activation_bytes(layers, nn.GPTConfig(vocab_size=256, seq_len=T, n_layer=n, n_head=heads,
-                                                     d_model=d, dtype="float32"), ids) for n in (1, 2)]
+        per = [activation_bytes(layers, ModelConfig(vocab_size=256, block_size=T, layers=n, heads=heads,
+                                                    d_model=d, dtype="float32"), ids) for n in (1, 2)]
         measured[name] = max(per[1] - per[0], 1)
     s, b, h, a, t = T, B, d, heads, N
     paper = {"1 rank": s * b * h * (34 + 5 * a * s / h), "tensor": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),

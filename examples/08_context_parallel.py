@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 
 from minidist import comm  # noqa: E402
 from minidist.train.config import RunConfig  # noqa: E402
-from minidist.model.nn import GPT, GPTConfig  # noqa: E402
+from minidist.layout.model import ModelConfig  # noqa: E402
+from minidist.model.nn import GPT  # noqa: E402
 from minidist.parallel.context import ContextParallel  # noqa: E402
 from minidist.parallel.context import problems as context_problems  # noqa: E402
 from minidist.parallel.data import allreduce_gradients  # noqa: E402
@@ -55,7 +56,7 @@ for impl in ("ring", "ulysses"):  # the training command's checks of --cp: one l
     if problems:  # every rank stops; rank 0 says why (--cp here is the number of ranks)
         parser.exit(2, f"{parser.prog}: error: {n} ranks, {impl}: {problems[0]}\n" if rank == 0 else None)
 
-cfg = GPTConfig(seq_len=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seed=0)
+cfg = ModelConfig(block_size=args.seq, layers=args.layers, heads=args.heads, d_model=args.d_model, seed=0)
 tokens = np.random.default_rng(0).integers(0, 256, size=(1, args.seq + 1))
 x, y = tokens[:, :-1], tokens[:, 1:]
 

@@ -29,7 +29,8 @@ pin_blas_threads(1)  # one BLAS thread per rank, before NumPy loads: the ranks a
 import numpy as np  # noqa: E402  (after the thread settings)
 
 from minidist import comm  # noqa: E402
-from minidist.model.nn import GPT, GPTConfig  # noqa: E402
+from minidist.layout.model import ModelConfig  # noqa: E402
+from minidist.model.nn import GPT  # noqa: E402
 from minidist.model.optim import AdamW  # noqa: E402
 from minidist.layout import schedules as S  # noqa: E402
 from minidist.layout.simulate import chart, measured_chart, simulate  # noqa: E402
@@ -62,7 +63,7 @@ def main():
         if problem:
             say(f"== {name}: skipped ({problem})\n")
             continue
-        model = GPT(GPTConfig(seq_len=seq, n_layer=args.layers, n_head=4, d_model=args.d_model, seed=0))
+        model = GPT(ModelConfig(block_size=seq, layers=args.layers, heads=4, d_model=args.d_model, seed=0))
         pipe = PipelineRuntime(model, g, name, M, V)
         opt = AdamW(model.parameters(), lr=1e-3)
         for x, y in data:

@@ -51,21 +51,22 @@ def test_small_all_reduces_take_recursive_doubling():
 
 
 def test_param_numels_are_the_models():
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
 
     for tied in (True, False):
-        model = GPT(GPTConfig(seq_len=8, n_layer=3, n_head=2, d_model=16, tie_embeddings=tied))
+        model = GPT(ModelConfig(block_size=8, layers=3, heads=2, d_model=16, tied=tied))
         assert t.param_numels(3, 16, 256, 8, tied) == [p.size for p in model.parameters()]
     # tp = 2: the matrices (12 d^2) and the column-parallel biases (3d + 4d) halve; the
     # LayerNorms (4d) and the row-parallel biases (2d) are replicated
     assert sum(t.block_numels(16, 2)) == 12 * 16 * 16 // 2 + 7 * 16 // 2 + 6 * 16
     # mixtures in blocks 1 and 3, Llama's blocks with grouped-query attention
-    for kw in (dict(n_experts=3, moe_every=2), dict(arch="llama", n_kv_head=2, ffn_hidden=40),
-               dict(arch="llama", n_kv_head=1, n_experts=2, moe_every=1)):
-        model = GPT(GPTConfig(seq_len=8, n_layer=4, n_head=4, d_model=16, **kw))
+    for kw in (dict(experts=3, moe_every=2), dict(arch="llama", kv_heads=2, ffn_hidden=40),
+               dict(arch="llama", kv_heads=1, experts=2, moe_every=1)):
+        model = GPT(ModelConfig(block_size=8, layers=4, heads=4, d_model=16, **kw))
         c = model.config
-        llama = {"heads": 4, "kv_heads": c.n_kv_head, "ffn": c.ffn_hidden} if c.arch == "llama" else None
-        assert t.param_numels(4, 16, 256, 8, c.tie_embeddings, experts=c.n_experts, moe_every=c.moe_every,
+        llama = {"heads": 4, "kv_heads": c.kv, "ffn": c.ffn} if c.arch == "llama" else None
+        assert t.param_numels(4, 16, 256, 8, not c.untied, experts=c.experts, moe_every=c.moe_every,
                               llama=llama) == [p.size for p in model.parameters()], kw
 
 

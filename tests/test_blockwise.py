@@ -6,7 +6,8 @@ import pytest
 
 from minidist.model import ops
 from minidist.model.autograd import Tensor
-from minidist.model.nn import GPT, GPTConfig
+from minidist.layout.model import ModelConfig
+from minidist.model.nn import GPT
 from minidist.model.ops import blockwise
 from minidist.train.testing import traced_peak_bytes
 
@@ -85,8 +86,8 @@ def test_gpt_with_blockwise_attention_equals_plain():
     targets = RNG.integers(0, 256, size=(2, 11))
     grads = {}
     for name in ("plain", "blockwise"):
-        model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=16, dtype="float64", seed=3,
-                              attention=name, attention_block=4))
+        model = GPT(ModelConfig(block_size=16, layers=2, heads=2, d_model=16, dtype="float64", seed=3,
+                                attention=name, attention_block=4))
         loss = model(ids, targets)
         loss.backward()
         grads[name] = (loss.item(), {n: p.grad for n, p in model.named_parameters()})
@@ -101,6 +102,6 @@ def test_bad_block_and_attention_names():
         with pytest.raises(ValueError, match="block size must be a positive integer"):
             ops.blockwise_self_attention(x, 1, block=bad)
     with pytest.raises(ValueError, match="unknown attention 'flash'"):
-        GPTConfig(attention="flash")
+        GPT(ModelConfig(attention="flash", block_size=8))
     with pytest.raises(ValueError, match="block size must be a positive integer, got 0"):
-        GPTConfig(attention="blockwise", attention_block=0)
+        GPT(ModelConfig(attention="blockwise", attention_block=0, block_size=8))

@@ -277,7 +277,7 @@ def test_resume_of_another_model_names_the_fields(tmp_path):
     bad = [a if a != "16" else "32" for a in ARGS]  # --d-model 32 --seq-len 32
     r = run_train(None, bad + ["--layers", "3", "--untied", "--resume", str(tmp_path / "ck")], timeout=60)
     assert r.returncode == 2, r.stderr
-    for field in ("n_layer 2 -> 3", "d_model 16 -> 32", "tie_embeddings True -> False"):
+    for field in ("layers 2 -> 3", "d_model 16 -> 32", "tied True -> False"):
         assert field in r.stderr, r.stderr
 
 
@@ -292,27 +292,36 @@ def test_resuming_a_gpt2_checkpoint_as_llama_names_the_fields_and_writes_nothing
                                         "--metrics-jsonl", str(metrics)], timeout=60)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    for field in ("arch gpt2 -> llama", "n_kv_head 2 -> 1", "ffn_hidden 64 -> 32",
-                  "bias True -> False", "tie_embeddings True -> False"):
+    for field in ("arch gpt2 -> llama", "kv_heads 2 -> 1", "ffn_hidden 64 -> 32",
+                  "bias True -> False", "tied True -> False"):
         assert field in lines[0], (field, lines[0])
     assert "rope_theta" not in lines[0] and "norm_eps" not in lines[0], lines[0]
     assert os.listdir(tmp_path / "out") == [] and not metrics.exists()
 
 
-def test_a_checkpoint_older_than_the_llama_family_reads_as_gpt2(tmp_path):
-    """Its metadata lacks arch, n_kv_head, ffn_hidden, rope_theta and norm_eps: it reads as GPT-2
-    (one key/value head per query head, a 4 d MLP) and resumes bit-exactly."""
+def test_a_checkpoint_of_format_1_reads_by_its_old_names(tmp_path):
+    """Format 1 named the model's fields as nn.GPTConfig did (n_layer, n_head, seq_len,
+    tie_embeddings, ...): such metadata reads as the model it is.  Older still, it lacks arch,
+    n_kv_head, ffn_hidden, rope_theta and norm_eps: it reads as GPT-2 (one key/value head per
+    query head, a 4 d MLP) and resumes bit-exactly."""
     from minidist.state.checkpoint import metadata
+    from minidist.state.checkpoint_meta import FORMAT_1, RENAMED
 
     (tmp_path / "ck").mkdir(), (tmp_path / "out").mkdir()
     straight, _ = _train(None, ["--save", str(tmp_path / "ck"), "--save-every", "3"], tmp_path, "straight")
     file = tmp_path / "ck" / "step-000003" / "metadata.json"
     meta = json.loads(file.read_text())
+    now = metadata(str(file.parent))["model"]
+    old = {new: name for name, new in RENAMED.items()}
+    meta["format"], meta["model"] = FORMAT_1, {old.get(k, k): v for k, v in meta["model"].items()}
+    assert {"n_layer", "n_head", "n_kv_head", "seq_len", "tie_embeddings", "n_experts"} <= set(meta["model"])
+    file.write_text(json.dumps(meta))
+    assert metadata(str(file.parent))["model"] == now
     for key in ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps"):
         del meta["model"][key]
     file.write_text(json.dumps(meta))
     model = metadata(str(file.parent))["model"]
-    assert (model["arch"], model["n_kv_head"], model["ffn_hidden"]) == ("gpt2", 2, 64)
+    assert (model["arch"], model["kv_heads"], model["ffn_hidden"]) == ("gpt2", 2, 64) and model["layers"] == 2
     resumed, _ = _train(None, ["--resume", str(file.parent), "--save", str(tmp_path / "out")], tmp_path, "resumed")
     assert resumed == straight[3:]
 
@@ -330,7 +339,7 @@ def test_a_llama_checkpoint_of_tp2_with_one_kv_head_resumes_on_other_meshes(tmp_
     saved, _ = _train(2, LLAMA + ["--tp", "2", "--save", str(tmp_path / "ck"), "--save-every", "3"], tmp_path, "saved")
     assert _rel(np.array(saved), np.array(straight)) < 1e-9
     meta = json.loads((tmp_path / "ck" / "step-000003" / "metadata.json").read_text())
-    assert meta["model"]["arch"] == "llama" and meta["model"]["n_kv_head"] == 1
+    assert meta["model"]["arch"] == "llama" and meta["model"]["kv_heads"] == 1
     kv = meta["tensors"]["h.0.attn.k_proj.weight/param"]["pieces"]
     assert [pc["file"] for pc in kv] == ["rank-00000.bin"], kv  # the shared head, once
     _resumes_like_one_process(tmp_path, LLAMA, [(None, []), (4, ["--dp", "2", "--tp", "2", "--zero", "1"])],

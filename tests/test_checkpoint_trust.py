@@ -304,8 +304,8 @@ def _mesh(save, meta):
 
 
 def _huge_model(save, meta):
-    meta["model"]["n_layer"] = 10**12
-    return "the model (model.n_layer 1000000000000"
+    meta["model"]["layers"] = 10**12
+    return "the model (model.layers 1000000000000"
 
 
 def _unknown_arch(save, meta):
@@ -314,8 +314,8 @@ def _unknown_arch(save, meta):
 
 
 def _kv_heads_not_dividing(save, meta):
-    meta["model"]["n_kv_head"] = 3
-    return "model.n_kv_head 3 does not divide model.n_head 2"
+    meta["model"]["kv_heads"] = 3
+    return "model.kv_heads 3 does not divide model.heads 2"
 
 
 def _gpt2_with_another_mlp(save, meta):
@@ -403,19 +403,18 @@ def test_export_refuses_an_output_that_is_a_link(saved, tmp_path):
 
 
 def test_the_expected_shapes_are_the_models():
-    from minidist.state.checkpoint_meta import parameter_count, parameter_shapes
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig, parameter_count, parameter_shapes
+    from minidist.model.nn import GPT
 
-    llama = {"arch": "llama", "n_head": 4, "d_model": 16}
-    for kw in ({}, {"bias": False}, {"tie_embeddings": False}, {"bias": False, "tie_embeddings": False},
-               llama, {**llama, "n_kv_head": 2}, {**llama, "n_kv_head": 1, "ffn_hidden": 24},
-               {**llama, "n_kv_head": 2, "tie_embeddings": True},
-               {"n_experts": 3, "top_k": 1}, {"n_experts": 2, "moe_every": 2, "bias": False},
-               {**llama, "n_kv_head": 2, "n_experts": 2, "moe_every": 2, "tie_embeddings": False}):
-        cfg = GPTConfig(**{"n_layer": 2, "d_model": 8, "n_head": 2, "seq_len": 4, **kw})
-        model = {**vars(cfg)}
+    llama = {"arch": "llama", "heads": 4, "d_model": 16}
+    for kw in ({}, {"bias": False}, {"tied": False}, {"bias": False, "tied": False},
+               llama, {**llama, "kv_heads": 2}, {**llama, "kv_heads": 1, "ffn_hidden": 24},
+               {**llama, "kv_heads": 2, "tied": True},
+               {"experts": 3, "top_k": 1}, {"experts": 2, "moe_every": 2, "bias": False},
+               {**llama, "kv_heads": 2, "experts": 2, "moe_every": 2, "tied": False}):
+        cfg = ModelConfig(**{"layers": 2, "d_model": 8, "heads": 2, "block_size": 4, **kw})
         got = {name: tuple(p.data.shape) for name, p in GPT(cfg).named_parameters()}
-        assert parameter_shapes(model) == got and parameter_count(model) == len(got), kw
+        assert parameter_shapes(cfg) == got and parameter_count(cfg) == len(got), kw
 
 
 # ------------------------------------------------------------------------------------------------

@@ -33,8 +33,8 @@ MOE = dict(experts=4)
 PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} where the design allows, GPT-2 and Llama
     "dp2-pp2": [dict(dp=2, pp=2, zero=0, bucket_mb=0.0, optimizer="sgd"),
                 dict(dp=2, pp=2, zero=1, schedule="gpipe", grad_accum=2),
-                dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, zero=3, schedule="interleaved", untied=True),
-                dict(dp=2, pp=2, zero=1, **LLAMA, grad_accum=2), dict(dp=2, pp=2, zero=3, schedule="zb-h1", untied=True),
+                dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, zero=3, schedule="interleaved", tied=False),
+                dict(dp=2, pp=2, zero=1, **LLAMA, grad_accum=2), dict(dp=2, pp=2, zero=3, schedule="zb-h1", tied=False),
                 dict(dp=2, pp=2, zero=1, schedule="zbv", microbatches=3), dict(dp=2, pp=2, zero=3, schedule="zbv", microbatches=3),
                 dict(dp=4, **MOE, ep=2, zero=1, capacity_factor=1.25, grad_accum=2, clip_grad=0.05, moe_every=2),
                 # a mixture on every stage: each backpropagates its auxiliary losses, the loss adds them all
@@ -58,7 +58,7 @@ PAIRS = {  # every pair of axes at size 2 (4 ranks) x {DDP, ZeRO-1, ZeRO-3} wher
                 # each cp rank routes the whole sequences, gathered and put in order (zig-zag)
                 dict(dp=2, cp=2, **MOE, ep=2, capacity_factor=0.5)],
     "pp2-tp2": [dict(pp=2, tp=2, sequence_parallel=True),
-                dict(pp=2, tp=2, schedule="interleaved", tp_async="bidirectional", untied=True),
+                dict(pp=2, tp=2, schedule="interleaved", tp_async="bidirectional", tied=False),
                 dict(pp=2, tp=2, **MQA, schedule="interleaved", checkpoint_activations=True),
                 dict(pp=2, tp=2, schedule="zb-h1", sequence_parallel=True, tp_async="ring"),
                 dict(pp=2, tp=2, **MQA, schedule="zb-h2", sequence_parallel=True),
@@ -163,7 +163,7 @@ def test_readme_composition_table_is_the_composers():
 FLAG_SETS = [dict(), dict(zero=1), dict(zero=2), dict(zero=3), dict(sequence_parallel=True),
              dict(tp_async="ring"), dict(tp_async="bidirectional"), dict(cp_impl="ulysses"),
              dict(attention="blockwise"), dict(grad_accum=2), dict(checkpoint_activations=True),
-             dict(mixed_precision="bf16", dtype="float32"), dict(untied=True), dict(schedule="interleaved"),
+             dict(mixed_precision="bf16", dtype="float32"), dict(tied=False), dict(schedule="interleaved"),
              dict(schedule="gpipe"), dict(hsdp_shard=2)]
 MESHES = [dict(dp=2, pp=2, tp=2, cp=2), dict(dp=4, tp=2, cp=2), dict(pp=2, tp=2, cp=4), dict(dp=4, pp=2, tp=2)]
 

@@ -53,14 +53,12 @@ def _minidist_logits(path, ids):
 
 def _minidist_model(path, dtype):
     """Checkpoint ``path``'s model in ``dtype`` (its float32 values widened exactly)."""
-    import dataclasses
-
     from minidist.state.checkpoint import load_full
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
 
     config, params = load_full(path)
-    names = {f.name for f in dataclasses.fields(GPTConfig)}
-    model = GPT(GPTConfig(**{**{k: v for k, v in config.items() if k in names}, "dtype": dtype}))
+    model = GPT(ModelConfig.from_record({**config, "dtype": dtype}))
     model.load_state_dict(params)
     return model
 

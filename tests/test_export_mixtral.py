@@ -94,12 +94,11 @@ def test_mixtral_generates_greedily_what_minidist_generates(mixtral, tmp_path):
     moe.py routes it) continue a prompt with the same 20 greedy tokens."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import dataclasses
-
     import torch
     from transformers import AutoModelForCausalLM
 
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.state.checkpoint import load_full
     from minidist.state.generate import generate_ids
 
@@ -108,8 +107,7 @@ def test_mixtral_generates_greedily_what_minidist_generates(mixtral, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float64, experts_implementation="eager")
     assert type(hf).__name__ == "MixtralForCausalLM"
     config, params = load_full(mixtral)
-    names = {f.name for f in dataclasses.fields(GPTConfig)}
-    mine = GPT(GPTConfig(**{**{k: v for k, v in config.items() if k in names}, "dtype": "float64"}))
+    mine = GPT(ModelConfig.from_record({**config, "dtype": "float64"}))
     mine.load_state_dict(params)  # its float32 values widened exactly
     prompt = list(b"import os\n")
     want = generate_ids(mine, prompt, 20, temperature=0)
@@ -126,7 +124,7 @@ def test_mixtral_generates_greedily_what_minidist_generates(mixtral, tmp_path):
     (dict(arch="gpt2"), "this model is gpt2"),
 ])
 def test_what_mixtral_cannot_hold_is_named(change, needle):
-    model = {"arch": "llama", "n_experts": 4, "top_k": 2, "moe_every": 1, "capacity_factor": 0.0}
+    model = {"arch": "llama", "experts": 4, "top_k": 2, "moe_every": 1, "capacity_factor": 0.0}
     assert problems(model) == []
     found = problems({**model, **change})
     assert len(found) == 1 and needle in found[0], found

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from minidist.state.generate import KVCache, generate, load_model, sample
-from minidist.model.nn import GPT, GPTConfig
+from minidist.layout.model import ModelConfig
+from minidist.model.nn import GPT
 from minidist.train.testing import run_train
 
 pytestmark = pytest.mark.xdist_group(name="generate")  # its module fixture runs once, in one worker
@@ -18,19 +19,19 @@ ARGS = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "32", "
 
 def _model(tied=True, bias=True, seq_len=32, seed=0):
     """A tiny float64 GPT with weights far from their init (sharp attention, peaked logits)."""
-    model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=4, seq_len=seq_len, dtype="float64",
-                          tie_embeddings=tied, bias=bias, seed=seed))
+    model = GPT(ModelConfig(layers=2, d_model=32, heads=4, block_size=seq_len, dtype="float64",
+                            tied=tied, bias=bias, seed=seed))
     rng = np.random.default_rng(seed)
     for _, p in model.named_parameters():
         p.data = p.data + rng.normal(0.0, 0.3, size=p.shape)
     return model
 
 
-def _llama(n_kv_head=2, tied=False, rope_theta=500000.0, seq_len=32, seed=0):
-    """A tiny float64 Llama (4 query heads of 8 features, ``n_kv_head`` key/value heads), its
+def _llama(kv_heads=2, tied=False, rope_theta=500000.0, seq_len=32, seed=0):
+    """A tiny float64 Llama (4 query heads of 8 features, ``kv_heads`` key/value heads), its
     weights moved far from their init as ``_model``'s."""
-    model = GPT(GPTConfig(arch="llama", n_layer=2, d_model=32, n_head=4, n_kv_head=n_kv_head, seq_len=seq_len,
-                          dtype="float64", tie_embeddings=tied, rope_theta=rope_theta, seed=seed))
+    model = GPT(ModelConfig(arch="llama", layers=2, d_model=32, heads=4, kv_heads=kv_heads, block_size=seq_len,
+                            dtype="float64", tied=tied, rope_theta=rope_theta, seed=seed))
     rng = np.random.default_rng(seed)
     for _, p in model.named_parameters():
         p.data = p.data + rng.normal(0.0, 0.3, size=p.shape)
@@ -50,9 +51,9 @@ MODELS = {"tied": lambda: _model(True, True), "untied": lambda: _model(False, Tr
 def _moe(arch, top_k):
     """A tiny float64 model with a dropless mixture of 4 experts in every block, its weights
     moved far from their init as ``_model``'s (so the tokens spread over the experts)."""
-    kv = dict(n_kv_head=2) if arch == "llama" else {}
-    model = GPT(GPTConfig(arch=arch, n_layer=2, d_model=32, n_head=4, seq_len=32, dtype="float64", n_experts=4,
-                          top_k=top_k, **kv))
+    kv = dict(kv_heads=2) if arch == "llama" else {}
+    model = GPT(ModelConfig(arch=arch, layers=2, d_model=32, heads=4, block_size=32, dtype="float64", experts=4,
+                            top_k=top_k, **kv))
     rng = np.random.default_rng(5)
     for _, p in model.named_parameters():
         p.data = p.data + rng.normal(0.0, 0.3, size=p.shape)
@@ -79,13 +80,13 @@ def test_the_kv_cache_equals_the_full_forward_at_every_position(kind):
     with pytest.raises(ValueError, match="position table|longest sequence"):
         cache.step(ids[:1])
     if kind.startswith("llama"):
-        assert cache.k.shape == (2, model.config.n_kv_head, 32, 8)
+        assert cache.k.shape == (2, model.config.kv, 32, 8)
     if "moe" in kind:  # the full forward's routing used more than one expert in every block
         assert all((block.mlp.last_counts > 0).sum() >= 2 for block in model.h)
 
 
 def test_a_mixture_that_drops_tokens_is_refused_by_the_cache():
-    model = GPT(GPTConfig(n_layer=1, d_model=16, n_head=2, seq_len=8, n_experts=2, capacity_factor=1.0))
+    model = GPT(ModelConfig(layers=1, d_model=16, heads=2, block_size=8, experts=2, capacity_factor=1.0))
     with pytest.raises(ValueError, match="needs a dropless one"):
         KVCache(model)
 
@@ -108,7 +109,7 @@ def _greedy_without_cache(model, prompt: bytes, tokens: int) -> bytes:
     """The reference: the full forward on the last seq_len bytes, argmax, for every byte."""
     out = list(prompt)
     for _ in range(tokens):
-        window = np.array(out[-model.config.seq_len:])
+        window = np.array(out[-model.config.block_size:])
         out.append(int(np.argmax(np.asarray(model(window[None]).data[0, -1]))))
     return bytes(out)
 
@@ -184,7 +185,7 @@ def test_a_llama_checkpoint_generates_from_the_command_line(tmp_path):
     r = run_train(None, ARGS + ["--arch", "llama", "--kv-heads", "2", "--save", str(tmp_path)], timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     model = load_model(str(tmp_path))
-    assert model.config.arch == "llama" and model.config.n_kv_head == 2 and model.wpe is None
+    assert model.config.arch == "llama" and model.config.kv == 2 and model.wpe is None
     cli = _generate_cli(str(tmp_path), "--prompt", "def ", "--tokens", "40", "--seed", "2")
     assert cli.returncode == 0, cli.stderr
     want = generate(model, b"def ", 40, seed=2).decode("utf-8", errors="replace")
@@ -198,7 +199,7 @@ def test_the_loaded_model_is_the_checkpoint(one_process_checkpoint):
     _, params = load_full(one_process_checkpoint)
     state = model.state_dict()
     assert state.keys() == params.keys() and all(np.array_equal(state[k], params[k]) for k in params)
-    assert model.config.dtype == "float64" and model.config.seq_len == 32
+    assert model.config.dtype == "float64" and model.config.block_size == 32
 
 
 def test_bytes_that_are_not_utf8_are_replaced(one_process_checkpoint):

@@ -6,7 +6,8 @@ import pytest
 
 from minidist.model import ops
 from minidist.model.backend import dtype
-from minidist.model.nn import GPT, GPTConfig
+from minidist.layout.model import ModelConfig
+from minidist.model.nn import GPT
 from minidist.model.optim import AdamW, DynamicLossScaler
 from minidist.parallel.data import OneReplica
 from minidist.parallel.strategy import Strategy
@@ -18,9 +19,9 @@ def forward_backward(model, x, y, grad_accum=1, low_dtype=None, loss_scale=1.0):
 
 
 def tiny(seed=0, dt="float64", **kw):
-    cfg = dict(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16, dtype=dt, seed=seed)
+    cfg = dict(vocab_size=256, block_size=8, layers=2, heads=2, d_model=16, dtype=dt, seed=seed)
     cfg.update(kw)
-    return GPT(GPTConfig(**cfg))
+    return GPT(ModelConfig(**cfg))
 
 
 def batch(b=3, t=8, seed=1):
@@ -59,10 +60,10 @@ def test_load_state_dict_round_trip_and_errors():
         b.load_state_dict({"wte.weight": a.state_dict()["wte.weight"]})
 
 
-LLAMA = dict(arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24)
+LLAMA = dict(arch="llama", heads=4, kv_heads=2, ffn_hidden=24)
 
 
-@pytest.mark.parametrize("kw", [{}, LLAMA, dict(LLAMA, n_kv_head=1)], ids=["gpt2", "llama-gqa", "llama-mqa"])
+@pytest.mark.parametrize("kw", [{}, LLAMA, dict(LLAMA, kv_heads=1)], ids=["gpt2", "llama-gqa", "llama-mqa"])
 def test_whole_model_gradient_matches_finite_differences(kw):
     """Every parameter's gradient against float64 central differences of the loss f: six
     elements per parameter (its largest and smallest gradient and four at random) and one
@@ -125,19 +126,19 @@ def test_llama_shape_and_attention_paths():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(arch="llama", n_head=4, n_kv_head=3), "n_kv_head=3 does not divide n_head=4"),
-    (dict(n_kv_head=1), "n_kv_head and ffn_hidden are Llama's"),
+    (dict(arch="llama", heads=4, kv_heads=3), "kv_heads=3 does not divide heads=4"),
+    (dict(kv_heads=1), "kv_heads and ffn_hidden are Llama's"),
     (dict(arch="llama", rope_theta=0.0), "rope_theta must be a positive finite number"),
     (dict(arch="llama", rope_theta=10**400), "rope_theta must be a positive finite number"),
     (dict(arch="llama", norm_eps=-1.0), "norm_eps must be a positive finite number"),
-    (dict(arch="llama", n_head=8, d_model=8), "rotary positions need an even head dimension, got 1"),
+    (dict(arch="llama", heads=8, d_model=8), "rotary positions need an even head dimension, got 1"),
     (dict(arch="bert"), "unknown arch 'bert'"),
 ])
 def test_llama_config_errors_name_the_value(kw, message):
-    cfg = dict(vocab_size=256, seq_len=8, n_layer=1, n_head=2, d_model=16)
+    cfg = dict(vocab_size=256, block_size=8, layers=1, heads=2, d_model=16)
     cfg.update(kw)
     with pytest.raises(ValueError, match=message):
-        GPTConfig(**cfg)
+        GPT(ModelConfig(**cfg))
 
 
 def test_sequence_longer_than_position_table_is_rejected():
@@ -148,7 +149,7 @@ def test_sequence_longer_than_position_table_is_rejected():
 
 def test_heads_must_divide_width():
     with pytest.raises(ValueError, match="not divisible"):
-        GPTConfig(d_model=10, n_head=4)
+        GPT(ModelConfig(d_model=10, heads=4, block_size=8))
 
 
 def test_grad_accumulation_equals_one_batch():
@@ -175,7 +176,7 @@ def test_checkpointing_gives_identical_gradients():
 def test_checkpointing_lowers_peak_memory():
     import tracemalloc
 
-    model = GPT(GPTConfig(seq_len=64, n_layer=4, n_head=4, d_model=64, dtype="float32"))
+    model = GPT(ModelConfig(block_size=64, layers=4, heads=4, d_model=64, dtype="float32"))
     x, y = batch(b=8, t=64)
 
     def peak(ckpt):
@@ -193,7 +194,7 @@ def test_checkpointing_lowers_peak_memory():
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains(precision):
-    model = tiny(seed=0, dt="float32", seq_len=32, d_model=32)
+    model = tiny(seed=0, dt="float32", block_size=32, d_model=32)
     low = dtype("bfloat16" if precision == "bf16" else "float16")
     opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     scaler = DynamicLossScaler(init_scale=2.0**10) if precision == "fp16" else None

@@ -152,8 +152,8 @@ def test_settings_import_no_minidist_module():
     """Every layer reads the model's and the mesh's settings, so they import no minidist module,
     and the run's configuration imports only them."""
     graph = _graph(include_functions=True)
-    assert graph["minidist.layout.settings"] == set()
-    assert graph["minidist.train.config"] == {"minidist.layout.settings"}
+    assert graph["minidist.layout.settings"] == graph["minidist.layout.model"] == set()
+    assert graph["minidist.train.config"] == {"minidist.layout.model", "minidist.layout.settings"}
 
 
 ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"

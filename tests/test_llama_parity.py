@@ -30,7 +30,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 from minidist.model import backend  # noqa: E402
-from minidist.model.nn import GPT, GPTConfig  # noqa: E402
+from minidist.layout.model import ModelConfig  # noqa: E402
+from minidist.model.nn import GPT  # noqa: E402
 from minidist.model.optim import AdamW, no_decay_below_2d  # noqa: E402
 
 TOL = 1e-9
@@ -49,8 +50,8 @@ def rel_err(a, b):
 
 def _minidist():
     """A float64 Llama whose weights are moved off their init (norm gains not all ones)."""
-    model = GPT(GPTConfig(arch="llama", n_layer=LAYERS, d_model=D_MODEL, n_head=H, n_kv_head=K, seq_len=T,
-                          rope_theta=THETA, dtype="float64", seed=7))
+    model = GPT(ModelConfig(arch="llama", layers=LAYERS, d_model=D_MODEL, heads=H, kv_heads=K, block_size=T,
+                            rope_theta=THETA, dtype="float64", seed=7))
     rng = np.random.default_rng(0)
     for _, p in model.named_parameters():
         p.data = p.data + backend.from_host(rng.normal(0.0, 0.1, size=p.shape))
@@ -59,8 +60,8 @@ def _minidist():
 
 def _reference(cfg):
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden, num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head, max_position_embeddings=cfg.seq_len,
+        vocab_size=256, hidden_size=cfg.d_model, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv, max_position_embeddings=cfg.block_size,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, rms_norm_eps=cfg.norm_eps,
         attention_bias=False, mlp_bias=False, tie_word_embeddings=False, attn_implementation="eager")
     return transformers.LlamaForCausalLM(config).to(torch.float64)
@@ -89,7 +90,7 @@ def _hf_names(name: str, F: int):
 
 def _as_hf(model, arrays: dict) -> dict:
     """minidist's ``{name: array}`` (parameters or gradients) in Hugging Face's names and layout."""
-    F = model.config.ffn_hidden
+    F = model.config.ffn
     return {hf: to(host(arrays[name])) for name in arrays for hf, to in _hf_names(name, F)}
 
 
@@ -186,7 +187,7 @@ def test_three_adamw_steps_match(pair, float64_reference):
     lr, betas, eps, wd = 1e-2, (0.9, 0.95), 1e-8, 0.1
     opt = AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd, no_decay=no_decay_below_2d)
     decayed = {hf for n, p in model.named_parameters() if opt.decay_of(p) > 0
-               for hf, _ in _hf_names(n, model.config.ffn_hidden)}
+               for hf, _ in _hf_names(n, model.config.ffn)}
     assert decayed and not any(n.endswith("norm.weight") for n in decayed)
     ref_params = dict(ref.named_parameters())
     ref_opt = torch.optim.AdamW([

@@ -11,17 +11,18 @@ import pytest
 
 from minidist.model import backend, moe
 from minidist.model.autograd import Tensor
-from minidist.model.nn import GPT, GPTConfig, MLP
+from minidist.layout.model import ModelConfig
+from minidist.model.nn import GPT, MLP
 from minidist.parallel.data import OneReplica
 from minidist.parallel.strategy import Strategy
 
 CASES = {
-    "gpt2-top2-dropless": dict(n_experts=4, top_k=2),
-    "gpt2-top1-capacity": dict(n_experts=4, top_k=1, capacity_factor=1.0),
-    "gpt2-top2-capacity": dict(n_experts=3, top_k=2, capacity_factor=0.5),
-    "llama-top2-capacity": dict(arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24, n_experts=4, top_k=2,
+    "gpt2-top2-dropless": dict(experts=4, top_k=2),
+    "gpt2-top1-capacity": dict(experts=4, top_k=1, capacity_factor=1.0),
+    "gpt2-top2-capacity": dict(experts=3, top_k=2, capacity_factor=0.5),
+    "llama-top2-capacity": dict(arch="llama", heads=4, kv_heads=2, ffn_hidden=24, experts=4, top_k=2,
                                 capacity_factor=0.75),
-    "llama-top1-dropless": dict(arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24, n_experts=2, top_k=1),
+    "llama-top1-dropless": dict(arch="llama", heads=4, kv_heads=2, ffn_hidden=24, experts=2, top_k=1),
 }
 
 
@@ -36,9 +37,9 @@ def dev(a):
 
 
 def tiny(**kw):
-    cfg = dict(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16, dtype="float64", seed=0)
+    cfg = dict(vocab_size=256, block_size=8, layers=2, heads=2, d_model=16, dtype="float64", seed=0)
     cfg.update(kw)
-    return GPT(GPTConfig(**cfg))
+    return GPT(ModelConfig(**cfg))
 
 
 def batch(b=2, t=8, seed=1):
@@ -51,7 +52,7 @@ def reference(layer, x):
     states the rules (no sorting, no buffers)."""
     cfg = layer.cfg
     B, T, d = x.shape
-    E, k = cfg.n_experts, cfg.top_k
+    E, k = cfg.experts, cfg.top_k
     C = math.ceil(cfg.capacity_factor * T * k / E) if cfg.capacity_factor else T * k
     W = host(layer.router.weight.data)
     out, aux, z = np.zeros_like(x), 0.0, 0.0
@@ -93,7 +94,7 @@ def test_capacity_drops_the_later_tokens_of_each_sequence_and_they_pass_on_the_r
     """A router that sends every token to expert 0: with capacity C = ceil(0.5 * 8 * 1 / 2) = 2
     only the first two tokens of each sequence get the expert's output; the others get 0 from
     the layer, so the block adds nothing to them."""
-    model = tiny(n_experts=2, top_k=1, capacity_factor=0.5)
+    model = tiny(experts=2, top_k=1, capacity_factor=0.5)
     layer = model.h[0].mlp
     layer.router.weight.data[...] = 0.0
     layer.router.weight.data[0, 0] = 50.0  # x[..., 0] > 0: expert 0, surely
@@ -128,7 +129,7 @@ def test_a_mixed_precision_layer_keeps_its_activations_low_and_every_gradient(lo
     that took tokens (on CuPy: no scatter-add in the low dtype)."""
     from minidist.model import ops
 
-    layer = tiny(dtype="float32", n_experts=4, top_k=2, capacity_factor=1.0).h[0].mlp
+    layer = tiny(dtype="float32", experts=4, top_k=2, capacity_factor=1.0).h[0].mlp
     dt = backend.dtype(low)
     x = Tensor(dev(np.random.default_rng(3).standard_normal((2, 8, 16))).astype(dt), requires_grad=True)
     with ops.autocast(low):
@@ -185,7 +186,7 @@ def test_layer_gradients_match_finite_differences(kw):
 
 
 @pytest.mark.parametrize("kw", [CASES["gpt2-top2-capacity"], CASES["llama-top1-dropless"],
-                                dict(n_experts=4, top_k=2, moe_every=2, capacity_factor=1.0, z_loss_coef=0.1)],
+                                dict(experts=4, top_k=2, moe_every=2, capacity_factor=1.0, z_loss_coef=0.1)],
                          ids=["gpt2-top2-capacity", "llama-top1-dropless", "every-2nd"])
 def test_whole_moe_model_gradient_matches_finite_differences(kw):
     model = tiny(**kw)
@@ -204,13 +205,13 @@ def test_whole_moe_model_gradient_matches_finite_differences(kw):
 def test_the_loss_is_cross_entropy_plus_every_mixtures_auxiliary_losses():
     from minidist.model import ops
 
-    model = tiny(n_experts=4, top_k=2, aux_loss_coef=0.5, z_loss_coef=0.25)
+    model = tiny(experts=4, top_k=2, aux_loss_coef=0.5, z_loss_coef=0.25)
     x, y = batch()
     loss = model(x, y).item()
     ce = ops.cross_entropy(model(x), y).item()
     aux = sum(b.mlp.aux_loss.item() for b in model.h)
     assert aux > 0 and loss == pytest.approx(ce + aux, rel=1e-14)
-    dense = tiny(n_experts=4, aux_loss_coef=0.0, z_loss_coef=0.0)
+    dense = tiny(experts=4, aux_loss_coef=0.0, z_loss_coef=0.0)
     assert dense(x, y).item() == pytest.approx(ops.cross_entropy(dense(x), y).item(), rel=1e-14)
     assert dense.h[0].mlp.aux_loss is None
 
@@ -218,7 +219,7 @@ def test_the_loss_is_cross_entropy_plus_every_mixtures_auxiliary_losses():
 def test_gradient_accumulation_equals_the_whole_batch():
     """Capacity and the balancing loss are per sequence: two micro-batches of rows give the
     batch's gradient (what data parallelism relies on too)."""
-    model = tiny(n_experts=4, top_k=2, capacity_factor=0.5)
+    model = tiny(experts=4, top_k=2, capacity_factor=0.5)
     x, y = batch(b=4)
     grads = []
     for k in (1, 2):
@@ -249,32 +250,32 @@ def test_a_step_reads_the_routing_once_per_mixture_and_microbatch(tmp_path):
 
 
 def test_names_and_initialisation_by_name():
-    model = tiny(n_experts=3, moe_every=2, arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24)
+    model = tiny(experts=3, moe_every=2, arch="llama", heads=4, kv_heads=2, ffn_hidden=24)
     names = list(model.state_dict())
     assert "h.0.mlp.gate_up_proj.weight" in names  # block 0: dense
     assert "h.1.mlp.router.weight" in names and "h.1.mlp.experts.2.down_proj.weight" in names
-    again = tiny(n_experts=3, moe_every=2, arch="llama", n_head=4, n_kv_head=2, ffn_hidden=24)
+    again = tiny(experts=3, moe_every=2, arch="llama", heads=4, kv_heads=2, ffn_hidden=24)
     for n, a in model.state_dict().items():
         assert np.array_equal(host(a), host(again.state_dict()[n])), n
     experts = [host(model.state_dict()[f"h.1.mlp.experts.{e}.down_proj.weight"]) for e in range(3)]
     assert not np.array_equal(experts[0], experts[1])
     dense = tiny()
-    assert list(dense.state_dict()) == list(tiny(n_experts=0, top_k=5).state_dict())
+    assert list(dense.state_dict()) == list(tiny(experts=0, top_k=5).state_dict())
     assert isinstance(dense.h[0].mlp, MLP)
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(n_experts=-1), "n_experts must be a non-negative integer, got -1"),
-    (dict(n_experts=4, top_k=0), "top_k must be a positive integer, got 0"),
-    (dict(n_experts=2, top_k=3), "top_k=3 is more than the n_experts=2 experts"),
-    (dict(n_experts=2, moe_every=0), "moe_every must be a positive integer, got 0"),
-    (dict(n_experts=2, capacity_factor=-0.5), "capacity_factor must be a non-negative finite number, got -0.5"),
-    (dict(n_experts=2, aux_loss_coef=float("nan")), "aux_loss_coef must be a non-negative finite number, got nan"),
-    (dict(n_experts=2, z_loss_coef="1"), "z_loss_coef must be a non-negative finite number, got '1'"),
+    (dict(experts=-1), "experts must be a non-negative integer, got -1"),
+    (dict(experts=4, top_k=0), "top_k must be a positive integer, got 0"),
+    (dict(experts=2, top_k=3), "top_k=3 is more than experts=2"),
+    (dict(experts=2, moe_every=0), "moe_every must be a positive integer, got 0"),
+    (dict(experts=2, capacity_factor=-0.5), "capacity_factor must be a non-negative finite number, got -0.5"),
+    (dict(experts=2, aux_loss_coef=float("nan")), "aux_loss_coef must be a non-negative finite number, got nan"),
+    (dict(experts=2, z_loss_coef="1"), "z_loss_coef must be a non-negative finite number, got '1'"),
 ])
 def test_bad_moe_config_is_one_line_naming_the_value(kw, words):
     with pytest.raises(ValueError) as e:
-        GPTConfig(**kw)
+        ModelConfig(block_size=8, **kw).check()
     assert str(e.value) == words
 
 

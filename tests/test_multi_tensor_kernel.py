@@ -85,7 +85,8 @@ def test_source_compiles_for_an_h100(tmp_path, real):
 def test_training_updates_equal_with_and_without_the_kernels(monkeypatch):
     """Three AdamW steps with clipping on a float64 GPT: the multi-tensor launches give the
     per-array loop's parameters (to round-off: the norm's squares add up in another order)."""
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.optim import AdamW, clip_grad_norm
     from minidist.model.ops import cross_entropy
 
@@ -94,7 +95,7 @@ def test_training_updates_equal_with_and_without_the_kernels(monkeypatch):
     out = {}
     for mode in ("auto", "off"):
         monkeypatch.setenv("MINIDIST_CUDA_KERNELS", mode)
-        model = GPT(GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=16, dtype="float64"))
+        model = GPT(ModelConfig(block_size=16, layers=1, heads=2, d_model=16, dtype="float64"))
         opt = AdamW(model.parameters(), lr=1e-2)
         assert (mt.why_not([p.data for p in opt.params]) is None) == (mode == "auto")
         norms = []

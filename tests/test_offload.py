@@ -147,7 +147,7 @@ def test_overlap_is_real(monkeypatch):
 def test_checkpoint_resumes_with_and_without_offload(tmp_path):
     """Saved from an offloaded run after 2 steps, resumed for 2 more with and without offload:
     both equal 4 straight steps (the state's layout is AdamW's)."""
-    from minidist.parallel.compose import build, model_config
+    from minidist.parallel.compose import build
     from minidist.state import checkpoint
     from minidist.state.data import Sampler
     from minidist.model.optim import lr_at
@@ -166,7 +166,7 @@ def test_checkpoint_resumes_with_and_without_offload(tmp_path):
     straight = steps(build(cfg())[1], cfg(), 0, STEPS)
     _, first = build(cfg())
     steps(first, cfg(), 0, 2)
-    path = checkpoint.save(str(tmp_path), 2, first, model_config(cfg()))
+    path = checkpoint.save(str(tmp_path), 2, first, cfg().model)
     for offloaded in (True, False):
         c = cfg(offload=offloaded)
         _, again = build(c)

@@ -261,13 +261,14 @@ def test_a_gpt_step_with_the_cuda_kernels_equals_one_without(monkeypatch, low):
     gradient, GELU, LayerNorm: under bf16 the ones that read and write bf16) and without them
     (the xp forms and their casts): the same to bf16's rounding (float32: to float32's)."""
     from minidist.model.backend import dtype
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
 
     ids = np.random.default_rng(0).integers(0, 256, size=(2, 17))
     got = {}
     for mode in ("auto", "off"):
         monkeypatch.setenv("MINIDIST_CUDA_KERNELS", mode)
-        model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32, dtype="float32"))
+        model = GPT(ModelConfig(block_size=16, layers=2, heads=2, d_model=32, dtype="float32"))
         if low == "float32":
             loss = model(ids[:, :-1], ids[:, 1:])
         else:

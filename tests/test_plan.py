@@ -4,15 +4,17 @@ the Llama 3 405B rows, and the command line.  No MPI: the planner is arithmetic.
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
+from minidist.layout.model import ModelConfig
 from minidist.layout.schedules import make_schedule, theoretical_bubble
 from minidist.layout.simulate import simulate
 from minidist.plan.cost import FLOAT32, FLOAT64, MIXED_BF16, Plan, estimate, memory_parts, problems, \
     stage_blocks
 from minidist.plan.machine import PRESETS as MACHINES, Machine, Link, load, others_load
-from minidist.plan.model import PRESETS, ModelSpec, block_matmul_flops, model_flops_per_token, num_params
+from minidist.plan.model import PRESETS, block_matmul_flops, model_flops_per_token, num_params
 from minidist.plan.search import meshes, rank_of, search
 
 H100 = MACHINES["h100-nvlink-ib"]
@@ -20,8 +22,8 @@ LLAMA = PRESETS["llama3-405b"]
 GBS = 16 * 2**20
 
 
-def tiny_gpt(layers=2, d=16, heads=2, seq=8) -> ModelSpec:
-    return ModelSpec("tiny", layers, d, heads, 256, seq)
+def tiny_gpt(layers=2, d=16, heads=2, seq=8) -> ModelConfig:
+    return ModelConfig(layers=layers, d_model=d, heads=heads, block_size=seq)
 
 
 # ------------------------------------------------------------------ formulas, by hand and against the code
@@ -29,7 +31,7 @@ def tiny_gpt(layers=2, d=16, heads=2, seq=8) -> ModelSpec:
 
 def test_flops_per_token_by_hand():
     # L=2, d=4, T=8, V=16: forward per layer 24 d^2 + 4 T d = 384 + 128; head 2 d V = 128.
-    m = ModelSpec("hand", 2, 4, 2, 16, 8)
+    m = ModelConfig(layers=2, d_model=4, heads=2, vocab_size=16, block_size=8)
     assert model_flops_per_token(m) == 3 * (2 * (384 + 128) + 128)
     # Llama: QKV with 8 of 128 heads for K and V, SwiGLU's three matrices, causal half of the scores.
     assert block_matmul_flops(LLAMA) == 2 * (2 * 16384**2 + 2 * 16384 * 1024 + 3 * 16384 * 53248)
@@ -42,15 +44,15 @@ def test_flops_equal_minidist_profile_for_its_gpt():
     from minidist.observe.profile import model_flops_per_token as profile_flops
 
     for layers, d, seq in ((2, 16, 8), (12, 768, 1024), (4, 256, 128)):
-        assert model_flops_per_token(ModelSpec("g", layers, d, 4, 256, seq)) == profile_flops(layers, d, seq, 256)
+        assert model_flops_per_token(tiny_gpt(layers, d, 4, seq)) == profile_flops(layers, d, seq, 256)
 
 
 def test_parameter_counts_equal_the_real_model_and_the_published_sizes():
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.model.nn import GPT
 
     for layers, d, heads, seq in ((2, 16, 2, 8), (3, 32, 4, 16)):
-        model = GPT(GPTConfig(seq_len=seq, n_layer=layers, n_head=heads, d_model=d, dtype="float32"))
-        assert num_params(ModelSpec("g", layers, d, heads, 256, seq)) == sum(p.data.size for p in model.parameters())
+        model = GPT(tiny_gpt(layers, d, heads, seq))
+        assert num_params(tiny_gpt(layers, d, heads, seq)) == sum(p.data.size for p in model.parameters())
     assert abs(num_params(LLAMA) / 405e9 - 1) < 0.01
     assert abs(num_params(PRESETS["llama3-70b"]) / 70.6e9 - 1) < 0.01
     assert abs(num_params(PRESETS["gpt3-175b"]) / 175e9 - 1) < 0.01
@@ -60,48 +62,36 @@ LLAMA_SHAPES = [  # (layers, d, heads, kv_heads, ffn_hidden, seq): K < H, K = 1,
     (2, 32, 4, 2, None, 16), (2, 32, 4, 1, None, 16), (1, 64, 4, 4, None, 8), (3, 48, 6, 3, 100, 12)]
 
 
-def _built(model, seq):
-    """The model minidist.train builds for ``model`` (parallel.compose.model_config's mapping)."""
-    from minidist.model.nn import GPT, GPTConfig
-
-    llama = model.arch == "llama"
-    return GPT(GPTConfig(seq_len=model.block_size or seq, n_layer=model.layers, n_head=model.heads,
-                         d_model=model.d_model, tie_embeddings=not (model.untied or llama), arch=model.arch,
-                         n_kv_head=model.kv if llama else None, ffn_hidden=model.ffn if llama else None))
-
-
 @pytest.mark.parametrize("layers,d,heads,kv,ffn,seq", LLAMA_SHAPES)
 def test_llama_counts_equal_the_profile_and_the_built_model(layers, d, heads, kv, ffn, seq):
-    from minidist.layout.settings import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.observe.profile import flops_per_token
-    from minidist.plan.model import spec_of
 
-    run = ModelConfig(layers=layers, d_model=d, heads=heads, arch="llama", kv_heads=kv, ffn_hidden=ffn)
-    m = spec_of(run, seq)
-    assert (m.gated, m.gpt2, m.tied, m.kv, m.f) == (True, False, False, kv, run.ffn)
-    assert num_params(m) == _built(run, seq).num_parameters()
+    run = ModelConfig(layers=layers, d_model=d, heads=heads, arch="llama", kv_heads=kv, ffn_hidden=ffn, block_size=seq)
+    assert (run.gated, run.has_bias, run.untied, run.kv) == (True, False, True, kv)
+    assert num_params(run) == GPT(run).num_parameters()
     # by hand: q and o d x d, k and v d x K·D, SwiGLU 3 d x F; attention 4 T d; the head 2 d V; x 3
     f, d_kv = run.ffn, kv * (d // heads)
     by_hand = 3 * (layers * (2 * (2 * d * d + 2 * d * d_kv + 3 * d * f) + 4 * seq * d) + 2 * d * 256)
-    assert flops_per_token(run, seq) == model_flops_per_token(m) == by_hand
+    assert flops_per_token(run, seq) == model_flops_per_token(run) == by_hand
 
 
-@pytest.mark.parametrize("untied,block_size", [(False, None), (True, None), (False, 24)])
+@pytest.mark.parametrize("untied,block_size", [(False, 16), (True, 16), (False, 24)])
 def test_gpt2_counts_equal_the_profile_and_the_built_model(untied, block_size):
-    from minidist.layout.settings import ModelConfig
+    """A position table longer than the sequences trained on (--block-size 24 --seq-len 16)."""
+    from minidist.model.nn import GPT
     from minidist.observe.profile import flops_per_token, model_flops_per_token as gpt2_flops
-    from minidist.plan.model import spec_of
 
-    run = ModelConfig(layers=2, d_model=32, heads=4, untied=untied, block_size=block_size)
-    m = spec_of(run, 16)
-    assert num_params(m) == _built(run, 16).num_parameters()
-    assert flops_per_token(run, 16) == model_flops_per_token(m) == gpt2_flops(2, 32, 16, 256)
+    run = ModelConfig(layers=2, d_model=32, heads=4, tied=False if untied else None, block_size=block_size)
+    assert num_params(run) == GPT(run).num_parameters()
+    assert flops_per_token(run, 16) == model_flops_per_token(run, 16) == gpt2_flops(2, 32, 16, 256)
 
 
 def test_llama3_8b_preset():
     m = PRESETS["llama3-8b"]
-    assert (m.layers, m.d_model, m.heads, m.kv, m.f, m.vocab, m.seq_len) == (32, 4096, 32, 8, 14336, 128256, 8192)
-    assert not m.tied and m.gated
+    shape = (m.layers, m.d_model, m.heads, m.kv, m.ffn, m.vocab_size, m.block_size)
+    assert shape == (32, 4096, 32, 8, 14336, 128256, 8192)
+    assert m.untied and m.gated
     assert abs(num_params(m) / 8.03e9 - 1) < 0.002
 
 
@@ -234,7 +224,7 @@ def test_enumeration_yields_only_meshes_whose_product_is_the_device_count():
         for tp, cp, pp, dp in found:
             assert tp * cp * pp * dp == devices
             assert LLAMA.heads % tp == 0 and LLAMA.kv % tp == 0
-            assert pp <= LLAMA.layers and (GBS // LLAMA.seq_len) % dp == 0
+            assert pp <= LLAMA.layers and (GBS // LLAMA.block_size) % dp == 0
     assert len(set(meshes(LLAMA, 64, GBS))) == len(list(meshes(LLAMA, 64, GBS)))
 
 
@@ -256,7 +246,7 @@ LLAMA_ROWS = [  # (devices, seq, mesh (tp, cp, pp, dp), published MFU) -- Dubey 
 
 @pytest.mark.parametrize("devices,seq,mesh,published", LLAMA_ROWS)
 def test_llama3_405b_rows(devices, seq, mesh, published):
-    model = LLAMA.with_(seq_len=seq)
+    model = replace(LLAMA, block_size=seq)
     ranked, _ = search(model, H100, devices, GBS)
     place = rank_of(ranked, *mesh)
     assert place is not None and place <= 5, (place, [e.plan.label() for e in ranked[:6]])

@@ -7,16 +7,16 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 
 from minidist.layout.memory import memory_formula
+from minidist.layout.model import ModelConfig
 from minidist.plan.collectives import all_to_all
 from minidist.plan.cost import FLOAT64, MIXED_BF16, Plan, Step, estimate, memory_parts, problems
 from minidist.plan.machine import INF, PRESETS as MACHINES, Link
-from minidist.plan.model import (PRESETS, ModelSpec, active_params, block_matmul_flops, model_flops_per_token,
-                                 moe_blocks, num_params, spec_of)
+from minidist.plan.model import (PRESETS, Preset, active_params, block_matmul_flops, model_flops_per_token,
+                                 moe_blocks, num_params)
 from minidist.plan.moe_cost import ep_span, ep_time, sent_bytes
 from minidist.plan.search import expert_degrees, search
 from minidist.plan.stages import stage_params
@@ -25,9 +25,9 @@ H100 = MACHINES["h100-nvlink-ib"]
 MIXTRAL = PRESETS["mixtral-8x7b"]
 
 
-def tiny_moe(experts=4, top_k=2, moe_every=1, layers=2, d=16, gated=False, seq=8) -> ModelSpec:
-    return ModelSpec("tiny-moe", layers, d, 2, 256, seq, gated=gated, gpt2=not gated, tied=not gated,
-                     experts=experts, top_k=top_k, moe_every=moe_every)
+def tiny_moe(experts=4, top_k=2, moe_every=1, layers=2, d=16, gated=False, seq=8) -> ModelConfig:
+    return ModelConfig(arch="llama" if gated else "gpt2", layers=layers, d_model=d, heads=2, block_size=seq,
+                       experts=experts, top_k=top_k, moe_every=moe_every)
 
 
 # ------------------------------------------------------------------ counts
@@ -35,8 +35,8 @@ def tiny_moe(experts=4, top_k=2, moe_every=1, layers=2, d=16, gated=False, seq=8
 
 def test_mixtral_8x7b_preset_reproduces_the_published_sizes():
     m = MIXTRAL
-    assert (m.layers, m.d_model, m.heads, m.kv, m.f, m.vocab) == (32, 4096, 32, 8, 14336, 32000)
-    assert (m.experts, m.top_k, m.moe_every, m.gated, m.tied) == (8, 2, 1, True, False)
+    assert (m.layers, m.d_model, m.heads, m.kv, m.ffn, m.vocab_size) == (32, 4096, 32, 8, 14336, 32000)
+    assert (m.experts, m.top_k, m.moe_every, m.gated, m.untied) == (8, 2, 1, True, True)
     assert moe_blocks(m) == 32
     # Jiang et al. 2024: 46.7B parameters, 12.9B active per token (13B in the paper's rounding)
     assert abs(num_params(m) / 46.7e9 - 1) < 0.002
@@ -51,7 +51,7 @@ def test_mixtral_8x7b_preset_reproduces_the_published_sizes():
 
 def test_flops_count_the_active_experts_only():
     m = MIXTRAL
-    d, f, T = 4096, 14336, m.seq_len
+    d, f, T = 4096, 14336, m.block_size
     per_block = 2 * (2 * d * d + 2 * d * 1024 + 2 * 3 * d * f + d * 8)  # two experts and the router
     assert block_matmul_flops(m, moe=True) == per_block
     assert model_flops_per_token(m) == 3 * (32 * (per_block + 2 * T * d) + 2 * d * 32000)  # causal half
@@ -65,24 +65,19 @@ def test_flops_count_the_active_experts_only():
 @pytest.mark.parametrize("arch,experts,top_k,moe_every,layers", [
     ("gpt2", 4, 2, 1, 2), ("gpt2", 3, 1, 2, 3), ("llama", 4, 2, 1, 2), ("llama", 8, 2, 2, 4)])
 def test_counts_equal_the_built_model_and_the_profile(arch, experts, top_k, moe_every, layers):
-    from minidist.layout.settings import ModelConfig
     from minidist.model.nn import GPT
     from minidist.observe.profile import flops_per_token
-    from minidist.parallel.compose import model_config
 
     run = ModelConfig(layers=layers, d_model=32, heads=4, arch=arch, kv_heads=2 if arch == "llama" else None,
-                      experts=experts, top_k=top_k, moe_every=moe_every)
-    m = spec_of(run, 16)
-    assert (m.experts, m.top_k, m.moe_every) == (experts, top_k, moe_every)
-    built = GPT(model_config(SimpleNamespace(model=run, data=SimpleNamespace(seq_len=16))))
-    assert num_params(m) == built.num_parameters()
+                      experts=experts, top_k=top_k, moe_every=moe_every, block_size=16)
+    assert num_params(run) == GPT(run).num_parameters()
     # by hand: each mixture runs top_k MLPs and a d x E router per token, the dense blocks one MLP
     d, f = 32, run.ffn
-    attn = 2 * d * d + 2 * d * (m.d_kv)
+    attn = 2 * d * d + 2 * d * (run.d_kv)
     mlp = (3 if arch == "llama" else 2) * d * f
     n_moe = layers // moe_every
     fwd = layers * (attn + 16 * d * 2) + (layers - n_moe) * mlp + n_moe * (top_k * mlp + d * experts)
-    assert flops_per_token(run, 16) == model_flops_per_token(m) == 3 * (2 * fwd + 2 * d * 256)
+    assert flops_per_token(run, 16) == model_flops_per_token(run) == 3 * (2 * fwd + 2 * d * 256)
 
 
 # ------------------------------------------------------------------ memory
@@ -108,7 +103,8 @@ def test_expert_state_is_split_over_ep_and_sharded_over_the_ranks_holding_it(zer
 
 def test_ep_shrinks_the_memory_of_mixtral_per_rank():
     p1 = Plan(dp=64, zero=1, microbatches=16)
-    mem = [sum(memory_parts(MIXTRAL.with_(seq_len=4096), replace(p1, ep=ep), MIXED_BF16, 2**22).values()) for ep in (1, 2, 4, 8)]
+    m = replace(MIXTRAL, block_size=4096)
+    mem = [sum(memory_parts(m, replace(p1, ep=ep), MIXED_BF16, 2**22).values()) for ep in (1, 2, 4, 8)]
     # at least 2 + 2 bytes (weights, gradients) of the 7/8 of 45B expert parameters ep=8 moves away
     assert mem == sorted(mem, reverse=True) and mem[0] - mem[-1] > 60e9
 
@@ -117,7 +113,7 @@ def test_ep_shrinks_the_memory_of_mixtral_per_rank():
 
 
 def test_all_to_all_bytes_by_hand_and_the_link_it_spans():
-    m = MIXTRAL.with_(seq_len=4096)
+    m = replace(MIXTRAL, block_size=4096)
     tokens = 2**22
     p = Plan(dp=64, ep=8, zero=1, microbatches=16)
     s = Step.of(m, H100, p, MIXED_BF16, tokens, False)
@@ -139,7 +135,7 @@ def test_all_to_all_bytes_by_hand_and_the_link_it_spans():
 def test_a_capacity_factor_pads_the_rows_of_a_fused_implementation_only():
     """GShard/Switch pad every expert's buffer to c x T x k / E rows: c x k rows per token
     travel and compute; minidist computes and sends the kept rows, at most k."""
-    m = MIXTRAL.with_(seq_len=4096)
+    m = replace(MIXTRAL, block_size=4096)
     p = Plan(dp=64, ep=8, zero=1, microbatches=16)
     for minidist, factor in ((False, 1.25), (True, 1.0)):
         base, padded = (Step.of(x, H100, p, MIXED_BF16, 2**22, minidist) for x in (m, replace(m, capacity_factor=1.25)))
@@ -177,7 +173,7 @@ def test_ep_must_divide_the_experts_and_dp_and_needs_experts():
 def test_the_planner_picks_ep_for_mixtral_where_it_is_cheaper():
     """64 H100s, 4M-token batches of 4,096 tokens: expert parallelism within a node wins over
     every ep = 1 mesh, and the plan fits in memory."""
-    m = MIXTRAL.with_(seq_len=4096)
+    m = replace(MIXTRAL, block_size=4096)
     ranked, _ = search(m, H100, 64, 2**22)
     best = ranked[0]
     assert best.fits and best.mem_bytes <= H100.mem_bytes * H100.mem_usable
@@ -194,8 +190,8 @@ def test_the_planner_picks_ep_for_mixtral_where_it_is_cheaper():
 def test_the_planner_keeps_ep_1_where_the_all_to_all_costs_more_than_it_saves():
     """A small mixture that fits anyway, on a machine whose every link is slow: ep would only
     add all-to-alls."""
-    m = ModelSpec("small-moe", 4, 512, 8, 32000, 2048, gated=True, gpt2=False, tied=False, causal_skip=True,
-                  experts=8, top_k=2)
+    m = Preset(name="small-moe", arch="llama", layers=4, d_model=512, heads=8, vocab_size=32000, block_size=2048,
+               causal_skip=True, experts=8, top_k=2)
     slow = replace(H100, links=(Link("nvlink", 1, 450e9, 3e-6), Link("ethernet", INF, 5e9, 20e-6)))
     ranked, _ = search(m, slow, 8, 2**21)
     assert ranked[0].plan.ep == 1

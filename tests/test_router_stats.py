@@ -19,16 +19,17 @@ import pytest
 
 from minidist.layout import expert_traffic as et
 from minidist.model.autograd import no_grad
-from minidist.model.nn import GPT, GPTConfig
+from minidist.layout.model import ModelConfig
+from minidist.model.nn import GPT
 from minidist.observe.router import RouterStats, mixtures
 from minidist.train.testing import run_mpi, run_train
 
 
 def _model(**kw):
-    cfg = dict(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16, dtype="float64", seed=0,
-               n_experts=4, top_k=2, moe_every=1, capacity_factor=1.0)
+    cfg = dict(vocab_size=256, block_size=8, layers=2, heads=2, d_model=16, dtype="float64", seed=0,
+               experts=4, top_k=2, moe_every=1, capacity_factor=1.0)
     cfg.update(kw)
-    return GPT(GPTConfig(**cfg))
+    return GPT(ModelConfig(**cfg))
 
 
 def _batch(rows, seed=7):

@@ -21,13 +21,14 @@ def test_shard_takes_each_fused_block():
 
 
 def test_layers_refuse_sizes_their_ranks_cannot_split():
+    from minidist.layout.model import ModelConfig
     from minidist.model import nn
 
     class SplitInTwo(nn.Layers):
         parts = 2
 
-    cfg = nn.GPTConfig(vocab_size=256, seq_len=8, n_layer=1, n_head=3, d_model=12)
-    with pytest.raises(ValueError, match="n_head=3 is not divisible by the 2 ranks"):
+    cfg = ModelConfig(vocab_size=256, block_size=8, layers=1, heads=3, d_model=12)
+    with pytest.raises(ValueError, match="heads=3 is not divisible by the 2 ranks"):
         nn.CausalSelfAttention(cfg, np.float64, SplitInTwo())
     fake = tpm.TensorParallelLayers(None)
     fake.parts = 4
@@ -81,9 +82,10 @@ def test_llama_heads_and_width_tp_cannot_split_are_named(tp, kv, ffn, message):
 
 
 def test_one_rank_is_the_plain_model():
+    from minidist.layout.model import ModelConfig
     from minidist.model import nn
 
-    cfg = nn.GPTConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=8, dtype="float64")
+    cfg = ModelConfig(vocab_size=256, block_size=8, layers=2, heads=2, d_model=8, dtype="float64")
     plain, single = nn.GPT(cfg), nn.GPT(cfg, tpm.TensorParallelLayers(None, sequence_parallel=True, overlap="ring"))
     ids = np.random.default_rng(0).integers(0, 256, (2, 8))
     assert plain(ids, ids).item() == single(ids, ids).item()

@@ -14,7 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from minidist.model.nn import GPT, GPTConfig  # noqa: E402
+from minidist.layout.model import ModelConfig  # noqa: E402
+from minidist.model.nn import GPT  # noqa: E402
 from minidist.model.optim import AdamW, no_decay_below_2d  # noqa: E402
 from minidist.model.torch_reference import TorchGPT, TorchLlama  # noqa: E402
 
@@ -28,14 +29,14 @@ def rel_err(a, b):
 @pytest.fixture(params=["tied", "untied", "llama"])
 def pair(request):
     llama = request.param == "llama"
-    cfg = GPTConfig(seq_len=16, n_layer=2, n_head=4, d_model=32, dtype="float64", seed=7,
-                    tie_embeddings=request.param == "tied", arch="llama" if llama else "gpt2",
-                    n_kv_head=2 if llama else None)
+    cfg = ModelConfig(block_size=16, layers=2, heads=4, d_model=32, dtype="float64", seed=7,
+                      tied=request.param == "tied", arch="llama" if llama else "gpt2",
+                      kv_heads=2 if llama else None)
     model = GPT(cfg)
     if llama:
-        ref = TorchLlama(model.state_dict(), cfg.n_head, cfg.n_kv_head, cfg.rope_theta, torch.float64)
+        ref = TorchLlama(model.state_dict(), cfg.heads, cfg.kv, cfg.rope_theta, torch.float64)
     else:
-        ref = TorchGPT(model.state_dict(), cfg.n_head, torch.float64, tie_embeddings=cfg.tie_embeddings)
+        ref = TorchGPT(model.state_dict(), cfg.heads, torch.float64, tie_embeddings=not cfg.untied)
     rng = np.random.default_rng(0)
     seq = rng.integers(0, 256, size=(4, 17))
     return model, ref, seq[:, :-1], seq[:, 1:]

@@ -269,7 +269,7 @@ def test_one_process_trace_and_hfu_with_recompute(tmp_path):
     """Besides the trace and the record checks, the activations the record reports for its
     second step against a measurement of the same step made here (measured_activation_bytes):
     within 15% (this process's allocations are not the trainer's, byte for byte)."""
-    from minidist.layout.settings import ModelConfig
+    from minidist.layout.model import ModelConfig
     from minidist.observe.profile import model_flops_per_token
     from minidist.train.report import recompute_flops_per_token
 

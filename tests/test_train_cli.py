@@ -137,16 +137,17 @@ def test_memory_estimate_is_near_a_measured_step(checkpoint, accum):
     import numpy as np
 
     from minidist.host.cli_checks import training_memory_bytes
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.layout.model import ModelConfig
+    from minidist.model.nn import GPT
     from minidist.model.optim import AdamW
     from minidist.parallel.data import OneReplica
     from minidist.parallel.strategy import Strategy
     from minidist.observe.profile import PeakMemory
 
-    shape = dict(n_layer=2, d_model=64, n_head=2, seq_len=64)
+    shape = dict(layers=2, d_model=64, heads=2, block_size=64)
     memory = PeakMemory()
     with memory.measure():
-        model = GPT(GPTConfig(**shape))
+        model = GPT(ModelConfig(**shape))
         model.checkpoint_activations = checkpoint
         strategy = Strategy(model, OneReplica(model, AdamW(model.parameters(), lr=1e-3)))
         seq = np.random.default_rng(0).integers(0, 256, size=(16, 65))

@@ -8,7 +8,8 @@ import pytest
 
 from minidist.model import backend, ops
 from minidist.model.autograd import Parameter, Tensor, deferred_weight_grads
-from minidist.model.nn import GPT, GPTConfig
+from minidist.layout.model import ModelConfig
+from minidist.model.nn import GPT
 from minidist.model.ops import tuning
 
 RNG = np.random.default_rng(7)
@@ -106,8 +107,8 @@ def _stage_run(model, h, y, deferred):
 
 @pytest.mark.parametrize("arch,checkpointing", [("gpt2", False), ("gpt2", True), ("llama", False)])
 def test_whole_stage_and_model_b_then_w_equals_joint(arch, checkpointing):
-    cfg = dict(vocab_size=32, seq_len=6, n_layer=2, n_head=2, d_model=8, dtype="float64", arch=arch)
-    model = GPT(GPTConfig(**cfg))
+    cfg = dict(vocab_size=32, block_size=6, layers=2, heads=2, d_model=8, dtype="float64", arch=arch)
+    model = GPT(ModelConfig(**cfg))
     model.checkpoint_activations = checkpointing
     params = model.parameters()
     ids = RNG.integers(0, 32, size=(2, 7))

@@ -3,8 +3,10 @@
 What every rank computes the same way without sending a message, written once and shared by
 the runtime (comm/, parallel/, the training command) and the planner (plan/):
 
-  settings.py  the model's and the mesh's settings (ModelConfig, ParallelConfig): one vocabulary
-            for the training command, the axes and the planner
+  model.py  the model (ModelConfig): one description for nn.GPT, the training command, checkpoints,
+            export and the planner; the tensors it holds (parameter_shapes)
+  settings.py  the mesh's settings (ParallelConfig): one vocabulary for the training command, the
+            axes and the planner
   mesh.py   the mesh's axes in one order (dp outermost ... tp innermost) and the rank <->
             coordinate arithmetic of a dp x pp x cp x tp grid (MeshLayout)
   split.py  the one split rule: n rows in np.array_split's pieces (split_bounds, shard_bounds)

@@ -96,7 +96,7 @@ def block_numels(d: int, tp: int, experts: int = 0, llama: dict | None = None) -
 
 
 def is_mixture(layer: int, experts: int, moe_every: int) -> bool:
-    """Block ``layer`` (from 0) holds a mixture: every ``moe_every``-th (model/moe.py is_moe_block)."""
+    """Block ``layer`` (from 0) holds a mixture: every ``moe_every``-th (ModelConfig.is_moe)."""
     return experts > 0 and (layer + 1) % moe_every == 0
 
 

@@ -57,16 +57,11 @@ from minidist.model.ops.basic import check_index, scatter_add_rows
 from minidist.model.ops.precision import compute_dtype
 
 
-def is_moe_block(cfg, i: int) -> bool:
-    """Block ``i`` (from 0) has a mixture: every ``moe_every``-th block, counting from 1."""
-    return cfg.n_experts > 0 and (i + 1) % cfg.moe_every == 0
-
-
 def capacity(cfg, tokens: int) -> int | None:
     """How many of a sequence's ``tokens`` one expert takes (None: all, dropless)."""
     if not cfg.capacity_factor:
         return None
-    return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
+    return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.experts)
 
 
 class Router(Module):
@@ -131,7 +126,7 @@ def top_k(cfg, probs: host.ndarray):
 def kept(cfg, choice, T: int):
     """The mask (N, k) of the choices kept under capacity; ``choice``: the choices of whole
     sequences of T tokens, in token order (the earlier tokens take an expert's places first)."""
-    n, k, E = choice.shape[0], cfg.top_k, cfg.n_experts
+    n, k, E = choice.shape[0], cfg.top_k, cfg.experts
     C = capacity(cfg, T)
     if C is None:
         return host.ones((n, k), bool)
@@ -154,8 +149,8 @@ def ignore_routing(logits, probs, choice, keep, f, T) -> None:
 
 
 class MoE(Module):
-    """The mixture of ``cfg.n_experts`` experts ``make_expert()`` with a router; ``cfg``: a
-    GPTConfig with n_experts, top_k, capacity_factor, aux_loss_coef and z_loss_coef.
+    """The mixture of ``cfg.experts`` experts ``make_expert()`` with a router; ``cfg``: a
+    ModelConfig with experts, top_k, capacity_factor, aux_loss_coef and z_loss_coef.
     ``experts_here``: the experts this rank holds (the others are None; all by default).
 
     Three seams: ``dispatch`` runs the experts on their rows (expert parallelism swaps in one
@@ -168,7 +163,7 @@ class MoE(Module):
     and the balancing loss's shares from every rank's choices (context parallelism)."""
 
     def __init__(self, cfg, dtype, make_expert, experts_here=None):
-        E = cfg.n_experts
+        E = cfg.experts
         here = range(E) if experts_here is None else experts_here
         self.router = Router(cfg.d_model, E, dtype)
         self.experts = [make_expert() if e in here else None for e in range(E)]
@@ -204,7 +199,7 @@ class MoE(Module):
         keep = kept(cfg, whole, T)
         if mine is not None:  # this rank's tokens' part of the whole sequences' decisions
             keep = keep.reshape(B, T, -1)[:, mine].reshape(B * t, -1)
-        f = shares(whole, B, cfg.n_experts)
+        f = shares(whole, B, cfg.experts)
         self.observe(logits.data, ph, choice, keep, f, T)
         tokens = host.arange(B * t)[:, None]
         # The gates in float32 under mixed precision: the gather's backward scatter-adds, and
@@ -213,7 +208,7 @@ class MoE(Module):
         gates = ops.getitem(p32, (xp.asarray(tokens), xp.asarray(choice)))  # (N, k)
         if cfg.top_k > 1:  # Mixtral: the chosen weights renormalised
             gates = ops.div(gates, ops.sum(gates, axis=1, keepdims=True))
-        r = Route(choice, keep, cfg.n_experts)
+        r = Route(choice, keep, cfg.experts)
         self.last_counts = r.counts
         token, slot = xp.asarray(r.token), xp.asarray(r.slot)
         ys = self.dispatch(self.experts, gather_rows(flat, r.token), r.counts)   # (M, d), by expert
@@ -228,7 +223,7 @@ class MoE(Module):
         rank the means over its part of each sequence, which the strategy weights by 1/cp, so
         their sum over the cp ranks is the whole sequences' (the loss is linear in them, f a
         constant)."""
-        cfg, E = self.cfg, self.cfg.n_experts
+        cfg, E = self.cfg, self.cfg.experts
         total = None
         if cfg.aux_loss_coef:
             P = ops.mean(ops.reshape(probs, (B, t, E)), axis=1)                        # (B, E)

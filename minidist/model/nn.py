@@ -5,9 +5,9 @@ of pre-LayerNorm blocks (causal multi-head self-attention, then a 4x GELU MLP, e
 a residual connection), a final LayerNorm and a language-model head tied to the token
 embedding.
 
-``GPTConfig(arch="llama")`` builds the Llama family's variant of the same stack (Touvron et
-al. 2023; Dubey et al. 2024): RMSNorm instead of LayerNorm, no learned positions but rotary
-ones applied to the queries and keys, grouped-query attention (``n_kv_head`` key/value heads
+``GPT(ModelConfig(arch="llama"))`` builds the Llama family's variant of the same stack (Touvron
+et al. 2023; Dubey et al. 2024): RMSNorm instead of LayerNorm, no learned positions but rotary
+ones applied to the queries and keys, grouped-query attention (``kv_heads`` key/value heads
 shared by groups of query heads), a SwiGLU feed-forward, no biases and an untied head.  The
 pieces, the seams and the names of the blocks' parts are otherwise the same, so every axis
 splits both without knowing which it holds.
@@ -46,9 +46,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
-from minidist.layout.settings import ARCHS, ATTENTIONS, ROPE_THETA, llama_ffn_hidden
+from minidist.layout.model import ATTENTIONS, ModelConfig
 from minidist.model import ops
 from minidist.model.autograd import Tensor, checkpoint
 from minidist.model.backend import dtype as _dtype
@@ -154,13 +153,13 @@ class Layers:
 class CausalSelfAttention(Module):
     """Multi-head attention with a causal mask (Vaswani et al. 2017), fused QKV projection."""
 
-    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+    def __init__(self, cfg: ModelConfig, dtype, layers: Layers | None = None):
         layers = layers or Layers()
-        if cfg.n_head % layers.parts:
-            raise ValueError(f"n_head={cfg.n_head} is not divisible by the {layers.parts} ranks that split the heads")
-        self.n_head = cfg.n_head // layers.parts  # this rank's heads (all of them unless split)
-        self.c_attn = layers.column(cfg.d_model, 3 * cfg.d_model, dtype, cfg.bias, fused=3)
-        self.c_proj = layers.row(cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
+        if cfg.heads % layers.parts:
+            raise ValueError(f"heads={cfg.heads} is not divisible by the {layers.parts} ranks that split the heads")
+        self.n_head = cfg.heads // layers.parts  # this rank's heads (all of them unless split)
+        self.c_attn = layers.column(cfg.d_model, 3 * cfg.d_model, dtype, cfg.has_bias, fused=3)
+        self.c_proj = layers.row(cfg.d_model, cfg.d_model, dtype, cfg.has_bias, std=residual_std(cfg))
         # The attention function (qkv, n_head, n_kv_head) -> y; context parallelism swaps in
         # ring or Ulysses attention here (minidist.parallel.context).
         self.attention = attention_function(cfg.attention, cfg.attention_block)
@@ -174,23 +173,23 @@ class CausalSelfAttention(Module):
 
 
 class GroupedQueryAttention(Module):
-    """Llama's attention: ``n_kv_head`` key/value heads, each shared by ``n_head / n_kv_head``
+    """Llama's attention: ``kv_heads`` key/value heads, each shared by ``heads / kv_heads``
     consecutive query heads (Ainslie et al. 2023; K = H is multi-head, K = 1 multi-query),
     rotary positions on the queries and keys, no biases.
 
     Split over tensor-parallel ranks, a rank keeps H/tp query heads and the key/value heads
     they read: K/tp of them, or, where tp > K, the one head it shares with tp/K ranks."""
 
-    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers, positions):
-        H, K, D, d = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_model
+    def __init__(self, cfg: ModelConfig, dtype, layers: Layers, positions):
+        H, K, D, d = cfg.heads, cfg.kv, cfg.head_dim, cfg.d_model
         if H % layers.parts:
-            raise ValueError(f"n_head={H} is not divisible by the {layers.parts} ranks that split the heads")
+            raise ValueError(f"heads={H} is not divisible by the {layers.parts} ranks that split the heads")
         self.n_head, self.n_kv_head = H // layers.parts, layers.heads_here(K)
         self.head_dim, self.theta = D, cfg.rope_theta
         self.q_proj = layers.column(d, H * D, dtype, bias=False)
         self.k_proj = layers.column(d, K * D, dtype, bias=False, heads=K)
         self.v_proj = layers.column(d, K * D, dtype, bias=False, heads=K)
-        self.o_proj = layers.row(H * D, d, dtype, bias=False, std=cfg.residual_std)
+        self.o_proj = layers.row(H * D, d, dtype, bias=False, std=residual_std(cfg))
         self.layers, self.positions = layers, positions  # positions: GPT.token_positions
         self.attention = attention_function(cfg.attention, cfg.attention_block)
 
@@ -203,7 +202,7 @@ class GroupedQueryAttention(Module):
         return self.o_proj(self.attention(qkv, self.n_head, self.n_kv_head))
 
 
-# Attention on one rank (layout.settings.ATTENTIONS): ``plain`` keeps the T x T probabilities,
+# Attention on one rank (layout.model.ATTENTIONS): ``plain`` keeps the T x T probabilities,
 # ``blockwise`` (FlashAttention's online softmax) never holds more than a block x block tile of them.
 
 
@@ -224,10 +223,10 @@ def attention_function(name: str = "plain", block: int = 128):
 
 
 class MLP(Module):
-    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None):
+    def __init__(self, cfg: ModelConfig, dtype, layers: Layers | None = None):
         layers = layers or Layers()
-        self.c_fc = layers.column(cfg.d_model, 4 * cfg.d_model, dtype, cfg.bias)
-        self.c_proj = layers.row(4 * cfg.d_model, cfg.d_model, dtype, cfg.bias, std=cfg.residual_std)
+        self.c_fc = layers.column(cfg.d_model, cfg.ffn, dtype, cfg.has_bias)
+        self.c_proj = layers.row(cfg.ffn, cfg.d_model, dtype, cfg.has_bias, std=residual_std(cfg))
 
     def forward(self, x):
         return self.c_proj(ops.gelu(self.c_fc(x)))
@@ -237,9 +236,9 @@ class SwiGLU(Module):
     """Llama's feed-forward: ``down(silu(x W_gate) * (x W_up))`` (Shazeer 2020), the gate and
     up projections one fused column layer whose halves a tensor-parallel rank splits alike."""
 
-    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers):
-        self.gate_up_proj = layers.column(cfg.d_model, 2 * cfg.ffn_hidden, dtype, bias=False, fused=2)
-        self.down_proj = layers.row(cfg.ffn_hidden, cfg.d_model, dtype, bias=False, std=cfg.residual_std)
+    def __init__(self, cfg: ModelConfig, dtype, layers: Layers):
+        self.gate_up_proj = layers.column(cfg.d_model, 2 * cfg.ffn, dtype, bias=False, fused=2)
+        self.down_proj = layers.row(cfg.ffn, cfg.d_model, dtype, bias=False, std=residual_std(cfg))
 
     def forward(self, x):
         return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
@@ -248,9 +247,9 @@ class SwiGLU(Module):
 class Block(Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).  ``positions``:
     the model's token positions (Llama's rotary attention reads them); ``index``: the block's
-    place in the stack (which blocks hold a mixture of experts: moe.is_moe_block)."""
+    place in the stack (which blocks hold a mixture of experts: ModelConfig.is_moe)."""
 
-    def __init__(self, cfg: "GPTConfig", dtype, layers: Layers | None = None, positions=None, index: int = 0):
+    def __init__(self, cfg: ModelConfig, dtype, layers: Layers | None = None, positions=None, index: int = 0):
         layers = layers or Layers()
         llama = cfg.arch == "llama"
         norm = functools.partial(layers.rms_norm, eps=cfg.norm_eps) if llama else layers.layer_norm
@@ -259,7 +258,7 @@ class Block(Module):
         self.ln_2 = norm(cfg.d_model, dtype)
         ffn = functools.partial(SwiGLU if llama else MLP, cfg, dtype)
         # A mixture of experts (moe.py) in every moe_every-th block: each expert this feed-forward, whole on a tp rank.
-        self.mlp = moe.MoE(cfg, dtype, functools.partial(ffn, Layers())) if moe.is_moe_block(cfg, index) else ffn(layers)
+        self.mlp = moe.MoE(cfg, dtype, functools.partial(ffn, Layers())) if cfg.is_moe(index) else ffn(layers)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -269,104 +268,29 @@ class Block(Module):
 # --------------------------------------------------------------------------------------------
 # GPT
 # --------------------------------------------------------------------------------------------
-_FLOAT_MAX = 1.7976931348623157e308  # an int beyond it has no float (10**400 would overflow later)
-
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 256
-    seq_len: int = 128       # the longest sequence the model takes (GPT-2: its position table)
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 128
-    bias: bool | None = None  # None: the architecture's (GPT-2 True, Llama False)
-    tie_embeddings: bool | None = None  # None: the architecture's (GPT-2 True, Llama False)
-    dtype: str = "float32"   # parameter (master weight) dtype
-    seed: int = 0
-    attention: str = "plain"  # "plain" or "blockwise" (see ATTENTIONS)
-    attention_block: int = 128  # query/key block of the blockwise attention
-    arch: str = "gpt2"       # "gpt2" or "llama"
-    n_kv_head: int | None = None  # Llama's key/value heads; None: n_head (GPT-2: always n_head)
-    ffn_hidden: int | None = None  # the MLP's width; None: 4 d (GPT-2), llama_ffn_hidden (Llama)
-    rope_theta: float = ROPE_THETA  # Llama's rotary base (Llama 3's)
-    norm_eps: float = 1e-5
-    # Mixture of experts (moe.py): n_experts 0 is the dense model.
-    n_experts: int = 0
-    top_k: int = 2             # experts per token (Mixtral: 2 of 8)
-    moe_every: int = 1         # every moe_every-th block's feed-forward is a mixture
-    capacity_factor: float = 0.0  # tokens an expert takes: c * T * top_k / E per sequence; 0: all (dropless)
-    aux_loss_coef: float = 0.01   # the load-balancing loss's weight (Switch)
-    z_loss_coef: float = 0.001    # the router z-loss's weight (ST-MoE)
-
-    def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise ValueError(f"unknown arch {self.arch!r}; choose from {ARCHS}")
-        llama = self.arch == "llama"
-        self.bias = (not llama) if self.bias is None else self.bias
-        self.tie_embeddings = (not llama) if self.tie_embeddings is None else self.tie_embeddings
-        self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
-        if self.ffn_hidden is None:
-            self.ffn_hidden = llama_ffn_hidden(self.d_model) if llama else 4 * self.d_model
-        for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "n_kv_head", "ffn_hidden"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}")
-        if not llama and (self.n_kv_head != self.n_head or self.ffn_hidden != 4 * self.d_model):
-            raise ValueError("GPT-2 has as many key/value heads as query heads and a 4 d MLP: "
-                             "n_kv_head and ffn_hidden are Llama's")
-        if llama and self.head_dim % 2:
-            raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim}")
-        for field in ("rope_theta", "norm_eps"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _FLOAT_MAX:
-                raise ValueError(f"{field} must be a positive finite number, got {value!r}")
-        self._check_moe()
-        _dtype(self.dtype)
-        attention_function(self.attention)
-        ops.check_block(self.attention_block)
-
-    def _check_moe(self):
-        for field in ("n_experts", "top_k", "moe_every"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if field == "n_experts" else 1):
-                raise ValueError(f"{field} must be a {'non-negative' if field == 'n_experts' else 'positive'} "
-                                 f"integer, got {value!r}")
-        for field in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= _FLOAT_MAX:
-                raise ValueError(f"{field} must be a non-negative finite number, got {value!r}")
-        if self.n_experts and self.top_k > self.n_experts:
-            raise ValueError(f"top_k={self.top_k} is more than the n_experts={self.n_experts} experts")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
-    def residual_std(self) -> float:
-        # GPT-2: scale the init of projections into the residual stream by 1/sqrt(2 * n_layer)
-        # so the stream's variance does not grow with depth.
-        return 0.02 / math.sqrt(2 * self.n_layer)
+def residual_std(cfg: ModelConfig) -> float:
+    """GPT-2's init of the projections into the residual stream: 0.02 / sqrt(2 * layers), so the
+    stream's variance does not grow with depth."""
+    return 0.02 / math.sqrt(2 * cfg.layers)
 
 
 class GPT(Module):
     """The model.  ``layers`` builds its layers (default: plain); pass
     ``parallel.tensor.TensorParallelLayers(group)`` to split them over a tensor-parallel group."""
 
-    def __init__(self, cfg: GPTConfig, layers: Layers | None = None):
+    def __init__(self, cfg: ModelConfig, layers: Layers | None = None):
+        cfg.check()
+        attention_function(cfg.attention)
+        ops.check_block(cfg.attention_block)
         self.config = cfg
         self.layers = layers = Layers() if layers is None else layers
         dt = _dtype(cfg.dtype)
         llama = cfg.arch == "llama"
         self.wte = layers.token_embedding(cfg.vocab_size, cfg.d_model, dt)
-        self.wpe = None if llama else layers.position_embedding(cfg.seq_len, cfg.d_model, dt)
-        self.h = [Block(cfg, dt, layers, self.token_positions, i) for i in range(cfg.n_layer)]
+        self.wpe = None if llama else layers.position_embedding(cfg.block_size, cfg.d_model, dt)
+        self.h = [Block(cfg, dt, layers, self.token_positions, i) for i in range(cfg.layers)]
         self.ln_f = layers.rms_norm(cfg.d_model, dt, cfg.norm_eps) if llama else layers.layer_norm(cfg.d_model, dt)
-        self.lm_head = None if cfg.tie_embeddings else layers.column(cfg.d_model, cfg.vocab_size, dt, bias=False)
+        self.lm_head = layers.column(cfg.d_model, cfg.vocab_size, dt, bias=False) if cfg.untied else None
         self.checkpoint_activations = False
         self._positions = None  # use_positions: None is 0..T-1 of sequences of length T
         init_parameters(self, cfg.seed)
@@ -407,9 +331,9 @@ class GPT(Module):
         """Token + position embeddings of an int array ``ids`` (B, T), at ``token_positions``
         (Llama: the token embeddings; its positions turn the queries and keys instead)."""
         positions, length = self.token_positions(ids.shape[-1])
-        if length > self.config.seq_len:  # checked on the host: no device-to-host sync per forward
+        if length > self.config.block_size:  # checked on the host: no device-to-host sync per forward
             table = "position table" if self.config.arch != "llama" else "model's longest sequence"
-            raise ValueError(f"sequence length {length} exceeds the {table} ({self.config.seq_len})")
+            raise ValueError(f"sequence length {length} exceeds the {table} ({self.config.block_size})")
         x = self.wte(ids) if self.config.arch == "llama" else self.wte(ids) + self.wpe(positions)
         low = ops.get_autocast_dtype()
         return ops.cast(x, low) if low is not None else x  # mixed precision: low-precision activations
@@ -434,7 +358,7 @@ class GPT(Module):
     def loss(self, logits: Tensor, targets, blocks=None) -> Tensor:
         """The mean cross-entropy, plus the auxiliary losses of the mixtures of ``blocks`` (moe.py; default all)."""
         loss = self.layers.cross_entropy(logits, targets)
-        return moe.add_aux_losses(self, loss, blocks) if self.config.n_experts else loss
+        return moe.add_aux_losses(self, loss, blocks) if self.config.experts else loss
 
     def token_positions(self, T: int):
         """The places in their sequences of the T tokens of each row this rank embeds, 0..T-1,

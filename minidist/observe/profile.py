@@ -31,9 +31,9 @@ import tracemalloc
 import numpy as np
 
 
-def flops_per_token(model, seq_len: int, vocab_size: int | None = None) -> int:
+def flops_per_token(model, seq_len: int) -> int:
     """Model FLOPs of forward + backward per token of a run's model (a
-    ``layout.settings.ModelConfig``, GPT-2 or Llama), counting a multiply-add as 2.
+    ``layout.model.ModelConfig``, GPT-2 or Llama), counting a multiply-add as 2.
 
     The planner's count of the same model (minidist.plan.model, one copy of the formulas):
     per block the weight matmuls, 2 x (2 C² + 2 C·C_kv + 2 or 3 C·F) (GPT-2: C_kv = C, F = 4C,
@@ -41,28 +41,27 @@ def flops_per_token(model, seq_len: int, vocab_size: int | None = None) -> int:
     projections, SwiGLU's three matrices of width F); attention's QKᵀ and AV, 2·2·T·C (the full
     T×T scores are computed, so the causal half is counted too); the LM head 2·C·V.  Positions,
     norms, biases and activations are not matmuls and cost no model FLOPs.  Backward is twice
-    the forward (PaLM, Chowdhery et al. 2022, appendix B).  ``vocab_size``: the model's own
-    unless given.
+    the forward (PaLM, Chowdhery et al. 2022, appendix B).
     """
-    from minidist.plan.model import model_flops_per_token as planned, spec_of
+    from minidist.plan.model import model_flops_per_token as planned
 
-    return planned(spec_of(model, seq_len, vocab_size))
+    return planned(model, seq_len)
 
 
-def recompute_flops_per_token(model, seq_len: int, vocab_size: int | None = None) -> int:
+def recompute_flops_per_token(model, seq_len: int) -> int:
     """FLOPs per token that activation checkpointing adds: one more forward of every block
     (hardware FLOPs count them, model FLOPs do not; the head is not recomputed)."""
-    from minidist.plan.model import recompute_flops_per_token as planned, spec_of
+    from minidist.plan.model import recompute_flops_per_token as planned
 
-    return planned(spec_of(model, seq_len, vocab_size))
+    return planned(model, seq_len)
 
 
 def model_flops_per_token(n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> int:
     """:func:`flops_per_token` of a GPT-2 given by its four numbers (the benchmarks' shape):
     per layer 2·12·C² of matmuls and 2·2·T·C of attention forward, the head 2·C·V, x 3."""
-    from minidist.layout.settings import ModelConfig
+    from minidist.layout.model import ModelConfig
 
-    return flops_per_token(ModelConfig(layers=n_layer, d_model=d_model, heads=1), seq_len, vocab_size)
+    return flops_per_token(ModelConfig(layers=n_layer, d_model=d_model, heads=1, vocab_size=vocab_size), seq_len)
 
 
 def measure_peak_gflops(d_model: int, tokens: int, dtype="float32", seconds: float = 0.5) -> float:

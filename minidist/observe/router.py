@@ -40,7 +40,7 @@ from minidist import comm
 from minidist.layout.expert_traffic import ep_step_bytes
 from minidist.model.autograd import is_grad_enabled
 from minidist.model.backend import host, host_read, xp
-from minidist.model.moe import MoE, is_moe_block
+from minidist.model.moe import MoE
 
 
 def mixtures(model) -> list:
@@ -54,7 +54,7 @@ def mixture_layout(model) -> tuple[list[int], int]:
     experts per mixture, from the model's configuration: the same on every rank, so every
     stage lays out the same buffer."""
     cfg = model.config
-    return [i for i in range(len(model.h)) if is_moe_block(cfg, i)], cfg.n_experts
+    return [i for i in range(len(model.h)) if cfg.is_moe(i)], cfg.experts
 
 
 class RouterStats:

@@ -95,7 +95,7 @@ def build(cfg, mesh=None):
     from minidist.parallel import context, data, expert, pipeline, tensor
     from minidist.parallel.strategy import Strategy
 
-    model = GPT(model_config(cfg), tensor.apply(cfg, mesh))                   # 1. tensor
+    model = GPT(cfg.model, tensor.apply(cfg, mesh))                           # 1. tensor
     model.checkpoint_activations = cfg.device.checkpoint_activations
     sequence = context.apply(model, cfg, mesh)                                 # 2. context
     stages = pipeline.apply(model, cfg, mesh)                                  # 3. pipeline
@@ -107,29 +107,6 @@ def build(cfg, mesh=None):
     expert_optimizer = make_optimizer(cfg.optim, experts.params) if experts is not None else None
     replicas = data.apply(model, optimizer, cfg.parallel, mesh, experts, expert_optimizer)  # 5. data
     return model, Strategy(model, replicas, mesh, sequence, stages)            # 6. the loop's interface
-
-
-def model_config(cfg):
-    """The GPTConfig of a run configuration."""
-    from minidist.layout.settings import ROPE_THETA
-    from minidist.model.nn import GPTConfig
-
-    m = cfg.model
-    llama = m.arch == "llama"
-    return GPTConfig(vocab_size=m.vocab_size, seq_len=m.block_size or cfg.data.seq_len, n_layer=m.layers, n_head=m.heads,
-                     d_model=m.d_model, tie_embeddings=not (m.untied or llama), dtype=m.dtype, seed=m.seed,
-                     attention=m.attention, attention_block=m.attention_block or 128, arch=m.arch,
-                     n_kv_head=m.kv if llama else None, ffn_hidden=m.ffn if llama else None,
-                     rope_theta=m.rope_theta or ROPE_THETA, **moe_settings(m))
-
-
-def moe_settings(m) -> dict:
-    """The GPTConfig's mixture-of-experts fields of a ModelConfig (those given; none if dense)."""
-    if not m.experts:
-        return {}
-    given = {f: getattr(m, f) for f in ("moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")}
-    return dict(n_experts=m.experts, top_k=m.top_k or min(2, m.experts),
-                **{f: v for f, v in given.items() if v is not None})
 
 
 def make_optimizer(o, params, device=None):

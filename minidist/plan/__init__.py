@@ -30,8 +30,8 @@ training command as a separate process.
 
 from minidist.plan.cost import Estimate, Plan, estimate, problems
 from minidist.plan.machine import Machine, load
-from minidist.plan.model import PRESETS, ModelSpec, active_params, model_flops_per_token, num_params
+from minidist.plan.model import PRESETS, Preset, active_params, model_flops_per_token, num_params
 from minidist.plan.search import search
 
-__all__ = ["Estimate", "Plan", "estimate", "problems", "Machine", "load", "PRESETS", "ModelSpec",
+__all__ = ["Estimate", "Plan", "estimate", "problems", "Machine", "load", "PRESETS", "Preset",
            "active_params", "model_flops_per_token", "num_params", "search"]

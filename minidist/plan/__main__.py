@@ -10,7 +10,7 @@ from dataclasses import replace
 from minidist.host.cli_checks import OneLineParser, int_in
 from minidist.plan.cost import CHUNKED, PRECISIONS, SCHEDULES, estimate, problems
 from minidist.plan.machine import PRESETS as MACHINES, calibration_path, load
-from minidist.plan.model import PRESETS as MODELS, ModelSpec, active_params, num_params
+from minidist.plan.model import PRESETS as MODELS, Preset, active_params, as_dict, num_params
 from minidist.plan.search import search, settings
 from minidist.plan.validate import calibrate, main as validate_main
 
@@ -86,20 +86,20 @@ def parse_mesh(text: str) -> dict:
     return out
 
 
-def model_of(args) -> ModelSpec:
-    base = MODELS[args.preset] if args.preset else None
-    shape = dict(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab, seq_len=args.seq_len,
-                 ffn=args.ffn, kv_heads=args.kv_heads, experts=args.experts, top_k=args.top_k,
-                 moe_every=args.moe_every, capacity_factor=args.capacity_factor)
-    if base is None:
-        missing = [f"--{k.replace('_', '-')}" for k in ("layers", "d_model", "heads", "vocab", "seq_len")
-                   if shape[k] is None]
+def model_of(args) -> Preset:
+    shape = dict(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab_size=args.vocab,
+                 block_size=args.seq_len, ffn_hidden=args.ffn, kv_heads=args.kv_heads, experts=args.experts,
+                 top_k=args.top_k, moe_every=args.moe_every, capacity_factor=args.capacity_factor)
+    if args.preset is None:
+        flags = {"layers": "--layers", "d_model": "--d-model", "heads": "--heads", "vocab_size": "--vocab",
+                 "block_size": "--seq-len"}
+        missing = [flag for k, flag in flags.items() if shape[k] is None]
         if missing:
             raise ValueError(f"give --preset or the model's shape (missing {', '.join(missing)})")
-        gated = bool(args.gated)
-        base = ModelSpec("custom", **{k: shape[k] for k in ("layers", "d_model", "heads", "vocab", "seq_len")},
-                         gated=gated, gpt2=not gated, tied=not gated, causal_skip=gated)
-    model = base.with_(**shape)
+        base = Preset(arch="llama" if args.gated else "gpt2", causal_skip=bool(args.gated))
+    else:
+        base = MODELS[args.preset]
+    model = replace(base, **{k: v for k, v in shape.items() if v is not None})  # the flags given override
     if model.d_model % model.heads:
         raise ValueError(f"--d-model {model.d_model} is not divisible by --heads {model.heads}")
     if model.heads % model.kv:
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         precision = PRECISIONS[args.precision or ("float32" if cpu else "bf16")]
         minidist = (args.impl or ("minidist" if cpu else "fused")) == "minidist"
         if not args.preset:  # a model given by its shape runs FlashAttention-like kernels unless it is minidist's
-            model = model.with_(causal_skip=not minidist)
+            model = replace(model, causal_skip=not minidist)
         if args.mesh:
             return _one_mesh(args, model, machine, tokens, precision, minidist)
         return _search(args, model, machine, tokens, precision, minidist)
@@ -205,7 +205,7 @@ def _explicit(args, mesh, model, tokens):
 
 
 def _describe(model, machine, tokens, e, devices) -> str:
-    lines = [f"{model.name}: {_params(model)}, seq {model.seq_len}, "
+    lines = [f"{model.name}: {_params(model)}, seq {model.block_size}, "
              f"{tokens:,} tokens per step, on {devices} x {machine.name}",
              f"plan: {e.plan.label()}",
              f"step {e.step_s:.3f} s   MFU {100 * e.mfu:.1f}%   HFU {100 * e.hfu:.1f}%   memory {e.mem_bytes / 1e9:.1f} GB "
@@ -228,11 +228,11 @@ def _search(args, model, machine, tokens, precision, minidist) -> int:
     ranked, infeasible = search(model, machine, args.gpus, tokens, precision, minidist)
     top = ranked[:args.top]
     if args.json:
-        print(json.dumps({"model": model.as_dict(), "machine": machine.name, "gpus": args.gpus,
+        print(json.dumps({"model": as_dict(model), "machine": machine.name, "gpus": args.gpus,
                           "global_batch_tokens": tokens, "meshes_feasible": len(ranked),
                           "meshes_infeasible": len(infeasible), "top": [e.as_dict() for e in top]}))
         return 0
-    print(f"{model.name}: {_params(model)}, seq {model.seq_len}, {tokens:,} tokens per step, "
+    print(f"{model.name}: {_params(model)}, seq {model.block_size}, {tokens:,} tokens per step, "
           f"on {args.gpus} x {machine.name}: {len(ranked)} meshes fit, {len(infeasible)} do not")
     if not top:
         print("no mesh fits in memory")

@@ -51,14 +51,15 @@ import math
 from dataclasses import dataclass, field
 
 from minidist.layout.memory import zero_divisors
+from minidist.layout.model import ModelConfig
 from minidist.layout.schedules import peak_in_flight, theoretical_bubble
 from minidist.plan import moe_cost
 from minidist.plan.collectives import message, ring_all_reduce, ring_gather
 from minidist.plan.feasible import problems
 from minidist.plan.machine import Machine
-from minidist.plan.model import (ModelSpec, activation_bytes_per_token, attention_flops, block_matmul_flops,
+from minidist.plan.model import (activation_bytes_per_token, attention_flops, block_matmul_flops,
                                  block_params, head_flops, mlp_params, model_flops_per_token,
-                                 recompute_flops_per_token)
+                                 recompute_flops_per_token, skips_masked_half)
 from minidist.plan.settings import CHUNKED, FLOAT32, FLOAT64, MIXED_BF16, PRECISIONS, SCHEDULES, Plan, Precision
 from minidist.plan.stages import candidate_stages, stage_blocks, stage_mix, stage_params
 
@@ -99,7 +100,7 @@ class Step:
     """What every term of a step's price needs: the model, the machine, the plan, the
     precision, and the quantities derived from them once."""
 
-    m: ModelSpec
+    m: ModelConfig
     mc: Machine
     p: Plan
     pr: Precision
@@ -129,8 +130,8 @@ class Step:
     @staticmethod
     def of(m, mc, p, pr, global_batch_tokens, minidist) -> "Step":
         share = min(1.0, mc.cores / (p.devices + mc.load)) if mc.cores else 1.0
-        seqs_mb = global_batch_tokens // m.seq_len // p.dp // p.microbatches
-        return Step(m, mc, p, pr, minidist, share, seqs_mb * m.seq_len / p.cp, seqs_mb, stage_blocks(m.layers, p.pp),
+        seqs_mb = global_batch_tokens // m.block_size // p.dp // p.microbatches
+        return Step(m, mc, p, pr, minidist, share, seqs_mb * m.block_size / p.cp, seqs_mb, stage_blocks(m.layers, p.pp),
                     p.virtual_stages if p.schedule in CHUNKED and p.pp > 1 else 1,
                     # minidist's ZeRO-3 recomputes every block in backward (parallel/data/fsdp.py)
                     p.checkpoint_activations or (minidist and p.zero == 3),
@@ -146,14 +147,14 @@ def forward_time(s: Step) -> float:
     peak = mc.peak_for(s.pr.compute) * sh
 
     def block(moe: bool) -> float:  # a mixture: its router and the rows its experts run
-        act = (minidist_block_values(m, m.seq_len, moe) * s.pr.act if s.minidist
+        act = (minidist_block_values(m, m.block_size, moe) * s.pr.act if s.minidist
                else activation_bytes_per_token(m, s.pr.act, moe))
         flops = block_matmul_flops(m, moe) + (moe_cost.expert_extra_flops(m, s.minidist) if moe else 0.0)
         return (flops * n / p.tp / (peak * mc.gemm_eff)
-                + attention_flops(m, m.seq_len, executed=True) * n / p.tp / (peak * mc.attn_eff)
+                + attention_flops(m, m.block_size, executed=True) * n / p.tp / (peak * mc.attn_eff)
                 + 2 * act * n / p.tp / (mc.mem_bw * sh) + mc.block_mb_s / 3 / sh)
 
-    head = (head_flops(m) * n / p.tp / (peak * mc.gemm_eff) + 4 * n * m.vocab / p.tp * 4 / (mc.mem_bw * sh)
+    head = (head_flops(m) * n / p.tp / (peak * mc.gemm_eff) + 4 * n * m.vocab_size / p.tp * 4 / (mc.mem_bw * sh)
             + mc.mb_overhead_s / 3 / sh)
     dense, mixture = block(False), (block(True) if m.experts else 0.0)
     return max(d * dense + k * mixture + (head if r == p.pp - 1 else 0.0)
@@ -178,7 +179,7 @@ def cp_time(s: Step) -> float:
     p = s.p
     if p.cp == 1:
         return 0.0
-    kv = s.seqs_mb * s.m.seq_len * 2 * s.m.d_kv / p.tp * s.pr.act
+    kv = s.seqs_mb * s.m.block_size * 2 * s.m.d_kv / p.tp * s.pr.act
     step = ring_gather(kv, p.cp, s.mc.link_for(p.tp * p.cp), s.mc.link_eff) + (p.cp - 1) * s.mc.coll_overhead_s / s.share
     return s.Ls * 3 * step
 
@@ -235,7 +236,7 @@ def sync_wait(s: Step) -> float:
     return syncs * (1 - s.share) * s.mc.sync_slice_s
 
 
-def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens: int,
+def estimate(model: ModelConfig, machine: Machine, plan: Plan, global_batch_tokens: int,
              precision: Precision = MIXED_BF16, minidist: bool = False) -> Estimate:
     """Time by parts, memory per device and MFU of one step (``problems`` must be empty).
 
@@ -271,8 +272,8 @@ def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens
         time["ep"] = M * moe_cost.ep_time(s)
     step = sum(time.values())
 
-    mflops = model_flops_per_token(m, m.seq_len) * global_batch_tokens
-    hflops = mflops + (recompute_flops_per_token(m, m.seq_len) * global_batch_tokens if s.ckpt else 0.0)
+    mflops = model_flops_per_token(m, m.block_size) * global_batch_tokens
+    hflops = mflops + (recompute_flops_per_token(m, m.block_size) * global_batch_tokens if s.ckpt else 0.0)
     total_peak = mc.peak_for(precision.compute) * (min(p.devices, mc.cores) if mc.cores else p.devices)
     memory = memory_parts(m, p, precision, global_batch_tokens, minidist=minidist)
     mem = sum(memory.values())
@@ -284,7 +285,7 @@ def estimate(model: ModelSpec, machine: Machine, plan: Plan, global_batch_tokens
 REPLICATED_ARRAYS = 12  # of minidist's 24 d-wide arrays per token, those every tp rank holds whole
 
 
-def minidist_block_values(m: ModelSpec, seq: int, moe: bool = False) -> float:
+def minidist_block_values(m: ModelConfig, seq: int, moe: bool = False) -> float:
     """Values minidist's NumPy block keeps live per token (counted with tracemalloc, see
     cli_checks.training_memory_bytes): about 24 arrays of width d for GPT-2, and plain
     attention's H x T scores per query token.  A Llama block (nn.GroupedQueryAttention,
@@ -292,12 +293,12 @@ def minidist_block_values(m: ModelSpec, seq: int, moe: bool = False) -> float:
     a q|k|v of d + 2 d_kv in place of 3 d, the rotated copy of it (rotary), and with fewer
     key/value heads than query heads the 3 d the repeated heads take (repeat_kv).  A mixture
     (``moe``): moe_cost.minidist_moe_values."""
-    d, scores = m.d_model, (0 if m.causal_skip else m.heads * seq)
-    if m.gpt2:
+    d, scores = m.d_model, (0 if skips_masked_half(m) else m.heads * seq)
+    if not m.gated:
         values = 24 * d + scores
     else:
         qkv = d + 2 * m.d_kv
-        values = 24 * d + (3 * m.f - 8 * d) + (qkv - 3 * d) + qkv + (3 * d if m.kv < m.heads else 0) + scores
+        values = 24 * d + (3 * m.ffn - 8 * d) + (qkv - 3 * d) + qkv + (3 * d if m.kv < m.heads else 0) + scores
     return moe_cost.minidist_moe_values(m, values) if moe else values
 
 
@@ -320,10 +321,10 @@ def in_flight(p: Plan, stage: int = 0) -> float:
     return k * (1 + (p.pp - 1) / (p.pp * p.virtual_stages)) if p.schedule == "interleaved" else float(k)
 
 
-def memory_parts(m: ModelSpec, p: Plan, pr: Precision, global_batch_tokens: int, minidist: bool = False) -> dict:
+def memory_parts(m: ModelConfig, p: Plan, pr: Precision, global_batch_tokens: int, minidist: bool = False) -> dict:
     """Bytes one device of the fullest stage holds at its peak, by part (ZeRO's formulas for
     the state; the activations its schedule keeps in flight; the logits on the last stage)."""
-    seq = m.seq_len
+    seq = m.block_size
     n = global_batch_tokens // seq // p.dp // p.microbatches * seq / p.cp
     sp = p.sequence_parallel and p.tp > 1 and not minidist
 
@@ -354,7 +355,7 @@ def memory_parts(m: ModelSpec, p: Plan, pr: Precision, global_batch_tokens: int,
         else:
             parts["activations"] = (dense * dense_block + moe * moe_block) * in_flight(p, r)
         # float32 logits and their gradient (minidist keeps about 8 such arrays: softmax, its gradient, copies)
-        parts["logits"] = (8 if minidist else 2) * n * m.vocab / p.tp * 4 if r == p.pp - 1 else 0.0
+        parts["logits"] = (8 if minidist else 2) * n * m.vocab_size / p.tp * 4 if r == p.pp - 1 else 0.0
         if p.zero == 3:
             big = block_params(m, True, m.experts // p.ep) if moe else block_params(m)
             parts["gathered"] = 2 * big / p.tp * pr.param  # the block in use and the next one

@@ -8,16 +8,17 @@ from __future__ import annotations
 import math
 
 from minidist.layout.schedules import schedule_problem
-from minidist.plan.model import ModelSpec
+from minidist.layout.model import ModelConfig
 from minidist.plan.settings import SCHEDULES, Plan
 from minidist.plan.stages import stage_blocks
 
 
-def problems(model: ModelSpec, plan: Plan, devices: int, global_batch_tokens: int, minidist: bool = False) -> list[str]:
+def problems(model: ModelConfig, plan: Plan, devices: int, global_batch_tokens: int,
+             minidist: bool = False) -> list[str]:
     """Why ``plan`` cannot run ``model`` (one line each; [] when it can), before any cost.
     ``minidist``: also what minidist's own implementation refuses."""
     out = []
-    p, seq = plan, model.seq_len
+    p, seq = plan, model.block_size
     if p.devices != devices:
         out.append(f"mesh {p.mesh()} has {p.devices} devices, not --gpus {devices}")
     if model.heads % p.tp or model.kv % p.tp:
@@ -56,7 +57,7 @@ def problems(model: ModelSpec, plan: Plan, devices: int, global_batch_tokens: in
     return out + expert_problems(model, p, minidist)
 
 
-def expert_problems(model: ModelSpec, p: Plan, minidist: bool = False) -> list[str]:
+def expert_problems(model: ModelConfig, p: Plan, minidist: bool = False) -> list[str]:
     """Expert parallelism's conditions: ep splits every mixture's experts evenly over ep ranks
     of the data-parallel group (parallel/expert/checks.py).  minidist's mixture also refuses
     tp, pp, cp, ZeRO-3 and checkpointing (docs/moe.md); fused implementations (Megatron Core)

@@ -52,7 +52,7 @@ def routed_rows(m, minidist: bool = False) -> float:
 def expert_extra_flops(m, minidist: bool = False) -> float:
     """Forward FLOPs per token a mixture executes beyond the k experts of the model count:
     the padding rows of a capacity factor above 1 (or fewer, below it)."""
-    mlp = 2 * (3 if m.gated else 2) * m.d_model * m.f
+    mlp = 2 * (3 if m.gated else 2) * m.d_model * m.ffn
     return mlp * (routed_rows(m, minidist) - m.top_k)
 
 
@@ -103,7 +103,7 @@ def minidist_moe_values(m, dense_values: float) -> float:
     weighted (3 d), the combined output (d) and the router's logits, probabilities and their
     float copies (3 E)."""
     d = m.d_model
-    mlp = 3 * m.f if m.gated else 8 * d
+    mlp = 3 * m.ffn if m.gated else 8 * d
     return dense_values - mlp + m.top_k * (mlp + 3 * d) + d + 3 * m.experts
 
 

@@ -25,12 +25,12 @@ def divisors(n: int) -> list[int]:
 
 def meshes(model, devices: int, global_batch_tokens: int):
     """Every (tp, cp, pp, dp) whose product is ``devices`` and that the model allows."""
-    seqs = global_batch_tokens // model.seq_len
+    seqs = global_batch_tokens // model.block_size
     for tp in divisors(devices):
         if model.heads % tp or model.kv % tp:
             continue
         for cp in divisors(devices // tp):
-            if cp > 1 and model.seq_len % (2 * cp):
+            if cp > 1 and model.block_size % (2 * cp):
                 continue
             for pp in divisors(devices // (tp * cp)):
                 dp = devices // (tp * cp * pp)
@@ -50,7 +50,7 @@ def settings(model, tp, cp, pp, dp, global_batch_tokens: int, zeros=(0, 1, 2, 3)
     it is compared with ran), and with ``zero_bubble`` zb-h1, zb-h2 and zbv too (priced, but
     not searched by default: their bubble assumes W as long as B, and the paper's zero
     bubble also needs its optimizer post-validation)."""
-    per_replica = global_batch_tokens // model.seq_len // dp
+    per_replica = global_batch_tokens // model.block_size // dp
     sizes = [b for b in (1, 2, 4, 8) if per_replica % b == 0]
     schedules = [("1f1b", 1)]
     if pp > 1:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import functools
 
-from minidist.plan.model import ModelSpec, block_params, embedding_params, mlp_params, moe_blocks
+from minidist.layout.model import ModelConfig
+from minidist.plan.model import block_params, embedding_params, mlp_params, moe_blocks
 
 
 @functools.lru_cache(maxsize=4096)
@@ -24,7 +25,7 @@ def stage_blocks(layers: int, pp: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def stage_mix(m: ModelSpec, pp: int) -> tuple:
+def stage_mix(m: ModelConfig, pp: int) -> tuple:
     """(dense blocks, mixtures) of each stage, in order."""
     out, first = [], 0
     for b in stage_blocks(m.layers, pp):
@@ -34,27 +35,27 @@ def stage_mix(m: ModelSpec, pp: int) -> tuple:
     return tuple(out)
 
 
-def candidate_stages(m: ModelSpec, pp: int) -> list:
+def candidate_stages(m: ModelConfig, pp: int) -> list:
     """The stages that can hold the most: the first (the embedding, the most microbatches in
     flight), the first with the most blocks, the last (the head, the logits)."""
     blocks = stage_blocks(m.layers, pp)
     return sorted({0, blocks.index(max(blocks)), pp - 1})
 
 
-def stage_params(m: ModelSpec, p, stage: int | None = None) -> tuple:
+def stage_params(m: ModelConfig, p, stage: int | None = None) -> tuple:
     """(dense, expert) parameters one rank of ``stage`` holds (default: the stage holding the
     most): its blocks split by tp -- a mixture's router with the dense part, its E experts
     over ep ranks -- and the embedding on the first stage, the head (or the tied table again)
     and the final norm on the last."""
-    table = m.vocab * m.d_model
-    rest = embedding_params(m) - table - (0 if m.tied else table)   # positions, final norm
+    table = m.vocab_size * m.d_model
+    rest = embedding_params(m) - table - (table if m.untied else 0)   # positions, final norm
     out = []
     for r in (candidate_stages(m, p.pp) if stage is None else [stage]):
         dense, moe = stage_mix(m, p.pp)[r]
         emb = 0.0
         if r == 0:
             emb += table + rest
-        if r == p.pp - 1 and (p.pp > 1 or not m.tied):  # the head (untied), or the tied table's copy
+        if r == p.pp - 1 and (p.pp > 1 or m.untied):  # the head (untied), or the tied table's copy
             emb += table
         experts = moe * m.experts * mlp_params(m)
         shared = dense * block_params(m) + moe * block_params(m, True) - experts + emb

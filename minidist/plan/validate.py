@@ -40,8 +40,7 @@ from minidist.plan import moe_cost
 from minidist.plan.cost import FLOAT32, Plan, Step, estimate
 from minidist.plan.machine import (INF, Link, Machine, busy_seconds, calibration_path, fixed_costs, load,
                                    measure_sync, mpiexec, others_load)
-from minidist.layout.settings import ModelConfig
-from minidist.plan.model import ModelSpec, spec_of
+from minidist.layout.model import ModelConfig
 
 # Small enough that all of them take 2-4 minutes on 2 cores, large enough that the
 # arithmetic shows.  (name, mesh and settings, shape)
@@ -75,11 +74,11 @@ def plan_of(mesh: dict) -> Plan:
                 schedule=mesh.get("schedule", "1f1b"), sequence_parallel=False, ep=mesh.get("ep", 1))
 
 
-def model_of(shape: dict) -> ModelSpec:
-    """The spec of the model ``minidist.train`` builds from ``shape``'s flags."""
-    model = ModelConfig(layers=shape["layers"], d_model=shape["d_model"], heads=shape["heads"],
-                        arch=shape.get("arch", "gpt2"), kv_heads=shape.get("kv_heads"), experts=shape.get("experts", 0))
-    return spec_of(model, shape["seq_len"], name="validation")
+def model_of(shape: dict) -> ModelConfig:
+    """The model ``minidist.train`` builds from ``shape``'s flags."""
+    return ModelConfig(layers=shape["layers"], d_model=shape["d_model"], heads=shape["heads"],
+                       arch=shape.get("arch", "gpt2"), kv_heads=shape.get("kv_heads"), experts=shape.get("experts", 0),
+                       block_size=shape["seq_len"])
 
 
 def predict(machine, shape: dict, mesh: dict) -> dict:

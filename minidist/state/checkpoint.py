@@ -31,7 +31,6 @@ every array that changes during training is saved.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -97,7 +96,7 @@ def check(path: str) -> dict:
 def model_differences(meta: dict, model_config) -> list[str]:
     """The model fields on which a checkpoint and a run disagree, as ``name saved -> now``
     (``meta`` from :func:`metadata`: an older checkpoint's missing fields read as GPT-2's)."""
-    saved, now = meta["model"], dataclasses.asdict(model_config)
+    saved, now = meta["model"], model_config.record()
     return [f"{k} {saved.get(k)} -> {now[k]}" for k in MODEL_FIELDS if saved.get(k) != now[k]]
 
 
@@ -198,7 +197,7 @@ def _begin(directory, step, strategy, model_config, extra, shared_tmp: bool = Fa
                 for p, what, flat, array in strategy.owned_state()]
     return {"directory": directory, "tmp": tmp, "final": step_dir(directory, step), "step": step,
             "rank": rank, "world": world, "snapshot": snapshot, "scalars": strategy.checkpoint_scalars(),
-            "mesh": strategy.mesh_sizes(), "model": dataclasses.asdict(model_config), "extra": extra or {}}
+            "mesh": strategy.mesh_sizes(), "model": model_config.record(), "extra": extra or {}}
 
 
 def _commit(pending) -> str:

@@ -12,21 +12,22 @@ reaches the same verdict before any message is exchanged).
 The rules, those of the format ``minidist.state.checkpoint`` writes:
 
 * ``metadata.json`` is a regular file of at most :data:`MAX_METADATA_BYTES`, strict JSON
-  (no NaN or Infinity), of format :data:`FORMAT`;
+  (no NaN or Infinity), of format :data:`FORMAT` (or :data:`FORMAT_1`, whose model fields
+  had GPT-2's names, ``n_layer``, ``n_head``, ...: they read as :data:`RENAMED` renames them);
 * ``latest`` (a few bytes) names a ``step-NNNNNN`` directory inside the save directory;
 * file names are plain ``rank-NNNNN.bin`` names (no separators, no ``..``), of a rank of the
   saving world, and each is a regular file inside the checkpoint directory (a link may not
   lead outside) with exactly its recorded size;
 * numbers are JSON integers where integers are meant (no NaN step, no string sizes, no
   booleans), in their ranges; the mesh's sizes multiply to the world size;
-* the model config is one minidist builds (byte vocabulary, positive sizes, heads dividing
-  the width, a known dtype and attention; a known family, ``gpt2`` or ``llama``, with
-  key/value heads dividing the query heads, a positive feed-forward width, a positive finite
-  rotary base and norm epsilon), and the tensors are exactly its parameters
-  (:func:`parameter_shapes`) and their optimizer states, each with the shape and dtype the
-  config gives;
+* the model config (``layout.model.ModelConfig``, its defaults written out) is one minidist
+  builds (byte vocabulary, positive sizes, heads dividing the width, a known dtype and
+  attention; a known family, ``gpt2`` or ``llama``, with key/value heads dividing the query
+  heads, a positive feed-forward width, a positive finite rotary base and norm epsilon), and
+  the tensors are exactly its parameters (``layout.model.parameter_shapes``) and their
+  optimizer states, each with the shape and dtype the config gives;
   on resume, ``minidist.train.flags`` then compares that config with the model being built;
-* a checkpoint written before the Llama family lacks its fields (``arch``, ``n_kv_head``,
+* a checkpoint written before the Llama family lacks its fields (``arch``, ``kv_heads``,
   ``ffn_hidden``, ``rope_theta``, ``norm_eps``): it reads as the GPT-2 it is
   (:data:`LEGACY_DEFAULTS`), and :func:`read` returns its model with them filled in;
 * dtypes come from :data:`DTYPES`;
@@ -48,22 +49,25 @@ import stat
 import sys
 
 from minidist.layout.mesh import AXES
-from minidist.layout.settings import ARCHS, ROPE_THETA
+from minidist.layout.model import ARCHS, ATTENTIONS, ROPE_THETA, ModelConfig, numel, parameter_count, parameter_shapes
 
-FORMAT = "minidist-checkpoint-1"
+FORMAT = "minidist-checkpoint-2"
+FORMAT_1 = "minidist-checkpoint-1"  # the model's fields by nn.GPTConfig's old names
+RENAMED = {"seq_len": "block_size", "n_layer": "layers", "n_head": "heads", "n_kv_head": "kv_heads",
+           "tie_embeddings": "tied", "n_experts": "experts"}
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 PART_FILE = re.compile(r"^rank-(\d{5,9})\.bin$")  # the names checkpoint._write_part gives
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 STATES = ("param", "exp_avg", "exp_avg_sq", "momentum_buffer")  # the optimizers' state_keys
 #: Fields of the model that a checkpoint's arrays depend on: a resumed run must agree on them
 #: (``rope_theta`` and ``norm_eps`` change no array: they are checked, not compared).
-MODEL_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "bias", "tie_embeddings", "dtype",
-                "arch", "n_kv_head", "ffn_hidden", "n_experts", "moe_every")
+MODEL_FIELDS = ("vocab_size", "block_size", "layers", "heads", "d_model", "bias", "tied", "dtype",
+                "arch", "kv_heads", "ffn_hidden", "experts", "moe_every")
 #: How a checkpoint written before the Llama family reads: each field it lacks takes GPT-2's
 #: value, a function of the fields it has (GPT-2: a key/value head per query head, a 4 d MLP).
-LEGACY_DEFAULTS = {"arch": lambda m: "gpt2", "n_kv_head": lambda m: m["n_head"],
+LEGACY_DEFAULTS = {"arch": lambda m: "gpt2", "kv_heads": lambda m: m["heads"],
                    "ffn_hidden": lambda m: 4 * m["d_model"], "rope_theta": lambda m: ROPE_THETA,
-                   "norm_eps": lambda m: 1e-5, "n_experts": lambda m: 0, "moe_every": lambda m: 1,
+                   "norm_eps": lambda m: 1e-5, "experts": lambda m: 0, "moe_every": lambda m: 1,
                    "top_k": lambda m: 2, "capacity_factor": lambda m: 0.0, "aux_loss_coef": lambda m: 0.01,
                    "z_loss_coef": lambda m: 0.001}
 MAX_EXPERTS = 2**16  # a bound on what a checkpoint may claim, far above any mixture's
@@ -144,8 +148,10 @@ def read(path: str) -> dict:
                           parse_constant=_no_constant, parse_float=_finite)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise CheckpointError(f"{file}: cannot be read ({_one_line(exc)})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_1):
         raise CheckpointError(f"{file}: not a {FORMAT} file")
+    if meta["format"] == FORMAT_1 and isinstance(meta.get("model"), dict):
+        meta["model"] = {RENAMED.get(k, k): v for k, v in meta["model"].items()}
     _Check(path, file).all(meta)
     return meta
 
@@ -173,91 +179,11 @@ def _show(value) -> str:
     return text if len(text) <= 70 else text[:60] + "..."
 
 
-# ------------------------------------------------------------------------------------------------
-# The model: which tensors a checkpoint of it holds
-# ------------------------------------------------------------------------------------------------
-def parameter_count(model: dict) -> int:
-    """How many parameters ``nn.GPT`` of ``model`` (a checked config) has, in closed form (the
-    checker counts before it lists: a config claiming 10**12 layers is refused without
-    enumerating them; a test keeps this equal to len(parameter_shapes)).  GPT-2's block holds
-    two LayerNorms (weight, bias), c_attn, c_proj, c_fc, c_proj (weights, biases unless
-    ``bias`` is false); Llama's two RMSNorms and six bias-free weights (q, k, v, o, gate|up,
-    down), and it has no position table and no bias in the final norm."""
-    untied = not model["tie_embeddings"]
-    block = len(_llama_block(model) if model["arch"] == "llama" else _gpt2_block(model))
-    mlp = 2 if model["arch"] == "llama" else (4 if model["bias"] else 2)
-    moe = _moe_blocks(model)  # each: a router and n_experts MLPs instead of one
-    dense = (2 if model["arch"] == "llama" else 4) + untied + model["n_layer"] * block
-    return dense + moe * (1 + (model["n_experts"] - 1) * mlp)
-
-
-def _moe_blocks(model: dict) -> int:
-    """How many blocks hold a mixture of experts (model/moe.py's is_moe_block)."""
-    return model["n_layer"] // model["moe_every"] if model["n_experts"] else 0
-
-
-def parameter_shapes(model: dict) -> dict:
-    """``{name: global shape}`` of ``nn.GPT``'s parameters for ``model`` (a checked config), as
-    ``GPT.named_parameters`` names them (a test keeps the two equal)."""
-    d, vocab = model["d_model"], model["vocab_size"]
-    llama = model["arch"] == "llama"
-    block = _llama_block(model) if llama else _gpt2_block(model)
-    out = {"wte.weight": (vocab, d)} if llama else {"wte.weight": (vocab, d), "wpe.weight": (model["seq_len"], d)}
-    for i in range(model["n_layer"]):
-        out.update({f"h.{i}.{k}": s for k, s in _experts(model, i, block).items()})
-    out.update({"ln_f.weight": (d,)} if llama else {"ln_f.weight": (d,), "ln_f.bias": (d,)})
-    if not model["tie_embeddings"]:
-        out["lm_head.weight"] = (d, vocab)
-    return out
-
-
-def _experts(model: dict, i: int, block: dict) -> dict:
-    """Block ``i``'s parameters: with a mixture of experts there (every moe_every-th block,
-    model/moe.py) the feed-forward's become the router's and each expert's copy of them."""
-    E = model["n_experts"]
-    if not E or (i + 1) % model["moe_every"]:
-        return block
-    out = {k: s for k, s in block.items() if not k.startswith("mlp.")}
-    out["mlp.router.weight"] = (model["d_model"], E)
-    for e in range(E):
-        out.update({f"mlp.experts.{e}.{k[4:]}": s for k, s in block.items() if k.startswith("mlp.")})
-    return out
-
-
-def _gpt2_block(model: dict) -> dict:
-    """One GPT-2 block's parameters: fused q|k|v, a 4 d GELU MLP, LayerNorms with biases."""
-    d = model["d_model"]
-    block = {"ln_1.weight": (d,), "ln_1.bias": (d,), "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
-             "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
-             "mlp.c_fc.weight": (d, 4 * d), "mlp.c_fc.bias": (4 * d,), "mlp.c_proj.weight": (4 * d, d),
-             "mlp.c_proj.bias": (d,)}
-    if not model["bias"]:  # LayerNorm keeps its bias
-        block = {k: s for k, s in block.items() if not k.endswith(".bias") or k.startswith("ln_")}
-    return block
-
-
-def _llama_block(model: dict) -> dict:
-    """One Llama block's parameters: RMSNorm gains, q/k/v/o projections with K = n_kv_head
-    key/value heads of d / n_head features, the fused SwiGLU gate|up (F each) and down."""
-    d, F = model["d_model"], model["ffn_hidden"]
-    kv = model["n_kv_head"] * (d // model["n_head"])
-    return {"ln_1.weight": (d,), "attn.q_proj.weight": (d, d), "attn.k_proj.weight": (d, kv),
-            "attn.v_proj.weight": (d, kv), "attn.o_proj.weight": (d, d), "ln_2.weight": (d,),
-            "mlp.gate_up_proj.weight": (d, 2 * F), "mlp.down_proj.weight": (F, d)}
-
-
 def numpy_dtype(name: str):
     """The NumPy dtype of a checked dtype name (bfloat16 from ml_dtypes)."""
     from minidist.model.backend import dtype
 
     return dtype(name)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,12 +240,10 @@ class _Check:
             self.fail("mesh", f"has {len(mesh)} axes: must have exactly {', '.join(AXES)}")
         for axis in AXES:
             self.integer(mesh[axis], f"mesh.{axis}", lo=1, hi=world)
-        if _numel(mesh[a] for a in AXES) != world:
-            self.fail("mesh", f"sizes multiply to {_numel(mesh[a] for a in AXES)}, not world_size {world}")
+        if numel(mesh[a] for a in AXES) != world:
+            self.fail("mesh", f"sizes multiply to {numel(mesh[a] for a in AXES)}, not world_size {world}")
 
     def model(self, model) -> dict:
-        from minidist.layout.settings import ATTENTIONS
-
         self.kind(model, dict, "model", "a mapping")
         for key in MODEL_FIELDS:
             if key not in LEGACY_DEFAULTS:
@@ -327,11 +251,11 @@ class _Check:
         if type(model["vocab_size"]) is not int or not 256 <= model["vocab_size"] <= 2**32:
             self.fail("model.vocab_size", f"is {_show(model['vocab_size'])}: minidist's vocabularies hold the 256 "
                       "byte values and at most 2**32 tokens (uint32 shards)")
-        for key in ("seq_len", "n_layer", "n_head", "d_model"):
+        for key in ("block_size", "layers", "heads", "d_model"):
             self.integer(model[key], f"model.{key}", lo=1)
-        if model["d_model"] % model["n_head"]:
-            self.fail("model.d_model", f"{model['d_model']} is not divisible by model.n_head {model['n_head']}")
-        for key in ("bias", "tie_embeddings"):
+        if model["d_model"] % model["heads"]:
+            self.fail("model.d_model", f"{model['d_model']} is not divisible by model.heads {model['heads']}")
+        for key in ("bias", "tied"):
             self.kind(model[key], bool, f"model.{key}", "true or false")
         if model["dtype"] not in DTYPES:
             self.fail("model.dtype", f"is {_show(model['dtype'])}: must be one of {', '.join(DTYPES)}")
@@ -350,31 +274,31 @@ class _Check:
     def family(self, model: dict) -> None:
         """The fields of the model's family: which one, its key/value heads and feed-forward
         width (GPT-2's fixed: one key/value head per query head, 4 d), its rotary base and norm
-        epsilon (positive, finite) -- so that ``nn.GPTConfig`` accepts what passes here."""
+        epsilon (positive, finite) -- so that ``ModelConfig.check`` accepts what passes here."""
         if model["arch"] not in ARCHS:
             self.fail("model.arch", f"is {_show(model['arch'])}: must be one of {', '.join(ARCHS)}")
-        H, K = model["n_head"], self.integer(model["n_kv_head"], "model.n_kv_head", lo=1)
+        H, K = model["heads"], self.integer(model["kv_heads"], "model.kv_heads", lo=1)
         if H % K:
-            self.fail("model.n_kv_head", f"{K} does not divide model.n_head {H}")
+            self.fail("model.kv_heads", f"{K} does not divide model.heads {H}")
         F = self.integer(model["ffn_hidden"], "model.ffn_hidden", lo=1)
         for key in ("rope_theta", "norm_eps"):
             value = self.kind(model[key], (int, float), f"model.{key}", "a positive finite number")
             if not 0 < value <= sys.float_info.max:  # NaN fails too; a huge integer is no float
                 self.fail(f"model.{key}", f"is {_show(value)}: must be a positive finite number")
         if model["arch"] == "gpt2" and (K != H or F != 4 * model["d_model"]):
-            what = "n_kv_head" if K != H else "ffn_hidden"
-            self.fail(f"model.{what}", f"is {model[what]}: GPT-2 has n_kv_head = n_head ({H}) and "
+            what = "kv_heads" if K != H else "ffn_hidden"
+            self.fail(f"model.{what}", f"is {model[what]}: GPT-2 has kv_heads = heads ({H}) and "
                       f"ffn_hidden = 4 d_model ({4 * model['d_model']})")
         self.moe(model)
         if model["arch"] == "llama" and (model["d_model"] // H) % 2:
-            self.fail("model.n_head", f"{H} gives heads of {model['d_model'] // H} features: rotary positions "
+            self.fail("model.heads", f"{H} gives heads of {model['d_model'] // H} features: rotary positions "
                       "need an even head dimension")
 
     def moe(self, model: dict) -> None:
-        """The mixture-of-experts fields (model/moe.py), as ``nn.GPTConfig`` accepts them: the
-        experts (0: dense) and the blocks holding them, which decide the arrays; top-k (at most
-        the experts), the capacity factor and the two losses' weights, which do not."""
-        E = self.integer(model["n_experts"], "model.n_experts", lo=0, hi=MAX_EXPERTS)
+        """The mixture-of-experts fields (model/moe.py), as ``ModelConfig.check`` accepts them:
+        the experts (0: dense) and the blocks holding them, which decide the arrays; top-k (at
+        most the experts), the capacity factor and the two losses' weights, which do not."""
+        E = self.integer(model["experts"], "model.experts", lo=0, hi=MAX_EXPERTS)
         self.integer(model["moe_every"], "model.moe_every", lo=1)
         self.integer(model["top_k"], "model.top_k", lo=1, hi=E or MAX_INT)
         for key in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
@@ -387,13 +311,13 @@ class _Check:
         states; return the parameters' shapes.  The count comes first, so a config claiming a
         huge model is refused without listing its parameters."""
         self.kind(tensors, dict, "tensors", "a mapping")
-        count = parameter_count(model)
+        config = ModelConfig.from_record(model)
+        count = parameter_count(config)
         held = sum(key.endswith("/param") for key in tensors)
         if held != count:
-            self.fail("tensors", f"hold {held} parameters, the model (model.n_layer {model['n_layer']}, "
-                      f"bias {model['bias']}, tie_embeddings {model['tie_embeddings']}, arch {model['arch']}) "
-                      f"has {count}")
-        shapes = parameter_shapes(model)
+            self.fail("tensors", f"hold {held} parameters, the model (model.layers {model['layers']}, "
+                      f"bias {model['bias']}, tied {model['tied']}, arch {model['arch']}) has {count}")
+        shapes = parameter_shapes(config)
         for key in tensors:
             name, _, what = key.rpartition("/")
             if name not in shapes or what not in STATES:
@@ -480,7 +404,7 @@ class _Check:
         """``(dim, index, parts, blocks)`` of a tensor-parallel slice (None: the whole tensor) and
         its element count."""
         if tp is None:
-            return None, _numel(shape)
+            return None, numel(shape)
         if not isinstance(tp, list) or len(tp) != 4:
             self.fail(where, f"is {_show(tp)}: must be null or [dim, index, parts, blocks]")
         dim = self.integer(tp[0], f"{where}[0] (dim)", hi=len(shape) - 1)
@@ -490,7 +414,7 @@ class _Check:
         if blocks > 1 and shape[dim] % (parts * blocks):  # one block may be padded: a vocabulary
             self.fail(where, f"is {tp}: {blocks} block(s) of dimension {dim} ({shape[dim]}) do not split "
                       f"into {parts} parts")
-        return (dim, index, parts, blocks), _numel(shape) // max(shape[dim], 1) * -(-shape[dim] // parts)
+        return (dim, index, parts, blocks), numel(shape) // max(shape[dim], 1) * -(-shape[dim] // parts)
 
     def flat(self, flat, size: int, where: str) -> tuple[int, int]:
         if flat is None:

@@ -142,7 +142,7 @@ def read_safetensors(file: str) -> tuple[dict, dict]:
 # ------------------------------------------------------------------------------------------------
 def hf_config(model: dict, dtype: str) -> dict:
     """The Hugging Face config (as a dict for config.json) of a minidist model config dict."""
-    if model.get("n_experts"):
+    if model.get("experts"):
         from minidist.state.export_mixtral import mixtral_config
         return mixtral_config(model, llama_config(model, dtype))
     return llama_config(model, dtype) if model.get("arch") == "llama" else gpt2_config(model, dtype)
@@ -151,7 +151,7 @@ def hf_config(model: dict, dtype: str) -> dict:
 def hf_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict:
     """``{Hugging Face name: array}`` of minidist's ``{name: array}`` (``load_full``'s), in the
     reference's order, cast to ``dtype`` (default: the parameters' own)."""
-    if model.get("arch") == "llama" or model.get("n_experts"):  # with experts: Mixtral's (export_mixtral.py)
+    if model.get("arch") == "llama" or model.get("experts"):  # with experts: Mixtral's (export_mixtral.py)
         return llama_state_dict(model, params, dtype)
     return gpt2_state_dict(model, params, dtype)
 
@@ -177,10 +177,10 @@ def gpt2_config(model: dict, dtype: str) -> dict:
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "vocab_size": model["vocab_size"],
-        "n_positions": model["seq_len"],
+        "n_positions": model["block_size"],
         "n_embd": d,
-        "n_layer": model["n_layer"],
-        "n_head": model["n_head"],
+        "n_layer": model["layers"],
+        "n_head": model["heads"],
         "n_inner": 4 * d,
         "activation_function": "gelu_new",  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
         "layer_norm_epsilon": LAYER_NORM_EPS,
@@ -193,7 +193,7 @@ def gpt2_config(model: dict, dtype: str) -> dict:
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
         "use_cache": True,
-        "tie_word_embeddings": bool(model["tie_embeddings"]),
+        "tie_word_embeddings": bool(model["tied"]),
         "bos_token_id": None,  # bytes: no special tokens (GPT-2's 50256 is outside this vocabulary)
         "eos_token_id": None,
         "dtype": dtype,
@@ -216,7 +216,7 @@ def gpt2_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict
 
     put("transformer.wte.weight", param("wte.weight"))
     put("transformer.wpe.weight", param("wpe.weight"))
-    for i in range(model["n_layer"]):
+    for i in range(model["layers"]):
         h = f"h.{i}."
         for part, width in (("ln_1", None), ("attn.c_attn", 3 * d), ("attn.c_proj", d), ("ln_2", None),
                             ("mlp.c_fc", 4 * d), ("mlp.c_proj", d)):
@@ -224,7 +224,7 @@ def gpt2_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict
             put(f"transformer.{h}{part}.bias", param(f"{h}{part}.bias", (width,) if width else None))
     put("transformer.ln_f.weight", param("ln_f.weight"))
     put("transformer.ln_f.bias", param("ln_f.bias"))
-    if not model["tie_embeddings"]:
+    if not model["tied"]:
         put("lm_head.weight", param("lm_head.weight").T)  # nn.Linear stores (out, in)
     return out
 
@@ -234,7 +234,7 @@ def gpt2_state_dict(model: dict, params: dict, dtype: str | None = None) -> dict
 # ------------------------------------------------------------------------------------------------
 def llama_config(model: dict, dtype: str) -> dict:
     """The ``LlamaConfig`` (as a dict for config.json) of a minidist Llama config dict."""
-    d, H = model["d_model"], model["n_head"]
+    d, H = model["d_model"], model["heads"]
     theta = float(model["rope_theta"])
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -242,12 +242,12 @@ def llama_config(model: dict, dtype: str) -> dict:
         "vocab_size": model["vocab_size"],
         "hidden_size": d,
         "intermediate_size": model["ffn_hidden"],
-        "num_hidden_layers": model["n_layer"],
+        "num_hidden_layers": model["layers"],
         "num_attention_heads": H,
-        "num_key_value_heads": model["n_kv_head"],
+        "num_key_value_heads": model["kv_heads"],
         "head_dim": d // H,
         "hidden_act": "silu",  # SwiGLU: silu(x W_gate) * (x W_up)
-        "max_position_embeddings": model["seq_len"],
+        "max_position_embeddings": model["block_size"],
         "rms_norm_eps": float(model["norm_eps"]),
         "rope_theta": theta,  # transformers before 5 reads it here, 5 in rope_parameters
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
@@ -257,7 +257,7 @@ def llama_config(model: dict, dtype: str) -> dict:
         "pretraining_tp": 1,
         "initializer_range": 0.02,
         "use_cache": True,
-        "tie_word_embeddings": bool(model["tie_embeddings"]),
+        "tie_word_embeddings": bool(model["tied"]),
         "bos_token_id": None,  # bytes: no special tokens
         "eos_token_id": None,
         "dtype": dtype,
@@ -273,7 +273,7 @@ def llama_state_dict(model: dict, params: dict, dtype: str | None = None) -> dic
 
     out, F = {}, model["ffn_hidden"]
     put = _putter(out, dtype)
-    if model.get("n_experts"):
+    if model.get("experts"):
         check(model)
 
     def param(name):
@@ -282,13 +282,13 @@ def llama_state_dict(model: dict, params: dict, dtype: str | None = None) -> dic
         return params[name]
 
     put("model.embed_tokens.weight", param("wte.weight"))  # an embedding: (vocab, d) in both
-    for i in range(model["n_layer"]):
+    for i in range(model["layers"]):
         h, at = f"h.{i}.", f"model.layers.{i}."
         put(f"{at}input_layernorm.weight", param(f"{h}ln_1.weight"))
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             put(f"{at}self_attn.{proj}.weight", param(f"{h}attn.{proj}.weight").T)
         put(f"{at}post_attention_layernorm.weight", param(f"{h}ln_2.weight"))
-        if model.get("n_experts"):
+        if model.get("experts"):
             put_mixture(put, param, h, at, model)
             continue
         gate_up = param(f"{h}mlp.gate_up_proj.weight")                      # (d, 2F): [gate | up]
@@ -296,7 +296,7 @@ def llama_state_dict(model: dict, params: dict, dtype: str | None = None) -> dic
         put(f"{at}mlp.up_proj.weight", gate_up[:, F:].T)
         put(f"{at}mlp.down_proj.weight", param(f"{h}mlp.down_proj.weight").T)
     put("model.norm.weight", param("ln_f.weight"))
-    if not model["tie_embeddings"]:
+    if not model["tied"]:
         put("lm_head.weight", param("lm_head.weight").T)
     return out
 
@@ -332,7 +332,7 @@ def export(path: str, outdir: str, dtype: str | None = None, tokenizer: str | No
     os.makedirs(outdir, exist_ok=True)
     meta = {"format": "pt", "source": "minidist"}
     files = [_replace(outdir, SAFETENSORS, lambda f: write_safetensors(f, tensors, meta))]
-    texts = {CONFIG: json.dumps(config, indent=2) + "\n", **(hf_files(tok, model["seq_len"]) if tok else {})}
+    texts = {CONFIG: json.dumps(config, indent=2) + "\n", **(hf_files(tok, model["block_size"]) if tok else {})}
     for name, text in texts.items():
         files.append(_replace(outdir, name, functools.partial(_write_text, text=text)))
     return files

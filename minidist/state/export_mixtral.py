@@ -69,7 +69,7 @@ def mixtral_config(model: dict, llama: dict) -> dict:
     config.update({
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
-        "num_local_experts": model["n_experts"],
+        "num_local_experts": model["experts"],
         "num_experts_per_tok": model["top_k"],
         "output_router_logits": False,
         "router_aux_loss_coef": float(model.get("aux_loss_coef", 0.0)),
@@ -84,7 +84,7 @@ def put_mixture(put, param, h: str, at: str, model: dict) -> None:
     (``model.layers.i.``); ``param(name)``: minidist's array of that name."""
     moe, F = f"{at}block_sparse_moe.", model["ffn_hidden"]
     put(f"{moe}gate.weight", param(f"{h}mlp.router.weight").T)                     # (d, E) -> (E, d)
-    for e in range(model["n_experts"]):
+    for e in range(model["experts"]):
         gate_up = param(f"{h}mlp.experts.{e}.gate_up_proj.weight")                 # (d, 2F): [gate | up]
         put(f"{moe}experts.{e}.w1.weight", gate_up[:, :F].T)
         put(f"{moe}experts.{e}.w2.weight", param(f"{h}mlp.experts.{e}.down_proj.weight").T)

@@ -19,7 +19,7 @@ values of the tokens seen so far, ``(n_kv_head, t, d_head)``; a step computes q,
 tokens only and attends to the cache.  The prompt goes through in one step (prefill), then one
 byte per step.  Both families: GPT-2 (LayerNorm, learned positions, GELU MLP) and Llama
 (RMSNorm, rotary positions turning each new query and key by its absolute position, K
-key/value heads each read by ``n_head / K`` query heads -- the cache holds K heads -- and the
+key/value heads each read by ``heads / K`` query heads -- the cache holds K heads -- and the
 SwiGLU feed-forward).  ``tests/test_generate.py`` checks the cached logits against ``nn.GPT``'s
 full forward at every position, for both.
 
@@ -27,11 +27,11 @@ Sampling (:func:`sample`): logits / temperature, the ``top_k`` largest kept, sof
 from a ``numpy.random.Generator`` seeded by ``--seed`` (the same seed and checkpoint give the
 same text; without ``--seed`` each run differs).  ``--temperature 0`` is greedy (argmax).
 
-Longer than the position table (``seq_len`` of the model): GPT-2's positions are learned, so
-the cache cannot slide (and Llama's ``seq_len`` is the longest sequence it takes).  The model
-sees the last ``seq_len`` bytes: a longer prompt is cut to its last ``seq_len`` bytes (all of
-it is still printed), and once the cache is full every further byte
-recomputes the window of the last ``seq_len`` bytes from scratch (a sliding window without
+Longer than the position table (``block_size`` of the model): GPT-2's positions are learned,
+so the cache cannot slide (and Llama's ``block_size`` is the longest sequence it takes).  The
+model sees the last ``block_size`` bytes: a longer prompt is cut to its last ``block_size``
+bytes (all of it is still printed), and once the cache is full every further byte
+recomputes the window of the last ``block_size`` bytes from scratch (a sliding window without
 cache, as nanoGPT's ``generate`` does for every byte) -- slower, but each byte still sees as
 much context as the model can take.
 """
@@ -39,7 +39,6 @@ much context as the model can take.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -50,12 +49,12 @@ from minidist.model.backend import to_host, xp
 
 def load_model(path: str):
     """A plain, one-process ``nn.GPT`` holding checkpoint ``path``'s parameters."""
+    from minidist.layout.model import ModelConfig
     from minidist.state.checkpoint import load_full
-    from minidist.model.nn import GPT, GPTConfig
+    from minidist.model.nn import GPT
 
-    model_config, params = load_full(path)
-    names = {f.name for f in dataclasses.fields(GPTConfig)}
-    model = GPT(GPTConfig(**{k: v for k, v in model_config.items() if k in names}))
+    record, params = load_full(path)
+    model = GPT(ModelConfig.from_record(record))
     model.load_state_dict(params)
     return model
 
@@ -143,26 +142,26 @@ class KVCache:
     ``step(ids)`` runs the tokens ``ids`` (a 1-D int array) at positions ``t .. t+len(ids)-1``
     after the ``t`` tokens already cached and returns their logits ``(len(ids), vocab)``.
 
-    GPT-2 and Llama both: the cache holds ``n_kv_head`` heads (grouped-query attention: Llama's
-    K, each read by ``n_head / K`` consecutive query heads; GPT-2's one per query head), and a
+    GPT-2 and Llama both: the cache holds ``kv_heads`` heads (grouped-query attention: Llama's
+    K, each read by ``heads / K`` consecutive query heads; GPT-2's one per query head), and a
     Llama key enters it already turned by its absolute position, so it never changes again."""
 
     def __init__(self, model):
         cfg = model.config
         self.model, self.cfg, self.llama = model, cfg, cfg.arch == "llama"
-        self.n_head, self.n_kv_head, self.d_head = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.n_head, self.n_kv_head, self.d_head = cfg.heads, cfg.kv, cfg.head_dim
         dt = model.wte.weight.data.dtype
-        if cfg.n_experts and cfg.capacity_factor:
+        if cfg.experts and cfg.capacity_factor:
             raise ValueError(f"a mixture with capacity factor {cfg.capacity_factor} routes each token by the whole "
                              "sequence's choices: generation with a KV cache needs a dropless one (0)")
-        shape = (cfg.n_layer, self.n_kv_head, cfg.seq_len, self.d_head)
+        shape = (cfg.layers, self.n_kv_head, cfg.block_size, self.d_head)
         self.k, self.v = xp.empty(shape, dtype=dt), xp.empty(shape, dtype=dt)
         self.t = 0
 
     @property
     def free(self) -> int:
         """How many more tokens fit in the position table (Llama: the model's longest sequence)."""
-        return self.cfg.seq_len - self.t
+        return self.cfg.block_size - self.t
 
     def reset(self):
         self.t = 0
@@ -174,7 +173,7 @@ class KVCache:
             raise ValueError("KVCache.step needs at least one token")
         if n > self.free:
             table = "model's longest sequence" if self.llama else "position table"
-            raise ValueError(f"{n} tokens after {t0} exceed the {table} ({self.cfg.seq_len})")
+            raise ValueError(f"{n} tokens after {t0} exceed the {table} ({self.cfg.block_size})")
         t1 = t0 + n
         x = m.wte.weight.data[ids]                                                  # (n, C)
         if not self.llama:
@@ -264,7 +263,7 @@ def generate_ids(model, prompt: list, tokens: int, temperature: float = 1.0, top
     if not prompt:
         raise ValueError("the prompt is empty: the model needs at least one token to continue")
     rng = host.random.default_rng(seed)
-    seq_len = model.config.seq_len
+    seq_len = model.config.block_size
     out = list(prompt)
     cache = KVCache(model)
     logits = cache.step(xp.asarray(out[-seq_len:]))[-1]                             # prefill

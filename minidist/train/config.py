@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from minidist.layout.settings import ModelConfig, ParallelConfig, VIRTUAL
+from minidist.layout.model import ModelConfig
+from minidist.layout.settings import ParallelConfig, VIRTUAL
 
 
 @dataclass
@@ -75,7 +76,8 @@ class CheckpointConfig:
 
 @dataclass
 class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # --attention-block not given (None): its tile is refused without tiled attention (parallel/context/checks.py)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(attention_block=None))
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
@@ -95,8 +97,9 @@ class RunConfig:
         checks (``compose.problems``) on the config as given first: they tell "not given"
         (None) from a value."""
         m, p = self.model, self.parallel
-        model = dataclasses.replace(m, block_size=m.block_size or self.data.seq_len,
-                                    attention_block=m.attention_block or 128)
+        unset = {f.name: f.default for f in dataclasses.fields(m) if getattr(m, f.name) is None}
+        model = dataclasses.replace(m, **{**unset, "block_size": m.block_size or self.data.seq_len,
+                                          "top_k": m.top_k or min(2, m.experts) or 2})  # 1 with one expert
         others = p.pp * p.tp * p.cp
         dp = p.dp if p.dp is not None else max(1, (world_size or others) // others)
         schedule = p.schedule or ("1f1b" if p.pp > 1 else None)
@@ -117,9 +120,10 @@ _CLASSES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "dev
 
 def from_args(args) -> RunConfig:
     """The RunConfig of parsed flags (an argparse Namespace; ``--no-overlap`` becomes
-    ``parallel.overlap``).  Flags are matched to fields by name."""
+    ``parallel.overlap``, ``--untied`` ``model.tied``).  Flags are matched to fields by name."""
     values = dict(vars(args))
     values["overlap"] = not values.pop("no_overlap", False)
+    values["tied"] = False if values.pop("untied", False) else None  # None: the architecture's
     sections = {}
     for name, cls in _CLASSES.items():
         sections[name] = cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})

@@ -17,7 +17,8 @@ from minidist.host.cli_checks import (InputError, OneLineParser, available_memor
 from minidist.host import env
 from minidist.host.blas_env import pin_blas_threads
 from minidist.host.oversubscribed import prepare as prepare_yield
-from minidist.layout.settings import ARCHS, ATTENTIONS, CP_IMPLEMENTATIONS, FFN_MULTIPLE, ROPE_THETA, TP_OVERLAPS
+from minidist.layout.model import ARCHS, ATTENTIONS, FFN_MULTIPLE, ROPE_THETA
+from minidist.layout.settings import CP_IMPLEMENTATIONS, TP_OVERLAPS
 from minidist.train.config import RunConfig, from_args
 from minidist.train.estimate import memory_estimate
 from minidist.layout.schedules import ORDERS
@@ -273,7 +274,7 @@ def _validate(args) -> RunConfig:
     from minidist.parallel.compose import problems
 
     given, world = from_args(args), world_size()
-    given.model.vocab_size = _vocabulary(args.data)  # before the axes' checks, which read it
+    given = given.replace(model=dict(vocab_size=_vocabulary(args.data)))  # before the axes' checks, which read it
     found = problems(given, world)
     if found:
         raise InputError(found[0])
@@ -332,7 +333,6 @@ def _check_checkpoints(cfg: RunConfig) -> None:
     """--save must name a writable directory, --save-every needs --save, and --resume a
     checkpoint of this model (every rank reads the same files: the same verdict everywhere)."""
     from minidist.state.checkpoint import CheckpointError, metadata, model_differences, resolve
-    from minidist.parallel.compose import model_config
 
     c = cfg.checkpoint
     if c.save_every is not None and c.save is None:
@@ -351,7 +351,7 @@ def _check_checkpoints(cfg: RunConfig) -> None:
         except CheckpointError as exc:
             raise InputError(str(exc)) from None
         _check_tokenizer(c.resume, meta["scalars"], cfg.data.data)
-        differ = model_differences(meta, model_config(cfg))
+        differ = model_differences(meta, cfg.model)
         if differ:
             raise InputError(f"--resume {c.resume}: the checkpoint is of another model ({', '.join(differ)})")
         c.resume = path

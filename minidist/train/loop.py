@@ -168,13 +168,12 @@ def save(cfg, strategy, step: int, scaler=None, saver=None):
     now or, with ``saver`` (--save-async), in the background."""
     from minidist.state import checkpoint
     from minidist.state.shards import describe
-    from minidist.parallel.compose import model_config
 
     extra = {"loss_scale": scaler.scale, "loss_scale_clean_steps": scaler.clean_steps} if scaler else {}
     extra.update(data_position(describe(cfg.data.data)))
     if saver is not None:
-        return saver.save(cfg.checkpoint.save, step, strategy, model_config(cfg), extra)
-    return checkpoint.save(cfg.checkpoint.save, step, strategy, model_config(cfg), extra)
+        return saver.save(cfg.checkpoint.save, step, strategy, cfg.model, extra)
+    return checkpoint.save(cfg.checkpoint.save, step, strategy, cfg.model, extra)
 
 
 def data_position(info) -> dict:

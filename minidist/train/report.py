@@ -131,11 +131,11 @@ def strict_json(r: dict) -> dict:
 
 
 def start_line(cfg, train_tokens: int, peak: float, strategy) -> str:
-    from minidist.plan.model import num_params, spec_of
+    from minidist.plan.model import num_params
     from minidist.state.shards import describe
 
     m, d = cfg.model, cfg.data
-    num_params = num_params(spec_of(m, d.seq_len))  # the whole model
+    num_params = num_params(m)  # the whole model
     arch = f"Llama {m.layers}x{m.d_model}, {m.heads} heads / {m.kv} key-value" if m.arch == "llama" else f"GPT {m.layers}x{m.d_model}"
     info = describe(d.data)
     data = f"{train_tokens:,} training bytes" if info.tokenizer == "bytes" else (

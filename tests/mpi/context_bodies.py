@@ -13,14 +13,15 @@ from minidist import comm
 from minidist.model.backend import from_host, to_host
 from minidist.model.autograd import Tensor
 from minidist.comm.group import Group
-from minidist.model.nn import GPT, GPTConfig
+from minidist.layout.model import ModelConfig
+from minidist.model.nn import GPT
 from minidist.model.optim import AdamW
 from minidist.parallel import context as ctx
 from minidist.parallel.data import allreduce_gradients
 from minidist.train.testing import traced_peak_bytes
 
 STEPS, BATCH, SEQ = 5, 4, 16
-CFG = dict(seq_len=SEQ, n_layer=2, n_head=4, d_model=16, dtype="float64", seed=7)
+CFG = dict(block_size=SEQ, layers=2, heads=4, d_model=16, dtype="float64", seed=7)
 
 
 def _batches():
@@ -33,7 +34,7 @@ def _batches():
 
 
 def _serial(checkpoint=False):
-    model = GPT(GPTConfig(**CFG))
+    model = GPT(ModelConfig(**CFG))
     model.checkpoint_activations = checkpoint
     opt = AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -50,7 +51,7 @@ def _parallel(mesh, impl, attention="plain", block=None, checkpoint=False, grad_
     """Train on ``mesh`` (dp x cp): batch rows split over dp, sequences over cp, gradients and
     the reported loss summed over the ("dp", "cp") group."""
     cp = ctx.ContextParallel(mesh.group("cp"), impl=impl, attention=attention, block=block)
-    model = GPT(GPTConfig(**CFG))
+    model = GPT(ModelConfig(**CFG))
     model.checkpoint_activations = checkpoint
     cp.install(model)
     opt = AdamW(model.parameters(), lr=1e-2)

@@ -17,7 +17,7 @@ from minidist.train.config import RunConfig
 from minidist.state.data import Sampler
 from minidist.model.nn import GPT
 from minidist.model.optim import lr_at
-from minidist.parallel.compose import build, build_mesh, model_config
+from minidist.parallel.compose import build, build_mesh
 from minidist.parallel.data import DistributedDataParallel, allreduce_gradients
 from minidist.layout.memory import memory_formula
 from minidist.train.testing import train_run, train_steps
@@ -134,7 +134,7 @@ def memory_and_live_params():
 
 
 def make_model(cfg):
-    return GPT(model_config(cfg))
+    return GPT(cfg.model)
 
 
 def textbook_equals_bucketed():

@@ -11,7 +11,8 @@ import numpy as np
 
 from minidist import comm
 from minidist.model.backend import to_host
-from minidist.model.nn import GPT, GPTConfig
+from minidist.layout.model import ModelConfig
+from minidist.model.nn import GPT
 from minidist.parallel import expert
 
 CASES = {
@@ -23,10 +24,10 @@ CASES = {
 
 
 def _model(**kw):
-    cfg = dict(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16, dtype="float64", seed=0,
-               n_experts=4, moe_every=1, z_loss_coef=0.01)
+    cfg = dict(vocab_size=256, block_size=8, layers=2, heads=2, d_model=16, dtype="float64", seed=0,
+               experts=4, moe_every=1, z_loss_coef=0.01)
     cfg.update(kw)
-    return GPT(GPTConfig(**cfg))
+    return GPT(ModelConfig(**cfg))
 
 
 def _reference(kw, x, y):

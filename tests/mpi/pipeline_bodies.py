@@ -9,7 +9,8 @@ import numpy as np
 
 from minidist import comm
 from minidist.model import ops
-from minidist.model.nn import GPT, GPTConfig
+from minidist.layout.model import ModelConfig
+from minidist.model.nn import GPT
 from minidist.model.optim import AdamW, clip_grad_norm, no_decay_below_2d
 from minidist.parallel.pipeline.runtime import PipelineRuntime
 from minidist.layout.schedules import ORDERS, ZERO_BUBBLE, make_schedule, schedule_problem
@@ -24,8 +25,8 @@ def _batches(seed=0):
 
 
 def _config(layers, untied, dtype="float64"):
-    return GPTConfig(vocab_size=256, seq_len=SEQ, n_layer=layers, n_head=2, d_model=16,
-                     tie_embeddings=not untied, dtype=dtype, seed=3)
+    return ModelConfig(vocab_size=256, block_size=SEQ, layers=layers, heads=2, d_model=16,
+                       tied=not untied, dtype=dtype, seed=3)
 
 
 def _optimizer(params):
@@ -240,19 +241,19 @@ def train_path_matrix():
         dict(schedule="1f1b", microbatches=2, bucket_mb=0),
         dict(schedule="interleaved", microbatches=2, virtual_stages=2, layers=4, zero=1),
         dict(schedule="gpipe", microbatches=2, grad_accum=2, checkpoint_activations=True),
-        dict(schedule="looping", microbatches=2, virtual_stages=2, layers=4, untied=True, no_overlap=True),
+        dict(schedule="looping", microbatches=2, virtual_stages=2, layers=4, tied=False, no_overlap=True),
         dict(schedule="naive", microbatches=2, zero=1, grad_accum=2),
         dict(schedule="zb-h1", microbatches=2, bucket_mb=0),
-        dict(schedule="zb-h2", microbatches=2, zero=2, grad_accum=2, untied=True),
+        dict(schedule="zb-h2", microbatches=2, zero=2, grad_accum=2, tied=False),
         dict(schedule="zbv", microbatches=3, layers=4, zero=1, bucket_mb=0),
-        dict(schedule="zbv", microbatches=4, layers=4, untied=True, grad_accum=2 if dp == 1 else 1),
+        dict(schedule="zbv", microbatches=4, layers=4, tied=False, grad_accum=2 if dp == 1 else 1),
     ]
     worst = 0.0
     for cfg in configs:
         if dp == 1:  # ZeRO and the buckets' settings need data-parallel ranks: refused with one
             for key in ("zero", "bucket_mb", "no_overlap"):
                 cfg.pop(key, None)
-        common = {k: v for k, v in cfg.items() if k in ("layers", "grad_accum", "checkpoint_activations", "untied")}
+        common = {k: v for k, v in cfg.items() if k in ("layers", "grad_accum", "checkpoint_activations", "tied")}
         ref_losses, ref_params, _ = train_steps(_train_config(**common), STEPS, _CORPUS)
         run = _train_config(pp=2, dp=dp, **cfg)
         losses, params, _ = train_steps(run, STEPS, _CORPUS)

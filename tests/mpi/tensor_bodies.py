@@ -13,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist import comm
+from minidist.layout.model import ModelConfig
 from minidist.model import nn, ops
 from minidist.model.autograd import Tensor
 from minidist.model.backend import from_host, to_host
@@ -80,7 +81,7 @@ def _check_layers(group, seed):
     rng = np.random.default_rng(seed)
     N = group.size
     B, T, d, H = 2, 2 * N, 4 * N, 2 * N
-    cfg = nn.GPTConfig(vocab_size=12 * N, seq_len=T, n_layer=2, n_head=H, d_model=d, dtype="float64")
+    cfg = ModelConfig(vocab_size=12 * N, block_size=T, layers=2, heads=H, d_model=d, dtype="float64")
     f64 = np.float64
     x = rng.standard_normal((B, T, d))
     for mode, sp, overlap in MODES:
@@ -133,7 +134,8 @@ def _compare_embedding(tp, cfg, ids, c, mode):
     _close(xt.grad, _take(xs.grad, seq, tp), f"{mode} tied head input gradient")
     _close(par.weight.grad, _take(plain.weight.grad, 0, tp, tp.shard(0)), f"{mode} tied head weight gradient")
     # positions: replicated table; a sequence shard looks up its own positions
-    pos_plain, pos_par = nn.Embedding(cfg.seq_len, d, np.float64), tp.position_embedding(cfg.seq_len, d, np.float64)
+    table = cfg.block_size
+    pos_plain, pos_par = nn.Embedding(table, d, np.float64), tp.position_embedding(table, d, np.float64)
     nn.init_parameters(pos_plain, 4)
     nn.init_parameters(pos_par, 4)
     T = ids.shape[1]
@@ -200,8 +202,8 @@ def vocab_parallel_loss():
         _close(zp.grad, zs.grad[..., cols], f"loss gradient {shape}")
     # a whole GPT, tied and untied head, with and without sequence parallelism
     for sp, tied in [(False, True), (True, False)]:
-        cfg = nn.GPTConfig(vocab_size=V, seq_len=8, n_layer=1, n_head=4, d_model=16, dtype="float64",
-                           tie_embeddings=tied)
+        cfg = ModelConfig(vocab_size=V, block_size=8, layers=1, heads=4, d_model=16, dtype="float64",
+                          tied=tied)
         model = nn.GPT(cfg, tpm.TensorParallelLayers(world, sequence_parallel=sp))
         ids, tgt = rng.integers(0, V, (2, 8)), rng.integers(0, V, (2, 8))
         loss = model(ids, tgt)
@@ -220,7 +222,7 @@ def _config(tp=1, sp=False, overlap="none", untied=False, checkpoint=False, dtyp
     """The run configuration of these tests (compose.build makes the model and its strategy):
     2 blocks, 4 heads, d_model 16, sequences of 8, AdamW at a fixed lr 1e-2."""
     return RunConfig().replace(
-        model=dict(layers=2, heads=4, d_model=16, untied=untied, dtype=dtype, seed=seed),
+        model=dict(layers=2, heads=4, d_model=16, tied=False if untied else None, dtype=dtype, seed=seed),
         data=dict(seq_len=8, batch_size=4), optim=dict(lr=1e-2, weight_decay=0.1),
         device=dict(checkpoint_activations=checkpoint),
         parallel=dict(dp=dp, tp=tp, sequence_parallel=sp, tp_async=None if overlap == "none" else overlap),
@@ -287,7 +289,7 @@ def overlap_timeline():
     assert comm.link_model()["gbps"], "run with MINIDIST_LINK_GBPS set"
     rng = np.random.default_rng(41)
     B, T, d = 2, 512, 256  # chunk matmuls of ~5-10 ms beside ~8 ms ring steps at 1 Gbit/s
-    cfg = nn.GPTConfig(vocab_size=256, seq_len=T, n_layer=1, n_head=4, d_model=d, dtype="float64")
+    cfg = ModelConfig(vocab_size=256, block_size=T, layers=1, heads=4, d_model=d, dtype="float64")
     for overlap in ("ring", "bidirectional"):
         mlp = nn.MLP(cfg, np.float64, tpm.TensorParallelLayers(world, overlap=overlap))
         nn.init_parameters(mlp, 0)

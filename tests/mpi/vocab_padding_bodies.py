@@ -25,8 +25,8 @@ def _subgroup(size):
 def _config(tp=1, dp=1, pp=1, sp=False, overlap="none", untied=False, arch="gpt2", zero=None):
     llama = dict(kv_heads=2) if arch == "llama" else {}
     return RunConfig().replace(
-        model=dict(layers=2, heads=4, d_model=16, untied=untied, dtype="float64", seed=7, vocab_size=V, arch=arch,
-                   **llama),
+        model=dict(layers=2, heads=4, d_model=16, tied=False if untied else None, dtype="float64", seed=7,
+                   vocab_size=V, arch=arch, **llama),
         data=dict(seq_len=8, batch_size=4), optim=dict(lr=1e-2, weight_decay=0.1),
         parallel=dict(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=2 if pp > 1 else None, sequence_parallel=sp,
                       tp_async=None if overlap == "none" else overlap),

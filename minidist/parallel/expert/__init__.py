@@ -125,7 +125,7 @@ def split_experts(model, ep_group) -> None:
     for block in model.h:
         layer = getattr(block, "mlp", None)
         if isinstance(layer, MoE):
-            d = ExpertParallelDispatch(ep_group, layer.cfg.n_experts)
+            d = ExpertParallelDispatch(ep_group, layer.cfg.experts)
             layer.experts = [e if d.first <= i < d.first + d.per else None for i, e in enumerate(layer.experts)]
             layer.dispatch = d
 

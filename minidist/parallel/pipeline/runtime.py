@@ -85,7 +85,7 @@ class PipelineRuntime:
 
     def __init__(self, model, group, schedule: str = "1f1b", num_microbatches: int = 1,
                  virtual_stages: int = 1, measure: bool = True):
-        P, L = group.size, model.config.n_layer
+        P, L = group.size, model.config.layers
         problem = schedule_problem(schedule, P, num_microbatches, virtual_stages, L)
         if problem:
             raise ValueError(problem)
@@ -107,7 +107,7 @@ class PipelineRuntime:
         self.stats = {}
 
     def _keep_only_this_stage(self):
-        mine = {i for s in self.stages for i in layer_range(s, self.model.config.n_layer, self.S)}
+        mine = {i for s in self.stages for i in layer_range(s, self.model.config.layers, self.S)}
         self.model.keep_stage(mine, embedding=self.is_first, token_embedding=self.is_first or (self.is_last and self.tied),
                               head=self.is_last)
 
@@ -216,7 +216,7 @@ class PipelineRuntime:
         """The loss on every rank of the group: the last stage's ``total`` (a host array (1,)),
         plus the other chunks' auxiliary losses ``aux`` (device scalars) where the model has
         mixtures (a sum over the group; else a broadcast from the last stage)."""
-        if self.model.config.n_experts:
+        if self.model.config.experts:
             if aux:
                 total = total + host_read(sum(aux[1:], aux[0]).reshape(1), "loss")
             return float(comm.all_reduce(total, self.group)[0]) if self.P > 1 else float(total[0])
