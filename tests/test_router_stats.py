@@ -155,7 +155,7 @@ def pipeline_equals_one_process(out_dir):
     on every rank (``report.router_stats``, as the training command builds it) and the
     one-process model's record of the same batch; with --ep the ep group's counted bytes."""
     from minidist.comm.stats import bytes_by_group
-    from minidist.parallel.compose import build, build_mesh, model_config
+    from minidist.parallel.compose import build, build_mesh
     from minidist.state.data import Sampler
     from minidist.train.flags import build_parser, validate
     from minidist.train.report import router_stats
@@ -173,7 +173,7 @@ def pipeline_equals_one_process(out_dir):
         strategy.forward_backward(x, y, cfg.device.grad_accum, None, 1.0)
         sent = {g: n - before.get(g, 0) for g, n in bytes_by_group().items()}
         got = stats.step(cfg.model.d_model, 8)
-        ref = RouterStats(model := GPT(model_config(cfg)))
+        ref = RouterStats(model := GPT(cfg.model))
         model(x, y).backward()
         ep = {g: [n, sent[g]] for g, n in got.pop("ep_bytes", {}).items()}  # formula, counted
         out.append({"flags": " ".join(flags), "got": got, "want": ref.step(), "ep": ep, "held": len(stats.layers)})
