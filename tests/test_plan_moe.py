@@ -163,7 +163,7 @@ def test_ep_must_divide_the_experts_and_dp_and_needs_experts():
     assert any("does not divide dp=2" in x for x in problems(m, Plan(dp=2, ep=4), 2, 16))
     assert any("no experts" in x for x in problems(replace(m, experts=0), Plan(dp=2, ep=2), 2, 16))
     assert problems(m, Plan(dp=4, ep=4), 4, 32) == []
-    # minidist's mixture refuses tp, pp, cp, ZeRO-3; a fused implementation runs them
+    # priced as minidist, a mixture with tp, pp, cp or ZeRO-3 is not priced; as fused kernels it is
     assert problems(m, Plan(tp=2, dp=2, ep=2), 4, 16) == []
     assert any("tp" in x for x in problems(m, Plan(tp=2, dp=2, ep=2), 4, 16, minidist=True))
     assert any("ZeRO-3" in x for x in problems(m, Plan(dp=2, zero=3), 2, 16, minidist=True))

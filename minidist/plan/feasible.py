@@ -59,9 +59,11 @@ def problems(model: ModelConfig, plan: Plan, devices: int, global_batch_tokens: 
 
 def expert_problems(model: ModelConfig, p: Plan, minidist: bool = False) -> list[str]:
     """Expert parallelism's conditions: ep splits every mixture's experts evenly over ep ranks
-    of the data-parallel group (parallel/expert/checks.py).  minidist's mixture also refuses
-    tp, pp, cp, ZeRO-3 and checkpointing (docs/moe.md); fused implementations (Megatron Core)
-    run them, and the planner prices them there."""
+    of the data-parallel group (parallel/expert/checks.py).  Priced as minidist, a mixture
+    with tp, pp, cp, ZeRO-3 or checkpointing is refused: minidist runs them (docs/moe.md), but
+    the cost model prices the experts as fused implementations run them (split over tp,
+    Megatron Core), not minidist's (replicated over tp, whole sequences gathered under
+    sequence parallelism), and these combinations were never checked against measured steps."""
     out = []
     if p.ep > 1 and not model.experts:
         return [f"ep={p.ep} splits the experts of a mixture over ranks: the model has no experts"]
@@ -73,5 +75,6 @@ def expert_problems(model: ModelConfig, p: Plan, minidist: bool = False) -> list
         refused = [name for name, on in (("tp", p.tp > 1), ("pp", p.pp > 1), ("cp", p.cp > 1),
                                          ("ZeRO-3", p.zero == 3), ("checkpointing", p.checkpoint_activations)) if on]
         if refused:
-            out.append(f"minidist's mixture of experts does not run with {', '.join(refused)} (docs/moe.md)")
+            out.append(f"the planner does not price minidist's mixture of experts with {', '.join(refused)} "
+                       "(minidist runs it; the cost model prices fused experts: use --impl fused)")
     return out
