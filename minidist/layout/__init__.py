@@ -13,6 +13,7 @@ the runtime (comm/, parallel/, the training command) and the planner (plan/):
   thresholds.py  the collectives' size thresholds (where each changes algorithm)
   grid.py   who holds what on the 4D grid (layers, heads, tokens, batch rows): a table, a picture
   collective_bytes.py  what one collective call sends from one rank, in closed form
+  rank_params.py  what a rank holds of the parameters (tensor-parallel split, stages, experts)
   traffic.py  the bytes each rank sends per optimizer step on each mesh axis
   expert_traffic.py  the bytes of expert parallelism's dispatch and combine, from the routing
   memory.py  ZeRO's memory table: what each stage partitions of a rank's training state

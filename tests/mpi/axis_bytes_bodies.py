@@ -16,7 +16,7 @@ import numpy as np
 
 from minidist import comm
 from minidist.comm.stats import bytes_by_group, reset_stats, stats
-from minidist.layout import traffic
+from minidist.layout import rank_params, traffic
 from minidist.layout.schedules import placement_of, rank_stages
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "8",
@@ -123,7 +123,7 @@ def measure_steps(flags, steps=2, vocab=None) -> tuple:
     if p.zero != 3:  # the formula's parameter list is what this rank holds (ZeRO-3 keeps only shards)
         stages = rank_stages(mesh.coord("pp"), p.pp, p.virtual_stages, placement_of(p.schedule))
         llama = {"heads": m.heads, "kv_heads": m.kv, "ffn": m.ffn} if m.arch == "llama" else None
-        want = traffic.param_numels(m.layers, m.d_model, m.vocab_size, m.block_size, not (m.untied or llama), p.tp,
+        want = rank_params.param_numels(m.layers, m.d_model, m.vocab_size, m.block_size, not (m.untied or llama), p.tp,
                                     stages, p.pp * p.virtual_stages, experts=m.experts, moe_every=m.moe_every or 1,
                                     ep=p.ep, ep_rank=mesh.group(("dp", "cp")).rank % p.ep, llama=llama)
         assert [q.size for q in model.parameters()] == want, ([q.size for q in model.parameters()], want)
