@@ -56,18 +56,17 @@ def test_param_numels_are_the_models():
 
     for tied in (True, False):
         model = GPT(ModelConfig(block_size=8, layers=3, heads=2, d_model=16, tied=tied))
-        assert rp.param_numels(3, 16, 256, 8, tied) == [p.size for p in model.parameters()]
+        assert rp.param_numels(model.config) == [p.size for p in model.parameters()]
     # tp = 2: the matrices (12 d^2) and the column-parallel biases (3d + 4d) halve; the
     # LayerNorms (4d) and the row-parallel biases (2d) are replicated
-    assert sum(rp.block_numels(16, 2)) == 12 * 16 * 16 // 2 + 7 * 16 // 2 + 6 * 16
+    one_block = [n for n, unit in rp.rank_params(ModelConfig(block_size=8, layers=1, heads=2, d_model=16), tp=2)
+                 if unit == ("block", 0)]
+    assert sum(one_block) == 12 * 16 * 16 // 2 + 7 * 16 // 2 + 6 * 16
     # mixtures in blocks 1 and 3, Llama's blocks with grouped-query attention
     for kw in (dict(experts=3, moe_every=2), dict(arch="llama", kv_heads=2, ffn_hidden=40),
                dict(arch="llama", kv_heads=1, experts=2, moe_every=1)):
         model = GPT(ModelConfig(block_size=8, layers=4, heads=4, d_model=16, **kw))
-        c = model.config
-        llama = {"heads": 4, "kv_heads": c.kv, "ffn": c.ffn} if c.arch == "llama" else None
-        assert rp.param_numels(4, 16, 256, 8, not c.untied, experts=c.experts, moe_every=c.moe_every,
-                              llama=llama) == [p.size for p in model.parameters()], kw
+        assert rp.param_numels(model.config) == [p.size for p in model.parameters()], kw
 
 
 def test_group_names_follow_the_mesh():

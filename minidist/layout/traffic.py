@@ -51,7 +51,8 @@ from __future__ import annotations
 from minidist.layout.collective_bytes import (acc_itemsize, all_gather_bytes, all_reduce_bytes, broadcast_bytes,
                                               reduce_scatter_bytes)
 from minidist.layout.mesh import AXES, MeshLayout
-from minidist.layout.rank_params import is_mixture, kv_heads_here, rank_params
+from minidist.layout.model import ModelConfig
+from minidist.layout.rank_params import kv_heads_here, rank_params
 from minidist.layout.schedules import LOOPING, layer_range, placement_of, rank_stages, stage_location
 from minidist.layout.split import split_sizes
 
@@ -358,10 +359,11 @@ def step_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, batch_s
     layers = [l for s in stages for l in layer_range(s, n_layer, S)]  # this rank's blocks, by chunk
     first, last = 0 in stages, S - 1 in stages
     llama = {"heads": n_head, "kv_heads": kv_heads or n_head, "ffn": ffn} if arch == "llama" else None
-    params = rank_params(n_layer, d_model, vocab, block_size, tied, tp, stages, S, experts, moe_every, ep,
-                         r_dp % ep, llama)  # ep groups: consecutive ranks of the reduction group
+    model = ModelConfig(arch=arch, layers=n_layer, d_model=d_model, heads=n_head, kv_heads=kv_heads, ffn_hidden=ffn,
+                        vocab_size=vocab, block_size=block_size, tied=tied, experts=experts, moe_every=moe_every)
+    params = rank_params(model, tp, stages, S, ep, r_dp % ep)  # ep groups: consecutive ranks of the reduction group
     dense = [n for n, unit in params if unit[0] != "experts"]
-    mixtures = sum(is_mixture(l, experts, moe_every) for l in layers)
+    mixtures = sum(model.is_moe(l) for l in layers)
     tokens = seq_len // cp
     micro = [split_sizes(p, microbatches) for p in parts] if pp > 1 else [[p] for p in parts]
     rows = [m for pass_rows in micro for m in pass_rows]  # every forward/backward's rows

@@ -122,10 +122,8 @@ def measure_steps(flags, steps=2, vocab=None) -> tuple:
     m, p = cfg.model, cfg.parallel
     if p.zero != 3:  # the formula's parameter list is what this rank holds (ZeRO-3 keeps only shards)
         stages = rank_stages(mesh.coord("pp"), p.pp, p.virtual_stages, placement_of(p.schedule))
-        llama = {"heads": m.heads, "kv_heads": m.kv, "ffn": m.ffn} if m.arch == "llama" else None
-        want = rank_params.param_numels(m.layers, m.d_model, m.vocab_size, m.block_size, not (m.untied or llama), p.tp,
-                                    stages, p.pp * p.virtual_stages, experts=m.experts, moe_every=m.moe_every or 1,
-                                    ep=p.ep, ep_rank=mesh.group(("dp", "cp")).rank % p.ep, llama=llama)
+        want = rank_params.param_numels(m, p.tp, stages, p.pp * p.virtual_stages, p.ep,
+                                        mesh.group(("dp", "cp")).rank % p.ep)
         assert [q.size for q in model.parameters()] == want, ([q.size for q in model.parameters()], want)
     router = router_stats(cfg, strategy)  # --ep: the ep group's bytes from the routing
     corpus = np.random.default_rng(1).integers(0, m.vocab_size, 4000).astype(np.uint8)
