@@ -136,9 +136,10 @@ def test_memory_estimate_is_near_a_measured_step(checkpoint, accum):
     (tracemalloc on NumPy, CuPy's memory pool on a GPU: profile.PeakMemory)."""
     import numpy as np
 
-    from minidist.host.cli_checks import training_memory_bytes
     from minidist.layout.model import ModelConfig
     from minidist.model.nn import GPT
+    from minidist.plan.model import num_params
+    from minidist.train.estimate import training_memory_bytes
     from minidist.model.optim import AdamW
     from minidist.parallel.data import OneReplica
     from minidist.parallel.strategy import Strategy
@@ -156,7 +157,8 @@ def test_memory_estimate_is_near_a_measured_step(checkpoint, accum):
             strategy.step()
             strategy.zero_grad()
     peak = memory.last_bytes
-    est = training_memory_bytes(2, 64, 2, 64, 64, 16, grad_accum=accum, checkpoint_activations=checkpoint)
+    est = training_memory_bytes(num_params(ModelConfig(**shape)), 2, 64, 2, 64, 16, grad_accum=accum,
+                                checkpoint_activations=checkpoint)
     assert 0.8 < est["total"] / peak < 1.4, (est, peak)
 
 
@@ -259,12 +261,15 @@ _SMALL = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "64"
 def test_the_memory_estimate_follows_the_mesh_and_counts_this_machines_ranks(monkeypatch):
     """One rank's share shrinks with each axis that splits the model or the batch, ZeRO's
     stages shard what they say, and the check counts every rank that shares this machine."""
-    from minidist.host.cli_checks import training_memory_bytes
+    from minidist.layout.model import ModelConfig
+    from minidist.plan.model import num_params
+    from minidist.train.estimate import training_memory_bytes
 
     monkeypatch.setenv("MPI_LOCALNRANKS", "4")
     one = _estimate(_SMALL, 1)
+    params = num_params(ModelConfig(layers=4, d_model=128, heads=4, block_size=64))  # block size = seq len
     assert one["ranks"] == 1 and one["total"] == one["per_rank"] == training_memory_bytes(
-        4, 128, 4, 64, 64, 16, data_bytes=one["data"] // 2)["total"]  # block size = seq len
+        params, 4, 128, 4, 64, 16, data_bytes=one["data"] // 2)["total"]
     key = "weights, gradients and optimizer state"
     for argv, world in [(["--dp", "4"], 4), (["--tp", "4"], 4), (["--pp", "2", "--dp", "2"], 4), (["--cp", "2"], 2),
                         (["--dp", "2", "--zero", "3"], 2)]:

@@ -12,8 +12,8 @@ would leave the others waiting in their first collective).
   :func:`check_output_files` (``--metrics-jsonl``, ``--trace``, and any later output: its
   directory exists and is writable, it is not a directory, it is not the ``--data`` file
   under another name, and no two outputs share a file), which writes nothing that exists;
-* memory: :func:`training_memory_bytes` estimates what a training step holds at its peak,
-  and :func:`check_memory` refuses a run that cannot fit in the memory available.
+* memory: :func:`check_memory` refuses a run whose estimated peak (train/estimate.py) cannot
+  fit in the memory available.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n" if self.speaks else None)
 
 
-NUMPY_BYTES = {"float32": 4, "float64": 8}
 
 
 class InputError(ValueError):
@@ -166,56 +165,6 @@ def check_output_files(outputs: dict, inputs: dict | None = None) -> None:
 
 
 # -- memory -----------------------------------------------------------------------------------
-
-
-def gpt_num_parameters(n_layer: int, d_model: int, block_size: int, vocab_size: int = 256,
-                       tied: bool = True) -> int:
-    """Parameters of ``nn.GPT`` (with biases): embeddings, 12C²+13C per block, final LayerNorm."""
-    c = d_model
-    return (vocab_size * c + block_size * c + n_layer * (12 * c * c + 13 * c) + 2 * c
-            + (0 if tied else vocab_size * c))
-
-
-def training_memory_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int, block_size: int,
-                          batch_size: int, grad_accum: int = 1, dtype: str = "float32",
-                          mixed_precision: str = "none", checkpoint_activations: bool = False,
-                          optimizer: str = "adamw", tied: bool = True, vocab_size: int = 256,
-                          data_bytes: int = 0, eval_batches: int = 0, score_values: int | None = None,
-                          tp: int = 1, sequence_parallel: bool = False) -> dict:
-    """Estimated peak bytes of a training step, by part (``total`` sums them).
-
-    Fitted to :mod:`tracemalloc` peaks of real two-step runs (1-8 layers, d_model 32-1024,
-    seq 16-1024, 1-8 heads, float32/64, bf16/fp16, checkpointing, accumulation, SGD: from 6 %
-    under to 25 % over the measured peak; tiny models, where Python objects weigh, more over).
-    Per block the step keeps about 24 arrays of the micro-batch's
-    (tokens x d_model) plus one (T x T) score matrix per head; the logits and their softmax
-    and gradients about 8 (tokens x vocab) arrays; the update one temporary the size of the
-    largest weight.  Checkpointing keeps each block's input and one block's activations;
-    mixed precision (float32 arithmetic on low-precision copies) was measured 25 % above
-    float32.  ``data_bytes`` of corpus are held twice while loading; ``eval_batches`` fixed
-    validation batches are int64 inputs and targets.  ``score_values``: the attention scores a
-    block keeps per sequence (default ``n_head * seq_len**2``, plain attention's; blockwise and
-    context-parallel attention keep fewer, see ``estimate.score_values``).  Tensor parallelism
-    (``tp``) splits 14 of a block's 24 arrays (the heads' and the MLP's hidden ones) and the
-    logits' vocabulary; sequence parallelism splits the other 10 too (Korthikanti et al. 2022).
-    """
-    item = NUMPY_BYTES[dtype]
-    act_item = item if mixed_precision == "none" else 5  # measured: 1.25 x float32
-    params = gpt_num_parameters(n_layer, d_model, block_size, vocab_size, tied)
-    states = 2 if optimizer == "adamw" else 1  # AdamW: m, v; SGD: momentum
-    micro = -(-batch_size // grad_accum)       # the largest micro-batch
-    tokens = micro * seq_len
-    scores = n_head * seq_len * seq_len if score_values is None else score_values
-    block = (10 / (tp if sequence_parallel else 1) + 14 / tp) * tokens * d_model + micro * scores
-    stored = (n_layer * tokens * d_model + block) if checkpoint_activations else n_layer * block
-    parts = {
-        "weights, gradients and optimizer state": params * item * (2 + states),
-        "activations": int((stored + 8 * tokens * vocab_size / tp + max(4 * d_model * d_model, vocab_size * d_model))
-                           * act_item),
-        "data": 2 * data_bytes + eval_batches * batch_size * 2 * seq_len * 8,
-    }
-    parts["total"] = sum(parts.values())
-    return parts
 
 
 def available_memory_bytes() -> int | None:

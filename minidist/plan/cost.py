@@ -287,7 +287,7 @@ REPLICATED_ARRAYS = 12  # of minidist's 24 d-wide arrays per token, those every 
 
 def minidist_block_values(m: ModelConfig, seq: int, moe: bool = False) -> float:
     """Values minidist's NumPy block keeps live per token (counted with tracemalloc, see
-    cli_checks.training_memory_bytes): about 24 arrays of width d for GPT-2, and plain
+    train/estimate.training_memory_bytes): about 24 arrays of width d for GPT-2, and plain
     attention's H x T scores per query token.  A Llama block (nn.GroupedQueryAttention,
     nn.SwiGLU) differs by what its ops keep: SwiGLU's 2 f + f in place of GELU's 4 d + 4 d,
     a q|k|v of d + 2 d_kv in place of 3 d, the rotated copy of it (rotary), and with fewer
