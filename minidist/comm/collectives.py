@@ -226,8 +226,9 @@ def all_to_all_v(x, counts, g, async_op: bool = False, *, algorithm: str = "auto
     messages); "auto" runs "direct" with the fast path on, on three or more ranks, from
     ALL_TO_ALL_V_ONE_SHOT_BYTES of rows up, and "pairwise" otherwise.  With ``async_op=True`` the
     handle's ``wait()`` returns the pair.  Its differentiable form is
-    ``comm.functional.all_to_all_v``.  With the fast path on, "auto" runs the group's cached
-    plan instead (fast/alltoallv.py: the same messages, the rows sent with the counts)."""
+    ``comm.functional.all_to_all_v``.  With the fast path on, "auto" on host arrays, not
+    async, runs the group's cached plan instead, at every size (fast/alltoallv.py: the same
+    messages, the rows sent along with the counts, one round)."""
     result = fast.all_to_all_v(g, x, counts, async_op) if algorithm == "auto" else None
     if result is not None:
         return result
