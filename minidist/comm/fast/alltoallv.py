@@ -7,8 +7,9 @@ sends from the start; only the *receiver* needs the counts, to size its result. 
 plan posts at once the N-1 count receives, the N-1 count sends and the N-1 row sends; waits
 for the counts alone; posts the N-1 row receives into a result of the right size; copies its
 own block while the rows travel; and waits for the rest.  The rows leave with the counts
-(small ones have arrived by the time their receive is posted: MPI holds them until then),
-so a call waits for one message latency where the textbook forms wait for two rounds.
+(small ones have arrived by the time their receive is posted: MPI holds them until then;
+large ones have announced themselves), so a call waits twice, for the counts and for the
+rest, where oneshot.py waits for two whole rounds and pairwise.py for 2(N-1) partners.
 
 The messages are the textbook's -- between each pair, 8 bytes of count, then the rows, with
 the same identity tag, in that order -- so ``comm.stats()`` and layout/expert_traffic.py read
@@ -19,8 +20,9 @@ What a plan caches, per (group, dtype), is what does not change with the counts:
 buffers on persistent requests (MPI 1.1's ``Send_init`` / ``Recv_init``: one ``Startall``),
 the partners, the identity tag, the statuses.  The rows' requests are posted afresh each
 call (their addresses and sizes change), each described as ``[array, (bytes, byte offset),
-MPI.BYTE]``, so no NumPy view is made per message: on this machine each microsecond of
-Python costs the call more than a microsecond (docs/perf-notes.md, "All-to-all-v").
+MPI.BYTE]``, so no NumPy view is made per message: each microsecond of Python costs a
+call more than a microsecond on ranks that share cores (measured: docs/perf-notes.md,
+"All-to-all-v").
 
 Wrong input: counts that are not N non-negative ints summing to the rows, a 0-d or strided
 ``x``, go to the general path, which raises its clear error before any message.  Rows of
