@@ -1,6 +1,7 @@
 """Bus bandwidth of minidist's hand-written collectives next to MPI's built-ins.
 
     python benchmarks/bench_collectives.py [--out DIR] [--quick] [--ranks 2,4] [--launches 3]
+                                           [--collectives all_to_all_v,...]
 
 Launches itself under mpiexec for each rank count and collective (``--launches`` times,
 interleaved: 2, 4, 2, 4, ...), times all_reduce, all_gather and reduce_scatter at 4 KB .. 64 MB, interleaving
@@ -170,9 +171,9 @@ def crossover_variants(collective, size, g):
     if collective == "all_reduce":
         x = np.ones(size // 4, np.float32)
         return {a: (lambda a=a: comm.all_reduce(x, g, algorithm=a)) for a in ("recursive_doubling", "pairwise")}
-    if collective == "all_to_all_v":  # no threshold: the one-shot rounds against the textbook's steps
+    if collective == "all_to_all_v":  # the cached plan ("auto"), the one-shot rounds, the textbook's steps
         x, per = np.ones((size // 4 // n) * n, np.float32), [size // 4 // n] * n
-        return {a: (lambda a=a: comm.all_to_all_v(x, per, g, algorithm=a)) for a in ("direct", "pairwise")}
+        return {a: (lambda a=a: comm.all_to_all_v(x, per, g, algorithm=a)) for a in ("auto", "direct", "pairwise")}
     x = np.ones((size // 4 // n) * (n if collective == "reduce_scatter" else 1), np.float32)
     variants = {}
     for name, limit in (("direct", 1 << 62), ("rounds", -1)):
@@ -265,17 +266,22 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
     p.add_argument("--launches", type=int, default=3,
                    help="mpiexec launches per rank count (odd, so that the median is one launch's)")
+    p.add_argument("--collectives", default=",".join(COLLECTIVES),
+                   help=f"comma-separated, of {','.join(COLLECTIVES)} (default: all)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--collective", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args.worker, args.quick, args.collective)
         return
+    names = args.collectives.split(",")
+    if not set(names) <= set(COLLECTIVES):
+        p.error(f"--collectives {args.collectives!r}: choose from {','.join(COLLECTIVES)}")
     report = {"results": [], "crossover": [], "memcpy_GBps": None, "quick": args.quick, "load": []}
     parts = []
     for _ in range(args.launches):
         for nprocs in (int(v) for v in args.ranks.split(",")):
-            for name in COLLECTIVES:
+            for name in names:
                 part = launch(nprocs, args.quick, name)
                 parts.append(part)
                 report["crossover"] += part["crossover"]

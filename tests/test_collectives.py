@@ -100,6 +100,12 @@ SIZE_MISMATCHES = {
         ("but 800 bytes arrived", "all_reduce(op=sum, float64, [512 B, 1 KiB))")]),
     "out= on one rank only": (4, "all_gather_out_on_one_rank_only", [
         ("out= on some ranks only", "out= picks the all-gather's algorithm")]),
+    "all_to_all_v rows of another shape": (3, "all_to_all_v_rows_of_another_shape", [
+        ("during all_to_all_v",), ("MINIDIST_CHECK_COLLECTIVES=1",)]),
+    "all_to_all_v rows of another dtype": (3, "all_to_all_v_rows_of_another_dtype", [
+        ("all_to_all_v(float64)",), ("all_to_all_v(float32)",)]),
+    "all_to_all_v against all_reduce": (2, "all_to_all_v_against_another_collective", [
+        ("all_to_all_v(float64)",), ("all_reduce(op=sum, float64",)]),
 }
 
 
@@ -121,6 +127,14 @@ def test_one_shot_round_with_several_bad_messages_raises_everywhere_and_recovers
     out = run_mpi(3, f"{ERRORS}::one_shot_two_oversized_senders", timeout=60, env=env).stdout
     for r in range(3):
         assert f"rank {r}: one-shot errors recovered" in out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_all_to_all_v_plan_raises_everywhere_and_recovers(nprocs):
+    out = run_mpi(nprocs, f"{ERRORS}::all_to_all_v_errors_recover", timeout=60).stdout
+    for r in range(nprocs):
+        assert f"rank {r}: all_to_all_v errors recovered" in out
 
 
 def test_all_gather_schedule_choice_follows_the_measured_thresholds():

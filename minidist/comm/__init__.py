@@ -44,6 +44,7 @@ Start reading at ``algorithms/ring.py``.  The modules, from the wire up:
     scatter.py      one-shot, ring, halving and pairwise reduce-scatter plans
     gather.py       pair, Bruck and even all-gather plans
     directgather.py the one-shot all-gather plan on the caller's own arrays
+    alltoallv.py    the all-to-all-v plan: the rows sent with their counts, in one round
   reduction.py      sum/avg/max/min; float16/bfloat16 accumulated in float32
   check.py          argument checks; MINIDIST_CHECK_COLLECTIVES signature agreement
   launch.py         argument coercion; run a collective here or on the progress thread

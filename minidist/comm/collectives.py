@@ -38,8 +38,9 @@ reduce          small: binomial tree; large: pipelined chain tree: X; chain: X
 scatter/gather  linear at the root, N-1 messages             root: (N-1)/N * X
 all_to_all      pairwise exchange, N-1 steps                 (N-1)/N * X
 all_to_all_v    pairwise exchange of the counts, then of     8(N-1) + the rows sent to
-                the rows (2(N-1) steps); fast path: each     the other ranks
-                exchange one round posted at once
+                the rows (2(N-1) steps); or each exchange    the other ranks
+                one round posted at once; fast path: the
+                rows sent with the counts, one round
 ppermute        one Isend + one Recv                         X (if it sends)
 barrier         dissemination, ceil(log2 N) rounds           0
 =============== ============================================ ==============================
@@ -225,7 +226,12 @@ def all_to_all_v(x, counts, g, async_op: bool = False, *, algorithm: str = "auto
     messages); "auto" runs "direct" with the fast path on, on three or more ranks, from
     ALL_TO_ALL_V_ONE_SHOT_BYTES of rows up, and "pairwise" otherwise.  With ``async_op=True`` the
     handle's ``wait()`` returns the pair.  Its differentiable form is
-    ``comm.functional.all_to_all_v``."""
+    ``comm.functional.all_to_all_v``.  With the fast path on, "auto" on host arrays, not
+    async, runs the group's cached plan instead, at every size (fast/alltoallv.py: the same
+    messages, the rows sent along with the counts, one round)."""
+    result = fast.all_to_all_v(g, x, counts, async_op) if algorithm == "auto" else None
+    if result is not None:
+        return result
     _check_group(g, "all_to_all_v")
     _algorithm(algorithm, ("auto", "pairwise", "direct"), "all_to_all_v")
     device, x = on_device(x), _host(x, "all_to_all_v")

@@ -25,8 +25,10 @@ SMALL_BROADCAST_BYTES = 256 * 1024
 # rounds (doubling or ring) otherwise (docs/perf-notes.md, "All-gather crossover").
 ALL_GATHER_ONE_SHOT_BYTES = 256 << 10
 ONE_SHOT_MAX_RANKS = 4
-# all_to_all_v: the pairwise steps on two ranks and below this many bytes of rows sent, the
-# one-shot rounds above it on three or more (docs/perf-notes.md, "All-to-all-v").  Either way
-# the same messages go between each pair, so ranks that choose differently (their rows differ)
-# still pair up.
+# all_to_all_v, general path: the pairwise steps on two ranks and below this many bytes of
+# rows sent, the one-shot rounds above it on three or more (docs/perf-notes.md, "All-to-all-v").
+# With the fast path on, a synchronous call on host arrays runs the cached plan instead
+# (comm/fast/alltoallv.py), at every size; this choice is left to async calls, device arrays
+# and the check mode.  Every way sends the same messages between each pair, so ranks that
+# choose differently (their rows differ) still pair up.
 ALL_TO_ALL_V_ONE_SHOT_BYTES = 1 << 20

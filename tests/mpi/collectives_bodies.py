@@ -739,6 +739,28 @@ def _alltoallv_oracle(world, x, counts):
     return out.view(x.dtype).reshape((sum(recv),) + x.shape[1:]), recv
 
 
+def _all_to_all_v_paths_pair_up(world, g):
+    """Ranks on different paths in one call (the plan, the general path's pairwise steps or
+    one-shot rounds; not async calls, which talk on a communicator of their own) still pair up: the same messages, in the same order, per pair.
+    Counts that change every call (the plan's case), as lists, int32 / uint8 arrays or numpy
+    ints; a strided x (the general path copies it)."""
+    n, r = g.size, g.rank
+    rng = np.random.default_rng([r, n, 7])
+    for call in range(12):
+        counts = [int(c) for c in rng.integers(0, 6, n)]
+        x = make((sum(counts), 2), "float64", r, 1000 + call)
+        want, want_counts = _alltoallv_oracle(world, x, counts)
+        given = [counts, np.array(counts, np.int32), np.array(counts, np.uint8), [np.int64(c) for c in counts]][call % 4]
+        y, got = comm.all_to_all_v(x, given, g, algorithm=("auto", "pairwise", "direct")[(r + call) % 3])
+        same(y, want, f"all_to_all_v, ranks on different paths, call {call}")
+        assert got.dtype == np.int64 and got.tolist() == list(want_counts), (call, got, want_counts)
+    wide = make((4 * n, 3), "float32", r, 77)
+    x = wide[:, :2]  # strided rows: not C-contiguous
+    counts = [4] * n
+    want, _ = _alltoallv_oracle(world, np.ascontiguousarray(x), counts)
+    same(comm.all_to_all_v(x, counts, g)[0], want, "all_to_all_v of a strided x")
+
+
 def all_to_all_v_cases():
     """comm.all_to_all_v against MPI's Alltoallv: empty, uneven, one destination and large
     sends; 1-D and 2-D rows; several dtypes; async; the traffic formula; bad counts."""
@@ -764,15 +786,20 @@ def all_to_all_v_cases():
                     y, got = comm.all_to_all_v(x, counts, g, algorithm=algorithm)
                     same(y, want, f"all_to_all_v {case} {dtype} {tail} by {algorithm}")
                     assert got.tolist() == list(want_counts), algorithm
+    if no_plans_when_off(g) and n > 1:  # "auto" ran the group's plan (fast/alltoallv.py), one per dtype
+        assert {("all_to_all_v", np.dtype(d)) for d in ("float32", "int64", "float64")} <= set(g._plans), g._plans
+    _all_to_all_v_paths_pair_up(world, g)
     # Traffic: 8 bytes of count to each other rank, then exactly the rows sent elsewhere.
     counts = _v_counts("uneven", n, r, 0)
     x = make((sum(counts), 4), "float32", r, 99)
     comm.reset_stats()
-    comm.all_to_all_v(x, counts, g)
+    comm.all_to_all_v(x, counts, g)  # the plan with the fast path on
     comm.all_to_all_v(x, counts, g, algorithm="direct")  # the same messages, so the same bytes
+    comm.all_to_all_v(x, counts, g, algorithm="pairwise")
     s = comm.stats()["all_to_all_v"]
-    sent_rows = sum(counts) - counts[r]
-    assert s["calls"] == 2 and s["bytes_sent"] == 2 * (8 * (n - 1) + 16 * sent_rows), (s, counts)
+    sent_rows, got_rows = sum(counts) - counts[r], sum(_v_counts("uneven", n, k, 0)[r] for k in range(n) if k != r)
+    assert s["calls"] == 3 and s["bytes_sent"] == 3 * (8 * (n - 1) + 16 * sent_rows), (s, counts)
+    assert s["bytes_recv"] == 3 * (8 * (n - 1) + 16 * got_rows), (s, counts)
     # Bad counts: one line naming the value, on every rank, before anything is sent.
     bad = [([1] * (n + 1), "must be"), ([-1] + [0] * (n - 1), "negative count -1"),
            ([sum(counts) + 1] + [0] * (n - 1), f"x has {sum(counts)} rows"), ([0.5] * n, "must be")]

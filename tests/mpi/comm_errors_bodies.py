@@ -196,3 +196,52 @@ def all_gather_out_on_one_rank_only():
     g = comm.world()
     comm.all_gather(np.ones((3, 2)), g, out=np.empty((3 * g.size, 2)) if g.rank == 0 else None)
     raise AssertionError("a size mismatch went unnoticed")
+
+
+def all_to_all_v_rows_of_another_shape():
+    """Rank 0's rows have another trailing shape: the ranks that receive a wrong size raise
+    (the plan: every rank, once its round is complete), and the abort hook ends the job."""
+    g = comm.world()
+    comm.all_to_all_v(np.ones((g.size, 3 if g.rank == 0 else 4), np.float32), [1] * g.size, g)
+    raise AssertionError("a size mismatch went unnoticed")
+
+
+def all_to_all_v_rows_of_another_dtype():
+    """Rank 0's rows are float64, the others' float32: the identity tags differ."""
+    g = comm.world()
+    comm.all_to_all_v(np.ones((g.size, 2), np.float64 if g.rank == 0 else np.float32), [1] * g.size, g)
+    raise AssertionError("a dtype mismatch went unnoticed")
+
+
+def all_to_all_v_against_another_collective():
+    """Rank 0 calls all_to_all_v while the others call all_reduce."""
+    g = comm.world()
+    if g.rank == 0:
+        comm.all_to_all_v(np.ones(g.size), [1] * g.size, g)
+    else:
+        comm.all_reduce(np.ones(1), g)
+    raise AssertionError("a mismatch went unnoticed")
+
+
+def all_to_all_v_errors_recover():
+    """With the fast path's plan, rows of another trailing shape or dtype on one rank raise
+    on every rank (nothing left in flight), and the group works afterwards, on the plan and
+    on the general path; counts that break the rules raise before any message."""
+    g = comm.world()
+    n, r = g.size, g.rank
+    assert comm.fast_path_enabled()
+    good = np.arange(2 * n, dtype=np.float32).reshape(n, 2) + 100 * r
+    want = np.array([[2 * r + 100 * k, 2 * r + 1 + 100 * k] for k in range(n)], np.float32)
+    for attempt in range(3):
+        if attempt:  # the first call builds the plan for float32 with every rank agreeing
+            tail = np.ones((n, 3 if r == 0 else 2), np.float32)
+            _expect(comm.CommError, lambda: comm.all_to_all_v(tail, [1] * n, g), "all_to_all_v", "bytes")
+            other = np.ones((n, 2), np.float64 if r == 0 else np.float32)
+            _expect(comm.CollectiveMismatchError, lambda: comm.all_to_all_v(other, [1] * n, g),
+                    "all_to_all_v(float64)", "all_to_all_v(float32)")
+            _expect(ValueError, lambda: comm.all_to_all_v(good, [n + 1] + [0] * (n - 1) if r == 1 else [2] * n, g),
+                    f"x has {n} rows")
+        for algorithm in ("auto", "pairwise", "direct"):
+            y, got = comm.all_to_all_v(good, [1] * n, g, algorithm=algorithm)
+            assert np.array_equal(y, want) and got.tolist() == [1] * n, (algorithm, y, got)
+    print(f"rank {r}: all_to_all_v errors recovered")

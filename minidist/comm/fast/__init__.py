@@ -28,7 +28,9 @@ Plans run only synchronous calls on NumPy arrays with the check mode and the sim
 off, in a dtype that is its own accumulator for reductions (not float16/bfloat16).
 
 Modules: common.py (shared helpers), exchange.py (a round on MPI persistent requests),
-allreduce.py, scatter.py, gather.py and directgather.py (the plans).  Measured gains:
+allreduce.py, scatter.py, gather.py and directgather.py (the plans), and alltoallv.py: the
+one collective whose calls rarely repeat a shape (its counts change every call), so its plan
+is cached per dtype, made on the first call, and looked up by :func:`all_to_all_v`.  Measured gains:
 docs/perf-notes.md.
 """
 
@@ -42,6 +44,7 @@ from minidist.host import env
 from minidist.comm import check, links, reduction, watchdog
 from minidist.comm.algorithms import evengather, pipelined
 from minidist.comm.fast.allreduce import AllReducePlan, PairwiseAllReducePlan
+from minidist.comm.fast.alltoallv import AllToAllVPlan
 from minidist.comm.fast.common import PLAN_MAX_BYTES
 from minidist.comm.fast.directgather import DirectGatherPlan
 from minidist.comm.fast.gather import BruckGatherPlan, EvenGatherPlan, PairGatherPlan
@@ -85,6 +88,25 @@ def run(g, x, out, async_op, call):
     g.busy = (plan, x)
     try:
         return plan.run(g, x, out)
+    finally:
+        g.busy = None
+
+
+def all_to_all_v(g, x, counts, async_op):
+    """The result of ``comm.all_to_all_v(x, counts, g)`` from the group's plan for x's dtype
+    (made here on the first call: its counts change every call, so :func:`run`'s key, the
+    shape, would never repeat), or None (then the general path runs it)."""
+    if not _enabled or type(x) is not np.ndarray or async_op or check._enabled or links.enabled or type(g) is not Group:
+        return None
+    plan = g._plans.get(("all_to_all_v", x.dtype))
+    if plan is None:
+        if g.size < 2 or x.dtype.hasobject:
+            return None
+        plan = AllToAllVPlan(g, x.dtype)
+        store(g, ("all_to_all_v", x.dtype), plan)
+    g.busy = (plan, x)  # the watchdog's note of this call
+    try:
+        return plan.run(g, x, counts)
     finally:
         g.busy = None
 

@@ -20,10 +20,11 @@ send and receive only through the functions of this module, so this is the one p
 
 One wing bypasses it, on purpose: the cached plans of :mod:`minidist.comm.fast`.  They call
 mpi4py themselves (``Sendrecv``/``Send``/``Recv`` on message descriptors built once, and
-``Startall``/``Waitall`` on the persistent requests that ``rounds.persistent_round`` made),
+``Startall``/``Waitall`` on the persistent requests that ``rounds.persistent_round`` made;
+the all-to-all-v plan also ``Isend``/``Irecv`` of each call's rows),
 because one more Python call per message is a measurable part of a small collective
 (docs/perf-notes.md).  They still check every received size and identity tag (precomputed
-per plan), note each call for the watchdog (in fast.run), never run while the simulated
+per plan), note each call for the watchdog (in fast.run, fast.all_to_all_v), never run while the simulated
 link is on, and charge each call's exact byte counts once, through ``stats.record_call``; the
 tests check that ``comm.stats()`` reads the same with the fast path on and off.
 
