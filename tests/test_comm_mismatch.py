@@ -42,7 +42,7 @@ def test_one_rank_with_another_root_ends_the_job_fast(name, size, env):
     with pytest.raises(MPIJobFailed) as err:
         run_mpi(4, f"{BODIES}::one_rank_other_root", name, size, timeout=90, env=env)
     msg = str(err.value)
-    assert time.monotonic() - t0 < 40
+    assert time.monotonic() - t0 < 40, msg
     assert "went on" not in msg and "timed out after" not in msg and "watchdog" not in msg, msg
     assert "CollectiveMismatchError" in msg and "root=0" in msg and "root=1" in msg, msg
 

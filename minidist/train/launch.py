@@ -41,6 +41,7 @@ import subprocess
 import sys
 
 from minidist.host.cli_checks import OneLineParser, int_in
+from minidist.host import launcher
 from minidist.host.launcher import mpiexec_command
 
 PROG = "minidist-launch"
@@ -123,7 +124,11 @@ def _run(nprocs: int, argv: list[str], attempt: int) -> tuple[int, int | None]:
                                 start_new_session=True)
         if got:  # a signal came while mpiexec was starting
             proc.send_signal(got[0])
-        code = proc.wait()
+        try:
+            code = launcher.wait(proc)
+        except launcher.LauncherStuck as stuck:
+            print(f"{PROG}: {stuck}", file=sys.stderr, flush=True)
+            code = 1  # mpirun's code after an abort, which is what leaves it stuck
         return (code if code >= 0 else 128 - code), (got[0] if got else None)
     finally:
         for s, handler in old.items():

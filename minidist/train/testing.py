@@ -20,12 +20,12 @@ import dataclasses
 import faulthandler
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 
 from minidist.host.blas_env import blas_thread_env, blas_threads
+from minidist.host import launcher
 from minidist.host.launcher import mpiexec_command
 
 _HANG_DIR = "MINIDIST_HANG_DIR"
@@ -41,9 +41,8 @@ def run_train(nprocs: int | None, args: list, timeout: float = 120, env: dict | 
     one BLAS thread per rank, with the variables of ``env`` added to this process's environment;
     the CompletedProcess, whatever its exit code (tests check it)."""
     env = {**os.environ, **(env or {}), **blas_threads(1)}
-    launcher = mpiexec_command(nprocs) if nprocs else []
-    return subprocess.run(launcher + [sys.executable, "-m", "minidist.train", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    cmd = (mpiexec_command(nprocs) if nprocs else []) + [sys.executable, "-m", "minidist.train", *args]
+    return launcher.run(cmd, timeout, env)
 
 
 def train_steps(cfg, steps: int, corpus=None):
@@ -128,21 +127,16 @@ def run_mpi(nprocs: int, target: str, *args: str, timeout: float = 120, env: dic
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     full_env = blas_thread_env(1, full_env)  # ranks oversubscribe the cores already
     cmd = mpiexec_command(nprocs) + [sys.executable, "-m", "minidist.train.testing", target, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        timed_out = True
+        done = launcher.run(cmd, timeout, full_env, merge=True)
+        out, why = done.stdout, None if done.returncode == 0 else f"exited with code {done.returncode}"
+    except subprocess.TimeoutExpired as e:
+        out, why = e.stdout or "", f"timed out after {timeout:.0f} s"
     dumps = _collect_dumps(dump_dir)
-    if timed_out or proc.returncode != 0:
-        why = f"timed out after {timeout:.0f} s" if timed_out else f"exited with code {proc.returncode}"
+    if why:
         raise MPIJobFailed(f"`{' '.join(cmd[-2 - len(args):])}` on {nprocs} ranks {why}\n"
                            f"----- output -----\n{out}{dumps}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return done
 
 
 def _collect_dumps(dump_dir: str) -> str:
