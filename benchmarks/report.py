@@ -209,10 +209,11 @@ def _tracing(d):
 def _plan(d):
     v = d.get("validation", {})
     n = len(v.get("configurations", []))
+    t = v.get("targets", {})
     rows = [(f"planner here: median relative error of the predicted step time, {n} runs", v.get("median_step_error"),
-             "target <= 0.20"),
+             f"target <= {t.get('median_step_error', 0.10):.2f}"),
             (f"planner here: median relative error of the predicted peak memory, {n} runs", v.get("median_peak_error"),
-             "target <= 0.10")]
+             f"target <= {t.get('median_peak_error', 0.10):.2f}")]
     for r in d.get("llama3_405b", []):
         m = r["mesh"]
         rows.append((f"Llama 3 405B, {r['devices']:,} GPUs, seq {r['seq_len']:,}: predicted / published MFU",
