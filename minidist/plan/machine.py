@@ -301,7 +301,7 @@ def _step_probe(layers: int, grad_accum: int = 1, steps: int = 12) -> float:
     return min(r["step_time_s"] for r in rows[1:] if "peak_mem_mb" not in r)  # untraced steps
 
 
-def fixed_costs(repeats: int = 2) -> dict:
+def fixed_costs(repeats: int = 3) -> dict:
     """minidist's fixed costs from four tiny runs, t(L blocks, A microbatches) =
     L (A a + b) + A c + d: a per block and microbatch, b per block and step, c per
     microbatch outside the blocks, d per step (each probe the best of ``repeats``: a shared
@@ -315,7 +315,7 @@ def fixed_costs(repeats: int = 2) -> dict:
 
 
 def _sync_probe(out_path: str, reps: int = 60) -> None:
-    """Under mpiexec -n 3 on fewer cores: the extra seconds per synchronisation (a scalar
+    """Under mpiexec on fewer cores than ranks: the extra seconds per synchronisation (a scalar
     all-reduce) between stretches of ~2 ms of arithmetic, over the same loop without it."""
     import numpy as np
 
@@ -347,13 +347,19 @@ def _sync_probe(out_path: str, reps: int = 60) -> None:
 def measure_sync(cores: int, log=print) -> float:
     """The scheduler's slice as a synchronisation sees it: with W ranks and L other processes
     on C cores a rank runs C / (W + L) of the time, and waits at each sync point for a
-    descheduled partner with probability 1 - C / (W + L), for one slice on average."""
+    descheduled partner with probability 1 - C / (W + L), for one slice on average.
+
+    Measured on 2C ranks, two per core: the oversubscription the tests, the examples and
+    ``--validate`` run.  The picture's one constant depends on W: on C + 1 ranks the slice
+    came out 2-4 times longer (ranks whose waits yield hand their core to a partner sooner
+    when every core has two of them), and priced at that, the 4-rank tp meshes were
+    over-predicted by up to 70 %."""
     from minidist.host.blas_env import blas_threads
 
     env = dict(os.environ, **blas_threads(1))
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
-    ranks = cores + 1
+    ranks = 2 * cores
     before, t0 = busy_seconds(), time.perf_counter()
     import resource
 
