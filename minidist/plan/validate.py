@@ -168,7 +168,7 @@ def _with_elementwise_rate(machine: Machine, log=print) -> Machine:
 
 
 def calibrate(path: str | None = None, log=print) -> Machine:
-    """Measure this machine (about 40 s) and write it to ``path`` (default: the calibration
+    """Measure this machine (about 15 s on 2 cores) and write it to ``path`` (default: the calibration
     file); returns it."""
     from minidist.host.blas_env import blas_threads
 
