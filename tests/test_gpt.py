@@ -126,12 +126,12 @@ def test_llama_shape_and_attention_paths():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(arch="llama", heads=4, kv_heads=3), "kv_heads=3 does not divide heads=4"),
-    (dict(kv_heads=1), "kv_heads and ffn_hidden are Llama's"),
+    (dict(arch="llama", heads=4, kv_heads=3), "kv_heads 3 does not divide heads 4"),
+    (dict(kv_heads=1), r"kv_heads is 1: GPT-2 has kv_heads = heads \(2\)"),
     (dict(arch="llama", rope_theta=0.0), "rope_theta must be a positive finite number"),
     (dict(arch="llama", rope_theta=10**400), "rope_theta must be a positive finite number"),
     (dict(arch="llama", norm_eps=-1.0), "norm_eps must be a positive finite number"),
-    (dict(arch="llama", heads=8, d_model=8), "rotary positions need an even head dimension, got 1"),
+    (dict(arch="llama", heads=8, d_model=8), "d_model 8 / heads 8 = 1: rotary positions need an even head dimension"),
     (dict(arch="bert"), "unknown arch 'bert'"),
 ])
 def test_llama_config_errors_name_the_value(kw, message):

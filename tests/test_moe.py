@@ -267,7 +267,7 @@ def test_names_and_initialisation_by_name():
 @pytest.mark.parametrize("kw, words", [
     (dict(experts=-1), "experts must be a non-negative integer, got -1"),
     (dict(experts=4, top_k=0), "top_k must be a positive integer, got 0"),
-    (dict(experts=2, top_k=3), "top_k=3 is more than experts=2"),
+    (dict(experts=2, top_k=3), "top_k 3 is more than the experts 2"),
     (dict(experts=2, moe_every=0), "moe_every must be a positive integer, got 0"),
     (dict(experts=2, capacity_factor=-0.5), "capacity_factor must be a non-negative finite number, got -0.5"),
     (dict(experts=2, aux_loss_coef=float("nan")), "aux_loss_coef must be a non-negative finite number, got nan"),

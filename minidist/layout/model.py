@@ -118,36 +118,44 @@ class ModelConfig:
         """The model of a (checked) checkpoint's record; keys that name no field are ignored."""
         return cls(**{f.name: record[f.name] for f in fields(cls) if f.name in record})
 
-    def check(self) -> None:
-        """Raise ValueError (one line naming the field) unless nn.GPT can build this model."""
+    def check(self, name=lambda field: field, built: bool = True) -> None:
+        """Raise ValueError (one line naming the field) unless this is a model, and with
+        ``built`` one that nn.GPT can build (GPT-2's one key/value head per query head and 4 d
+        MLP, rotary's even heads): the planner prices models minidist does not build.
+        ``name`` spells a field as the reader gave it: ``--d-model`` on the command line
+        (train/flags.py, plan/__main__.py), ``model.d_model`` in a checkpoint
+        (state/checkpoint_meta.py)."""
         if self.arch not in ARCHS:
-            raise ValueError(f"unknown arch {self.arch!r}; choose from {ARCHS}")
+            raise ValueError(f"unknown {name('arch')} {self.arch!r}; choose from {ARCHS}")
         for field in ("vocab_size", "block_size", "layers", "heads", "d_model", "kv_heads", "ffn_hidden"):
             value = getattr(self, field)
             optional = value is None and field in ("kv_heads", "ffn_hidden")  # the architecture's
             if not optional and not _counts(value, 1):
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
-        if self.d_model % self.heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by heads={self.heads}")
-        if self.heads % self.kv:
-            raise ValueError(f"kv_heads={self.kv} does not divide heads={self.heads}")
-        if not self.gated and (self.kv != self.heads or self.ffn != 4 * self.d_model):
-            raise ValueError("GPT-2 has as many key/value heads as query heads and a 4 d MLP: "
-                             "kv_heads and ffn_hidden are Llama's")
-        if self.gated and self.head_dim % 2:
-            raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim}")
+                raise ValueError(f"{name(field)} must be a positive integer, got {value!r}")
+        d, H, K = self.d_model, self.heads, self.kv
+        if d % H:
+            raise ValueError(f"{name('d_model')} {d} is not divisible by {name('heads')} {H}")
+        if H % K:
+            raise ValueError(f"{name('kv_heads')} {K} does not divide {name('heads')} {H}")
+        if built and not self.gated and (K != H or self.ffn != 4 * d):
+            what = "kv_heads" if K != H else "ffn_hidden"
+            raise ValueError(f"{name(what)} is {getattr(self, what)}: GPT-2 has {name('kv_heads')} = "
+                             f"{name('heads')} ({H}) and {name('ffn_hidden')} = 4 {name('d_model')} ({4 * d})")
+        if built and self.gated and self.head_dim % 2:
+            raise ValueError(f"{name('d_model')} {d} / {name('heads')} {H} = {self.head_dim}: "
+                             "rotary positions need an even head dimension")
         for field in ("rope_theta", "norm_eps"):
             if not _finite(getattr(self, field)) or getattr(self, field) == 0:
-                raise ValueError(f"{field} must be a positive finite number, got {getattr(self, field)!r}")
+                raise ValueError(f"{name(field)} must be a positive finite number, got {getattr(self, field)!r}")
         for field in ("experts", "top_k", "moe_every"):
             if not _counts(getattr(self, field), 0 if field == "experts" else 1):
-                raise ValueError(f"{field} must be a {'non-negative' if field == 'experts' else 'positive'} "
+                raise ValueError(f"{name(field)} must be a {'non-negative' if field == 'experts' else 'positive'} "
                                  f"integer, got {getattr(self, field)!r}")
         for field in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
             if not _finite(getattr(self, field)):
-                raise ValueError(f"{field} must be a non-negative finite number, got {getattr(self, field)!r}")
+                raise ValueError(f"{name(field)} must be a non-negative finite number, got {getattr(self, field)!r}")
         if self.experts and self.top_k > self.experts:
-            raise ValueError(f"top_k={self.top_k} is more than experts={self.experts}")
+            raise ValueError(f"{name('top_k')} {self.top_k} is more than the {name('experts')} {self.experts}")
 
 
 def _counts(value, lo: int) -> bool:

@@ -102,14 +102,8 @@ def model_of(args) -> Preset:
     else:
         base = MODELS[args.preset]
     model = replace(base, **{k: v for k, v in shape.items() if v is not None})  # the flags given override
-    if model.d_model % model.heads:
-        raise ValueError(f"--d-model {model.d_model} is not divisible by --heads {model.heads}")
-    if model.heads % model.kv:
-        raise ValueError(f"--kv-heads {model.kv} does not divide --heads {model.heads}")
-    if model.experts and model.top_k > model.experts:
-        raise ValueError(f"--top-k {model.top_k} is more than the --experts {model.experts}")
-    if model.capacity_factor < 0:
-        raise ValueError(f"--capacity-factor {model.capacity_factor} is negative")
+    flag = {"vocab_size": "--vocab", "block_size": "--seq-len", "ffn_hidden": "--ffn"}
+    model.check(name=lambda field: flag.get(field, "--" + field.replace("_", "-")), built=False)
     return model
 
 

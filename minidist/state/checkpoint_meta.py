@@ -253,8 +253,6 @@ class _Check:
                       "byte values and at most 2**32 tokens (uint32 shards)")
         for key in ("block_size", "layers", "heads", "d_model"):
             self.integer(model[key], f"model.{key}", lo=1)
-        if model["d_model"] % model["heads"]:
-            self.fail("model.d_model", f"{model['d_model']} is not divisible by model.heads {model['heads']}")
         for key in ("bias", "tied"):
             self.kind(model[key], bool, f"model.{key}", "true or false")
         if model["dtype"] not in DTYPES:
@@ -273,26 +271,22 @@ class _Check:
 
     def family(self, model: dict) -> None:
         """The fields of the model's family: which one, its key/value heads and feed-forward
-        width (GPT-2's fixed: one key/value head per query head, 4 d), its rotary base and norm
-        epsilon (positive, finite) -- so that ``ModelConfig.check`` accepts what passes here."""
+        width, its rotary base and norm epsilon (positive, finite), its mixture; then the rules
+        that tie them together, ``ModelConfig.check``'s (GPT-2's one key/value head per query
+        head and 4 d MLP, whole heads, even rotary heads), spelled as this file's fields."""
         if model["arch"] not in ARCHS:
             self.fail("model.arch", f"is {_show(model['arch'])}: must be one of {', '.join(ARCHS)}")
-        H, K = model["heads"], self.integer(model["kv_heads"], "model.kv_heads", lo=1)
-        if H % K:
-            self.fail("model.kv_heads", f"{K} does not divide model.heads {H}")
-        F = self.integer(model["ffn_hidden"], "model.ffn_hidden", lo=1)
+        self.integer(model["kv_heads"], "model.kv_heads", lo=1)
+        self.integer(model["ffn_hidden"], "model.ffn_hidden", lo=1)
         for key in ("rope_theta", "norm_eps"):
             value = self.kind(model[key], (int, float), f"model.{key}", "a positive finite number")
             if not 0 < value <= sys.float_info.max:  # NaN fails too; a huge integer is no float
                 self.fail(f"model.{key}", f"is {_show(value)}: must be a positive finite number")
-        if model["arch"] == "gpt2" and (K != H or F != 4 * model["d_model"]):
-            what = "kv_heads" if K != H else "ffn_hidden"
-            self.fail(f"model.{what}", f"is {model[what]}: GPT-2 has kv_heads = heads ({H}) and "
-                      f"ffn_hidden = 4 d_model ({4 * model['d_model']})")
         self.moe(model)
-        if model["arch"] == "llama" and (model["d_model"] // H) % 2:
-            self.fail("model.heads", f"{H} gives heads of {model['d_model'] // H} features: rotary positions "
-                      "need an even head dimension")
+        try:
+            ModelConfig.from_record(model).check(name=lambda field: f"model.{field}")
+        except ValueError as exc:
+            raise CheckpointError(f"{self.file}: {exc}") from None
 
     def moe(self, model: dict) -> None:
         """The mixture-of-experts fields (model/moe.py), as ``ModelConfig.check`` accepts them:

@@ -225,8 +225,6 @@ def validate(args, parser) -> RunConfig:
 
 
 def _validate(args) -> RunConfig:
-    if args.d_model % args.heads:
-        raise InputError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     if args.arch != "llama":
         for flag in ("kv_heads", "ffn_hidden", "rope_theta"):
             if vars(args)[flag] is not None:
@@ -234,11 +232,10 @@ def _validate(args) -> RunConfig:
                                  f"(got --arch {args.arch})")
     _check_experts(args)
     _check_offload(args)
-    if args.kv_heads is not None and args.heads % args.kv_heads:
-        raise InputError(f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}")
-    if args.arch == "llama" and (args.d_model // args.heads) % 2:
-        raise InputError(f"--d-model {args.d_model} / --heads {args.heads} = {args.d_model // args.heads}: "
-                         "rotary positions need an even head dimension")
+    try:  # the model's own rules (layout/model.py), spelled as flags
+        from_args(args).resolved().model.check(name=lambda field: "--" + field.replace("_", "-"))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     if args.block_size is not None and args.seq_len > args.block_size:
         raise InputError(f"--seq-len {args.seq_len} is larger than the position table (--block-size {args.block_size})")
     if args.grad_accum > args.batch_size:
@@ -286,8 +283,8 @@ def _validate(args) -> RunConfig:
 
 
 def _check_experts(args) -> None:
-    """The mixture-of-experts flags: they need --experts; --top-k at most --experts (a mixture
-    runs with every axis and technique: docs/moe.md)."""
+    """The mixture-of-experts flags need --experts (a mixture runs with every axis and
+    technique: docs/moe.md; --top-k at most --experts is the model's own rule)."""
     moe = ("top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
     if not args.experts:
         for flag in moe:
@@ -295,8 +292,6 @@ def _check_experts(args) -> None:
                 raise InputError(f"--{flag.replace('_', '-')} {vars(args)[flag]} is a mixture-of-experts setting: "
                                  "it needs --experts E")
         return
-    if args.top_k is not None and args.top_k > args.experts:
-        raise InputError(f"--top-k {args.top_k} is more than the --experts {args.experts}")
 
 
 def _check_offload(args) -> None:
