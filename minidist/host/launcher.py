@@ -30,35 +30,6 @@ class LauncherStuck(RuntimeError):
     """The launcher outlived its ranks by ``STUCK_S`` and was killed."""
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None, merge: bool = False) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for a launcher
-    command, waited for by :func:`wait` (``merge``: stderr goes into stdout, in order).
-    A launcher that got stuck returns code 1 (mpirun's after an abort) with the reason as the
-    last line of its error output; on timeout the launcher's whole session is killed and
-    ``subprocess.TimeoutExpired`` raised with the output so far."""
-    # Files, not pipes: wait() polls, and nobody would read a pipe meanwhile.
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if merge else err, text=True, env=env,
-                                start_new_session=True)
-        try:
-            code, stuck = wait(proc, timeout), ""
-        except LauncherStuck as e:
-            code, stuck = 1, f"{e}\n"
-        if code is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-        if merge:
-            stdout, stderr = stdout + stuck, None
-        else:
-            stderr += stuck
-    if code is None:
-        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
-    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
-
-
 def mpiexec_command(nprocs: int) -> list[str]:
     """``[mpiexec, -n, N]`` (plus ``--oversubscribe`` for Open MPI); RuntimeError if none is found."""
     local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -105,6 +76,35 @@ def wait(proc: subprocess.Popen, timeout: float | None = None, stuck_s: float | 
                                     f"can deadlock after MPI_Abort; host/launcher.py)")
         time.sleep(0.2)
     return code
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None, merge: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for a launcher
+    command, waited for by :func:`wait` (``merge``: stderr goes into stdout, in order).
+    A launcher that got stuck returns code 1 (mpirun's after an abort) with the reason as the
+    last line of its error output; on timeout the launcher's whole session is killed and
+    ``subprocess.TimeoutExpired`` raised with the output so far."""
+    # Files, not pipes: wait() polls, and nobody would read a pipe meanwhile.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if merge else err, text=True, env=env,
+                                start_new_session=True)
+        try:
+            code, stuck = wait(proc, timeout), ""
+        except LauncherStuck as e:
+            code, stuck = 1, f"{e}\n"
+        if code is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+        if merge:
+            stdout, stderr = stdout + stuck, None
+        else:
+            stderr += stuck
+    if code is None:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
 def _running_children(pid: int) -> int | None:
