@@ -285,13 +285,12 @@ def _validate(args) -> RunConfig:
 def _check_experts(args) -> None:
     """The mixture-of-experts flags need --experts (a mixture runs with every axis and
     technique: docs/moe.md; --top-k at most --experts is the model's own rule)."""
-    moe = ("top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
-    if not args.experts:
-        for flag in moe:
-            if vars(args)[flag] is not None:
-                raise InputError(f"--{flag.replace('_', '-')} {vars(args)[flag]} is a mixture-of-experts setting: "
-                                 "it needs --experts E")
+    if args.experts:
         return
+    for flag in ("top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef"):
+        if vars(args)[flag] is not None:
+            raise InputError(f"--{flag.replace('_', '-')} {vars(args)[flag]} is a mixture-of-experts setting: "
+                             "it needs --experts E")
 
 
 def _check_offload(args) -> None:
