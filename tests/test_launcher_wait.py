@@ -67,8 +67,26 @@ def test_run_reports_a_stuck_launcher_and_a_timeout(monkeypatch):
     assert done.stderr.endswith("after its last rank ended: killed (Open MPI's launcher can deadlock after "
                                 "MPI_Abort; host/launcher.py)\n"), done.stderr
     merged = launcher.run([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); "
-                           "sys.exit(4)"], timeout=30, merge=True)
+                           "sys.exit(4)"], timeout=30, merge=True, tries=1)
     assert (merged.returncode, sorted(merged.stdout.split()), merged.stderr) == (4, ["err", "out"], None)
     with pytest.raises(subprocess.TimeoutExpired) as late:
         launcher.run([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], timeout=2)
     assert late.value.stdout == "started\n"
+
+
+def test_run_starts_again_a_launcher_that_failed_before_starting_anything(tmp_path):
+    """Open MPI's "PMIx server's listener thread failed to start" (exit 213), once: run starts the
+    command again and says so; a launcher that fails every time ends after three tries; one that
+    fails after its rank ran is not started again (the rank's work may have happened)."""
+    marker = tmp_path / "failed-once"
+    flaky = [sys.executable, "-c", f"import os, subprocess, sys\nif not os.path.exists({str(marker)!r}):\n"
+             f"    open({str(marker)!r}, 'w').close(); print('listener failed', flush=True); sys.exit(213)\n"
+             f"subprocess.call([sys.executable, '-c', {RANK!r}]); print('ran')"]
+    done = launcher.run(flaky, timeout=30)
+    assert (done.returncode, done.stdout) == (0, "ran\n")
+    assert done.stderr.endswith("failed before it started any process (exit 213): started again, try 2 of 3\n")
+    never = launcher.run([sys.executable, "-c", "import sys; sys.exit(213)"], timeout=30, merge=True)
+    assert never.returncode == 213 and never.stdout.count("started again") == 2, never.stdout
+    counter = tmp_path / "runs"
+    late = launcher.run(stand_in(f"rank.wait(); open({str(counter)!r}, 'a').write('x'); sys.exit(5)"), timeout=30)
+    assert late.returncode == 5 and counter.read_text() == "x" and "started again" not in late.stderr

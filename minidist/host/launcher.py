@@ -11,6 +11,8 @@ normally (a rank's uncaught exception, comm/abort.py): every rank is gone, yet `
 waits forever, two of its threads each holding the lock the other needs.  Seen here in about
 one job in ten of that kind; Open MPI's segmentation faults in the same place end by
 themselves.  So a launcher that outlives its last rank by ``STUCK_S`` is killed and reported.
+And now and then Open MPI's launcher fails before it starts any rank ("The PMIx server's
+listener thread failed to start"): :func:`run` starts such a command again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import tempfile
 import time
 
 STUCK_S = 10.0  # how long a launcher may outlive its ranks: its own clean-up takes well under a second
+START_TRIES = 3  # launches of a command whose launcher fails before it starts any process
 
 
 class LauncherStuck(RuntimeError):
@@ -53,16 +56,21 @@ def wait(proc: subprocess.Popen, timeout: float | None = None, stuck_s: float | 
     or None when ``timeout`` seconds passed first (``proc`` is left running).
 
     Raises :class:`LauncherStuck` after killing ``proc``'s process group when ``proc`` has had
-    no running child for ``stuck_s`` (default ``STUCK_S``) seconds after it had one: its ranks (Open MPI) or its
-    proxies (MPICH's Hydra) have all ended, so nothing is left for it to wait for.  Where
-    ``/proc`` cannot say who the children are, this is a plain wait."""
+    no running child for ``stuck_s`` (default ``STUCK_S``) seconds after it had one: its ranks
+    (Open MPI) or its proxies (MPICH's Hydra) have all ended, so nothing is left for it to wait
+    for.  Where ``/proc`` cannot say who the children are, this is a plain wait."""
+    return _wait(proc, timeout, stuck_s)[0]
+
+
+def _wait(proc, timeout, stuck_s) -> tuple[int | None, bool | None]:
+    """:func:`wait`'s exit code, and whether the launcher ever had a child (None: unknown)."""
     stuck_s = STUCK_S if stuck_s is None else stuck_s
     deadline = None if timeout is None else time.monotonic() + timeout
-    had_children, alone_since = False, None
+    had_children, alone_since = None, None
     while (code := proc.poll()) is None:
         now = time.monotonic()
         if deadline is not None and now >= deadline:
-            return None
+            return None, had_children
         running = _running_children(proc.pid)
         if running:
             had_children, alone_since = True, None
@@ -74,34 +82,47 @@ def wait(proc: subprocess.Popen, timeout: float | None = None, stuck_s: float | 
                 raise LauncherStuck(f"{os.path.basename(proc.args[0])} (pid {proc.pid}) was still running "
                                     f"{stuck_s:.0f} s after its last rank ended: killed (Open MPI's launcher "
                                     f"can deadlock after MPI_Abort; host/launcher.py)")
+        elif running is not None:
+            had_children = False
         time.sleep(0.2)
-    return code
+    return code, had_children
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None, merge: bool = False) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: float, env: dict | None = None, merge: bool = False,
+        tries: int = START_TRIES) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for a launcher
     command, waited for by :func:`wait` (``merge``: stderr goes into stdout, in order).
     A launcher that got stuck returns code 1 (mpirun's after an abort) with the reason as the
     last line of its error output; on timeout the launcher's whole session is killed and
-    ``subprocess.TimeoutExpired`` raised with the output so far."""
-    # Files, not pipes: wait() polls, and nobody would read a pipe meanwhile.
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if merge else err, text=True, env=env,
-                                start_new_session=True)
-        try:
-            code, stuck = wait(proc, timeout), ""
-        except LauncherStuck as e:
-            code, stuck = 1, f"{e}\n"
-        if code is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-        if merge:
-            stdout, stderr = stdout + stuck, None
-        else:
-            stderr += stuck
+    ``subprocess.TimeoutExpired`` raised with the output so far.  A launcher that fails
+    before it starts any process (Open MPI's "The PMIx server's listener thread failed to
+    start", now and then) is started again, up to ``tries`` times in all: nothing ran yet."""
+    earlier = ""  # the starts that failed, said at the end of the output
+    for attempt in range(1, tries + 1):
+        # Files, not pipes: wait() polls, and nobody would read a pipe meanwhile.
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if merge else err, text=True,
+                                    env=env, start_new_session=True)
+            try:
+                (code, started), note = _wait(proc, timeout, None), ""
+            except LauncherStuck as e:
+                code, started, note = 1, True, f"{e}\n"
+            if code is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+        if code not in (0, None) and started is False and attempt < tries:
+            earlier += (f"{os.path.basename(cmd[0])} failed before it started any process (exit {code}): "
+                        f"started again, try {attempt + 1} of {tries}\n")
+            continue
+        break
+    note = earlier + note
+    if merge:
+        stdout, stderr = stdout + note, None
+    else:
+        stderr += note
     if code is None:
         raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)

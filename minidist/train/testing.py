@@ -42,7 +42,7 @@ def run_train(nprocs: int | None, args: list, timeout: float = 120, env: dict | 
     the CompletedProcess, whatever its exit code (tests check it)."""
     env = {**os.environ, **(env or {}), **blas_threads(1)}
     cmd = (mpiexec_command(nprocs) if nprocs else []) + [sys.executable, "-m", "minidist.train", *args]
-    return launcher.run(cmd, timeout, env)
+    return launcher.run(cmd, timeout, env, tries=launcher.START_TRIES if nprocs else 1)
 
 
 def train_steps(cfg, steps: int, corpus=None):
