@@ -8,9 +8,8 @@ planner's calibration all need on small machines.
 :func:`wait` is ``Popen.wait`` for a launcher that may never return.  Open MPI 5.0's launcher
 (``prterun``) sometimes deadlocks in its own clean-up when ranks abort while others end
 normally (a rank's uncaught exception, comm/abort.py): every rank is gone, yet ``mpirun``
-waits forever, two of its threads each holding the lock the other needs.  Seen here in about
-one job in ten of that kind; Open MPI's segmentation faults in the same place end by
-themselves.  So a launcher that outlives its last rank by ``STUCK_S`` is killed and reported.
+waits forever, two of its threads each holding the lock the other needs (docs/multinode.md;
+Open MPI's segmentation faults in the same place end by themselves).  So a launcher that outlives its last rank by ``STUCK_S`` is killed and reported.
 And now and then Open MPI's launcher fails before it starts any rank ("The PMIx server's
 listener thread failed to start"): :func:`run` starts such a command again.
 """

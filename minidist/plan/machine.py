@@ -351,10 +351,9 @@ def measure_sync(cores: int, log=print, launches: int = 3) -> float:
 
     Measured on 2C ranks, two per core: the oversubscription the tests, the examples and
     ``--validate`` run.  The picture's one constant depends on W: on C + 1 ranks the slice
-    came out 2-4 times longer (ranks whose waits yield hand their core to a partner sooner
-    when every core has two of them), and priced at that, the 4-rank tp meshes were
-    over-predicted by up to 70 %.  The median of ``launches`` probes: one probe's slice
-    ranged over 1.0-4.7 ms from one calibration to the next."""
+    comes out several times longer (ranks whose waits yield hand their core to a partner
+    sooner when every core has two of them).  The median of ``launches`` probes, since one
+    probe lands on one of the machine's two speed levels (figures: docs/planner.md)."""
     ranks = 2 * cores
     slices = sorted(_sync_slice(ranks, cores) for _ in range(launches))
     slice_s = slices[len(slices) // 2]

@@ -151,8 +151,8 @@ def _with_elementwise_rate(machine: Machine, log=print) -> Machine:
     residual and bias adds, their backward, each allocating its result) measured from one real
     single-process step of a small model: the step's time less what the model prices for its
     matmuls and fixed costs, over the activation bytes the model says it moves.  The fastest of
-    three launches: one launch's time varied by a fifth from one calibration to the next, and
-    this rate moves every prediction with it."""
+    three launches: one launch's time varies from one calibration to the next, and this rate
+    moves every prediction with it (docs/planner.md)."""
     meas = min((run(PROBE_SHAPE, {}, steps=10) for _ in range(3)), key=lambda r: r["step_s"])
     loaded = replace(machine, load=meas["load"])
     without = predict(replace(loaded, mem_bw=1e30), PROBE_SHAPE, {})["step_s"]
@@ -168,7 +168,7 @@ def _with_elementwise_rate(machine: Machine, log=print) -> Machine:
 
 
 def calibrate(path: str | None = None, log=print) -> Machine:
-    """Measure this machine (about 15 s on 2 cores) and write it to ``path`` (default: the calibration
+    """Measure this machine and write it to ``path`` (default: the calibration
     file); returns it."""
     from minidist.host.blas_env import blas_threads
 
@@ -214,9 +214,8 @@ def calibrate(path: str | None = None, log=print) -> Machine:
 def validate(machine, steps: int = 8, log=print, configs=None, repeats: int = 2) -> dict:
     """Each configuration trained ``repeats`` times, in rounds (every configuration once, then
     again), and priced at the background load of its fastest launch, whose step time counts:
-    load only ever adds, and the same configuration measured minutes apart on this VM differs
-    by up to 1.6x (its bandwidth between processes flips between two levels), more than the
-    model's own error."""
+    load only ever adds, and the same configuration measured minutes apart on a shared VM can
+    differ by more than the model's own error (docs/planner.md)."""
     configs = CONFIGS if configs is None else configs
     launches = [[] for _ in configs]
     for _ in range(repeats):
