@@ -29,6 +29,24 @@ def test_zigzag_balances_ring_work():
     assert zigzag == [9 * 8 * 8] * 4 and max(zigzag) < max(plain)
 
 
+def test_ring_tiles_count_the_tiles_the_kernels_run():
+    """layout.grid.ring_tiles (what the planner prices) against the tiles the online softmax's
+    own loop (blockwise.tiles) yields for every chunk pair a rank meets."""
+    from minidist.layout.grid import chunk_starts, ring_tiles
+    from minidist.model.ops import blockwise as bw
+
+    for cp, seq, zigzag, block in [(2, 64, True, None), (2, 64, True, 8), (4, 64, True, 5), (4, 64, False, 4),
+                                   (3, 36, False, None), (3, 48, True, 16)]:
+        want = []
+        for r in range(cp):
+            mine, c = chunk_starts(r, cp, seq, zigzag)
+            tiles = [(rows, cols) for src in range(cp) for qa in mine for kb in chunk_starts(src, cp, seq, zigzag)[0]
+                     for rows, cols, _ in bw.tiles(c, c, qa, kb, block or c, True, np.float64)]
+            want.append((len(tiles), sum((r.stop - r.start) * (k.stop - k.start) for r, k in tiles)))
+        assert ring_tiles(cp, seq, zigzag, block) == want, (cp, seq, zigzag, block)
+    assert ring_tiles(2, 64, True) == [(5, 5 * 16 * 16)] * 2  # 2C + 1 chunk pairs, one tile each
+
+
 def _given(**kw):
     """The run configuration as given: --cp 2 --cp-impl ring --seq-len 64 --heads 4 unless ``kw``
     says otherwise (``kw`` names flags: cp, cp_impl, seq_len, heads, tp, zero, attention, attention_block)."""

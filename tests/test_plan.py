@@ -323,3 +323,36 @@ def test_validation_predicts_every_configuration_and_measures_one_real_run():
     tiny = dict(layers=1, d_model=16, heads=2, seq_len=16, batch_size=4)
     meas = run(tiny, {}, steps=4)
     assert meas["step_s"] > 0 and meas["peak_bytes"] > 0 and meas["load"] >= 0
+
+
+def test_minidist_ring_attention_is_priced_per_tile_and_score_when_calibrated():
+    """On a CPU calibrated with the ring probe, a cp rank's attention is its tiles and its
+    scores (all heads of its sequences) at the probe's rates, in the cp part; the attention
+    FLOPs and the kept scores leave the compute.  Uncalibrated, and for a GPU, as before."""
+    from minidist.layout.grid import ring_tiles
+    from minidist.plan.cost import Step, cp_time, forward_time
+
+    m = tiny_gpt(layers=4, d=128, heads=4, seq=64)
+    cpu = Machine("cpu", {"float32": 50e9}, 8e9, 5e9, (Link("shm", float("inf"), 5e9, 2e-6),), overlap=0.0, cores=8)
+    rated = replace(cpu, ring_tile_s=4e-4, ring_score_s=1e-7)
+    tiles, scores = max(ring_tiles(2, 64, True, m.attention_block))
+    assert (tiles, scores) == (5, 5 * 16 * 16)
+    for ckpt, factor in ((False, 1.0), (True, 4 / 3)):
+        plan = Plan(cp=2, checkpoint_activations=ckpt)
+        s = Step.of(m, rated, plan, FLOAT32, 16 * 64, True)
+        assert cp_time(s) == pytest.approx(4 * factor * (tiles * 4e-4 + 16 * 4 * scores * 1e-7))
+    plan = Plan(cp=2)
+    plain, ring = (Step.of(m, mc, plan, FLOAT32, 16 * 64, True) for mc in (cpu, rated))
+    assert forward_time(ring) < forward_time(plain)  # no attention FLOPs, no H x T scores
+    assert estimate(m, rated, plan, 16 * 64, FLOAT32, minidist=False).time == \
+        estimate(m, cpu, plan, 16 * 64, FLOAT32, minidist=False).time
+    assert estimate(m, rated, Plan(dp=2), 16 * 64, FLOAT32, minidist=True).time == \
+        estimate(m, cpu, Plan(dp=2), 16 * 64, FLOAT32, minidist=True).time
+
+
+def test_the_ring_probe_fit_recovers_its_rates():
+    from minidist.plan.machine import fit_ring
+
+    rows = [{"tiles": t, "scores": s, "s": t * 5e-4 + s * 8e-8} for t, s in ((5, 81920), (18, 73728), (5, 20480))]
+    fit = fit_ring(rows)
+    assert fit["ring_tile_s"] == pytest.approx(5e-4) and fit["ring_score_s"] == pytest.approx(8e-8)

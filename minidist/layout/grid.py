@@ -66,6 +66,30 @@ def chunk_starts(rank: int, cp: int, seq_len: int, zigzag: bool = True) -> tuple
     return [rank * c], c
 
 
+def ring_tiles(cp: int, seq_len: int, zigzag: bool = True, block: int | None = None) -> list[tuple[int, int]]:
+    """(tiles, scores) each cp rank's ring attention computes in forward, per sequence and
+    head: the ``block`` x ``block`` tiles of the online softmax (default: a whole chunk) that
+    the causal mask does not skip, and their scores (a tile on the diagonal counts whole, as
+    it is computed whole).  Ring attention meets every chunk pair of the rank's queries and
+    every rank's keys; a tile is skipped when its first key comes after its last query."""
+    out = []
+    for r in range(cp):
+        mine, c = chunk_starts(r, cp, seq_len, zigzag)
+        b = c if block is None else min(block, c)
+        tiles = scores = 0
+        for src in range(cp):
+            for qa in mine:
+                for kb in chunk_starts(src, cp, seq_len, zigzag)[0]:
+                    for i0 in range(0, c, b):
+                        rows = min(b, c - i0)
+                        for j0 in range(0, c, b):
+                            if kb + j0 > qa + i0 + rows - 1:
+                                break  # causal: this tile and the later key tiles of the row are skipped
+                            tiles, scores = tiles + 1, scores + rows * min(b, c - j0)
+        out.append((tiles, scores))
+    return out
+
+
 def token_ranges(cp_rank: int, cp: int, seq_len: int, cp_impl: str = "ring") -> list[range]:
     """The sequence positions cp rank r holds between attentions.
 

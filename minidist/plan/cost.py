@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from minidist.layout.grid import ring_tiles
 from minidist.layout.memory import zero_divisors
 from minidist.layout.model import ModelConfig
 from minidist.layout.schedules import peak_in_flight, theoretical_bubble
@@ -146,12 +147,14 @@ def forward_time(s: Step) -> float:
     m, mc, p, n, sh = s.m, s.mc, s.p, s.n, s.share
     peak = mc.peak_for(s.pr.compute) * sh
 
+    ring = ring_priced(s)  # then cp_time prices the attention, and no H x T scores are kept
+
     def block(moe: bool) -> float:  # a mixture: its router and the rows its experts run
-        act = (minidist_block_values(m, m.block_size, moe) * s.pr.act if s.minidist
+        act = (minidist_block_values(m, m.block_size, moe, ring) * s.pr.act if s.minidist
                else activation_bytes_per_token(m, s.pr.act, moe))
         flops = block_matmul_flops(m, moe) + (moe_cost.expert_extra_flops(m, s.minidist) if moe else 0.0)
-        return (flops * n / p.tp / (peak * mc.gemm_eff)
-                + attention_flops(m, m.block_size, executed=True) * n / p.tp / (peak * mc.attn_eff)
+        attention = 0.0 if ring else attention_flops(m, m.block_size, executed=True)
+        return (flops * n / p.tp / (peak * mc.gemm_eff) + attention * n / p.tp / (peak * mc.attn_eff)
                 + 2 * act * n / p.tp / (mc.mem_bw * sh) + mc.block_mb_s / 3 / sh)
 
     head = (head_flops(m) * n / p.tp / (peak * mc.gemm_eff) + 4 * n * m.vocab_size / p.tp * 4 / (mc.mem_bw * sh)
@@ -172,13 +175,28 @@ def tp_time(s: Step) -> float:
     return s.Ls * each * (4 + (2 if s.ckpt else 0))
 
 
+def ring_priced(s: Step) -> bool:
+    """Is the attention of this step minidist's ring attention on a CPU, priced by the
+    calibration's ring probe (plan/machine.py) rather than by its FLOPs?"""
+    return s.minidist and s.p.cp > 1 and bool(s.mc.ring_tile_s or s.mc.ring_score_s)
+
+
 def cp_time(s: Step) -> float:
     """Seconds of one microbatch's context-parallel exchange (Ring Attention, Liu et al. 2023;
     Llama 3's all-gather): every rank receives the other (C-1)/C of the sequence's keys and
-    values per block forward, twice that backward; exposed (gathered before the attention)."""
-    p = s.p
+    values per block forward, twice that backward; exposed (gathered before the attention).
+
+    minidist's ring attention on a CPU (:func:`ring_priced`): the whole attention, forward and
+    backward, priced per online-softmax tile and per score of the busiest cp rank
+    (layout.grid.ring_tiles) at the ring probe's rates, which hold its messages too; the
+    recompute of checkpointing adds its forward, a third."""
+    p, m = s.p, s.m
     if p.cp == 1:
         return 0.0
+    if ring_priced(s):
+        tiles, scores = max(ring_tiles(p.cp, m.block_size, True, m.attention_block))
+        per_block = (tiles * s.mc.ring_tile_s + s.seqs_mb * m.heads / p.tp * scores * s.mc.ring_score_s) / s.share
+        return s.Ls * per_block * (4 / 3 if s.ckpt else 1.0)
     kv = s.seqs_mb * s.m.block_size * 2 * s.m.d_kv / p.tp * s.pr.act
     step = ring_gather(kv, p.cp, s.mc.link_for(p.tp * p.cp), s.mc.link_eff) + (p.cp - 1) * s.mc.coll_overhead_s / s.share
     return s.Ls * 3 * step
@@ -285,15 +303,16 @@ def estimate(model: ModelConfig, machine: Machine, plan: Plan, global_batch_toke
 REPLICATED_ARRAYS = 12  # of minidist's 24 d-wide arrays per token, those every tp rank holds whole
 
 
-def minidist_block_values(m: ModelConfig, seq: int, moe: bool = False) -> float:
+def minidist_block_values(m: ModelConfig, seq: int, moe: bool = False, ring: bool = False) -> float:
     """Values minidist's NumPy block keeps live per token (counted with tracemalloc, see
     train/estimate.training_memory_bytes): about 24 arrays of width d for GPT-2, and plain
     attention's H x T scores per query token.  A Llama block (nn.GroupedQueryAttention,
     nn.SwiGLU) differs by what its ops keep: SwiGLU's 2 f + f in place of GELU's 4 d + 4 d,
     a q|k|v of d + 2 d_kv in place of 3 d, the rotated copy of it (rotary), and with fewer
     key/value heads than query heads the 3 d the repeated heads take (repeat_kv).  A mixture
-    (``moe``): moe_cost.minidist_moe_values."""
-    d, scores = m.d_model, (0 if skips_masked_half(m) else m.heads * seq)
+    (``moe``): moe_cost.minidist_moe_values.  ``ring``: ring attention's online softmax keeps
+    no scores."""
+    d, scores = m.d_model, (0 if ring or skips_masked_half(m) else m.heads * seq)
     if not m.gated:
         values = 24 * d + scores
     else:

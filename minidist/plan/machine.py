@@ -14,11 +14,15 @@ from):
   collective reaches (``link_eff``); ``overlap``: the share of the communication that the
   schedule allows to overlap that the machine does hide (1 on GPUs with their streams; 0
   for minidist on a CPU, where a single thread makes progress only while it waits);
-* memory per device and the share of it a run may plan to fill (``mem_usable``).
+* memory per device and the share of it a run may plan to fill (``mem_usable``);
+* minidist's ring attention on a CPU, whose online softmax runs in many small NumPy calls
+  per tile and whose messages pass through a progress thread: seconds per tile and per score
+  (0 on a GPU: attention is priced by its FLOPs there).
 
 The probes that measure ``this-machine`` are here (GEMM rates per dtype on one core, the
 element-wise bandwidth, minidist's per-operation overhead from tiny real steps, and the
-point-to-point bandwidth and latency between two local ranks);
+point-to-point bandwidth and latency between two local ranks, minidist's ring attention on
+two ranks);
 :func:`minidist.plan.validate.calibrate` runs them, with one real step that prices
 minidist's element-wise work through the cost model, and stores the machine as JSON.
 """
@@ -65,6 +69,8 @@ class Machine:
     load: float = 0.0             # CPU: other runnable processes sharing the cores (a shared machine's load)
     coll_overhead_s: float = 0.0  # fixed seconds per collective call (minidist's Python around its messages)
     sync_slice_s: float = 0.0     # CPU: mean off-CPU stretch of a descheduled partner, paid at a sync point
+    ring_tile_s: float = 0.0      # minidist's ring attention (CPU), forward + backward: seconds per tile of the
+    ring_score_s: float = 0.0     # online softmax and per score of one head (0: attention priced by its FLOPs)
     notes: dict = field(default_factory=dict)
 
     def peak_for(self, dtype: str) -> float:
@@ -312,6 +318,71 @@ def fixed_costs(repeats: int = 3) -> dict:
     c = max(0.0, (t[1, 2] - t[1, 1]) - a)
     d = max(0.0, t[1, 1] - a - b - c)
     return {"block_mb_s": a, "block_step_s": b, "mb_overhead_s": c, "step_overhead": d}
+
+
+# (batch x heads, chunk, tile) of the ring probe: the tile count and the scores vary apart
+RING_PROBES = ((64, 16, 16), (64, 16, 8), (16, 16, 16))
+RING_HEAD_DIM = 32  # the head width the probe's per-score cost is measured at
+
+
+def _ring_probe(out_path: str, reps: int = 15) -> None:
+    """Under mpiexec -n 2 (cp = 2, zig-zag): the median seconds of minidist's ring attention,
+    forward and backward, of each :data:`RING_PROBES` shape; rank 0 writes them with the tiles
+    and the scores (of all heads) each ran."""
+    import statistics
+
+    import numpy as np
+
+    from minidist import comm
+    from minidist.layout.grid import ring_tiles
+    from minidist.model.autograd import Tensor
+    from minidist.parallel.context.ring import ring_attention
+
+    g = comm.world()
+    rng = np.random.default_rng(g.rank)
+    rows = []
+    for bh, c, block in RING_PROBES:
+        shape = (bh // 4, 4, 2 * c, RING_HEAD_DIM)  # this rank's two zig-zag chunks of 4c tokens
+        q, k, v = (Tensor(rng.standard_normal(shape).astype(np.float32), requires_grad=True) for _ in range(3))
+        grad = rng.standard_normal(shape).astype(np.float32)
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            ring_attention(q, k, v, g, block=block).backward(grad)
+            times.append(time.perf_counter() - t0)
+        tiles, scores = max(ring_tiles(g.size, 4 * c, True, block))
+        rows.append({"s": statistics.median(times[1:]), "tiles": tiles, "scores": bh * scores})
+    if g.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+
+
+def fit_ring(rows: list) -> dict:
+    """Seconds per tile and per score, t = tiles a + scores b, fitted to the probe's rows by
+    least squares (each kept >= 0).  A tile's fixed part holds its NumPy calls and its share
+    of the ring's messages (every ring step brings new tiles)."""
+    import numpy as np
+
+    A = np.array([[r["tiles"], r["scores"]] for r in rows], float)
+    a, b = np.linalg.lstsq(A, np.array([r["s"] for r in rows]), rcond=None)[0]
+    return {"ring_tile_s": max(0.0, float(a)), "ring_score_s": max(0.0, float(b))}
+
+
+def measure_ring(log=print) -> dict:
+    """minidist's ring attention on two ranks (:func:`_ring_probe`), fitted by :func:`fit_ring`."""
+    from minidist.host.blas_env import blas_threads
+
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    code = f"import minidist.plan.machine as m; m._ring_probe({out!r})"
+    subprocess.run(mpiexec(2) + [sys.executable, "-c", code], check=True, env=dict(os.environ, **blas_threads(1)),
+                   capture_output=True, timeout=300)
+    with open(out) as f:
+        ring = fit_ring(json.load(f))
+    os.unlink(out)
+    log(f"  minidist's ring attention on 2 ranks, forward + backward: {ring['ring_tile_s'] * 1e6:.0f} us per tile, "
+        f"{ring['ring_score_s'] * 1e9:.1f} ns per score")
+    return ring
 
 
 def _sync_probe(out_path: str, reps: int = 60) -> None:

@@ -40,7 +40,7 @@ from dataclasses import replace
 from minidist.plan import moe_cost
 from minidist.plan.cost import FLOAT32, Plan, Step, estimate
 from minidist.plan.machine import (INF, Link, Machine, busy_seconds, calibration_path, fixed_costs, load,
-                                   measure_sync, mpiexec, others_load)
+                                   measure_ring, measure_sync, mpiexec, others_load)
 from minidist.layout.model import ModelConfig
 
 # Small enough that all of them take 2-4 minutes on 2 cores, large enough that the
@@ -199,7 +199,7 @@ def calibrate(path: str | None = None, log=print) -> Machine:
         name="this-machine", peak=compute["peak"], mem_bytes=float(cli_checks.available_memory_bytes() or 8e9),
         mem_bw=compute["mem_bw"], links=(Link("shared memory", INF, p2p["bw"], p2p["latency"]),),
         gemm_eff=1.0, attn_eff=1.0, link_eff=1.0, mem_usable=0.8,
-        overlap=0.0, **fixed, cores=cores, coll_overhead_s=p2p["coll_overhead_s"], sync_slice_s=measure_sync(cores, log),
+        overlap=0.0, **fixed, **measure_ring(log), cores=cores, coll_overhead_s=p2p["coll_overhead_s"], sync_slice_s=measure_sync(cores, log),
         notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0],
                "numpy_op_s": compute["numpy_op_s"]})
     machine = _with_elementwise_rate(machine, log)

@@ -23,7 +23,7 @@ from minidist.model.autograd import Tensor, make_tensor
 from minidist.model.backend import from_host, to_host, xp
 from minidist.model.ops import blockwise as bw
 from minidist.model.ops.precision import compute_dtype, gemm_operands, to_dtype
-from minidist.layout.grid import chunk_starts
+from minidist.layout.grid import chunk_starts, ring_tiles
 
 
 def _ring(n):
@@ -108,14 +108,5 @@ def ring_self_attention(qkv: Tensor, n_head: int, group, zigzag: bool = True, bl
 
 def ring_work(cp: int, seq_len: int, zigzag: bool, block=None) -> list[int]:
     """Attention scores (per sequence and head) each rank computes in forward, as ``work``
-    counts them, without running anything."""
-    out = []
-    for r in range(cp):
-        mine, c = chunk_starts(r, cp, seq_len, zigzag)
-        total = 0
-        for src in range(cp):
-            for _, _, qa, kb in _pairs(mine, chunk_starts(src, cp, seq_len, zigzag)[0], c):
-                total += sum((rows.stop - rows.start) * (cols.stop - cols.start)
-                             for rows, cols, _ in bw.tiles(c, c, qa, kb, block or c, True, xp.float64))
-        out.append(total)
-    return out
+    counts them, without running anything (:func:`minidist.layout.grid.ring_tiles`)."""
+    return [scores for _, scores in ring_tiles(cp, seq_len, zigzag, block)]
