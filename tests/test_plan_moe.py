@@ -249,3 +249,24 @@ def test_validation_predicts_the_all_to_all_bytes_of_a_real_ep_run():
     assert pred["time"]["ep"] > 0
     meas = run(tiny, mesh, steps=4)
     assert meas["ep_bytes"] == pytest.approx(pred["ep_bytes"], rel=0.25)
+
+
+def test_the_routing_measured_prices_the_busiest_expert_rank():
+    """validate.expert_load reads the metrics' router counts (experts split over the ep ranks
+    in order); the estimate's expert_load adds that share of the experts' rows to the busiest
+    rank's compute with ep > 1, and nothing without ep."""
+    from minidist.plan.cost import FLOAT32
+    from minidist.plan.machine import Machine
+    from minidist.plan.moe_cost import expert_flops, expert_values
+    from minidist.plan.validate import expert_load
+
+    rows = [{"router": {"tokens": [[6, 2, 0, 0], [1, 1, 3, 3]]}}, {"router": {"tokens": [[2, 2, 2, 2]]}}, {}]
+    assert expert_load(rows, 2) == pytest.approx((2.0 + 1.5 + 1.0) / 3)  # 8 of 8 on rank 0; 6 of 8; balanced
+    assert expert_load(rows, 1) == 1.0 and expert_load([{}], 2) == 1.0
+    m = ModelConfig(layers=2, d_model=64, heads=4, block_size=32, experts=4, top_k=2)
+    cpu = Machine("cpu", {"float32": 50e9}, 8e9, 5e9, (Link("shm", float("inf"), 5e9, 2e-6),), overlap=0.0, cores=8)
+    for plan, extra in ((Plan(dp=2, ep=2), True), (Plan(dp=2), False)):
+        even, busy = (estimate(m, cpu, plan, 8 * 32, FLOAT32, minidist=True, expert_load=x) for x in (1.0, 1.5))
+        flops = 0.5 * expert_flops(m, True) * 4 * 32 * 2 * 3 / 50e9  # 4 sequences x 32 tokens, 2 mixtures, fwd + bwd
+        values = 0.5 * expert_values(m) * 4 * 4 * 32 * 2 * 2 * 3 / 5e9  # float32, written and read, fwd + bwd
+        assert busy.time["compute"] - even.time["compute"] == pytest.approx(flops + values if extra else 0.0)

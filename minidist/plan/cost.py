@@ -113,6 +113,7 @@ class Step:
     V: int              # model chunks per rank (interleaved, zbv), else 1
     ckpt: bool          # forward recomputed in backward
     sp: bool            # sequence parallelism (fused kernels with tp only)
+    expert_load: float = 1.0  # with ep > 1: the busiest ep rank's routed rows over the mean (1: balanced)
 
     @property
     def Ls(self) -> int:
@@ -129,14 +130,14 @@ class Step:
         return self.nd // self.p.ep
 
     @staticmethod
-    def of(m, mc, p, pr, global_batch_tokens, minidist) -> "Step":
+    def of(m, mc, p, pr, global_batch_tokens, minidist, expert_load: float = 1.0) -> "Step":
         share = min(1.0, mc.cores / (p.devices + mc.load)) if mc.cores else 1.0
         seqs_mb = global_batch_tokens // m.block_size // p.dp // p.microbatches
         return Step(m, mc, p, pr, minidist, share, seqs_mb * m.block_size / p.cp, seqs_mb, stage_blocks(m.layers, p.pp),
                     p.virtual_stages if p.schedule in CHUNKED and p.pp > 1 else 1,
                     # minidist's ZeRO-3 recomputes every block in backward (parallel/data/fsdp.py)
                     p.checkpoint_activations or (minidist and p.zero == 3),
-                    p.sequence_parallel and p.tp > 1 and not minidist)
+                    p.sequence_parallel and p.tp > 1 and not minidist, expert_load if p.ep > 1 else 1.0)
 
 
 def forward_time(s: Step) -> float:
@@ -153,6 +154,9 @@ def forward_time(s: Step) -> float:
         act = (minidist_block_values(m, m.block_size, moe, ring) * s.pr.act if s.minidist
                else activation_bytes_per_token(m, s.pr.act, moe))
         flops = block_matmul_flops(m, moe) + (moe_cost.expert_extra_flops(m, s.minidist) if moe else 0.0)
+        if moe and s.expert_load != 1.0:  # the busiest ep rank's experts run more rows than the mean
+            flops += (s.expert_load - 1) * moe_cost.expert_flops(m, s.minidist)
+            act += (s.expert_load - 1) * moe_cost.expert_values(m) * s.pr.act if s.minidist else 0.0
         attention = 0.0 if ring else attention_flops(m, m.block_size, executed=True)
         return (flops * n / p.tp / (peak * mc.gemm_eff) + attention * n / p.tp / (peak * mc.attn_eff)
                 + 2 * act * n / p.tp / (mc.mem_bw * sh) + mc.block_mb_s / 3 / sh)
@@ -255,12 +259,14 @@ def sync_wait(s: Step) -> float:
 
 
 def estimate(model: ModelConfig, machine: Machine, plan: Plan, global_batch_tokens: int,
-             precision: Precision = MIXED_BF16, minidist: bool = False) -> Estimate:
+             precision: Precision = MIXED_BF16, minidist: bool = False, expert_load: float = 1.0) -> Estimate:
     """Time by parts, memory per device and MFU of one step (``problems`` must be empty).
 
     ``minidist``: price minidist's own implementation (tracemalloc-counted arrays, no
-    sequence parallelism, plain attention) instead of a fused GPU implementation."""
-    s = Step.of(model, machine, plan, precision, global_batch_tokens, minidist)
+    sequence parallelism, plain attention) instead of a fused GPU implementation.
+    ``expert_load``: with ep > 1, the busiest ep rank's routed rows over the mean (1:
+    balanced routing; moe_cost)."""
+    s = Step.of(model, machine, plan, precision, global_batch_tokens, minidist, expert_load)
     m, p, mc, M = model, plan, machine, plan.microbatches
     t_f = forward_time(s)
     work = t_f * (3 + (1 if s.ckpt else 0))                      # backward = 2 x forward, + recompute

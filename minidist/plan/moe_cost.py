@@ -22,7 +22,10 @@ Megatron Core).
   parameters (attention, norms, routers, embeddings) over all ``dp x cp``.
 
 The experts' compute is :mod:`.model`'s (k experts per token, active FLOPs only), their
-memory :mod:`.stages`' (E / ep experts per rank).
+memory :mod:`.stages`' (E / ep experts per rank).  Routing is balanced unless the estimate is
+given an ``expert_load``: the busiest ep rank's rows over the mean (a learned router is rarely
+balanced, and with ep > 1 a mixture waits for its busiest rank; dropless routing lets it reach
+ep, a capacity factor c bounds it near c).
 """
 
 from __future__ import annotations
@@ -47,6 +50,17 @@ def routed_rows(m, minidist: bool = False) -> float:
     if not c:
         return float(m.top_k)
     return m.top_k * (min(1.0, c) if minidist else c)
+
+
+def expert_flops(m, minidist: bool = False) -> float:
+    """Forward FLOPs per token of the experts' rows: the MLP's, once per routed row."""
+    return 2 * (3 if m.gated else 2) * m.d_model * m.ffn * routed_rows(m, minidist)
+
+
+def expert_values(m) -> float:
+    """Values per token minidist's experts keep for their ``top_k`` rows (each row's MLP
+    arrays, and its gathered input, output and weighted output: minidist_moe_values)."""
+    return m.top_k * ((3 * m.ffn if m.gated else 8 * m.d_model) + 3 * m.d_model)
 
 
 def expert_extra_flops(m, minidist: bool = False) -> float:
@@ -102,9 +116,8 @@ def minidist_moe_values(m, dense_values: float) -> float:
     arrays (GELU's 8 d, SwiGLU's 3 f) k times, each of the k rows also gathered, output and
     weighted (3 d), the combined output (d) and the router's logits, probabilities and their
     float copies (3 E)."""
-    d = m.d_model
-    mlp = 3 * m.ffn if m.gated else 8 * d
-    return dense_values - mlp + m.top_k * (mlp + 3 * d) + d + 3 * m.experts
+    mlp = 3 * m.ffn if m.gated else 8 * m.d_model
+    return dense_values - mlp + expert_values(m) + m.d_model + 3 * m.experts
 
 
 def minidist_ep_values(m, ep: int) -> float:
