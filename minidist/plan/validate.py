@@ -162,25 +162,32 @@ TARGETS = {"step": 0.10, "peak": 0.10}  # median |error| of the step time and of
 PROBE_SHAPE = dict(layers=2, d_model=64, heads=4, seq_len=32, batch_size=16)  # not one of --validate's shapes
 
 
-def _with_elementwise_rate(machine: Machine, log=print) -> Machine:
-    """``machine`` with the rate of minidist's element-wise work (norms, GELU, softmax, the
-    residual and bias adds, their backward, each allocating its result) measured from one real
-    single-process step of a small model: the step's time less what the model prices for its
-    matmuls and fixed costs, over the activation bytes the model says it moves.  The fastest of
-    three launches: one launch's time varies from one calibration to the next, and this rate
-    moves every prediction with it (docs/planner.md)."""
-    meas = min((run(PROBE_SHAPE, {}, steps=10) for _ in range(3)), key=lambda r: r["step_s"])
-    loaded = replace(machine, load=meas["load"])
+def elementwise_rate(machine: Machine, probe: dict) -> float | None:
+    """The rate of minidist's element-wise work (norms, GELU, softmax, the residual and bias
+    adds, their backward, each allocating its result) that makes the cost model price the
+    real single-process step ``probe`` (``run(PROBE_SHAPE, {})``) exactly: the step's time
+    less what the model prices for its matmuls and fixed costs, over the activation bytes the
+    model says it moves.  None when the rest is lost in the noise."""
+    loaded = replace(machine, load=probe["load"])
     without = predict(replace(loaded, mem_bw=1e30), PROBE_SHAPE, {})["step_s"]
     per_byte = predict(replace(loaded, mem_bw=1.0), PROBE_SHAPE, {})["step_s"] - without
-    rest = meas["step_s"] - without
-    if rest <= 0:
+    rest = probe["step_s"] - without
+    return per_byte / rest if rest > 0 else None
+
+
+def _with_elementwise_rate(machine: Machine, log=print) -> Machine:
+    """``machine`` with :func:`elementwise_rate` from the fastest of three probe launches:
+    one launch's time varies from one calibration to the next, and this rate moves every
+    prediction with it (docs/planner.md)."""
+    meas = min((run(PROBE_SHAPE, {}, steps=10) for _ in range(3)), key=lambda r: r["step_s"])
+    rate = elementwise_rate(machine, meas)
+    if rate is None:
         log("  element-wise work: hidden in the noise of the probe; the copy bandwidth stays")
         return machine
-    rate = per_byte / rest
     log(f"  minidist's element-wise work: {rate / 1e9:.2f} GB/s of activations (a real {PROBE_SHAPE['layers']}-block "
         f"d{PROBE_SHAPE['d_model']} step, {meas['step_s'] * 1e3:.1f} ms, background load {meas['load']:.1f})")
-    return replace(machine, mem_bw=rate, notes={**machine.notes, "copy_bw": machine.mem_bw})
+    return replace(machine, mem_bw=rate, notes={**machine.notes, "copy_bw": machine.mem_bw,
+                                                 "probe_step_s": meas["step_s"]})
 
 
 def calibrate(path: str | None = None, log=print) -> Machine:
@@ -229,14 +236,24 @@ def calibrate(path: str | None = None, log=print) -> Machine:
 
 def validate(machine, steps: int = 8, log=print, configs=None, repeats: int = 2) -> dict:
     """Each configuration trained ``repeats`` times, in rounds (every configuration once, then
-    again), and priced at the background load of its fastest launch, whose step time counts:
-    load only ever adds, and the same configuration measured minutes apart on a shared VM can
-    differ by more than the model's own error (docs/planner.md)."""
+    again), and priced on the machine as it was during the validation: at the background load
+    of its fastest launch, whose step time counts (load only ever adds), and at the element-wise
+    rate of the median of the probe steps run before every launch.  This VM runs in two speed
+    levels that switch over minutes, unseen by the load and the steal time; the slow one slows
+    minidist's element-wise work and Python, not its GEMMs, so a rate calibrated minutes
+    earlier can be off by a third (docs/planner.md)."""
     configs = CONFIGS if configs is None else configs
-    launches = [[] for _ in configs]
+    launches, probes = [[] for _ in configs], []
     for _ in range(repeats):
         for i, (name, mesh, change) in enumerate(configs):
+            probes.append(run(PROBE_SHAPE, {}, steps=10))
             launches[i].append(run({**SHAPE, **change}, mesh, steps))
+    probe = {"step_s": statistics.median(p["step_s"] for p in probes), "load": statistics.median(p["load"] for p in probes)}
+    calibrated, rate = machine.mem_bw, elementwise_rate(machine, probe) or machine.mem_bw
+    log(f"the probe step beside the launches: median {probe['step_s'] * 1e3:.1f} ms of {len(probes)} "
+        f"({min(p['step_s'] for p in probes) * 1e3:.1f}-{max(p['step_s'] for p in probes) * 1e3:.1f}): element-wise "
+        f"work at {rate / 1e9:.2f} GB/s (calibrated: {calibrated / 1e9:.2f})")
+    machine = replace(machine, mem_bw=rate)
     rows = []
     log(f"{'configuration':<24} {'ranks':>5} {'step ms pred':>12} {'meas':>8} {'err':>6}   "
         f"{'peak MiB pred':>13} {'meas':>8} {'err':>6}")
@@ -270,6 +287,7 @@ def validate(machine, steps: int = 8, log=print, configs=None, repeats: int = 2)
         f"peak memory {100 * med_m:.1f}% (target <= {100 * TARGETS['peak']:.0f}%), over {len(rows)} configurations, "
         f"the fastest of {repeats} launch{'es' * (repeats > 1)} each")
     return {"machine": machine.to_json(), "cores": os.cpu_count(), "steps": steps, "repeats": repeats,
+            "probe_step_s": [p["step_s"] for p in probes], "elementwise_bw_calibrated": calibrated,
             "configurations": rows, "median_step_error": med_t, "median_peak_error": med_m,
             "targets": {"median_step_error": TARGETS["step"], "median_peak_error": TARGETS["peak"]}}
 
