@@ -4,10 +4,11 @@ the published Llama 3 405B table.
     python benchmarks/bench_plan.py [--out DIR] [--quick]
 
 1. This machine: ``--calibrate`` (GEMM rates, minidist's element-wise rate and fixed costs,
-   point-to-point and sync costs; about 15 s), then ``--validate``: 17 small configurations
-   spanning dp (ZeRO 0-3), tp, pp, cp, their pairs and expert parallelism (ep2, with its
-   all-to-all bytes) run for real (8 steps each, two launches of each in rounds, the
-   faster counting), predicted vs measured step time and peak memory, and the median
+   point-to-point, sync and ring-attention costs; about 25 s), then ``--validate``: 17 small
+   configurations spanning dp (ZeRO 0-3), tp, pp, cp, their pairs and expert parallelism
+   (ep2, with its all-to-all bytes) run for real (8 steps each, two launches of each in
+   rounds, the faster counting, the element-wise rate re-measured by a probe step before
+   every launch), predicted vs measured step time and peak memory, and the median
    |predicted - measured| / measured (targets: <= 10 % for both).  --quick (for the tests):
    2 configurations, one process and dp2 (one launch of each), 6 steps.  The calibration is written to DIR/plan-machine.json (not the user's own).
 2. Llama 3 405B on H100s (Dubey et al. 2024, table 4): the predicted MFU of each published

@@ -156,7 +156,8 @@ def forward_time(s: Step) -> float:
         flops = block_matmul_flops(m, moe) + (moe_cost.expert_extra_flops(m, s.minidist) if moe else 0.0)
         if moe and s.expert_load != 1.0:  # the busiest ep rank's experts run more rows than the mean
             flops += (s.expert_load - 1) * moe_cost.expert_flops(m, s.minidist)
-            act += (s.expert_load - 1) * moe_cost.expert_values(m) * s.pr.act if s.minidist else 0.0
+            if s.minidist:
+                act += (s.expert_load - 1) * moe_cost.expert_values(m) * s.pr.act
         attention = 0.0 if ring else attention_flops(m, m.block_size, executed=True)
         return (flops * n / p.tp / (peak * mc.gemm_eff) + attention * n / p.tp / (peak * mc.attn_eff)
                 + 2 * act * n / p.tp / (mc.mem_bw * sh) + mc.block_mb_s / 3 / sh)
@@ -192,8 +193,9 @@ def cp_time(s: Step) -> float:
 
     minidist's ring attention on a CPU (:func:`ring_priced`): the whole attention, forward and
     backward, priced per online-softmax tile and per score of the busiest cp rank
-    (layout.grid.ring_tiles) at the ring probe's rates, which hold its messages too; the
-    recompute of checkpointing adds its forward, a third."""
+    (layout.grid.ring_tiles) at the ring probe's rates, which hold its messages too (measured
+    at one head width, 32: the price does not follow it); the recompute of checkpointing adds
+    its forward, a third."""
     p, m = s.p, s.m
     if p.cp == 1:
         return 0.0
