@@ -122,6 +122,27 @@ def test_low_precision_rows_add_up_in_float32_and_are_rounded_once():
     assert host(x.grad.astype(np.float32)).tolist() == [[1 + 2**-7], [0.0]]
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_permute_rows_equals_gather_rows_forward_and_backward(dtype):
+    """The expert-parallel dispatch's regrouping: a permutation's backward is the inverse
+    permutation, the same rows, bit for bit, as gather_rows' scatter-add; anything but a
+    permutation is refused."""
+    rng = np.random.default_rng(0)
+    dt = backend.dtype(dtype)
+    data = dev(rng.standard_normal((7, 3, 2))).astype(dt)
+    grad = dev(rng.standard_normal((7, 3, 2))).astype(dt)
+    perm = rng.permutation(7)
+    a, b = (Tensor(data.copy(), requires_grad=True) for _ in range(2))
+    ya, yb = moe.permute_rows(a, perm), moe.gather_rows(b, perm)
+    assert np.array_equal(host(ya.data), host(yb.data)) and np.array_equal(host(ya.data), host(data)[perm])
+    ya.backward(grad)
+    yb.backward(grad)
+    assert a.grad.dtype == dt and np.array_equal(host(a.grad), host(b.grad))
+    for bad in ([0, 1, 2, 3, 4, 5, 5], [0, 1, 2], [0, 1, 2, 3, 4, 5, 7], [-1, 1, 2, 3, 4, 5, 6]):
+        with pytest.raises(ValueError, match="not a permutation of 7 rows"):
+            moe.permute_rows(a, np.array(bad))
+
+
 @pytest.mark.parametrize("low", ["bfloat16", "float16"])
 def test_a_mixed_precision_layer_keeps_its_activations_low_and_every_gradient(low):
     """Under autocast (the training loop's mixed precision) the layer takes and returns

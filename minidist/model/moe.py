@@ -51,7 +51,7 @@ import math
 
 from minidist.model import ops
 from minidist.model.autograd import Tensor, is_grad_enabled, make_tensor
-from minidist.model.backend import host, host_read, xp  # host: the routing's index bookkeeping
+from minidist.model.backend import from_host, host, host_read, xp  # host: the routing's index bookkeeping
 from minidist.model.module import Module, _param
 from minidist.model.ops.basic import check_index, scatter_add_rows
 from minidist.model.ops.precision import compute_dtype
@@ -94,6 +94,21 @@ def gather_rows(x: Tensor, idx) -> Tensor:
     does (in float32 for low-precision rows)."""
     idx = check_index(idx, x.shape[0], "gather_rows idx")
     return make_tensor(x.data[idx], (x,), lambda g: (_add_rows(idx, g, x.shape[0]),))
+
+
+def permute_rows(x: Tensor, perm) -> Tensor:
+    """``x[perm]`` for a permutation ``perm`` of x's rows (a host int array); backward puts
+    each row's gradient back where the row came from, ``g[inverse]``.  Every row is taken
+    once, so no gradients add up: :func:`gather_rows`' scatter-add (a sort and a segment sum
+    per call) would give the same rows, slower.  ValueError if ``perm`` is not a permutation."""
+    perm = host.asarray(perm)
+    n = x.shape[0]
+    if perm.shape != (n,) or not host.array_equal(host.sort(perm), host.arange(n)):
+        raise ValueError(f"permute_rows: the index is not a permutation of {n} rows (shape {perm.shape})")
+    inverse = host.empty_like(perm)
+    inverse[perm] = host.arange(n)
+    forward_idx, back_idx = from_host(perm), from_host(inverse)
+    return make_tensor(x.data[forward_idx], (x,), lambda g: (g[back_idx],))
 
 
 def run_local_experts(experts, xs: Tensor, counts) -> Tensor:

@@ -10,7 +10,7 @@ mixture's forward on a rank (:class:`ExpertParallelDispatch`, the MoE's ``dispat
    e // (E/N), so rank j's rows are one contiguous slice;
 2. the row counts per expert travel first (a small ``all_to_all_v`` of ints), then the
    rows (``comm.functional.all_to_all_v``: its backward returns the gradients);
-3. the rows received, source-major, are regrouped expert-major (``moe.gather_rows``), each
+3. the rows received, source-major, are regrouped expert-major (``moe.permute_rows``), each
    local expert runs on its rows, and the outputs are put back in the received order;
 4. a second ``all_to_all_v`` (the counts swapped) returns each token's output to its rank.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 from minidist import comm
 from minidist.model import ops
 from minidist.model.backend import host, xp  # host: the dispatch's index bookkeeping
-from minidist.model.moe import MoE, gather_rows
+from minidist.model.moe import MoE, permute_rows
 from minidist.parallel.expert.checks import problems  # noqa: F401  (compose.problems gathers it)
 from minidist.parallel.expert.tokens import route_whole_sequences
 
@@ -70,11 +70,11 @@ class ExpertParallelDispatch:
         start = (host.cumsum(theirs.reshape(-1)) - theirs.reshape(-1)).reshape(n, per)
         order = host.concatenate([host.arange(start[j, i], start[j, i] + theirs[j, i])
                                 for i in range(per) for j in range(n)] or [host.zeros(0, host.int64)]).astype(host.int64)
-        by_expert = gather_rows(received, order)
+        by_expert = permute_rows(received, order)
         sizes = theirs.sum(axis=0)
         parts = ops.split(by_expert, [int(s) for s in sizes], axis=0)
         ys = ops.concat([experts[self.first + i](p) for i, p in enumerate(parts)], axis=0)  # zero rows too
-        back = gather_rows(ys, host.argsort(order))      # the received order again
+        back = permute_rows(ys, host.argsort(order))     # the received order again
         return self.send_back(back, got)
 
     def send(self, xs, counts):
