@@ -67,7 +67,7 @@ PARTS = [
     Part("oversubscribed", "bench_oversubscribed.py", "more ranks than cores: the README's 8-rank command vs one "
          "process on the same model and batch", [], ["--quick"], full_s=240, quick_s=15),
     Part("plan", "bench_plan.py", "the planner: predicted vs measured step time and peak memory here, and the "
-         "Llama 3 405B rows", [], ["--quick"], full_s=110, quick_s=20),
+         "Llama 3 405B rows", [], ["--quick"], full_s=200, quick_s=40),
     # Where there is no GPU (or no CuPy) it writes gpu.json with the reason and stops in a second.
     Part("gpu", "bench_gpu.py", "a GPT step on one GPU: minidist (CuPy) vs PyTorch, fp32 and mixed precision, "
          "then 2 ranks sharing the GPU per parallel mode", [], ["--quick", "--no-parallel"], full_s=240, quick_s=60),

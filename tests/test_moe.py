@@ -138,9 +138,13 @@ def test_permute_rows_equals_gather_rows_forward_and_backward(dtype):
     ya.backward(grad)
     yb.backward(grad)
     assert a.grad.dtype == dt and np.array_equal(host(a.grad), host(b.grad))
-    for bad in ([0, 1, 2, 3, 4, 5, 5], [0, 1, 2], [0, 1, 2, 3, 4, 5, 7], [-1, 1, 2, 3, 4, 5, 6]):
+    for bad in ([0, 1, 2, 3, 4, 5, 5], [0, 1, 2], [], [[0, 1, 2, 3, 4, 5, 6]]):
         with pytest.raises(ValueError, match="not a permutation of 7 rows"):
-            moe.permute_rows(a, np.array(bad))
+            moe.permute_rows(a, np.array(bad, dtype=np.int64))
+    with pytest.raises(IndexError, match="permute_rows perm value 7 out of range"):
+        moe.permute_rows(a, np.array([0, 1, 2, 3, 4, 5, 7]))
+    with pytest.raises(TypeError, match="permute_rows perm must be an integer array"):
+        moe.permute_rows(a, np.arange(7.0))
 
 
 @pytest.mark.parametrize("low", ["bfloat16", "float16"])

@@ -356,3 +356,35 @@ def test_the_ring_probe_fit_recovers_its_rates():
     rows = [{"tiles": t, "scores": s, "s": t * 5e-4 + s * 8e-8} for t, s in ((5, 81920), (18, 73728), (5, 20480))]
     fit = fit_ring(rows)
     assert fit["ring_tile_s"] == pytest.approx(5e-4) and fit["ring_score_s"] == pytest.approx(8e-8)
+
+
+def test_the_ring_probe_fit_refits_what_is_left_when_one_rate_is_negative():
+    from minidist.plan.machine import fit_ring
+
+    # per-score cost growing with the tile (the real probe's shape): the free fit's tile rate is negative
+    rows = [{"tiles": 5, "scores": 81920, "s": 0.012}, {"tiles": 18, "scores": 73728, "s": 0.006},
+            {"tiles": 5, "scores": 20480, "s": 0.002}]
+    fit = fit_ring(rows)
+    b = sum(r["scores"] * r["s"] for r in rows) / sum(r["scores"] ** 2 for r in rows)
+    assert fit == {"ring_tile_s": 0.0, "ring_score_s": pytest.approx(b)}
+
+
+def test_ring_attention_keeps_no_scores_in_the_memory_minidist_is_priced_with():
+    m = tiny_gpt(layers=4, d=128, heads=4, seq=64)
+    one, cp2 = (memory_parts(m, Plan(cp=cp), FLOAT32, 16 * 64, minidist=True)["activations"] for cp in (1, 2))
+    from minidist.plan.cost import minidist_block_values
+    per_token = {cp: (minidist_block_values(m, 64, False, cp > 1) - 12 * 128) * 4 + 12 * 128 * 4 for cp in (1, 2)}
+    assert per_token[1] - per_token[2] == 4 * 64 * 4  # H x T float32 scores per token
+    assert cp2 < one / 2
+
+
+def test_the_elementwise_rate_is_the_one_that_prices_the_probe_step_exactly():
+    """validate.elementwise_rate inverts the cost model on the probe shape: a step priced at
+    rate R gives back R."""
+    from minidist.plan.validate import PROBE_SHAPE, elementwise_rate, predict
+
+    cpu = Machine("cpu", {"float32": 50e9, "float64": 25e9}, 8e9, 3e9, (Link("shm", float("inf"), 5e9, 2e-6),),
+                  overlap=0.0, block_mb_s=3e-4, cores=2)
+    step = predict(cpu, PROBE_SHAPE, {})["step_s"]
+    assert elementwise_rate(replace(cpu, mem_bw=9e9), {"step_s": step, "load": 0.0}) == pytest.approx(3e9)
+    assert elementwise_rate(cpu, {"step_s": step / 100, "load": 0.0}) is None  # less than the matmuls alone

@@ -270,3 +270,18 @@ def test_the_routing_measured_prices_the_busiest_expert_rank():
         flops = 0.5 * expert_flops(m, True) * 4 * 32 * 2 * 3 / 50e9  # 4 sequences x 32 tokens, 2 mixtures, fwd + bwd
         values = 0.5 * expert_values(m) * 4 * 4 * 32 * 2 * 2 * 3 / 5e9  # float32, written and read, fwd + bwd
         assert busy.time["compute"] - even.time["compute"] == pytest.approx(flops + values if extra else 0.0)
+
+
+def test_fused_experts_padded_to_a_capacity_pay_no_routing_imbalance():
+    """With a capacity factor a fused implementation pads every expert to its capacity: the
+    busiest rank runs the same rows, so the measured imbalance adds nothing; minidist (and
+    dropless routing) runs the rows it got."""
+    from minidist.plan.cost import FLOAT32
+    from minidist.plan.machine import Machine
+
+    cpu = Machine("cpu", {"float32": 50e9}, 8e9, 5e9, (Link("shm", float("inf"), 5e9, 2e-6),), overlap=0.0, cores=8)
+    m = ModelConfig(layers=2, d_model=64, heads=4, block_size=32, experts=4, top_k=2, capacity_factor=1.25)
+    for minidist, moves in ((False, False), (True, True)):
+        even, busy = (estimate(m, cpu, Plan(dp=2, ep=2), 8 * 32, FLOAT32, minidist=minidist, expert_load=x).step_s
+                      for x in (1.0, 1.5))
+        assert (busy > even) == moves

@@ -53,7 +53,7 @@ from minidist.model import ops
 from minidist.model.autograd import Tensor, is_grad_enabled, make_tensor
 from minidist.model.backend import from_host, host, host_read, xp  # host: the routing's index bookkeeping
 from minidist.model.module import Module, _param
-from minidist.model.ops.basic import check_index, scatter_add_rows
+from minidist.model.ops.basic import check_index, check_range, scatter_add_rows
 from minidist.model.ops.precision import compute_dtype
 
 
@@ -100,10 +100,11 @@ def permute_rows(x: Tensor, perm) -> Tensor:
     """``x[perm]`` for a permutation ``perm`` of x's rows (a host int array); backward puts
     each row's gradient back where the row came from, ``g[inverse]``.  Every row is taken
     once, so no gradients add up: :func:`gather_rows`' scatter-add (a sort and a segment sum
-    per call) would give the same rows, slower.  ValueError if ``perm`` is not a permutation."""
-    perm = host.asarray(perm)
+    per call) would give the same rows, slower.  ``check_range``'s errors for an index that is
+    not ints in range; ValueError for one that is not a permutation."""
     n = x.shape[0]
-    if perm.shape != (n,) or not host.array_equal(host.sort(perm), host.arange(n)):
+    perm = host.asarray(check_range(perm, n, "permute_rows perm"))
+    if perm.shape != (n,) or not (host.bincount(perm, minlength=n) == 1).all():
         raise ValueError(f"permute_rows: the index is not a permutation of {n} rows (shape {perm.shape})")
     inverse = host.empty_like(perm)
     inverse[perm] = host.arange(n)

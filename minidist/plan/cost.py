@@ -148,13 +148,14 @@ def forward_time(s: Step) -> float:
     m, mc, p, n, sh = s.m, s.mc, s.p, s.n, s.share
     peak = mc.peak_for(s.pr.compute) * sh
 
-    ring = ring_priced(s)  # then cp_time prices the attention, and no H x T scores are kept
+    ring = ring_priced(s)  # then cp_time prices the attention's whole cost
 
     def block(moe: bool) -> float:  # a mixture: its router and the rows its experts run
-        act = (minidist_block_values(m, m.block_size, moe, ring) * s.pr.act if s.minidist
+        act = (minidist_block_values(m, m.block_size, moe, p.cp > 1) * s.pr.act if s.minidist
                else activation_bytes_per_token(m, s.pr.act, moe))
         flops = block_matmul_flops(m, moe) + (moe_cost.expert_extra_flops(m, s.minidist) if moe else 0.0)
-        if moe and s.expert_load != 1.0:  # the busiest ep rank's experts run more rows than the mean
+        # the busiest ep rank's experts run more rows than the mean (fused kernels padded to a capacity do not)
+        if moe and s.expert_load != 1.0 and (s.minidist or not m.capacity_factor):
             flops += (s.expert_load - 1) * moe_cost.expert_flops(m, s.minidist)
             if s.minidist:
                 act += (s.expert_load - 1) * moe_cost.expert_values(m) * s.pr.act
@@ -195,7 +196,7 @@ def cp_time(s: Step) -> float:
     backward, priced per online-softmax tile and per score of the busiest cp rank
     (layout.grid.ring_tiles) at the ring probe's rates, which hold its messages too (measured
     at one head width, 32: the price does not follow it); the recompute of checkpointing adds
-    its forward, a third."""
+    its forward, taken as a third (the probe times forward and backward together)."""
     p, m = s.p, s.m
     if p.cp == 1:
         return 0.0
@@ -265,7 +266,8 @@ def estimate(model: ModelConfig, machine: Machine, plan: Plan, global_batch_toke
     """Time by parts, memory per device and MFU of one step (``problems`` must be empty).
 
     ``minidist``: price minidist's own implementation (tracemalloc-counted arrays, no
-    sequence parallelism, plain attention) instead of a fused GPU implementation.
+    sequence parallelism, plain attention, or with cp ring attention's tiles where the machine
+    has their rates) instead of a fused GPU implementation.
     ``expert_load``: with ep > 1, the busiest ep rank's routed rows over the mean (1:
     balanced routing; moe_cost)."""
     s = Step.of(model, machine, plan, precision, global_batch_tokens, minidist, expert_load)
@@ -318,8 +320,8 @@ def minidist_block_values(m: ModelConfig, seq: int, moe: bool = False, ring: boo
     nn.SwiGLU) differs by what its ops keep: SwiGLU's 2 f + f in place of GELU's 4 d + 4 d,
     a q|k|v of d + 2 d_kv in place of 3 d, the rotated copy of it (rotary), and with fewer
     key/value heads than query heads the 3 d the repeated heads take (repeat_kv).  A mixture
-    (``moe``): moe_cost.minidist_moe_values.  ``ring``: ring attention's online softmax keeps
-    no scores."""
+    (``moe``): moe_cost.minidist_moe_values.  ``ring`` (context parallelism): ring attention's
+    online softmax keeps no scores."""
     d, scores = m.d_model, (0 if ring or skips_masked_half(m) else m.heads * seq)
     if not m.gated:
         values = 24 * d + scores
@@ -357,7 +359,7 @@ def memory_parts(m: ModelConfig, p: Plan, pr: Precision, global_batch_tokens: in
 
     def block(moe: bool) -> float:  # one block's activations on one rank
         if minidist:  # half of its 24 arrays lie outside the tp-split layers (norms, residual, gathered outputs)
-            split = (minidist_block_values(m, seq, moe) - REPLICATED_ARRAYS * m.d_model) * pr.act
+            split = (minidist_block_values(m, seq, moe, p.cp > 1) - REPLICATED_ARRAYS * m.d_model) * pr.act
             ep = moe_cost.minidist_ep_values(m, p.ep) * pr.act * n if moe else 0.0
             return split * n / p.tp + REPLICATED_ARRAYS * m.d_model * pr.act * n + ep
         # without sequence parallelism the norms' inputs and outputs (4 d per token) are on every tp rank

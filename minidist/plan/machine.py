@@ -359,13 +359,19 @@ def _ring_probe(out_path: str, reps: int = 15) -> None:
 
 def fit_ring(rows: list) -> dict:
     """Seconds per tile and per score, t = tiles a + scores b, fitted to the probe's rows by
-    least squares (each kept >= 0).  A tile's fixed part holds its NumPy calls and its share
-    of the ring's messages (every ring step brings new tiles)."""
+    least squares; where one comes out negative it is 0 and the other is fitted alone.  A
+    tile's fixed part holds its NumPy calls and its share of the ring's messages (every ring
+    step brings new tiles)."""
     import numpy as np
 
     A = np.array([[r["tiles"], r["scores"]] for r in rows], float)
-    a, b = np.linalg.lstsq(A, np.array([r["s"] for r in rows]), rcond=None)[0]
-    return {"ring_tile_s": max(0.0, float(a)), "ring_score_s": max(0.0, float(b))}
+    t = np.array([r["s"] for r in rows])
+    a, b = np.linalg.lstsq(A, t, rcond=None)[0]
+    if a < 0 or b < 0:
+        col = 1 if a < 0 else 0
+        only = max(0.0, float(A[:, col] @ t / (A[:, col] @ A[:, col])))
+        a, b = (0.0, only) if a < 0 else (only, 0.0)
+    return {"ring_tile_s": float(a), "ring_score_s": float(b)}
 
 
 def measure_ring(log=print) -> dict:
@@ -380,6 +386,8 @@ def measure_ring(log=print) -> dict:
     with open(out) as f:
         ring = fit_ring(json.load(f))
     os.unlink(out)
+    share = min(1.0, (os.cpu_count() or 1) / 2)  # a rank's share of a core in the probe: the planner divides by its own
+    ring = {k: v * share for k, v in ring.items()}
     log(f"  minidist's ring attention on 2 ranks, forward + backward: {ring['ring_tile_s'] * 1e6:.0f} us per tile, "
         f"{ring['ring_score_s'] * 1e9:.1f} ns per score")
     return ring

@@ -76,10 +76,11 @@ def plan_of(mesh: dict) -> Plan:
 
 
 def model_of(shape: dict) -> ModelConfig:
-    """The model ``minidist.train`` builds from ``shape``'s flags."""
+    """The model ``minidist.train`` builds from ``shape``'s flags (ring attention's tile: a
+    whole chunk, the training flags' default)."""
     return ModelConfig(layers=shape["layers"], d_model=shape["d_model"], heads=shape["heads"],
                        arch=shape.get("arch", "gpt2"), kv_heads=shape.get("kv_heads"), experts=shape.get("experts", 0),
-                       block_size=shape["seq_len"])
+                       block_size=shape["seq_len"], attention_block=None)
 
 
 def predict(machine, shape: dict, mesh: dict, expert_load: float = 1.0) -> dict:
@@ -100,7 +101,10 @@ def predict(machine, shape: dict, mesh: dict, expert_load: float = 1.0) -> dict:
 def expert_load(rows: list, ep: int) -> float:
     """The busiest ep rank's routed rows over the mean, averaged over the mixtures and the
     steps of ``rows`` (the metrics' router counts: tokens per expert of each mixture, the
-    experts split over the ep ranks in order); 1 without a mixture or ep."""
+    experts split over the ep ranks in order); 1 without a mixture or ep.  The counts are
+    summed over the data-parallel ranks and a step's microbatches, so with more than one ep
+    group, or more than one microbatch, this is the pooled imbalance, a lower bound of the
+    busiest group's and call's (exact for --validate's dp2·ep2, one microbatch)."""
     loads = []
     for r in rows:
         for tokens in (r.get("router") or {}).get("tokens", []) if ep > 1 else []:
