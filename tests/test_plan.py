@@ -13,7 +13,8 @@ from minidist.layout.schedules import make_schedule, theoretical_bubble
 from minidist.layout.simulate import simulate
 from minidist.plan.cost import FLOAT32, FLOAT64, MIXED_BF16, Plan, estimate, memory_parts, problems, \
     stage_blocks
-from minidist.plan.machine import PRESETS as MACHINES, Machine, Link, load, others_load
+from minidist.plan.machine import PRESETS as MACHINES, Machine, Link, load
+from minidist.plan.probes import others_load
 from minidist.plan.model import PRESETS, block_matmul_flops, model_flops_per_token, num_params
 from minidist.plan.search import meshes, rank_of, search
 
@@ -351,7 +352,7 @@ def test_minidist_ring_attention_is_priced_per_tile_and_score_when_calibrated():
 
 
 def test_the_ring_probe_fit_recovers_its_rates():
-    from minidist.plan.machine import fit_ring
+    from minidist.plan.probes import fit_ring
 
     rows = [{"tiles": t, "scores": s, "s": t * 5e-4 + s * 8e-8} for t, s in ((5, 81920), (18, 73728), (5, 20480))]
     fit = fit_ring(rows)
@@ -359,7 +360,7 @@ def test_the_ring_probe_fit_recovers_its_rates():
 
 
 def test_the_ring_probe_fit_refits_what_is_left_when_one_rate_is_negative():
-    from minidist.plan.machine import fit_ring
+    from minidist.plan.probes import fit_ring
 
     # per-score cost growing with the tile (the real probe's shape): the free fit's tile rate is negative
     rows = [{"tiles": 5, "scores": 81920, "s": 0.012}, {"tiles": 18, "scores": 73728, "s": 0.006},

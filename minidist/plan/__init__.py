@@ -8,7 +8,8 @@ it against real minidist runs on this machine.  Modules, one idea each:
 
 * :mod:`.model`: parameters (total and active), FLOPs and activation bytes of a transformer's
   shape, dense or with a mixture of experts;
-* :mod:`.machine`: the machines (presets; the probes that measure this machine);
+* :mod:`.machine`: the machines (presets; this machine as calibrated);
+* :mod:`.probes`: the probes that measure this machine (each multi-rank one its own mpiexec);
 * :mod:`.settings`: a plan (the mesh, ep included, and the step's settings) and the precisions;
 * :mod:`.feasible`: why a plan cannot run a model, one line per reason;
 * :mod:`.stages`: what each pipeline stage holds (blocks, mixtures, parameters per rank);

@@ -183,7 +183,7 @@ def tp_time(s: Step) -> float:
 
 def ring_priced(s: Step) -> bool:
     """Is the attention of this step minidist's ring attention on a CPU, priced by the
-    calibration's ring probe (plan/machine.py) rather than by its FLOPs?"""
+    calibration's ring probe (plan/probes.py) rather than by its FLOPs?"""
     return s.minidist and s.p.cp > 1 and bool(s.mc.ring_tile_s or s.mc.ring_score_s)
 
 

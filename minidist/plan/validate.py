@@ -39,8 +39,8 @@ from dataclasses import replace
 
 from minidist.plan import moe_cost
 from minidist.plan.cost import FLOAT32, Plan, Step, estimate
-from minidist.plan.machine import (INF, Link, Machine, busy_seconds, calibration_path, fixed_costs, load,
-                                   measure_ring, measure_sync, mpiexec, others_load)
+from minidist.plan.machine import INF, Link, Machine, calibration_path, load
+from minidist.plan.probes import busy_seconds, fixed_costs, measure_ring, measure_sync, mpiexec, others_load
 from minidist.layout.model import ModelConfig
 
 # Small enough that all of them take 2-4 minutes on 2 cores, large enough that the
@@ -207,7 +207,7 @@ def calibrate(path: str | None = None, log=print) -> Machine:
         f"{compute['peak']['float64'] / 1e9:.1f} float64; element-wise {compute['mem_bw'] / 1e9:.1f} GB/s")
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
-    code = f"import minidist.plan.machine as m; m._p2p_probe({out!r})"
+    code = f"import minidist.plan.probes as m; m._p2p_probe({out!r})"
     subprocess.run(mpiexec(2) + [sys.executable, "-c", code], check=True, env=env, capture_output=True,
                    timeout=300)
     with open(out) as f:
