@@ -200,7 +200,7 @@ def calibrate(path: str | None = None, log=print) -> Machine:
     from minidist.host.blas_env import blas_threads
 
     env = dict(os.environ, **blas_threads(1))
-    code = "import json, minidist.plan.machine as m; print(json.dumps(m.measure_compute()))"
+    code = "import json, minidist.plan.probes as m; print(json.dumps(m.measure_compute()))"
     compute = json.loads(subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True,
                                         text=True, timeout=300).stdout)
     log(f"  GEMM on one core: {compute['peak']['float32'] / 1e9:.1f} GFLOP/s float32, "
