@@ -216,16 +216,6 @@ gather_from_sp = all_gather           # sequence parallel: all-gather fwd, reduc
 reduce_scatter_to_sp = reduce_scatter  # sequence parallel: reduce-scatter fwd, all-gather bwd
 
 
-def scatter_to_tp(x, g, axis: int = -1):
-    """Megatron's split of the last (hidden or vocab) axis: :func:`scatter_to_group`."""
-    return scatter_to_group(x, g, axis)
-
-
-def gather_from_tp(x, g, axis: int = -1):
-    """Megatron's gather of the last axis into a replicated tensor: :func:`gather_from_group`."""
-    return gather_from_group(x, g, axis)
-
-
 def scatter_to_sp(x, g, axis: int = 0):
     """Split a replicated tensor along the sequence axis: :func:`scatter_to_group`."""
     return scatter_to_group(x, g, axis)

@@ -48,16 +48,6 @@ class Handle:
         self._event.set()
 
 
-class Done(Handle):
-    """A handle for a result that is already there (async_op=True on a trivial call)."""
-
-    __slots__ = ()
-
-    def __init__(self, name: str, result):
-        super().__init__(name)
-        self._finish(result)
-
-
 class ProgressWorker:
     """One daemon thread running submitted callables in FIFO order."""
 

@@ -96,16 +96,6 @@ def _record(counters: dict, name: str) -> list:
     return rec
 
 
-def count_bytes(sent: int, received: int) -> None:
-    """Charge ``sent``/``received`` bytes to the collective running on this thread (and
-    ``sent`` to the group its scope names)."""
-    state = _tls.state
-    rec = _record(state.counters, state.label or "p2p")
-    rec[1] += sent
-    rec[2] += received
-    state.grec[0] += sent
-
-
 class Call:
     """What a cached plan records of each call (see :func:`record_call`): its recent-ops
     entry ``op = (name, group_name, shape, dtype, "")``, fixed for the plan, the counters

@@ -32,12 +32,11 @@ import weakref
 from minidist.host import env
 from minidist.comm import identity, stats
 
-DEFAULT_TIMEOUT_S = env.VARIABLES["MINIDIST_TIMEOUT_S"].default  # 300 s
 POLL_S = 0.5  # how often the thread looks (at most; a quarter of a shorter timeout)
 GRACE_S = 1.5  # after its report, how long a rank waits for the other stuck ranks' reports
 
 
-_timeout = env.get("MINIDIST_TIMEOUT_S")  # DEFAULT_TIMEOUT_S when unset; EnvError when bad
+_timeout = env.get("MINIDIST_TIMEOUT_S")  # its default (300 s) when unset; EnvError when bad
 _groups: weakref.WeakSet = weakref.WeakSet()
 _thread = None
 _lock = threading.Lock()

@@ -77,10 +77,6 @@ class Tensor:
     ndim = property(lambda self: self.data.ndim)
     size = property(lambda self: self.data.size)
 
-    @property
-    def is_leaf(self) -> bool:
-        return self._ctx is None
-
     def item(self) -> float:
         return float(self.data.reshape(-1)[0]) if self.data.size == 1 else float(self.data)
 

@@ -51,7 +51,7 @@ from minidist.layout.model import ATTENTIONS, ModelConfig
 from minidist.model import ops
 from minidist.model.autograd import Tensor, checkpoint
 from minidist.model.backend import dtype as _dtype
-from minidist.model.backend import host, xp
+from minidist.model.backend import host
 from minidist.model.module import Module, _param, init_parameters  # noqa: F401 (nn.Module, nn._param)
 from minidist.model import moe
 

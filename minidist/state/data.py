@@ -17,7 +17,6 @@ to the backend (``minidist.model.backend.from_host``).
 
 from __future__ import annotations
 
-import math
 import os
 import sysconfig
 
@@ -248,7 +247,3 @@ def entropy_bigram(data) -> float:
     joint = np.bincount(data[:-1] * 256 + data[1:], minlength=256 * 256).astype(np.float64)
     first = np.bincount(data[:-1], minlength=256).astype(np.float64)
     return _entropy_of_counts(joint) - _entropy_of_counts(first)
-
-
-def nats_to_bits(h: float) -> float:
-    return h / math.log(2)

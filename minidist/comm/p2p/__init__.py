@@ -136,8 +136,9 @@ def _truncated(comm, src, tag, expected, err, what=None, status=None, wire=None)
 
 
 def _charge(state, sent: int, received: int) -> None:
-    """stats.count_bytes on a thread state already at hand: ``sent`` also counts on the
-    group the running scope names (``state.grec``, its record: no lookup)."""
+    """Charge ``sent``/``received`` bytes to the collective running on this thread (its
+    counters in ``state``); ``sent`` also counts on the group the running scope names
+    (``state.grec``, its record: no lookup)."""
     counters, name = state.counters, state.label or "p2p"
     rec = counters.get(name)
     if rec is None:
