@@ -248,9 +248,15 @@ def measure_ring(log=print) -> dict:
     return ring
 
 
-def _sync_probe(out_path: str, reps: int = 60) -> None:
+def _sync_probe(out_path: str, reps: int = 60, rounds: int = 8) -> None:
     """Under mpiexec on fewer cores than ranks: the extra seconds per synchronisation (a scalar
-    all-reduce) between stretches of ~2 ms of arithmetic, over the same loop without it."""
+    all-reduce) between stretches of ~2 ms of arithmetic, over the same loop without it.
+
+    The two loops alternate, ``rounds`` times each, and each round's difference counts: the
+    median of those.  A difference of two loops' times is small beside either, and the
+    machine's speed drifts between loops; pairing neighbours and taking the median keeps one
+    slow loop from deciding it (the best time of each kind, compared, moved several-fold
+    from one launch to the next: docs/planner.md)."""
     import numpy as np
 
     from minidist import comm
@@ -269,10 +275,8 @@ def _sync_probe(out_path: str, reps: int = 60) -> None:
         return time.perf_counter() - t0
 
     loop(True)
-    alone = min(loop(False) for _ in range(2))
-    synced = min(loop(True) for _ in range(2))
-    extra = max(0.0, (synced - alone) / reps)
-    mine = comm.all_gather(np.array([extra]), g)
+    extra = [(loop(True) - loop(False)) / reps for _ in range(rounds)]
+    mine = comm.all_gather(np.array([max(0.0, float(np.median(extra)))]), g)
     if g.rank == 0:
         with open(out_path, "w") as f:
             json.dump({"extra_s": float(np.mean(mine))}, f)
