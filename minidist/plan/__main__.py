@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from minidist.host.cli_checks import OneLineParser, int_in
 from minidist.plan.cost import CHUNKED, PRECISIONS, SCHEDULES, estimate, problems
+from minidist.plan.settings import CP_IMPLEMENTATIONS
 from minidist.plan.machine import PRESETS as MACHINES, calibration_path, load
 from minidist.plan.model import PRESETS as MODELS, Preset, active_params, as_dict, num_params
 from minidist.plan.search import search, settings
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--schedule", choices=SCHEDULES, default=None)
     s.add_argument("--virtual-stages", type=POS, default=None, metavar="V")
     s.add_argument("--checkpoint-activations", choices=["on", "off"], default=None)
+    s.add_argument("--cp-impl", choices=list(CP_IMPLEMENTATIONS), default="ring",
+                   help="how cp ranks share the attention: ring attention or DeepSpeed-Ulysses' all-to-alls "
+                        "(as the run's --cp-impl; default ring)")
     s.add_argument("--sequence-parallel", choices=["on", "off"], default="on",
                    help="Korthikanti et al.'s sequence parallelism with tp (priced for fused kernels only)")
     s.add_argument("--top", type=POS, default=5, metavar="K", help="meshes to print when searching")
@@ -159,7 +163,7 @@ def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
     given = Plan(**mesh, zero=1 if args.zero is None else args.zero,
                  microbatches=args.microbatches or 1, schedule=args.schedule or "1f1b",
                  virtual_stages=args.virtual_stages or (2 if args.schedule in CHUNKED else 1),
-                 sequence_parallel=args.sequence_parallel == "on", ep=ep)
+                 sequence_parallel=args.sequence_parallel == "on", ep=ep, cp_impl=args.cp_impl)
     checks = [x for x in problems(model, given, args.gpus, tokens, minidist)
               if args.microbatches is not None or "microbatches" not in x]
     checks = [x for x in checks if args.schedule == "interleaved" or "interleaved" not in x]
@@ -168,7 +172,8 @@ def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
     if args.schedule == "interleaved" and mesh["pp"] == 1:
         raise ValueError(f"mesh {args.mesh} is infeasible: the interleaved schedule needs pp > 1")
     candidates = [p for p in settings(model, mesh["tp"], mesh["cp"], mesh["pp"], mesh["dp"], tokens,
-                                      zero_bubble=args.schedule in ("zb-h1", "zb-h2", "zbv"), ep=ep)
+                                      zero_bubble=args.schedule in ("zb-h1", "zb-h2", "zbv"), ep=ep,
+                                      cp_impl=args.cp_impl)
                   if _wanted(args, p) and not problems(model, p, devices, tokens, minidist)]
     if args.microbatches is not None or args.schedule == "gpipe":
         candidates += [replace(p, ep=ep) for p in _explicit(args, mesh, model, tokens)
@@ -199,7 +204,7 @@ def _explicit(args, mesh, model, tokens):
             sched = args.schedule or "1f1b"
             v = args.virtual_stages or (2 if sched in CHUNKED else 1)
             yield Plan(**mesh, zero=z, microbatches=args.microbatches or 1, schedule=sched, virtual_stages=v,
-                       checkpoint_activations=ck)
+                       checkpoint_activations=ck, cp_impl=args.cp_impl)
 
 
 def _describe(model, machine, tokens, e, devices) -> str:
@@ -223,7 +228,7 @@ def _params(model) -> str:
 
 
 def _search(args, model, machine, tokens, precision, minidist) -> int:
-    ranked, infeasible = search(model, machine, args.gpus, tokens, precision, minidist)
+    ranked, infeasible = search(model, machine, args.gpus, tokens, precision, minidist, args.cp_impl)
     top = ranked[:args.top]
     if args.json:
         print(json.dumps({"model": as_dict(model), "machine": machine.name, "gpus": args.gpus,

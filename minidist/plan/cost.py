@@ -53,9 +53,11 @@ from dataclasses import dataclass, field
 from minidist.layout.grid import ring_tiles
 from minidist.layout.memory import zero_divisors
 from minidist.layout.model import ModelConfig
+from minidist.layout.rank_params import kv_heads_here
 from minidist.layout.schedules import peak_in_flight, theoretical_bubble
+from minidist.layout.traffic import qkv_width
 from minidist.plan import moe_cost
-from minidist.plan.collectives import message, ring_all_reduce, ring_gather
+from minidist.plan.collectives import all_to_all, message, ring_all_reduce, ring_gather
 from minidist.plan.feasible import problems
 from minidist.plan.machine import Machine
 from minidist.plan.model import (activation_bytes_per_token, attention_flops, block_matmul_flops,
@@ -84,7 +86,7 @@ class Estimate:
 
     def as_dict(self) -> dict:
         p = self.plan
-        return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "zero": p.zero,
+        return {"tp": p.tp, "cp": p.cp, "cp_impl": p.cp_impl, "pp": p.pp, "dp": p.dp, "ep": p.ep, "zero": p.zero,
                 "microbatches": p.microbatches,
                 "schedule": p.schedule, "virtual_stages": p.virtual_stages,
                 "checkpoint_activations": p.checkpoint_activations,
@@ -151,8 +153,10 @@ def forward_time(s: Step) -> float:
     ring = ring_priced(s)  # then cp_time prices the attention's whole cost
 
     def block(moe: bool) -> float:  # a mixture: its router and the rows its experts run
-        act = (minidist_block_values(m, m.block_size, moe, p.cp > 1) * s.pr.act if s.minidist
+        act = (minidist_block_values(m, m.block_size, moe, p.cp > 1 and not p.ulysses) * s.pr.act if s.minidist
                else activation_bytes_per_token(m, s.pr.act, moe))
+        if s.minidist and p.ulysses:  # its regrouped copies, per token of a tp rank
+            act += ulysses_values(m, p.tp, p.cp) * p.tp * s.pr.act
         flops = block_matmul_flops(m, moe) + (moe_cost.expert_extra_flops(m, s.minidist) if moe else 0.0)
         # the busiest ep rank's experts run more rows than the mean (fused kernels padded to a capacity do not)
         if moe and s.expert_load != 1.0 and (s.minidist or not m.capacity_factor):
@@ -184,22 +188,32 @@ def tp_time(s: Step) -> float:
 def ring_priced(s: Step) -> bool:
     """Is the attention of this step minidist's ring attention on a CPU, priced by the
     calibration's ring probe (plan/probes.py) rather than by its FLOPs?"""
-    return s.minidist and s.p.cp > 1 and bool(s.mc.ring_tile_s or s.mc.ring_score_s)
+    return s.minidist and s.p.cp > 1 and not s.p.ulysses and bool(s.mc.ring_tile_s or s.mc.ring_score_s)
 
 
 def cp_time(s: Step) -> float:
-    """Seconds of one microbatch's context-parallel exchange (Ring Attention, Liu et al. 2023;
-    Llama 3's all-gather): every rank receives the other (C-1)/C of the sequence's keys and
-    values per block forward, twice that backward; exposed (gathered before the attention).
+    """Seconds of one microbatch's context-parallel exchange, exposed (the attention waits for it).
 
+    Ring (Ring Attention, Liu et al. 2023; Llama 3's all-gather): every rank receives the
+    other (C-1)/C of the sequence's keys and values per block forward, twice that backward.
     minidist's ring attention on a CPU (:func:`ring_priced`): the whole attention, forward and
     backward, priced per online-softmax tile and per score of the busiest cp rank
     (layout.grid.ring_tiles) at the ring probe's rates, which hold its messages too (measured
     at one head width, 32: the price does not follow it); the recompute of checkpointing adds
-    its forward, taken as a third (the probe times forward and backward together)."""
+    its forward, taken as a third (the probe times forward and backward together).
+
+    Ulysses (DeepSpeed-Ulysses, Jacobs et al. 2023): per block forward one all-to-all of a
+    rank's queries, keys and values (to whole sequences of heads / C heads) and one of the
+    attention's output (back to the rank's tokens); backward the same two again, and the
+    forward's two once more with checkpointing.  Each sends (C-1)/C of its buffer."""
     p, m = s.p, s.m
     if p.cp == 1:
         return 0.0
+    if p.ulysses:
+        qkv, out = ulysses_widths(m, p.tp, p.cp)
+        link = s.mc.link_for(p.tp * p.cp)
+        calls = sum(all_to_all(s.n * w * s.pr.act, p.cp, link, s.mc.link_eff) for w in (qkv, out))
+        return s.Ls * (2 + (1 if s.ckpt else 0)) * (calls + 2 * s.mc.coll_overhead_s / s.share)
     if ring_priced(s):
         tiles, scores = max(ring_tiles(p.cp, m.block_size, True, m.attention_block))
         per_block = (tiles * s.mc.ring_tile_s + s.seqs_mb * m.heads / p.tp * scores * s.mc.ring_score_s) / s.share
@@ -207,6 +221,23 @@ def cp_time(s: Step) -> float:
     kv = s.seqs_mb * s.m.block_size * 2 * s.m.d_kv / p.tp * s.pr.act
     step = ring_gather(kv, p.cp, s.mc.link_for(p.tp * p.cp), s.mc.link_eff) + (p.cp - 1) * s.mc.coll_overhead_s / s.share
     return s.Ls * 3 * step
+
+
+def ulysses_widths(m: ModelConfig, tp: int, cp: int) -> tuple[float, float]:
+    """Values per token of a tp rank's two Ulysses all-to-alls: its queries, keys and values
+    (layout.traffic.qkv_width: the key/value heads repeated for their query heads where cp
+    cannot split them, as parallel/context/ulysses.py does), and the attention's output."""
+    return qkv_width(m.d_model, m.heads, cp, tp, {"kv_heads": m.kv}), m.d_model / tp
+
+
+def ulysses_values(m: ModelConfig, tp: int, cp: int) -> float:
+    """Values per token a tp rank's Ulysses attention keeps beyond plain attention's (each a new
+    array the graph holds for the backward): the keys and values regrouped by destination
+    (the q|k|v width less the queries'), the all-to-all's input and output (that width
+    twice), the output's way back (the queries' width): three q|k|v widths in all; and the
+    repeated copy of q|k|v where the key/value heads are repeated."""
+    qkv, _ = ulysses_widths(m, tp, cp)
+    return 3 * qkv + (3 * m.d_model / tp if kv_heads_here(m.kv, tp) % cp else 0.0)
 
 
 def pp_message_time(s: Step) -> float:
@@ -255,7 +286,8 @@ def sync_wait(s: Step) -> float:
     if not s.mc.cores or p.devices == 1:
         return 0.0
     M = p.microbatches
-    syncs = (M * s.Ls * ((4 + (2 if s.ckpt else 0)) * (p.tp > 1) + 3 * (p.cp - 1))
+    cp = (4 + (2 if s.ckpt else 0)) if p.ulysses else 3 * (p.cp - 1)  # all-to-alls, or ring steps
+    syncs = (M * s.Ls * ((4 + (2 if s.ckpt else 0)) * (p.tp > 1) + (cp if p.cp > 1 else 0))
              + (2 * s.V * M if p.pp > 1 else 0) + (dp_calls(s) if s.nd > 1 else 0) + 3
              + moe_cost.ep_syncs(s) + (dp_calls(s) if s.m.experts and s.ne > 1 else 0))
     return syncs * (1 - s.share) * s.mc.sync_slice_s
@@ -359,7 +391,8 @@ def memory_parts(m: ModelConfig, p: Plan, pr: Precision, global_batch_tokens: in
 
     def block(moe: bool) -> float:  # one block's activations on one rank
         if minidist:  # half of its 24 arrays lie outside the tp-split layers (norms, residual, gathered outputs)
-            split = (minidist_block_values(m, seq, moe, p.cp > 1) - REPLICATED_ARRAYS * m.d_model) * pr.act
+            split = (minidist_block_values(m, seq, moe, p.cp > 1 and not p.ulysses) - REPLICATED_ARRAYS * m.d_model
+                     + (ulysses_values(m, p.tp, p.cp) * p.tp if p.ulysses else 0.0)) * pr.act
             ep = moe_cost.minidist_ep_values(m, p.ep) * pr.act * n if moe else 0.0
             return split * n / p.tp + REPLICATED_ARRAYS * m.d_model * pr.act * n + ep
         # without sequence parallelism the norms' inputs and outputs (4 d per token) are on every tp rank

@@ -9,7 +9,7 @@ import math
 
 from minidist.layout.schedules import schedule_problem
 from minidist.layout.model import ModelConfig
-from minidist.plan.settings import SCHEDULES, Plan
+from minidist.plan.settings import CP_IMPLEMENTATIONS, SCHEDULES, Plan
 from minidist.plan.stages import stage_blocks
 
 
@@ -23,8 +23,9 @@ def problems(model: ModelConfig, plan: Plan, devices: int, global_batch_tokens: 
         out.append(f"mesh {p.mesh()} has {p.devices} devices, not --gpus {devices}")
     if model.heads % p.tp or model.kv % p.tp:
         out.append(f"tp={p.tp} does not divide the {model.heads} heads and {model.kv} key/value heads")
-    if seq % (2 * p.cp if p.cp > 1 else 1):
-        out.append(f"cp={p.cp}: the sequence of {seq} tokens does not split into 2 x {p.cp} equal chunks")
+    problem = cp_problem(model, p.tp, p.cp, p.cp_impl)
+    if problem:
+        out.append(problem)
     if p.pp > model.layers:
         out.append(f"pp={p.pp} exceeds the {model.layers} layers")
     if global_batch_tokens % seq:
@@ -55,6 +56,23 @@ def problems(model: ModelConfig, plan: Plan, devices: int, global_batch_tokens: 
     if p.zero not in (0, 1, 2, 3):
         out.append(f"ZeRO stage {p.zero} is not 0, 1, 2 or 3")
     return out + expert_problems(model, p, minidist)
+
+
+def cp_problem(model: ModelConfig, tp: int, cp: int, cp_impl: str = "ring") -> str | None:
+    """Why ``cp`` ranks cannot share the attention the way ``cp_impl`` does (None when they
+    can): ring attention's zig-zag gives each rank two equal chunks of every sequence;
+    Ulysses gives each rank heads / cp of a tensor-parallel rank's heads, whole sequences."""
+    seq = model.block_size
+    if cp_impl not in CP_IMPLEMENTATIONS:
+        return f"context-parallel implementation {cp_impl!r} is not one of {', '.join(CP_IMPLEMENTATIONS)}"
+    if cp == 1:
+        return None
+    if cp_impl == "ring" and seq % (2 * cp):
+        return f"cp={cp}: the sequence of {seq} tokens does not split into 2 x {cp} equal chunks"
+    if cp_impl == "ulysses" and (model.heads // tp % cp or seq % cp):
+        return (f"cp={cp} (Ulysses): the {model.heads // tp} heads of a tp={tp} rank and the sequence of {seq} "
+                f"tokens must split into {cp} equal parts")
+    return None
 
 
 def expert_problems(model: ModelConfig, p: Plan, minidist: bool = False) -> list[str]:

@@ -17,20 +17,22 @@ wins where its memory or its smaller expert reduction pays for the all-to-alls.
 from __future__ import annotations
 
 from minidist.plan.cost import MIXED_BF16, Estimate, Plan, estimate, problems, stage_blocks
+from minidist.plan.feasible import cp_problem
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(model, devices: int, global_batch_tokens: int):
-    """Every (tp, cp, pp, dp) whose product is ``devices`` and that the model allows."""
+def meshes(model, devices: int, global_batch_tokens: int, cp_impl: str = "ring"):
+    """Every (tp, cp, pp, dp) whose product is ``devices`` and that the model allows (cp
+    sharing the attention the way ``cp_impl`` does)."""
     seqs = global_batch_tokens // model.block_size
     for tp in divisors(devices):
         if model.heads % tp or model.kv % tp:
             continue
         for cp in divisors(devices // tp):
-            if cp > 1 and model.block_size % (2 * cp):
+            if cp_problem(model, tp, cp, cp_impl):
                 continue
             for pp in divisors(devices // (tp * cp)):
                 dp = devices // (tp * cp * pp)
@@ -45,7 +47,7 @@ def expert_degrees(model, dp: int) -> list[int]:
 
 
 def settings(model, tp, cp, pp, dp, global_batch_tokens: int, zeros=(0, 1, 2, 3), checkpoint=(False, True),
-             zero_bubble: bool = False, ep: int = 1):
+             zero_bubble: bool = False, ep: int = 1, cp_impl: str = "ring"):
     """The step settings tried for one mesh: 1F1B and interleaved (what the published meshes
     it is compared with ran), and with ``zero_bubble`` zb-h1, zb-h2 and zbv too (priced, but
     not searched by default: their bubble assumes W as long as B, and the paper's zero
@@ -69,15 +71,15 @@ def settings(model, tp, cp, pp, dp, global_batch_tokens: int, zeros=(0, 1, 2, 3)
             for z in zeros:
                 for ck in checkpoint:
                     yield Plan(tp=tp, cp=cp, pp=pp, dp=dp, zero=z, microbatches=M, schedule=sched, virtual_stages=v,
-                               checkpoint_activations=ck, sequence_parallel=True, ep=ep)
+                               checkpoint_activations=ck, sequence_parallel=True, ep=ep, cp_impl=cp_impl)
 
 
 def best_for_mesh(model, machine, mesh, global_batch_tokens: int, precision=MIXED_BF16,
-                  minidist: bool = False, ep: int = 1) -> tuple[Estimate | None, Estimate | None]:
+                  minidist: bool = False, ep: int = 1, cp_impl: str = "ring") -> tuple[Estimate | None, Estimate | None]:
     """(the fastest setting that fits, the one that needs the least memory) of a mesh."""
     fastest = leanest = None
     fitted = set()  # settings that fit without checkpointing: recomputing would only be slower
-    for plan in settings(model, *mesh, global_batch_tokens, ep=ep):
+    for plan in settings(model, *mesh, global_batch_tokens, ep=ep, cp_impl=cp_impl):
         key = (plan.zero, plan.microbatches, plan.schedule, plan.virtual_stages)
         if plan.checkpoint_activations and key in fitted:
             continue
@@ -93,13 +95,15 @@ def best_for_mesh(model, machine, mesh, global_batch_tokens: int, precision=MIXE
     return fastest, leanest
 
 
-def search(model, machine, devices: int, global_batch_tokens: int, precision=MIXED_BF16, minidist: bool = False):
+def search(model, machine, devices: int, global_batch_tokens: int, precision=MIXED_BF16, minidist: bool = False,
+           cp_impl: str = "ring"):
     """(ranked feasible estimates, one per mesh (and ep), fastest first; the meshes that fit
-    nowhere, each with its leanest setting)."""
+    nowhere, each with its leanest setting); context parallelism as ``cp_impl``."""
     ranked, infeasible = [], []
-    for mesh in meshes(model, devices, global_batch_tokens):
+    for mesh in meshes(model, devices, global_batch_tokens, cp_impl):
         for ep in expert_degrees(model, mesh[3]):
-            fastest, leanest = best_for_mesh(model, machine, mesh, global_batch_tokens, precision, minidist, ep)
+            fastest, leanest = best_for_mesh(model, machine, mesh, global_batch_tokens, precision, minidist, ep,
+                                             cp_impl)
             if fastest is not None:
                 ranked.append(fastest)
             elif leanest is not None:

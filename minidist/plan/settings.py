@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minidist.layout.settings import CP_IMPLEMENTATIONS  # noqa: F401 (the run's --cp-impl choices)
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
 CHUNKED = ("interleaved", "zbv")  # several model chunks per rank (Plan.virtual_stages)
 
@@ -16,7 +18,10 @@ class Plan:
     command's ``--zero``, ``--virtual-stages``, ``--ep``, ...) and ``checkpoint_activations``
     (the run's ``--checkpoint-activations``), so that a plan reads as the flags that run it.
     ``ep``: each mixture's experts split over ``ep`` consecutive ranks of the data-parallel
-    group (GShard's expert parallelism; it adds no devices)."""
+    group (GShard's expert parallelism; it adds no devices).  ``cp_impl``: how cp ranks share
+    the attention (the run's ``--cp-impl``): "ring" (Ring Attention: keys and values travel
+    round the ring) or "ulysses" (DeepSpeed-Ulysses: all-to-alls to whole sequences of
+    heads / cp heads and back)."""
 
     tp: int = 1
     cp: int = 1
@@ -29,6 +34,11 @@ class Plan:
     checkpoint_activations: bool = False  # full activation checkpointing (recompute each block)
     sequence_parallel: bool = False
     ep: int = 1                         # expert parallelism, inside the data-parallel group
+    cp_impl: str = "ring"               # with cp > 1: "ring" or "ulysses"
+
+    @property
+    def ulysses(self) -> bool:
+        return self.cp > 1 and self.cp_impl == "ulysses"
 
     @property
     def devices(self) -> int:
@@ -38,7 +48,8 @@ class Plan:
         return f"tp={self.tp},cp={self.cp},pp={self.pp},dp={self.dp}" + (f",ep={self.ep}" if self.ep > 1 else "")
 
     def label(self) -> str:
-        s = f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp}" + (f" EP{self.ep}" if self.ep > 1 else "")
+        s = f"TP{self.tp} CP{self.cp}" + (" (Ulysses)" if self.ulysses else "")
+        s += f" PP{self.pp} DP{self.dp}" + (f" EP{self.ep}" if self.ep > 1 else "")
         s += f" ZeRO-{self.zero} M={self.microbatches}"
         if self.pp > 1:
             s += f" {self.schedule}" + (f" V={self.virtual_stages}" if self.schedule in CHUNKED else "")

@@ -55,6 +55,7 @@ CONFIGS = [
     ("tp2", dict(tp=2), {}),
     ("pp2 1F1B M=4", dict(pp=2, microbatches=4, schedule="1f1b"), {}),
     ("cp2 ring", dict(cp=2), {}),
+    ("cp2 ulysses", dict(cp=2, cp_impl="ulysses"), {}),
     ("dp2 tp2", dict(dp=2, tp=2, zero=1), {}),
     ("pp2 tp2 M=4", dict(pp=2, tp=2, microbatches=4, schedule="1f1b"), {}),
     ("dp2 cp2", dict(dp=2, cp=2, zero=1), {}),
@@ -72,7 +73,8 @@ CONFIGS = [
 def plan_of(mesh: dict) -> Plan:
     return Plan(tp=mesh.get("tp", 1), cp=mesh.get("cp", 1), pp=mesh.get("pp", 1), dp=mesh.get("dp", 1),
                 zero=mesh.get("zero", 0), microbatches=mesh.get("microbatches", 1),
-                schedule=mesh.get("schedule", "1f1b"), sequence_parallel=False, ep=mesh.get("ep", 1))
+                schedule=mesh.get("schedule", "1f1b"), sequence_parallel=False, ep=mesh.get("ep", 1),
+                cp_impl=mesh.get("cp_impl", "ring"))
 
 
 def model_of(shape: dict) -> ModelConfig:
@@ -127,7 +129,7 @@ def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
             "--warmup", "1", "--eval-every", "0", "--log-every", str(steps + 1), "--quiet", "--metrics-jsonl", path,
             "--peak-gflops", "1"]
     flags = {"dp": "--dp", "tp": "--tp", "pp": "--pp", "cp": "--cp", "zero": "--zero", "microbatches": "--microbatches",
-             "schedule": "--schedule", "ep": "--ep"}
+             "schedule": "--schedule", "ep": "--ep", "cp_impl": "--cp-impl"}
     for key, flag in flags.items():
         if key in mesh:
             args += [flag, str(mesh[key])]
