@@ -106,7 +106,9 @@ BF16_EPS = 2.0**-7  # bfloat16 keeps 8 significant bits
 def test_autocast_bf16_paths_agree():
     """Mixed precision: both paths round the same inputs to bf16 and compute in fp32.
 
-    On NumPy the two paths give the same bits (measured gap: 0), so they must be equal.  Under
+    On NumPy the two paths give the same bits as a rule (measured gap: 0); once, deep in a full
+    suite run, two of w's gradients differed by one float32 ulp (the BLAS's summation order can
+    follow its operands' alignment), so they must agree to float32 round-off.  Under
     CuPy the whole-array path multiplies bf16 natively on the tensor cores, in another order
     than the tuned path's fp32 products: there they must agree to 4 bf16 eps normwise, the
     allowance of test_ops.py's autocast tests (a chain of products, each rounding its operands
@@ -136,7 +138,7 @@ def test_autocast_bf16_paths_agree():
         results[path] = got
     for a, b in zip(results["whole"][0] + results["whole"][1], results["tuned"][0] + results["tuned"][1]):
         if BACKEND == "numpy":
-            np.testing.assert_array_equal(a, b)
+            assert np.max(np.abs(a - b)) <= 2.0**-20 * np.max(np.abs(b))  # a few float32 ulps
         else:
             assert np.max(np.abs(a - b)) <= 4 * BF16_EPS * np.max(np.abs(b))
 
