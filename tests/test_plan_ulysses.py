@@ -122,3 +122,18 @@ def test_the_validation_runs_a_ulysses_row_with_the_runs_flag(monkeypatch):
         validate.run(validate.SHAPE, rows[0], steps=2)
     cmd = " ".join(seen[-1])
     assert "--cp 2" in cmd and "--cp-impl ulysses" in cmd
+
+
+def test_ranks_sharing_cores_wait_at_each_of_ulysses_all_to_alls():
+    """Each all-to-all is a sync point (two per block forward, two backward, two more when
+    recomputed), where ring attention has its 3 (C-1) ring steps; plus the gradients'
+    all-reduce over the cp ranks (a bucket per block and one more) and the step's three."""
+    from minidist.plan.cost import sync_wait
+
+    shared = replace(CPU, cores=1, sync_slice_s=1e-3)
+    for ckpt, per_block in ((False, 4), (True, 6)):
+        s = Step.of(model(layers=3), shared, Plan(cp=2, cp_impl="ulysses", checkpoint_activations=ckpt), FLOAT32,
+                    4 * 64, True)
+        assert sync_wait(s) == pytest.approx((3 * per_block + 4 + 3) * 0.5 * 1e-3)
+    ring = Step.of(model(layers=3), shared, Plan(cp=2), FLOAT32, 4 * 64, True)
+    assert sync_wait(ring) == pytest.approx((3 * 3 + 4 + 3) * 0.5 * 1e-3)
