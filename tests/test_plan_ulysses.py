@@ -2,6 +2,7 @@
 the command line): which meshes it allows, its all-to-alls' bytes against the traffic
 formulas the real runs are checked with (layout/traffic.py), the memory minidist's Ulysses
 keeps, and that ring attention's probe does not price it.  No MPI: the planner is arithmetic."""
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -61,8 +62,12 @@ def test_the_all_to_alls_move_the_bytes_of_the_traffic_formulas(arch, kv, tp, cp
 def test_fewer_key_value_heads_than_cp_splits_are_repeated():
     qkv = {kv: qkv_width(64, 8, 4, 1, {"kv_heads": kv}) for kv in (8, 4, 2)}
     assert qkv == {8: 3 * 64, 4: (8 + 8) * 8, 2: 3 * 64}  # K=2 over cp 4: each repeated for its queries
-    assert ulysses_values(model("llama", 2, d=64, heads=8), 1, 4) == 3 * 3 * 64 + 3 * 64
+    # three Q|K|V widths; the repeated copy replaces the one plain attention makes
+    assert ulysses_values(model("llama", 2, d=64, heads=8), 1, 4) == 3 * 3 * 64
     assert ulysses_values(model("llama", 4, d=64, heads=8), 1, 4) == 3 * 16 * 8
+    for kv in (2, 4):
+        m = model("llama", kv, d=64, heads=8)
+        assert minidist_block_values(m, 64) - minidist_block_values(m, 64, ring=True) == 8 * 64  # scores only
 
 
 def test_minidist_ulysses_keeps_plain_attentions_scores_and_its_copies():
@@ -104,6 +109,13 @@ def test_cli_prices_a_ulysses_mesh_and_refuses_one_cp_cannot_split():
     searched = subprocess.run(base + ["--gpus", "4", "--cp-impl", "ulysses", "--machine", "h100-nvlink-ib"],
                               capture_output=True, text=True, timeout=120)
     assert searched.returncode == 0, searched.stderr
+    assert "cp as DeepSpeed-Ulysses" in searched.stdout.splitlines()[0]
+    no_cp = subprocess.run(base + ["--gpus", "2", "--mesh", "tp=1,cp=1,pp=1,dp=2", "--cp-impl", "ulysses"],
+                           capture_output=True, text=True, timeout=120)
+    assert no_cp.returncode == 2 and "--cp-impl ulysses needs cp greater than 1" in no_cp.stderr
+    plain = subprocess.run(base + ["--gpus", "2", "--mesh", "tp=1,cp=1,pp=1,dp=2", "--json"],
+                           capture_output=True, text=True, timeout=120)
+    assert json.loads(plain.stdout)["cp_impl"] is None  # no cp, no implementation of it
 
 
 def test_the_validation_runs_a_ulysses_row_with_the_runs_flag(monkeypatch):
@@ -125,15 +137,16 @@ def test_the_validation_runs_a_ulysses_row_with_the_runs_flag(monkeypatch):
 
 
 def test_ranks_sharing_cores_wait_at_each_of_ulysses_all_to_alls():
-    """Each all-to-all is a sync point (two per block forward, two backward, two more when
-    recomputed), where ring attention has its 3 (C-1) ring steps; plus the gradients'
-    all-reduce over the cp ranks (a bucket per block and one more) and the step's three."""
+    """Each step of an all-to-all (C-1 pairwise steps; two all-to-alls per block forward, two
+    backward, two more when recomputed) is a sync point, where ring attention has its
+    3 (C-1) ring steps; plus the gradients' all-reduce over the cp ranks (a bucket per block
+    and one more) and the step's three."""
     from minidist.plan.cost import sync_wait
 
     shared = replace(CPU, cores=1, sync_slice_s=1e-3)
-    for ckpt, per_block in ((False, 4), (True, 6)):
-        s = Step.of(model(layers=3), shared, Plan(cp=2, cp_impl="ulysses", checkpoint_activations=ckpt), FLOAT32,
+    for cp, ckpt, per_block in ((2, False, 4), (2, True, 6), (4, False, 4 * 3)):  # 3 pairwise steps each on 4
+        s = Step.of(model(layers=3), shared, Plan(cp=cp, cp_impl="ulysses", checkpoint_activations=ckpt), FLOAT32,
                     4 * 64, True)
-        assert sync_wait(s) == pytest.approx((3 * per_block + 4 + 3) * 0.5 * 1e-3)
+        assert sync_wait(s) == pytest.approx((3 * per_block + 4 + 3) * (1 - 1 / cp) * 1e-3)
     ring = Step.of(model(layers=3), shared, Plan(cp=2), FLOAT32, 4 * 64, True)
     assert sync_wait(ring) == pytest.approx((3 * 3 + 4 + 3) * 0.5 * 1e-3)

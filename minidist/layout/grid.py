@@ -24,7 +24,7 @@ Pure arithmetic, no MPI: importing this module does not start MPI.
 
 from __future__ import annotations
 
-from minidist.layout.settings import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
+from minidist.layout.settings import CP_IMPLEMENTATIONS as IMPLEMENTATIONS, cp_unsplit
 from minidist.layout.mesh import AXES, MeshLayout
 from minidist.layout.split import shard_bounds
 from minidist.layout.schedules import layer_range, rank_stages
@@ -134,9 +134,9 @@ def _check(dp, pp, tp, cp, n_layer, n_head, seq_len, batch_size, grad_accum, vir
     if n_head % kv_heads or (kv_heads % tp and tp % kv_heads):
         raise ValueError(f"{kv_heads} key/value heads must divide the {n_head} heads, and divide or be "
                          f"divided by tp = {tp}")
-    if cp > 1 and cp_impl == "ring" and seq_len % (2 * cp):
-        raise ValueError(f"seq_len {seq_len} is not divisible by 2 x cp = {2 * cp} (zig-zag: two chunks per rank)")
-    if cp > 1 and cp_impl == "ulysses" and (seq_len % cp or (n_head // tp) % cp):
+    if cp_unsplit(cp, cp_impl, seq_len, n_head // tp):
+        if cp_impl == "ring":
+            raise ValueError(f"seq_len {seq_len} is not divisible by 2 x cp = {2 * cp} (zig-zag: two chunks per rank)")
         raise ValueError(f"Ulysses needs seq_len {seq_len} and the {n_head // tp} heads of a tp rank "
                          f"divisible by cp = {cp}")
     if batch_size < dp * grad_accum:

@@ -18,6 +18,21 @@ TP_OVERLAPS = ("ring", "bidirectional")   # collective matmuls (parallel/tensor/
 VIRTUAL = ("interleaved", "looping", "zbv")  # pipeline schedules with several model chunks per rank
 
 
+def cp_unsplit(cp: int, impl: str, seq_len: int, heads: int) -> list[str]:
+    """The sizes ``cp`` ranks cannot split evenly when they share the attention the way
+    ``impl`` does ([] when they can; always with cp = 1): ring attention's zig-zag layout
+    (Liu et al. 2023; parallel/context/ring.py) gives each rank two chunks of every
+    sequence, so ``"seq_len"`` unless 2 x cp divides it; DeepSpeed-Ulysses (Jacobs et al.
+    2023) gives each rank a slice of the sequence, then whole sequences of heads / cp of a
+    tensor-parallel rank's ``heads``, so ``"heads"`` and ``"seq_len"`` unless cp divides them.
+    The one rule the training flags, the grid and the planner word in their own terms."""
+    if cp == 1:
+        return []
+    if impl == "ring":
+        return ["seq_len"] if seq_len % (2 * cp) else []
+    return [name for name, size in (("heads", heads), ("seq_len", seq_len)) if size % cp]
+
+
 @dataclass
 class ParallelConfig:
     """The mesh and each axis's settings (None: not given, see RunConfig.resolved)."""

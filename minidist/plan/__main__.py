@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--schedule", choices=SCHEDULES, default=None)
     s.add_argument("--virtual-stages", type=POS, default=None, metavar="V")
     s.add_argument("--checkpoint-activations", choices=["on", "off"], default=None)
-    s.add_argument("--cp-impl", choices=list(CP_IMPLEMENTATIONS), default="ring",
+    s.add_argument("--cp-impl", choices=list(CP_IMPLEMENTATIONS), default=None,
                    help="how cp ranks share the attention: ring attention or DeepSpeed-Ulysses' all-to-alls "
                         "(as the run's --cp-impl; default ring)")
     s.add_argument("--sequence-parallel", choices=["on", "off"], default="on",
@@ -158,12 +158,15 @@ def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
 
     mesh = parse_mesh(args.mesh)
     ep = mesh.pop("ep")
+    if args.cp_impl is not None and mesh["cp"] == 1:  # as the run refuses it
+        raise ValueError(f"--cp-impl {args.cp_impl} needs cp greater than 1 in --mesh (got {args.mesh})")
+    cp_impl = args.cp_impl or "ring"
     devices = mesh["tp"] * mesh["cp"] * mesh["pp"] * mesh["dp"]
     # The settings the user fixed, the rest chosen: the fastest combination that fits.
     given = Plan(**mesh, zero=1 if args.zero is None else args.zero,
                  microbatches=args.microbatches or 1, schedule=args.schedule or "1f1b",
                  virtual_stages=args.virtual_stages or (2 if args.schedule in CHUNKED else 1),
-                 sequence_parallel=args.sequence_parallel == "on", ep=ep, cp_impl=args.cp_impl)
+                 sequence_parallel=args.sequence_parallel == "on", ep=ep, cp_impl=cp_impl)
     checks = [x for x in problems(model, given, args.gpus, tokens, minidist)
               if args.microbatches is not None or "microbatches" not in x]
     checks = [x for x in checks if args.schedule == "interleaved" or "interleaved" not in x]
@@ -173,7 +176,7 @@ def _one_mesh(args, model, machine, tokens, precision, minidist) -> int:
         raise ValueError(f"mesh {args.mesh} is infeasible: the interleaved schedule needs pp > 1")
     candidates = [p for p in settings(model, mesh["tp"], mesh["cp"], mesh["pp"], mesh["dp"], tokens,
                                       zero_bubble=args.schedule in ("zb-h1", "zb-h2", "zbv"), ep=ep,
-                                      cp_impl=args.cp_impl)
+                                      cp_impl=cp_impl)
                   if _wanted(args, p) and not problems(model, p, devices, tokens, minidist)]
     if args.microbatches is not None or args.schedule == "gpipe":
         candidates += [replace(p, ep=ep) for p in _explicit(args, mesh, model, tokens)
@@ -204,7 +207,7 @@ def _explicit(args, mesh, model, tokens):
             sched = args.schedule or "1f1b"
             v = args.virtual_stages or (2 if sched in CHUNKED else 1)
             yield Plan(**mesh, zero=z, microbatches=args.microbatches or 1, schedule=sched, virtual_stages=v,
-                       checkpoint_activations=ck, cp_impl=args.cp_impl)
+                       checkpoint_activations=ck, cp_impl=args.cp_impl or "ring")
 
 
 def _describe(model, machine, tokens, e, devices) -> str:
@@ -228,7 +231,7 @@ def _params(model) -> str:
 
 
 def _search(args, model, machine, tokens, precision, minidist) -> int:
-    ranked, infeasible = search(model, machine, args.gpus, tokens, precision, minidist, args.cp_impl)
+    ranked, infeasible = search(model, machine, args.gpus, tokens, precision, minidist, args.cp_impl or "ring")
     top = ranked[:args.top]
     if args.json:
         print(json.dumps({"model": as_dict(model), "machine": machine.name, "gpus": args.gpus,
@@ -236,7 +239,8 @@ def _search(args, model, machine, tokens, precision, minidist) -> int:
                           "meshes_infeasible": len(infeasible), "top": [e.as_dict() for e in top]}))
         return 0
     print(f"{model.name}: {_params(model)}, seq {model.block_size}, {tokens:,} tokens per step, "
-          f"on {args.gpus} x {machine.name}: {len(ranked)} meshes fit, {len(infeasible)} do not")
+          f"on {args.gpus} x {machine.name}: {len(ranked)} meshes fit, {len(infeasible)} do not"
+          + ("; cp as DeepSpeed-Ulysses" if args.cp_impl == "ulysses" else ""))
     if not top:
         print("no mesh fits in memory")
         return 1

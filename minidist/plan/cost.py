@@ -16,7 +16,9 @@ data-parallel reduction and the optimizer):
   2(N-1) resp. N-1 latency-bound steps; not overlapped;
 * **cp** (Ring Attention, Liu et al. 2023; Llama 3's all-gather of K and V): every rank
   receives the other (C-1)/C of the sequence's keys and values per block forward, and twice
-  that backward; hidden behind the attention's own compute where the machine overlaps;
+  that backward; with ``cp_impl="ulysses"`` (DeepSpeed-Ulysses, Jacobs et al. 2023) two
+  all-to-alls per block forward (Q|K|V to whole sequences of heads / C heads, the output
+  back) and two backward; exposed;
 * **pp**: the schedule's bubble, minidist.layout.schedules.theoretical_bubble of the
   pipeline's time with this stage's forward and backward times: (P-1)/(V M + P-1) for gpipe
   and 1F1B (V = 1) and interleaved 1F1B (Narayanan et al. 2021: V chunks per rank); the
@@ -53,7 +55,6 @@ from dataclasses import dataclass, field
 from minidist.layout.grid import ring_tiles
 from minidist.layout.memory import zero_divisors
 from minidist.layout.model import ModelConfig
-from minidist.layout.rank_params import kv_heads_here
 from minidist.layout.schedules import peak_in_flight, theoretical_bubble
 from minidist.layout.traffic import qkv_width
 from minidist.plan import moe_cost
@@ -86,7 +87,8 @@ class Estimate:
 
     def as_dict(self) -> dict:
         p = self.plan
-        return {"tp": p.tp, "cp": p.cp, "cp_impl": p.cp_impl, "pp": p.pp, "dp": p.dp, "ep": p.ep, "zero": p.zero,
+        return {"tp": p.tp, "cp": p.cp, "cp_impl": p.cp_impl if p.cp > 1 else None, "pp": p.pp, "dp": p.dp,
+                "ep": p.ep, "zero": p.zero,
                 "microbatches": p.microbatches,
                 "schedule": p.schedule, "virtual_stages": p.virtual_stages,
                 "checkpoint_activations": p.checkpoint_activations,
@@ -234,10 +236,10 @@ def ulysses_values(m: ModelConfig, tp: int, cp: int) -> float:
     """Values per token a tp rank's Ulysses attention keeps beyond plain attention's (each a new
     array the graph holds for the backward): the keys and values regrouped by destination
     (the q|k|v width less the queries'), the all-to-all's input and output (that width
-    twice), the output's way back (the queries' width): three q|k|v widths in all; and the
-    repeated copy of q|k|v where the key/value heads are repeated."""
-    qkv, _ = ulysses_widths(m, tp, cp)
-    return 3 * qkv + (3 * m.d_model / tp if kv_heads_here(m.kv, tp) % cp else 0.0)
+    twice), the output's way back (the queries' width): three q|k|v widths in all.  Where
+    the key/value heads are repeated first, that copy replaces the one plain attention makes
+    (already counted by :func:`minidist_block_values`)."""
+    return 3 * ulysses_widths(m, tp, cp)[0]
 
 
 def pp_message_time(s: Step) -> float:
@@ -286,8 +288,9 @@ def sync_wait(s: Step) -> float:
     if not s.mc.cores or p.devices == 1:
         return 0.0
     M = p.microbatches
-    cp = (4 + (2 if s.ckpt else 0)) if p.ulysses else 3 * (p.cp - 1)  # all-to-alls, or ring steps
-    syncs = (M * s.Ls * ((4 + (2 if s.ckpt else 0)) * (p.tp > 1) + (cp if p.cp > 1 else 0))
+    # per block: Ulysses' all-to-alls, each C-1 pairwise steps, or the ring's steps
+    cp_steps = (4 + (2 if s.ckpt else 0)) * (p.cp - 1) if p.ulysses else 3 * (p.cp - 1)
+    syncs = (M * s.Ls * ((4 + (2 if s.ckpt else 0)) * (p.tp > 1) + cp_steps)
              + (2 * s.V * M if p.pp > 1 else 0) + (dp_calls(s) if s.nd > 1 else 0) + 3
              + moe_cost.ep_syncs(s) + (dp_calls(s) if s.m.experts and s.ne > 1 else 0))
     return syncs * (1 - s.share) * s.mc.sync_slice_s

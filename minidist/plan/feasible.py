@@ -9,6 +9,7 @@ import math
 
 from minidist.layout.schedules import schedule_problem
 from minidist.layout.model import ModelConfig
+from minidist.layout.settings import cp_unsplit
 from minidist.plan.settings import CP_IMPLEMENTATIONS, SCHEDULES, Plan
 from minidist.plan.stages import stage_blocks
 
@@ -60,19 +61,16 @@ def problems(model: ModelConfig, plan: Plan, devices: int, global_batch_tokens: 
 
 def cp_problem(model: ModelConfig, tp: int, cp: int, cp_impl: str = "ring") -> str | None:
     """Why ``cp`` ranks cannot share the attention the way ``cp_impl`` does (None when they
-    can): ring attention's zig-zag gives each rank two equal chunks of every sequence;
-    Ulysses gives each rank heads / cp of a tensor-parallel rank's heads, whole sequences."""
+    can): layout.settings.cp_unsplit's rule, the run's, in the planner's words."""
     seq = model.block_size
     if cp_impl not in CP_IMPLEMENTATIONS:
         return f"context-parallel implementation {cp_impl!r} is not one of {', '.join(CP_IMPLEMENTATIONS)}"
-    if cp == 1:
+    if not cp_unsplit(cp, cp_impl, seq, model.heads // tp):
         return None
-    if cp_impl == "ring" and seq % (2 * cp):
+    if cp_impl == "ring":
         return f"cp={cp}: the sequence of {seq} tokens does not split into 2 x {cp} equal chunks"
-    if cp_impl == "ulysses" and (model.heads // tp % cp or seq % cp):
-        return (f"cp={cp} (Ulysses): the {model.heads // tp} heads of a tp={tp} rank and the sequence of {seq} "
-                f"tokens must split into {cp} equal parts")
-    return None
+    return (f"cp={cp} (Ulysses): the {model.heads // tp} heads of a tp={tp} rank and the sequence of {seq} "
+            f"tokens must split into {cp} equal parts")
 
 
 def expert_problems(model: ModelConfig, p: Plan, minidist: bool = False) -> list[str]:

@@ -266,6 +266,7 @@ def _sync_probe(out_path: str, reps: int = 60, rounds: int = 8) -> None:
     work = max(1, int(2e-3 * 100e9 / (2 * 256**3)))
 
     def loop(sync: bool) -> float:
+        comm.all_reduce(np.ones(1), g)  # untimed: every loop starts with the ranks together
         t0 = time.perf_counter()
         for _ in range(reps):
             for _ in range(work):
@@ -274,8 +275,15 @@ def _sync_probe(out_path: str, reps: int = 60, rounds: int = 8) -> None:
                 comm.all_reduce(np.ones(1), g)
         return time.perf_counter() - t0
 
+    def pair(first_synced: bool) -> float:  # the order alternates, so a drift cancels
+        if first_synced:
+            synced = loop(True)
+            return synced - loop(False)
+        alone = loop(False)
+        return loop(True) - alone
+
     loop(True)
-    extra = [(loop(True) - loop(False)) / reps for _ in range(rounds)]
+    extra = [pair(i % 2 == 0) / reps for i in range(rounds)]
     mine = comm.all_gather(np.array([max(0.0, float(np.median(extra)))]), g)
     if g.rank == 0:
         with open(out_path, "w") as f:

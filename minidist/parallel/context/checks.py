@@ -3,7 +3,7 @@ rank before any message (``parallel.compose.problems`` gathers every axis's)."""
 
 from __future__ import annotations
 
-from minidist.layout.settings import CP_IMPLEMENTATIONS as IMPLEMENTATIONS
+from minidist.layout.settings import CP_IMPLEMENTATIONS as IMPLEMENTATIONS, cp_unsplit
 
 
 def problems(given, cfg) -> list[str]:
@@ -25,15 +25,16 @@ def problems(given, cfg) -> list[str]:
         return out
     if p.cp_impl not in IMPLEMENTATIONS:
         out.append(f"unknown context-parallel implementation {p.cp_impl!r}; choose from {IMPLEMENTATIONS}")
-    elif p.cp_impl == "ring" and T % (2 * cp):
+        return out
+    heads = m.heads // p.tp
+    unsplit = cp_unsplit(cp, p.cp_impl, T, heads)
+    if p.cp_impl == "ring" and unsplit:
         out.append(f"--seq-len {T} is not divisible by 2 x --cp = {2 * cp}: zig-zag ring attention "
                    "gives each rank two equal chunks of every sequence")
-    elif p.cp_impl == "ulysses":
-        heads = m.heads // p.tp
-        if heads % cp:
-            per = f" / --tp {p.tp} = {heads} heads per tensor-parallel rank" if p.tp > 1 else ""
-            out.append(f"--heads {m.heads}{per} is not divisible by --cp {cp}: Ulysses gives each rank "
-                       "heads / cp of the attention heads")
-        if T % cp:
-            out.append(f"--seq-len {T} is not divisible by --cp {cp}")
+    if "heads" in unsplit and p.cp_impl == "ulysses":
+        per = f" / --tp {p.tp} = {heads} heads per tensor-parallel rank" if p.tp > 1 else ""
+        out.append(f"--heads {m.heads}{per} is not divisible by --cp {cp}: Ulysses gives each rank "
+                   "heads / cp of the attention heads")
+    if "seq_len" in unsplit and p.cp_impl == "ulysses":
+        out.append(f"--seq-len {T} is not divisible by --cp {cp}")
     return out
