@@ -4,7 +4,7 @@ the published Llama 3 405B table.
     python benchmarks/bench_plan.py [--out DIR] [--quick]
 
 1. This machine: ``--calibrate`` (GEMM rates, minidist's element-wise rate and fixed costs,
-   point-to-point, sync and ring-attention costs; about 25 s), then ``--validate``: 18 small
+   point-to-point, sync and ring-attention costs; about 40 s), then ``--validate``: 18 small
    configurations spanning dp (ZeRO 0-3), tp, pp, cp, their pairs and expert parallelism
    (ep2, with its all-to-all bytes) run for real (8 steps each, two launches of each in
    rounds, the faster counting, the element-wise rate re-measured by a probe step before
