@@ -326,6 +326,20 @@ def test_validation_predicts_every_configuration_and_measures_one_real_run():
     assert meas["step_s"] > 0 and meas["peak_bytes"] > 0 and meas["load"] >= 0
 
 
+def test_the_launch_spread_is_how_far_one_launch_predicts_another():
+    """The validation's own noise: per configuration, |a - b| / b over its launches' ordered
+    pairs; the median over the configurations; None without a second launch."""
+    from minidist.plan.validate import launch_spread
+
+    assert launch_spread([[1.0, 1.0], [2.0, 2.0]]) == 0.0
+    # 0.1 s apart: 0.1/1.0 and 0.1/1.1 for the first, 0.5/1.0 and 0.5/1.5 for the second
+    assert launch_spread([[1.0, 1.1], [1.0, 1.5]]) == pytest.approx(((0.1 + 0.1 / 1.1) / 2 + (0.5 + 0.5 / 1.5) / 2) / 2)
+    assert launch_spread([[1.0, 1.1], [3.0, 3.0], [2.0, 2.2]]) == pytest.approx((0.1 + 0.1 / 1.1) / 2)
+    pairs = sorted([0.2 / 1.0, 0.1 / 1.0, 0.2 / 1.2, 0.1 / 1.2, 0.1 / 1.1, 0.1 / 1.1])  # three launches: six pairs
+    assert launch_spread([[1.0, 1.2, 1.1]]) == pytest.approx((pairs[2] + pairs[3]) / 2)
+    assert launch_spread([[1.0], [2.0]]) is None and launch_spread([]) is None
+
+
 def test_minidist_ring_attention_is_priced_per_tile_and_score_when_calibrated():
     """On a CPU calibrated with the ring probe, a cp rank's attention is its tiles and its
     scores (all heads of its sequences) at the probe's rates, in the cp part; the attention

@@ -165,6 +165,17 @@ def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
 
 TARGETS = {"step": 0.10, "peak": 0.10}  # median |error| of the step time and of the peak memory
 
+
+def launch_spread(launches: list) -> float | None:
+    """The measurement's own noise: over the configurations (``launches``: each one's step
+    seconds, one per launch), the median of how far one launch is from another of the same
+    configuration, as an error, ``|a - b| / b`` over the ordered pairs.  A prediction equal to
+    one launch would score that against the others, so a median error near it is as close as
+    this machine lets the validation see; None with fewer than two launches each."""
+    per = [statistics.median(abs(a - b) / b for i, a in enumerate(ls) for j, b in enumerate(ls) if i != j)
+           for ls in launches if len(ls) > 1]
+    return statistics.median(per) if per else None
+
 PROBE_SHAPE = dict(layers=2, d_model=64, heads=4, seq_len=32, batch_size=16)  # not one of --validate's shapes
 
 
@@ -292,9 +303,13 @@ def validate(machine, steps: int = 8, log=print, configs=None, repeats: int = 2)
     log(f"median |predicted - measured| / measured: step time {100 * med_t:.1f}% (target <= {100 * TARGETS['step']:.0f}%), "
         f"peak memory {100 * med_m:.1f}% (target <= {100 * TARGETS['peak']:.0f}%), over {len(rows)} configurations, "
         f"the fastest of {repeats} launch{'es' * (repeats > 1)} each")
+    noise = launch_spread([r["step_s_launches"] for r in rows])
+    if noise is not None:
+        log(f"the measurement's own noise: two launches of one configuration differ by a median of {100 * noise:.1f}% "
+            f"of its step time (docs/planner.md)")
     return {"machine": machine.to_json(), "cores": os.cpu_count(), "steps": steps, "repeats": repeats,
             "probe_step_s": [p["step_s"] for p in probes], "elementwise_bw_calibrated": calibrated,
-            "configurations": rows, "median_step_error": med_t, "median_peak_error": med_m,
+            "configurations": rows, "median_step_error": med_t, "median_peak_error": med_m, "launch_spread": noise,
             "targets": {"median_step_error": TARGETS["step"], "median_peak_error": TARGETS["peak"]}}
 
 
