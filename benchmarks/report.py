@@ -211,7 +211,9 @@ def _plan(d):
     n = len(v.get("configurations", []))
     t = v.get("targets", {})
     rows = [(f"planner here: median relative error of the predicted step time, {n} runs", v.get("median_step_error"),
-             f"target <= {t.get('median_step_error', 0.10):.2f}"),
+             f"target <= {t.get('median_step_error', 0.10):.2f}" + (
+                 f"; two launches of one configuration differ by {v['launch_spread']:.2f}"
+                 if v.get("launch_spread") is not None else "")),
             (f"planner here: median relative error of the predicted peak memory, {n} runs", v.get("median_peak_error"),
              f"target <= {t.get('median_peak_error', 0.10):.2f}")]
     for r in d.get("llama3_405b", []):

@@ -119,6 +119,18 @@ def test_run_all_writes_one_report(quick_run):
                        for r in rows), section
 
 
+def test_the_report_puts_the_planners_error_beside_the_launches_own_spread():
+    """The planner's step-time row says how far two launches of one configuration differed
+    (the validation's own noise, with two launches or more) and says nothing of it with one."""
+    report = _import("report")
+    v = {"configurations": [{}] * 3, "median_step_error": 0.12, "median_peak_error": 0.07,
+         "targets": {"median_step_error": 0.1, "median_peak_error": 0.1}, "launch_spread": 0.114}
+    step, peak = report._plan({"validation": v})
+    assert step[1] == 0.12 and step[2] == "target <= 0.10; two launches of one configuration differ by 0.11"
+    assert report._plan({"validation": {**v, "launch_spread": None}})[0][2] == "target <= 0.10"
+    assert peak[2] == "target <= 0.10"
+
+
 def test_run_all_shows_a_failing_part_and_progress(tmp_path, capsys):
     run_all = _import("run_all")
     rc, seconds, tail = run_all.run_part(
