@@ -10,7 +10,8 @@ the published Llama 3 405B table.
    rounds, the faster counting, the element-wise rate re-measured by a probe step before
    every launch), predicted vs measured step time and peak memory, and the median
    |predicted - measured| / measured (targets: <= 10 % for both).  --quick (for the tests):
-   2 configurations, one process and dp2 (one launch of each), 6 steps.  The calibration is written to DIR/plan-machine.json (not the user's own).
+   2 configurations, one process and dp2 (one launch of each), 6 steps, and each of the
+   calibration's repeated probes launched once.  The calibration is written to DIR/plan-machine.json (not the user's own).
 2. Llama 3 405B on H100s (Dubey et al. 2024, table 4): the predicted MFU of each published
    mesh beside the published one, and the mesh's place in the planner's ranking for its
    device count and sequence length (target: within 5 points, among the top 5).
@@ -83,7 +84,7 @@ def mixtral_row(devices: int = 64, seq: int = 4096, tokens: int = 4 * 2**20) -> 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 configurations, 6 steps")
+    ap.add_argument("--quick", action="store_true", help="2 configurations, 6 steps, a quicker calibration")
     ap.add_argument("--out", default=None, help="directory for plan.json (and the calibration)")
     args = ap.parse_args()
     from minidist.plan.validate import CONFIGS, calibrate, validate
@@ -94,7 +95,7 @@ def main():
     out = args.out or tempfile.mkdtemp(prefix="bench-plan-")  # the calibration lands beside plan.json, or nowhere
     os.makedirs(out, exist_ok=True)
     print(f"this machine: {cpu_name()}, {os.cpu_count()} cores; calibrating:")
-    machine = calibrate(os.path.join(out, "plan-machine.json"))
+    machine = calibrate(os.path.join(out, "plan-machine.json"), quick=args.quick)
     result = validate(machine, steps=6 if args.quick else 8, configs=CONFIGS[:2] if args.quick else None,
                       repeats=1 if args.quick else 2)
     rows = llama_rows()

@@ -192,11 +192,11 @@ def elementwise_rate(machine: Machine, probe: dict) -> float | None:
     return per_byte / rest if rest > 0 else None
 
 
-def _with_elementwise_rate(machine: Machine, log=print) -> Machine:
-    """``machine`` with :func:`elementwise_rate` from the fastest of three probe launches:
-    one launch's time varies from one calibration to the next, and this rate moves every
-    prediction with it (docs/planner.md)."""
-    meas = min((run(PROBE_SHAPE, {}, steps=10) for _ in range(3)), key=lambda r: r["step_s"])
+def _with_elementwise_rate(machine: Machine, log=print, launches: int = 3) -> Machine:
+    """``machine`` with :func:`elementwise_rate` from the fastest of ``launches`` probe
+    launches: one launch's time varies from one calibration to the next, and this rate moves
+    every prediction with it (docs/planner.md)."""
+    meas = min((run(PROBE_SHAPE, {}, steps=10) for _ in range(launches)), key=lambda r: r["step_s"])
     rate = elementwise_rate(machine, meas)
     if rate is None:
         log("  element-wise work: hidden in the noise of the probe; the copy bandwidth stays")
@@ -207,9 +207,11 @@ def _with_elementwise_rate(machine: Machine, log=print) -> Machine:
                                                  "probe_step_s": meas["step_s"]})
 
 
-def calibrate(path: str | None = None, log=print) -> Machine:
+def calibrate(path: str | None = None, log=print, quick: bool = False) -> Machine:
     """Measure this machine and write it to ``path`` (default: the calibration
-    file); returns it."""
+    file); returns it.  ``quick``: each repeated probe launched once, not three times (about
+    20 s instead of 40; for the quick forms that check the validation runs, not its figures)."""
+    launches = 1 if quick else 3
     from minidist.host.blas_env import blas_threads
 
     env = dict(os.environ, **blas_threads(1))
@@ -228,7 +230,7 @@ def calibrate(path: str | None = None, log=print) -> Machine:
     os.unlink(out)
     log(f"  point-to-point between two local ranks: {p2p['latency'] * 1e6:.1f} us, {p2p['bw'] / 1e9:.2f} GB/s; "
         f"a collective call's own cost {p2p['coll_overhead_s'] * 1e6:.0f} us")
-    fixed = fixed_costs()
+    fixed = fixed_costs(repeats=launches)
     log(f"  minidist's fixed costs (tiny steps): {fixed['block_mb_s'] * 1e3:.2f} ms per block and microbatch, "
         f"{fixed['block_step_s'] * 1e3:.2f} ms per block and step, {fixed['mb_overhead_s'] * 1e3:.2f} ms per "
         f"microbatch and {fixed['step_overhead'] * 1e3:.2f} ms per step outside the blocks")
@@ -239,10 +241,10 @@ def calibrate(path: str | None = None, log=print) -> Machine:
         name="this-machine", peak=compute["peak"], mem_bytes=float(cli_checks.available_memory_bytes() or 8e9),
         mem_bw=compute["mem_bw"], links=(Link("shared memory", INF, p2p["bw"], p2p["latency"]),),
         gemm_eff=1.0, attn_eff=1.0, link_eff=1.0, mem_usable=0.8,
-        overlap=0.0, **fixed, **measure_ring(log), cores=cores, coll_overhead_s=p2p["coll_overhead_s"], sync_slice_s=measure_sync(cores, log),
+        overlap=0.0, **fixed, **measure_ring(log), cores=cores, coll_overhead_s=p2p["coll_overhead_s"], sync_slice_s=measure_sync(cores, log, launches),
         notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0],
                "numpy_op_s": compute["numpy_op_s"]})
-    machine = _with_elementwise_rate(machine, log)
+    machine = _with_elementwise_rate(machine, log, launches)
     path = calibration_path(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -317,7 +319,7 @@ def main(args) -> int:
     path = calibration_path(args.calibration)
     if args.calibrate or not os.path.isfile(path):
         print("calibrating this machine:")
-        machine = calibrate(path)
+        machine = calibrate(path, quick=args.quick)
     else:
         machine = load("this-machine", args.calibration)
         print(f"this machine as calibrated at {machine.notes.get('measured', '?')} ({path})")
