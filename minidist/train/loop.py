@@ -321,11 +321,13 @@ def update(strategy, scaler, clip_grad) -> dict:
 def _measured_peak(cfg, low) -> float:
     """The peak GFLOP/s for MFU: a known GPU's datasheet rate for the matmul dtype, else this
     machine's GEMM rate at the model's size (profile.peak_gflops).  A shared machine's load
-    lowers the measured rate (and so raises MFU): pass --peak-gflops for comparable numbers."""
+    lowers the measured rate (and so raises MFU): pass --peak-gflops for comparable numbers.
+    A quarter second of GEMMs: every rank of every run pays it, and the best of that many
+    repeats reads the same rate as a whole second's."""
     from minidist.observe.profile import peak_gflops
 
     tokens = cfg.data.batch_size * cfg.data.seq_len // cfg.device.grad_accum // cfg.parallel.dp
-    return peak_gflops(cfg.model.d_model, tokens, cfg.model.dtype, low, seconds=1.0)[0]
+    return peak_gflops(cfg.model.d_model, tokens, cfg.model.dtype, low, seconds=0.25)[0]
 
 
 def _comm_seconds(world: int) -> float:
