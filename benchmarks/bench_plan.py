@@ -11,7 +11,8 @@ the published Llama 3 405B table.
    every launch), predicted vs measured step time and peak memory, and the median
    |predicted - measured| / measured (targets: <= 10 % for both).  --quick (for the tests):
    2 configurations, one process and dp2 (one launch of each), 6 steps, and each of the
-   calibration's repeated probes launched once.  The calibration is written to DIR/plan-machine.json (not the user's own).
+   calibration's repeated probes launched once.  The calibration is written to
+   DIR/plan-machine.json (not the user's own).
 2. Llama 3 405B on H100s (Dubey et al. 2024, table 4): the predicted MFU of each published
    mesh beside the published one, and the mesh's place in the planner's ranking for its
    device count and sequence length (target: within 5 points, among the top 5).

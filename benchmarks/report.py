@@ -212,7 +212,7 @@ def _plan(d):
     t = v.get("targets", {})
     rows = [(f"planner here: median relative error of the predicted step time, {n} runs", v.get("median_step_error"),
              f"target <= {t.get('median_step_error', 0.10):.2f}" + (
-                 f"; two launches of one configuration differ by {v['launch_spread']:.2f}"
+                 f"; two launches of one configuration differ by a median of {v['launch_spread']:.2f}"
                  if v.get("launch_spread") is not None else "")),
             (f"planner here: median relative error of the predicted peak memory, {n} runs", v.get("median_peak_error"),
              f"target <= {t.get('median_peak_error', 0.10):.2f}")]

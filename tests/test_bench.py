@@ -126,7 +126,7 @@ def test_the_report_puts_the_planners_error_beside_the_launches_own_spread():
     v = {"configurations": [{}] * 3, "median_step_error": 0.12, "median_peak_error": 0.07,
          "targets": {"median_step_error": 0.1, "median_peak_error": 0.1}, "launch_spread": 0.114}
     step, peak = report._plan({"validation": v})
-    assert step[1] == 0.12 and step[2] == "target <= 0.10; two launches of one configuration differ by 0.11"
+    assert step[1] == 0.12 and step[2] == "target <= 0.10; two launches of one configuration differ by a median of 0.11"
     assert report._plan({"validation": {**v, "launch_spread": None}})[0][2] == "target <= 0.10"
     assert peak[2] == "target <= 0.10"
 

@@ -332,7 +332,7 @@ def test_the_launch_spread_is_how_far_one_launch_predicts_another():
     from minidist.plan.validate import launch_spread
 
     assert launch_spread([[1.0, 1.0], [2.0, 2.0]]) == 0.0
-    # 0.1 s apart: 0.1/1.0 and 0.1/1.1 for the first, 0.5/1.0 and 0.5/1.5 for the second
+    # 0.1/1.0 and 0.1/1.1 for the first configuration, 0.5/1.0 and 0.5/1.5 for the second
     assert launch_spread([[1.0, 1.1], [1.0, 1.5]]) == pytest.approx(((0.1 + 0.1 / 1.1) / 2 + (0.5 + 0.5 / 1.5) / 2) / 2)
     assert launch_spread([[1.0, 1.1], [3.0, 3.0], [2.0, 2.2]]) == pytest.approx((0.1 + 0.1 / 1.1) / 2)
     pairs = sorted([0.2 / 1.0, 0.1 / 1.0, 0.2 / 1.2, 0.1 / 1.2, 0.1 / 1.1, 0.1 / 1.1])  # three launches: six pairs

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--validate", action="store_true",
                    help="run small configurations for real and compare with the predictions")
     v.add_argument("--out", default=None, metavar="FILE", help="--validate: write the comparison as JSON")
-    v.add_argument("--quick", action="store_true", help="--validate: fewer steps, configurations and launches (and of the calibration's probes)")
+    v.add_argument("--quick", action="store_true", help="--validate: fewer steps, configurations and launches")
     v.add_argument("--repeats", type=POS, default=2, metavar="R",
                    help="--validate: launches of each configuration, the fastest counting (default 2)")
     return p

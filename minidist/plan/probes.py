@@ -303,8 +303,8 @@ def measure_sync(cores: int, log=print, launches: int = 3) -> float:
     ranks = 2 * cores
     slices = sorted(_sync_slice(ranks, cores) for _ in range(launches))
     slice_s = slices[len(slices) // 2]
-    log(f"  a sync point on {ranks} ranks over {cores} cores: a descheduled partner's slice {slice_s * 1e3:.2f} ms "
-        f"(median of {', '.join(f'{x * 1e3:.2f}' for x in slices)})")
+    log(f"  a sync point on {ranks} ranks over {cores} cores: a descheduled partner's slice {slice_s * 1e3:.2f} ms"
+        + (f" (median of {', '.join(f'{x * 1e3:.2f}' for x in slices)})" if len(slices) > 1 else ""))
     return slice_s
 
 

@@ -170,11 +170,13 @@ def launch_spread(launches: list) -> float | None:
     """The measurement's own noise: over the configurations (``launches``: each one's step
     seconds, one per launch), the median of how far one launch is from another of the same
     configuration, as an error, ``|a - b| / b`` over the ordered pairs.  A prediction equal to
-    one launch would score that against the others, so a median error near it is as close as
-    this machine lets the validation see; None with fewer than two launches each."""
+    one launch would score that against the others.  This is the spread of single launches;
+    the fastest of several, which the validation compares, varies less.  None when no
+    configuration has two launches."""
     per = [statistics.median(abs(a - b) / b for i, a in enumerate(ls) for j, b in enumerate(ls) if i != j)
            for ls in launches if len(ls) > 1]
     return statistics.median(per) if per else None
+
 
 PROBE_SHAPE = dict(layers=2, d_model=64, heads=4, seq_len=32, batch_size=16)  # not one of --validate's shapes
 
@@ -210,7 +212,8 @@ def _with_elementwise_rate(machine: Machine, log=print, launches: int = 3) -> Ma
 def calibrate(path: str | None = None, log=print, quick: bool = False) -> Machine:
     """Measure this machine and write it to ``path`` (default: the calibration
     file); returns it.  ``quick``: each repeated probe launched once, not three times (about
-    20 s instead of 40; for the quick forms that check the validation runs, not its figures)."""
+    20 s instead of 40), for the quick benchmark, which checks that the validation runs, not
+    its figures, and keeps its calibration to itself."""
     launches = 1 if quick else 3
     from minidist.host.blas_env import blas_threads
 
@@ -319,7 +322,7 @@ def main(args) -> int:
     path = calibration_path(args.calibration)
     if args.calibrate or not os.path.isfile(path):
         print("calibrating this machine:")
-        machine = calibrate(path, quick=args.quick)
+        machine = calibrate(path)
     else:
         machine = load("this-machine", args.calibration)
         print(f"this machine as calibrated at {machine.notes.get('measured', '?')} ({path})")

@@ -323,7 +323,7 @@ def _measured_peak(cfg, low) -> float:
     machine's GEMM rate at the model's size (profile.peak_gflops).  A shared machine's load
     lowers the measured rate (and so raises MFU): pass --peak-gflops for comparable numbers.
     A quarter second of GEMMs: every rank of every run pays it, and the best of that many
-    repeats reads the same rate as a whole second's."""
+    repeats read the same rate here as a whole second's did (docs/testing.md)."""
     from minidist.observe.profile import peak_gflops
 
     tokens = cfg.data.batch_size * cfg.data.seq_len // cfg.device.grad_accum // cfg.parallel.dp
