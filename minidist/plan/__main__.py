@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from minidist.host.cli_checks import OneLineParser, int_in
 from minidist.plan.cost import CHUNKED, PRECISIONS, SCHEDULES, estimate, problems
-from minidist.plan.settings import CP_IMPLEMENTATIONS
+from minidist.layout.settings import CP_IMPLEMENTATIONS
 from minidist.plan.machine import PRESETS as MACHINES, calibration_path, load
 from minidist.plan.model import PRESETS as MODELS, Preset, active_params, as_dict, num_params
 from minidist.plan.search import search, settings

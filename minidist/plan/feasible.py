@@ -9,8 +9,8 @@ import math
 
 from minidist.layout.schedules import schedule_problem
 from minidist.layout.model import ModelConfig
-from minidist.layout.settings import cp_unsplit
-from minidist.plan.settings import CP_IMPLEMENTATIONS, SCHEDULES, Plan
+from minidist.layout.settings import CP_IMPLEMENTATIONS, cp_unsplit
+from minidist.plan.settings import SCHEDULES, Plan
 from minidist.plan.stages import stage_blocks
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minidist.layout.settings import CP_IMPLEMENTATIONS  # noqa: F401 (the run's --cp-impl choices)
-
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
 CHUNKED = ("interleaved", "zbv")  # several model chunks per rank (Plan.virtual_stages)
 
