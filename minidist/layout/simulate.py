@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks P (default: 4)")
     p.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches M (default: 8)")
     p.add_argument("-v", "--virtual-stages", type=int, default=None,
-                   help="model chunks per rank V (interleaved/looping only; default: 2 for them, else 1)")
+                   help="model chunks per rank V (interleaved, looping and zbv; default: 2 for them, else 1)")
     p.add_argument("--png", default=None, metavar="FILE", help="also draw the chart into FILE with matplotlib")
     args = p.parse_args(argv)
 
