@@ -39,48 +39,48 @@ class Part:
     what: str
     full_args: list
     quick_args: list
-    # Seconds measured on the 2-core development machine with no other load: the full forms
-    # took 98 s (collectives, 18 mpiexec launches) and 30-42 s (model); a busy machine takes
-    # longer (the collectives took 3.5 min while another benchmark shared the cores).
+    # Seconds measured on the 2-core development machine with no other load (one run of each
+    # form); a busy machine takes longer.
     full_s: float
     quick_s: float
 
 
 PARTS = [
-    Part("collectives", "bench_collectives.py", "minidist's all_reduce, all_gather, reduce_scatter vs MPI's",
-         [], ["--quick", "--ranks", "2", "--launches", "1"], full_s=100, quick_s=3),
+    Part("collectives", "bench_collectives.py",
+         "minidist's all_reduce, all_gather, reduce_scatter, all_to_all_v vs MPI's",
+         [], ["--quick", "--ranks", "2", "--launches", "1"], full_s=335, quick_s=7),
     Part("model", "bench_model.py", "a GPT and a Llama training step, minidist vs PyTorch on the CPU",
-         [], ["--quick", "--reps", "1", "--threads", "1"], full_s=60, quick_s=10),
+         [], ["--quick", "--reps", "1", "--threads", "1"], full_s=100, quick_s=16),
     Part("ddp", "bench_ddp.py", "weak scaling 1 -> 2 ranks: minidist DDP and ZeRO vs PyTorch DDP (gloo)",
-         [], ["--quick"], full_s=300, quick_s=20),
+         [], ["--quick"], full_s=290, quick_s=23),
     Part("tensor", "bench_tensor.py", "tensor parallelism on 2 ranks: collective matmuls vs sync "
-         "(simulated 1 Gbit/s link), tp=2 vs 1 rank", [], ["--quick"], full_s=30, quick_s=3),
+         "(simulated 1 Gbit/s link), tp=2 vs 1 rank", [], ["--quick"], full_s=30, quick_s=1),
     Part("context", "bench_context.py", "long sequences: blockwise vs plain attention, ring vs Ulysses vs one rank",
-         [], ["--quick"], full_s=120, quick_s=8),
+         [], ["--quick"], full_s=80, quick_s=5),
     Part("pipeline", "bench_pipeline.py", "pipeline schedules (zero-bubble ones too): measured bubble vs formula, "
          "tokens/s vs one rank",
-         [], ["--quick"], full_s=400, quick_s=4),
+         [], ["--quick"], full_s=185, quick_s=3),
     Part("compose", "bench_compose.py", "4D composition on 4 ranks: dp4, dp2·tp2, pp2·tp2, tp2·cp2 vs one rank; "
-         "bytes per axis vs the formulas", [], ["--quick"], full_s=120, quick_s=10),
+         "bytes per axis vs the formulas", [], ["--quick"], full_s=65, quick_s=10),
     Part("tracing", "bench_trace.py", "tracing overhead: a traced vs an untraced step on dp2, pp2, tp2",
-         [], ["--quick"], full_s=40, quick_s=5),
+         [], ["--quick"], full_s=20, quick_s=1),
     Part("oversubscribed", "bench_oversubscribed.py", "more ranks than cores: the README's 8-rank command vs one "
-         "process on the same model and batch", [], ["--quick"], full_s=240, quick_s=15),
+         "process on the same model and batch", [], ["--quick"], full_s=90, quick_s=9),
     Part("plan", "bench_plan.py", "the planner: predicted vs measured step time and peak memory here, and the "
-         "Llama 3 405B rows", [], ["--quick"], full_s=200, quick_s=40),
+         "Llama 3 405B rows", [], ["--quick"], full_s=200, quick_s=36),
     # Where there is no GPU (or no CuPy) it writes gpu.json with the reason and stops in a second.
     Part("gpu", "bench_gpu.py", "a GPT step on one GPU: minidist (CuPy) vs PyTorch, fp32 and mixed precision, "
          "then 2 ranks sharing the GPU per parallel mode", [], ["--quick", "--no-parallel"], full_s=240, quick_s=60),
     Part("moe", "bench_moe.py", "a mixture-of-experts step (8 experts, top-2) beside a dense step with the same "
-         "active parameters", [], ["--quick"], full_s=60, quick_s=10),
+         "active parameters", [], ["--quick"], full_s=50, quick_s=2),
     Part("data", "bench_data.py", "token data: prepare's MB/s per core, and what memory-mapped shards add to a step",
-         [], ["--quick"], full_s=90, quick_s=8),
+         [], ["--quick"], full_s=40, quick_s=4),
     Part("checkpoint", "bench_checkpoint.py", "checkpoints at dp2·tp2: sharded vs gathered save and load, "
-         "--save-async's hidden share", [], ["--quick"], full_s=60, quick_s=5),
+         "--save-async's hidden share", [], ["--quick"], full_s=15, quick_s=2),
     # Counted, not timed: minidist's CuPy path under the emulator (tests/emulated_gpu), PyTorch
     # under its profiler on the CPU (its row is left out where PyTorch is not installed).
     Part("launches", "bench_launches.py", "device operations per GPT training step (the GPU's launch floor), "
-         "minidist under the CuPy emulator vs PyTorch eager", [], ["--quick"], full_s=60, quick_s=8),
+         "minidist under the CuPy emulator vs PyTorch eager", [], ["--quick"], full_s=460, quick_s=11),
 ]
 
 
