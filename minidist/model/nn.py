@@ -345,7 +345,14 @@ class GPT(Module):
 
     def block_runner(self, block, x: Tensor) -> Tensor:
         """Run one block (the seam ``use_block_runner`` wraps it)."""
-        return checkpoint(block, x) if self.checkpoint_activations else block(x)
+        if not self.checkpoint_activations:
+            return block(x)
+        low = ops.get_autocast_dtype()
+
+        def rerun(h):  # backward runs outside autocast: the recomputation enters the forward's precision again
+            with ops.autocast(low):
+                return block(h)
+        return checkpoint(rerun, x, params=block.parameters())
 
     def head(self, x: Tensor) -> Tensor:
         """Final LayerNorm and the LM head: logits (B, T, vocab), or this rank's slice of the
