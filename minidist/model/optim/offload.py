@@ -128,12 +128,8 @@ class OffloadAdamW(AdamW):
         return run
 
     # -- the step ------------------------------------------------------------------------------
-    def _state_for(self, name, p) -> dict:
-        st = self.state.get(name)
-        if st is None:  # m and v start at zero, in host memory
-            st = {"step": 0, "exp_avg": _host_zeros(p.data), "exp_avg_sq": _host_zeros(p.data)}
-            self.state[name] = st
-        return st
+    def _zeros(self, like):  # m and v start at zero, in host memory
+        return _host_zeros(like)
 
     def _update_all(self, items):
         """Start the host step of every (parameter, state) pair; return once the ends are

@@ -79,9 +79,13 @@ class Optimizer:
     def _state_for(self, name, p) -> dict:
         st = self.state.get(name)
         if st is None:
-            st = {"step": 0, **{k: xp.zeros_like(p.data) for k in self.state_keys}}
+            st = {"step": 0, **{k: self._zeros(p.data) for k in self.state_keys}}
             self.state[name] = st
         return st
+
+    def _zeros(self, like):
+        """A state array's first value (an offloaded optimizer keeps it in host memory)."""
+        return xp.zeros_like(like)
 
     def step(self):
         present = [(name, p) for name, p in zip(self.names, self.params) if p.grad is not None]
@@ -101,7 +105,12 @@ class Optimizer:
         for p, st in items:
             self._update(p, st)
 
-    def _update(self, p, st):  # pragma: no cover - abstract
+    def _update(self, p, st):
+        self.update(p.data, p.grad, st, st["step"], self.decay_of(p))
+
+    def update(self, data, grad, st, step, decay):  # pragma: no cover - abstract
+        """The update rule on arrays: ``data`` (in place) from ``grad`` and the state arrays
+        ``st``, at step ``step`` with weight decay ``decay``.  ZeRO applies it to shards."""
         raise NotImplementedError
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -155,9 +164,8 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
         self.state_keys = ("momentum_buffer",) if self.momentum else ()
 
-    def _update(self, p, st):
-        sgd_update(p.data, p.grad, st.get("momentum_buffer"), self.lr, self.momentum,
-                   self.decay_of(p), self.nesterov)
+    def update(self, data, grad, st, step, decay):
+        sgd_update(data, grad, st.get("momentum_buffer"), self.lr, self.momentum, decay, self.nesterov)
 
 
 class AdamW(Optimizer):
@@ -176,9 +184,9 @@ class AdamW(Optimizer):
         self.betas = (_check_hyper("beta1", betas[0], 0.0, 1.0), _check_hyper("beta2", betas[1], 0.0, 1.0))
         self.eps = _check_hyper("eps", eps, 0.0, low_open=True)
 
-    def _update(self, p, st):
-        adamw_update(p.data, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"], self.lr,
-                     self.betas[0], self.betas[1], self.eps, self.decay_of(p))
+    def update(self, data, grad, st, step, decay):
+        adamw_update(data, grad, st["exp_avg"], st["exp_avg_sq"], step, self.lr,
+                     self.betas[0], self.betas[1], self.eps, decay)
 
     def _update_all(self, items):
         """On CuPy, every parameter in one multi-tensor launch (ops.cuda.multi_tensor: the

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from minidist import comm
 from minidist.model.backend import from_host, to_host, xp
-from minidist.model.optim.functional import adamw_update, sgd_update
 from minidist.model.optim.optimizers import SGD, AdamW
 from minidist.parallel.data.ddp import DistributedDataParallel
 from minidist.parallel.data.flat import FlatUnit, Shard
@@ -58,24 +57,15 @@ class ShardedOptimizer:
             raise TypeError(f"ZeRO shards AdamW or SGD state, got {type(template).__name__}")
         self.template, self.units, self.shards = template, units, shards
         self.decay = decay  # id(param) -> its weight decay, read while the parameters were whole
-        if isinstance(template, AdamW):
-            keys = ("exp_avg", "exp_avg_sq")
-        else:
-            keys = ("momentum_buffer",) if template.momentum else ()
-        self.state = [{k: xp.zeros_like(s.data) for k in keys} for s in shards]
+        self.state = [{k: xp.zeros_like(s.data) for k in template.state_keys} for s in shards]
         self.step_count = 0
 
     def step(self):
-        t, self.step_count = self.template, self.step_count + 1
+        self.step_count += 1
         for unit, shard, st in zip(self.units, self.shards, self.state):
             for p, s, _ in unit.segments():
-                wd = self.decay[id(p)]
-                if isinstance(t, AdamW):
-                    adamw_update(shard.data[s], shard.grad[s], st["exp_avg"][s], st["exp_avg_sq"][s],
-                                 self.step_count, t.lr, t.betas[0], t.betas[1], t.eps, wd)
-                else:
-                    buf = st["momentum_buffer"][s] if st else None
-                    sgd_update(shard.data[s], shard.grad[s], buf, t.lr, t.momentum, wd, t.nesterov)
+                self.template.update(shard.data[s], shard.grad[s], {k: a[s] for k, a in st.items()},
+                                     self.step_count, self.decay[id(p)])
 
     def nbytes(self) -> int:
         return sum(a.nbytes for st in self.state for a in st.values())
