@@ -4,18 +4,9 @@ Everything in a transformer block except attention works token by token, so when
 ``C`` ranks of the cp group holds ``T / C`` tokens of every sequence, only attention needs the
 other ranks (its queries must meet every earlier key).  Two ways to give it them:
 
-* **Ring attention** (Liu et al. 2023, "Ring Attention with Blockwise Transformers for
-  Near-Infinite Context"): the key/value blocks travel around the ring of cp ranks (``C - 1``
-  ppermute steps, the next block in flight while the current one is folded into the online
-  softmax of :mod:`minidist.model.ops.blockwise`).  Backward sends the key/value blocks round again,
-  with their gradients travelling alongside and arriving home after ``C`` steps.  No rank
-  ever holds the whole sequence.  Per rank and step: ``2 * B * T/C * C_model`` values sent.
-
-  Causal attention makes the work uneven: with contiguous slices rank ``r`` meets ``r + 1``
-  blocks of keys, so the last rank works ``C`` times as much as the first.  **Zig-zag**
-  (load-balanced) layout: cut the sequence into ``2C`` chunks and give rank ``r`` the chunks
-  ``r`` and ``2C - 1 - r``, one from each end: every rank then computes the same number of
-  scores (:func:`ring_work` counts them).
+* **Ring attention** (Liu et al. 2023): the key/value blocks travel around the ring of cp
+  ranks and fold into an online softmax, so no rank ever holds the whole sequence; the
+  zig-zag layout evens out the causal work (ring.py says how).
 
 * **DeepSpeed-Ulysses** (Jacobs et al. 2023): an all-to-all turns the sequence-sharded Q, K, V
   (``T/C`` tokens, all ``H`` heads) into head-sharded ones (all ``T`` tokens, ``H/C`` heads),
