@@ -21,7 +21,8 @@ from minidist.layout import expert_traffic as et
 from minidist.model.autograd import no_grad
 from minidist.layout.model import ModelConfig
 from minidist.model.nn import GPT
-from minidist.observe.router import RouterStats, mixtures
+from minidist.model.moe import mixtures
+from minidist.observe.router import RouterStats
 from minidist.train.testing import run_mpi, run_train
 
 
@@ -64,8 +65,8 @@ def test_statistics_are_the_layers_own_numbers():
     counts, aux = [], []
     for half in (slice(0, 2), slice(2, 4)):  # two micro-batches of one step
         model(x[half], y[half]).backward()
-        counts.append([m.last_counts.copy() for m in mixtures(model)])
-        aux.append([float(m.aux_loss.data) for m in mixtures(model)])
+        counts.append([m.last_counts.copy() for m in mixtures(model.h)])
+        aux.append([float(m.aux_loss.data) for m in mixtures(model.h)])
     with no_grad():
         model(x, y)  # evaluation: not counted
     s = stats.step()
@@ -80,7 +81,7 @@ def test_statistics_are_the_layers_own_numbers():
 
     stats = RouterStats(model := _model(aux_loss_coef=0.0, z_loss_coef=1.0))
     model(x, y).backward()
-    z = np.mean([float(m.aux_loss.data) for m in mixtures(model)])
+    z = np.mean([float(m.aux_loss.data) for m in mixtures(model.h)])
     assert stats.step()["z_loss"] == pytest.approx(z, rel=1e-12) and z > 0
 
 

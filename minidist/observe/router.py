@@ -40,12 +40,6 @@ from minidist import comm
 from minidist.layout.expert_traffic import ep_step_bytes
 from minidist.model.autograd import is_grad_enabled
 from minidist.model.backend import host, host_read, xp
-from minidist.model.moe import MoE
-
-
-def mixtures(model) -> list:
-    """The model's MoE layers this rank holds, in block order."""
-    return [b.mlp for b in model.h if b is not None and isinstance(getattr(b, "mlp", None), MoE)]
 
 
 def mixture_layout(model) -> tuple[list[int], int]:

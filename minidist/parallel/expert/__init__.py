@@ -36,7 +36,7 @@ from __future__ import annotations
 from minidist import comm
 from minidist.model import ops
 from minidist.model.backend import host, xp  # host: the dispatch's index bookkeeping
-from minidist.model.moe import MoE, permute_rows
+from minidist.model.moe import mixtures, permute_rows
 from minidist.parallel.expert.checks import problems  # noqa: F401  (compose.problems gathers it)
 from minidist.parallel.expert.tokens import route_whole_sequences
 
@@ -122,18 +122,15 @@ def apply(model, cfg, mesh) -> ExpertGroups | None:
 
 def split_experts(model, ep_group) -> None:
     """Keep this rank's experts of every mixture and dispatch their tokens over ``ep_group``."""
-    for block in model.h:
-        layer = getattr(block, "mlp", None)
-        if isinstance(layer, MoE):
-            d = ExpertParallelDispatch(ep_group, layer.cfg.experts)
-            layer.experts = [e if d.first <= i < d.first + d.per else None for i, e in enumerate(layer.experts)]
-            layer.dispatch = d
+    for layer in mixtures(model.h):
+        d = ExpertParallelDispatch(ep_group, layer.cfg.experts)
+        layer.experts = [e if d.first <= i < d.first + d.per else None for i, e in enumerate(layer.experts)]
+        layer.dispatch = d
 
 
 def expert_parameters(model) -> list:
     """The parameters of the experts this rank holds (the ones reduced over the edp group)."""
-    return [p for block in model.h if isinstance(getattr(block, "mlp", None), MoE)
-            for e in block.mlp.experts if e is not None for p in e.parameters()]
+    return [p for layer in mixtures(model.h) for e in layer.experts if e is not None for p in e.parameters()]
 
 
 def reduce_expert_gradients(model, edp_group) -> None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 from minidist import comm
 from minidist.comm import functional as F
 from minidist.model.backend import host  # host: the choices' and positions' index bookkeeping
-from minidist.model.moe import MoE
+from minidist.model.moe import mixtures
 from minidist.parallel.context import positions
 
 
@@ -61,8 +61,6 @@ def route_whole_sequences(model, cfg, mesh) -> None:
         every = host.asarray(comm.all_gather(mine, cp))[host.argsort(order)]      # (T, B, k), in sequence order
         return every.transpose(1, 0, 2).reshape(B * T, k), positions(cp.rank, cp.size, T, zigzag)
 
-    for block in model.h:
-        layer = getattr(block, "mlp", None)
-        if isinstance(layer, MoE):
-            layer.sequence = sequence
-            layer.whole_choices = whole_choices if cp is not None else None
+    for layer in mixtures(model.h):
+        layer.sequence = sequence
+        layer.whole_choices = whole_choices if cp is not None else None
