@@ -181,8 +181,16 @@ class TensorParallelLayers(nn.Layers):
         return ColumnParallelLinear(d_in, d_out, dtype, self, bias, std, fused, heads, pad)
 
     def fused_column(self, x, linears):
-        weight = ops.concat([lin.used_weight() for lin in linears], axis=1)
-        return column_linear(x, weight, None, self)
+        return self.column_linear(x, ops.concat([lin.used_weight() for lin in linears], axis=1))
+
+    def column_linear(self, x, weight, bias=None):
+        """``x @ weight + bias`` for this rank's columns: x replicated enters through f, or is
+        all-gathered along the sequence under sequence parallelism."""
+        if self.parts == 1:
+            return ops.linear(x, weight, bias)
+        if self.sequence_parallel:
+            return all_gather_linear(x, weight, bias, self)
+        return ops.linear(self.enter(x), weight, bias)
 
     def row(self, d_in, d_out, dtype, bias=True, std=0.02):
         return RowParallelLinear(d_in, d_out, dtype, self, bias, std)
@@ -209,16 +217,6 @@ class TensorParallelLayers(nn.Layers):
 def _check_split(name, n, parts):
     if n % parts:
         raise ValueError(f"{name}={n} is not divisible by the {parts} tensor-parallel ranks")
-
-
-def column_linear(x, weight, bias, tp: TensorParallelLayers):
-    """``x @ weight + bias`` for this rank's columns: x replicated enters through f, or is
-    all-gathered along the sequence under sequence parallelism."""
-    if tp.parts == 1:
-        return ops.linear(x, weight, bias)
-    if tp.sequence_parallel:
-        return all_gather_linear(x, weight, bias, tp)
-    return ops.linear(tp.enter(x), weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -249,7 +247,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         bias = self.bias if self.copies is None or self.bias is None else F.copy_to_group(self.bias, self.copies)
-        return column_linear(x, self.used_weight(), bias, self.tp)
+        return self.tp.column_linear(x, self.used_weight(), bias)
 
 
 class RowParallelLinear(nn.Module):

@@ -36,7 +36,6 @@ from minidist.model.backend import from_host, xp
 from minidist.model.ops.basic import check_range
 from minidist.model.ops.nn_ops import checked_targets
 from minidist.model.ops.precision import compute_dtype, to_dtype
-from minidist.parallel.tensor.sequence_parallel import all_gather_linear
 
 
 def real_columns(vocab_size: int, local: int, rank: int) -> int:
@@ -73,13 +72,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return tp.leave(partial)
 
     def logits(self, x):
-        tp = self.tp
-        w_t = ops.transpose(self.weight, (1, 0))
-        if tp.parts == 1:
-            return ops.linear(x, w_t)
-        if tp.sequence_parallel:
-            return all_gather_linear(x, w_t, None, tp)
-        return ops.linear(tp.enter(x), w_t)
+        return self.tp.column_linear(x, ops.transpose(self.weight, (1, 0)))
 
 
 def vocab_parallel_cross_entropy(logits, targets, group, vocab_size: int | None = None):
