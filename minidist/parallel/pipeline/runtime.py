@@ -84,12 +84,12 @@ class PipelineRuntime:
     """
 
     def __init__(self, model, group, schedule: str = "1f1b", num_microbatches: int = 1,
-                 virtual_stages: int = 1, measure: bool = True):
+                 virtual_stages: int = 1):
         P, L = group.size, model.config.layers
         problem = schedule_problem(schedule, P, num_microbatches, virtual_stages, L)
         if problem:
             raise ValueError(problem)
-        self.model, self.group, self.measure = model, group, measure
+        self.model, self.group = model, group
         self.rank, self.P, self.V, self.M = group.rank, P, virtual_stages, num_microbatches
         self.S = P * virtual_stages
         self.schedule = make_schedule(schedule, P, num_microbatches, virtual_stages)
@@ -124,13 +124,13 @@ class PipelineRuntime:
         its gradient hooks there, so the reduction of a chunk's gradients overlaps the rest of
         the schedule instead of waiting for its end."""
         self._begin_step(x, y, weight, low_dtype, loss_scale, around_last_backward)
-        if self.measure and self.P > 1:
+        if self.P > 1:
             comm.barrier(self.group)  # every rank starts the clock together
         t0 = time.perf_counter()
         busy, wait = self._run_actions(t0)
         for request in self._sends:
             request.wait()
-        if self.measure and self.P > 1:
+        if self.P > 1:
             comm.barrier(self.group)  # ... and stops it when the last rank is done
         span = time.perf_counter() - t0
         self.stats = {"busy_s": busy, "recv_wait_s": wait, "span_s": span,
