@@ -241,6 +241,20 @@ def test_the_loss_is_cross_entropy_plus_every_mixtures_auxiliary_losses():
     assert dense.h[0].mlp.aux_loss is None
 
 
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_auxiliary_losses_are_float32_so_fp16s_first_loss_scale_does_not_overflow(low):
+    """The loss scaler starts at 2**16, above float16's largest number (65504): the auxiliary
+    losses' gradient is that scale times the loss's weight, so in float16 a one-process step
+    (weight 1) overflowed and was skipped where accumulation (weight 1/2) was not."""
+    model = tiny(dtype="float32", experts=4, top_k=2)
+    x, y = batch()
+    model.zero_grad()
+    Strategy(model, OneReplica(model, None)).forward_backward(x, y, 1, backend.dtype(low), 2.0 ** 16)
+    assert model.h[0].mlp.aux_loss.dtype == np.float32
+    for n, p in model.named_parameters():
+        assert np.isfinite(host(p.grad)).all(), n
+
+
 def test_gradient_accumulation_equals_the_whole_batch():
     """Capacity and the balancing loss are per sequence: two micro-batches of rows give the
     batch's gradient (what data parallelism relies on too)."""

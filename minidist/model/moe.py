@@ -229,7 +229,9 @@ class MoE(Module):
         token, slot = xp.asarray(r.token), xp.asarray(r.slot)
         ys = self.dispatch(self.experts, gather_rows(flat, r.token), r.counts)   # (M, d), by expert
         weighted = ops.mul(ys, ops.cast(ops.reshape(ops.getitem(gates, (token, slot)), (-1, 1)), ys.dtype))
-        self.aux_loss = self.losses(logits, probs, f, B, t)
+        # The auxiliary losses in float32 too: their gradient is the loss scale times their
+        # weight, and fp16's first scale (2**16) alone is above float16's largest number.
+        self.aux_loss = self.losses(ops.cast(logits, p32.dtype), p32, f, B, t)
         return carry_aux_grad(ops.reshape(combine_rows(weighted, token, B * t), (B, t, d)), self)
 
     def losses(self, logits, probs, f, B, t):
