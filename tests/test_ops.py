@@ -160,6 +160,20 @@ def test_linear_grads():
     check_grad(lambda x, w, b: ops.linear(x.transpose(1, 0, 2), w, b), rand(3, 2, 4), rand(4, 3), rand(3))
 
 
+def test_add_bias_grads_and_its_low_precision_bias_gradient_in_float32():
+    check_grad(ops.add_bias, rand(2, 3, 4), rand(4))
+    # tensor parallelism adds the row-parallel bias after the summed products: its gradient,
+    # a sum over every token, stays float32 (as linear's) where the activations are bfloat16
+    g = rand(64, 32, 8).astype(bfloat16)
+    y = Tensor(g * 0, requires_grad=True)
+    b = Tensor(rand(8).astype(np.float32), requires_grad=True)
+    out = ops.add_bias(y, b)
+    assert out.dtype == bfloat16
+    run_backward([out], [g])
+    assert b.grad.dtype == np.float32
+    np.testing.assert_allclose(b.grad, g.astype(np.float64).sum(axis=(0, 1)), rtol=1e-6)
+
+
 def test_nn_op_grads():
     check_grad(ops.gelu, rand(3, 5) * 2)
     check_grad(ops.softmax, rand(2, 3, 4))

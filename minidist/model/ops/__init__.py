@@ -1,7 +1,7 @@
 """Differentiable ops with hand-written backward passes, written as NumPy (``xp``) code.
 
 The ops: ``basic`` (arithmetic with broadcasting, reductions, shape ops, indexing),
-``linalg`` (matmul, linear), ``nn_ops`` (gelu, softmax, layer_norm, embedding,
+``linalg`` (matmul, linear, add_bias), ``nn_ops`` (gelu, softmax, layer_norm, embedding,
 cross_entropy), ``llama_ops`` (rms_norm, rotary, swiglu, repeat_kv), ``attention``
 (fused scaled dot-product attention), ``blockwise`` (the same
 attention in tiles with the online softmax, FlashAttention) and ``precision``
@@ -40,7 +40,7 @@ from minidist.model.ops.basic import (
     transpose,
     unbroadcast,
 )
-from minidist.model.ops.linalg import linear, matmul
+from minidist.model.ops.linalg import add_bias, linear, matmul
 from minidist.model.ops.llama_ops import repeat_kv, rms_norm, rotary, swiglu
 from minidist.model.ops.nn_ops import cross_entropy, embedding, gelu, layer_norm, softmax
 from minidist.model.ops.precision import autocast, cast, get_autocast_dtype
@@ -48,7 +48,7 @@ from minidist.model.ops.precision import autocast, cast, get_autocast_dtype
 __all__ = [
     "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sqrt", "sum", "mean",
     "reshape", "transpose", "split", "concat", "getitem", "index_rows", "unbroadcast",
-    "matmul", "linear", "gelu", "softmax", "layer_norm", "embedding", "cross_entropy",
+    "matmul", "linear", "add_bias", "gelu", "softmax", "layer_norm", "embedding", "cross_entropy",
     "attention", "self_attention", "causal_mask", "blockwise_attention", "blockwise_self_attention",
     "check_block", "cast", "autocast", "get_autocast_dtype", "rms_norm", "rotary", "swiglu", "repeat_kv",
 ]

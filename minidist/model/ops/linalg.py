@@ -46,6 +46,23 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return make_tensor(to_dtype(out, out_dtype), (a, b), backward)
 
 
+def add_bias(y: Tensor, b: Tensor) -> Tensor:
+    """``y + b`` for y (..., out) and b (out,), in y's dtype: a bias added after the product
+    (tensor parallelism's row-parallel layer adds it after the partial products are summed).
+    Its gradient is :func:`linear`'s: the column sums of the output's gradient, in float32 for
+    a low-precision one (a sum over every token in bfloat16 would lose most of its digits),
+    then in b's dtype, and deferred to W like linear's."""
+    if tuple(b.shape) != (y.shape[-1],):
+        raise ValueError(f"add_bias: bias shape {tuple(b.shape)} != ({y.shape[-1]},)")
+    b_dtype = b.dtype
+
+    def backward(g):
+        gb = weight_grad(lambda: to_dtype(column_sums(g.reshape(-1, g.shape[-1])), b_dtype)) if b.requires_grad else None
+        return g, gb
+
+    return make_tensor(y.data + b.data.astype(y.dtype), (y, b), backward)
+
+
 def column_sums(g2d):
     """The sums of the columns of a (rows, C) array (a bias gradient), in float32 for a
     low-precision array.

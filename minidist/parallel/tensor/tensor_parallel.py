@@ -12,7 +12,6 @@ from minidist.model import nn, ops
 from minidist.model.backend import from_host, host, on_host, xp
 from minidist.comm import functional as F
 from minidist.comm.group import Group
-from minidist.model.ops.precision import get_autocast_dtype
 from minidist.layout.settings import TP_OVERLAPS
 from minidist.parallel.tensor import collective_matmul as cm
 from minidist.parallel.tensor.sequence_parallel import all_gather_linear, linear_reduce_scatter
@@ -270,10 +269,9 @@ class RowParallelLinear(nn.Module):
             y = tp.leave(ops.linear(x, self.weight))
         if self.bias is None:
             return y
-        bias, low = tp.shared(self.bias), get_autocast_dtype()
-        # Under mixed precision y is low-precision; a float32 bias would widen the residual
-        # stream (and the activations a pipeline stage sends) to float32.
-        return y + (ops.cast(bias, low) if low is not None else bias)
+        # In y's dtype: under mixed precision a float32 bias would widen the residual stream
+        # (and the activations a pipeline stage sends) to float32.
+        return ops.add_bias(y, tp.shared(self.bias))
 
 
 class LayerNorm(nn.LayerNorm):
