@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
+from minidist.host.files import replace_atomically  # noqa: E402
 from minidist.state import prepare as pr  # noqa: E402
 from minidist.state import tokenizer as tk  # noqa: E402
 from minidist.state.data import load_corpus  # noqa: E402
@@ -29,7 +30,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("bpe")
     corpus = load_corpus(max_bytes=16_000).tobytes()
     tok = root / "tok.json"
-    tk.write_atomically(str(tok), tk.train(corpus, VOCAB).to_str())
+    replace_atomically(str(tok), tk.train(corpus, VOCAB).to_str())
     shards = root / "shards"
     pr.prepare(tk.BPETokenizer(str(tok)), corpus, str(shards), 0.1, 4000)
     out = {}
@@ -98,7 +99,7 @@ def test_autotokenizer_and_automodel_generate_what_minidist_generates(arch, trai
 def test_a_missing_or_foreign_tokenizer_is_one_line_exit_2(trained, tmp_path):
     tok_file, _, checkpoints = trained
     other = tmp_path / "other.json"
-    tk.write_atomically(str(other), tk.train(b"abc abd abe " * 50, 260).to_str())
+    replace_atomically(str(other), tk.train(b"abc abd abe " * 50, 260).to_str())
     h = tk.BPETokenizer(tok_file).hash
     missing, foreign = (f"the checkpoint was trained with tokenizer {h}: give its file with --tokenizer",
                         f"but the checkpoint was trained with tokenizer {h}")

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
+from minidist.host.files import replace_atomically  # noqa: E402
 from minidist.state import prepare as pr  # noqa: E402
 from minidist.state import shards  # noqa: E402
 from minidist.state import tokenizer as tk  # noqa: E402
@@ -32,7 +33,7 @@ def corpus() -> bytes:
 def _prepared(root, corpus, vocab, shard_tokens=SHARD_TOKENS):
     """(tokenizer file, shard directory) of ``corpus`` with a BPE of ``vocab`` tokens."""
     tok = root / f"tok{vocab}.json"
-    tk.write_atomically(str(tok), tk.train(corpus, vocab).to_str())
+    replace_atomically(str(tok), tk.train(corpus, vocab).to_str())
     out = root / f"shards{vocab}"
     pr.prepare(tk.BPETokenizer(str(tok)), corpus, str(out), 0.1, shard_tokens)
     return tok, out

@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
+from minidist.host.files import replace_atomically  # noqa: E402
 from minidist.state import tokenizer as tk  # noqa: E402
 from minidist.state.bpe import learn_merges, word_counts  # noqa: E402
 from minidist.state.data import load_corpus  # noqa: E402
@@ -21,7 +22,7 @@ def corpus() -> bytes:
 @pytest.fixture(scope="module")
 def tok_file(corpus, tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tok.json"
-    tk.write_atomically(str(path), tk.train(corpus, 320).to_str())
+    replace_atomically(str(path), tk.train(corpus, 320).to_str())
     return str(path)
 
 

@@ -44,13 +44,14 @@ ARGS = ["--layers", "2", "--d-model", "24", "--heads", "6", "--seq-len", "12", "
 def shards301(tmp_path_factory):
     """Token shards of a 301-token BPE: a vocabulary neither tp 2 nor tp 3 divides."""
     pytest.importorskip("tokenizers")
+    from minidist.host.files import replace_atomically
     from minidist.state import prepare as pr
     from minidist.state import tokenizer as tk
     from minidist.state.data import load_corpus
 
     root = tmp_path_factory.mktemp("bpe301")
     corpus = load_corpus(max_bytes=16_000).tobytes()
-    tk.write_atomically(str(root / "tok.json"), tk.train(corpus, 301).to_str())
+    replace_atomically(str(root / "tok.json"), tk.train(corpus, 301).to_str())
     pr.prepare(tk.BPETokenizer(str(root / "tok.json")), corpus, str(root / "shards"), 0.1, 4000)
     return str(root / "shards")
 

@@ -6,6 +6,8 @@
   launcher.py        the ``mpiexec`` command line for this Python's MPI
   cli_checks.py      checks of command-line input (numbers, files, memory), made on every
                      rank before any message is exchanged
+  files.py           files written whole or not at all: fsync, and a temporary file renamed
+                     over the target
 
 The bottom layer: these modules import no other part of minidist, no NumPy and no MPI, so
 every entry point can read them first.

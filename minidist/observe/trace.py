@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import threading
 import time
 
+from minidist.host.files import replace_atomically
 from minidist.model import backend
 
 active = None
@@ -277,10 +277,7 @@ def write_trace(path: str, payloads: list, origin: float, meta: dict | None = No
     doc = {"traceEvents": events, "displayTimeUnit": "ms",
            "otherData": {"clock_offset_s": offsets, "clock": "perf_counter, aligned to rank 0 (Cristian)",
                          "bytes_counted": counted, "run": meta or {}, "dropped_steps": dropped}}
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    replace_atomically(path, json.dumps(doc))  # a reader never sees half a file
 
 
 def _track_name(track: str) -> str:

@@ -38,6 +38,7 @@ import zlib
 
 import numpy as np
 
+from minidist.host.files import replace_atomically, write_synced
 from minidist.state import checkpoint_meta
 from minidist.state.checkpoint_meta import FORMAT, MODEL_FIELDS, CheckpointError
 
@@ -227,10 +228,9 @@ def _write_part(tmp: str, rank: int, snapshot, scalars) -> None:
         f.flush()
         os.fsync(f.fileno())
     _test_kill(rank, "part-written", tmp)
-    part = os.path.join(tmp, f"rank-{rank:05d}.json")
-    with open(part + ".tmp", "w") as f:  # renamed when complete: its existence means "written"
-        json.dump({"file": name, "size": offset, "pieces": pieces, "scalars": scalars}, f)
-    os.replace(part + ".tmp", part)
+    part = {"file": name, "size": offset, "pieces": pieces, "scalars": scalars}
+    # Renamed into place when complete: its existence means "written".
+    replace_atomically(os.path.join(tmp, f"rank-{rank:05d}.json"), json.dumps(part))
 
 
 def _finish_when_written(pending: dict, world_size: int, poll_s: float = 0.005) -> None:
@@ -248,8 +248,8 @@ def _finish(pending: dict, world_size: int):
     directory, tmp, final = pending["directory"], pending["tmp"], pending["final"]
     files, tensors, scalars = {}, {}, {}
     parts = [f"rank-{r:05d}" for r in range(world_size)]
-    for name in os.listdir(tmp):  # leftovers of a killed save (by a larger world)
-        if name.split(".")[0] not in parts or name.endswith(".tmp"):
+    for name in os.listdir(tmp):  # leftovers of a killed save: a larger world's, temporary ".NAME.tmp-PID"
+        if name.split(".")[0] not in parts:
             os.remove(os.path.join(tmp, name))
     for part_name in [f"{p}.json" for p in parts if os.path.exists(os.path.join(tmp, f"{p}.json"))]:
         with open(os.path.join(tmp, part_name)) as f:
@@ -268,20 +268,12 @@ def _finish(pending: dict, world_size: int):
     meta = {"format": FORMAT, "step": pending["step"], "world_size": world_size, "mesh": pending["mesh"],
             "model": pending["model"], "scalars": {**scalars, **pending["extra"]},
             "files": files, "tensors": tensors}
-    with open(os.path.join(tmp, "metadata.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(os.path.join(tmp, "metadata.json"), json.dumps(meta, indent=1))
     if os.path.exists(final):
         shutil.rmtree(final)  # the same step saved again (a rerun): replace it whole
     os.rename(tmp, final)
     _test_kill(0, "renamed", final)
-    latest_tmp = os.path.join(directory, ".latest.tmp")
-    with open(latest_tmp, "w") as f:
-        f.write(os.path.basename(final) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, os.path.join(directory, "latest"))
+    replace_atomically(os.path.join(directory, "latest"), os.path.basename(final) + "\n")
 
 
 def _test_kill(rank: int, point: str, path: str) -> None:

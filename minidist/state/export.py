@@ -56,13 +56,14 @@ Bad input (a ``DIR`` that is not a checkpoint, a damaged or untrustworthy one: s
 from __future__ import annotations
 
 import argparse
-import functools
+import itertools
 import json
 import os
 import struct
 import sys
 
 from minidist.host.cli_checks import OneLineParser
+from minidist.host.files import replace_atomically, write_synced
 from minidist.model.backend import bfloat16, host
 
 SAFETENSORS = "model.safetensors"
@@ -91,6 +92,12 @@ def _code(dt) -> str:
 # ------------------------------------------------------------------------------------------------
 def write_safetensors(file: str, tensors: dict, metadata: dict | None = None) -> None:
     """Write ``{name: array}`` to ``file`` in the safetensors format, in the given order."""
+    write_synced(file, _safetensors_chunks(tensors, metadata))
+
+
+def _safetensors_chunks(tensors: dict, metadata: dict | None):
+    """The bytes of a safetensors file: the header (made here, so a bad dtype stops before any
+    file is opened), then each tensor's bytes, made one at a time as they are written."""
     header, offset, arrays = {}, 0, []
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -103,13 +110,7 @@ def write_safetensors(file: str, tensors: dict, metadata: dict | None = None) ->
         arrays.append(a)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the tensors start 8-byte aligned, as the reference writer does
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for a in arrays:
-            f.write(a.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
+    return itertools.chain([struct.pack("<Q", len(text)), text], (a.tobytes() for a in arrays))
 
 
 def read_safetensors(file: str) -> tuple[dict, dict]:
@@ -301,22 +302,6 @@ def llama_state_dict(model: dict, params: dict, dtype: str | None = None) -> dic
     return out
 
 
-def _replace(directory: str, name: str, write) -> str:
-    """``write(tmp)`` a file, then rename it over ``directory/name`` (atomic on one file system;
-    a link there is replaced, not followed)."""
-    final = os.path.join(directory, name)
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-    if os.path.lexists(tmp):  # a leftover (or a link planted there): writing would follow it
-        os.remove(tmp)
-    try:
-        write(tmp)
-        os.replace(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return final
-
-
 def export(path: str, outdir: str, dtype: str | None = None, tokenizer: str | None = None) -> list[str]:
     """Export checkpoint ``path`` into ``outdir`` (created if missing); the files written.
     ``tokenizer``: the file (or shard directory) of the tokenizer the checkpoint records, if any."""
@@ -330,19 +315,12 @@ def export(path: str, outdir: str, dtype: str | None = None, tokenizer: str | No
     tensors = hf_state_dict(model, params, dtype)
     config = hf_config(model, dtype)
     os.makedirs(outdir, exist_ok=True)
-    meta = {"format": "pt", "source": "minidist"}
-    files = [_replace(outdir, SAFETENSORS, lambda f: write_safetensors(f, tensors, meta))]
-    texts = {CONFIG: json.dumps(config, indent=2) + "\n", **(hf_files(tok, model["block_size"]) if tok else {})}
-    for name, text in texts.items():
-        files.append(_replace(outdir, name, functools.partial(_write_text, text=text)))
+    contents = {SAFETENSORS: _safetensors_chunks(tensors, {"format": "pt", "source": "minidist"}),
+                CONFIG: json.dumps(config, indent=2) + "\n", **(hf_files(tok, model["block_size"]) if tok else {})}
+    files = [os.path.join(outdir, name) for name in contents]
+    for file, data in zip(files, contents.values()):
+        replace_atomically(file, data)  # a link there is replaced, not followed
     return files
-
-
-def _write_text(file: str, text: str) -> None:
-    with open(file, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import sys
 import time
 
 from minidist.host.cli_checks import OneLineParser, float_in, int_in
+from minidist.host.files import write_synced
 
 PIECE_BYTES = 1 << 20  # bytes encoded at a time
 PROGRESS_S = 5.0       # seconds between progress lines
@@ -69,7 +70,7 @@ def prepare(tokenizer, corpus: bytes, out: str, val_fraction: float = 0.05,
                 progress.advance(len(piece), len(ids))
             manifest["splits"][split] = {"files": writer.close(), "bytes": len(data), "tokens": tokens}
         shutil.copyfile(tokenizer.path, os.path.join(tmp, TOKENIZER))
-        _write_json(os.path.join(tmp, MANIFEST), manifest)
+        write_synced(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
         _fsync_dir(tmp)
         os.rename(tmp, out)  # onto an absent or empty directory: all at once
         _fsync_dir(parent)
@@ -94,13 +95,6 @@ class Progress:
         rate = self.done / max(now - self.start, 1e-9) / 2**20
         self.log(f"prepare: {self.done / 2**20:.1f} of {self.total / 2**20:.1f} MiB encoded "
                  f"({100 * self.done / self.total:.0f}%), {self.tokens:,} tokens, {rate:.2f} MiB/s")
-
-
-def _write_json(path: str, value) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: str) -> None:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minidist.host.files import write_synced
+
 MAGIC = b"MDTOKENS"
 VERSION = 1
 HEADER = np.dtype([("magic", "S8"), ("version", "<u4"), ("itemsize", "<u4"), ("count", "<u8"),
@@ -57,11 +59,8 @@ def header(itemsize: int, count: int, tokenizer_hash: str) -> bytes:
 def write_shard(path: str, tokens: np.ndarray, dtype: np.dtype, tokenizer_hash: str) -> None:
     """One shard file, header then tokens, flushed to disk (it lies in a directory renamed into
     place whole, so it needs no rename of its own)."""
-    with open(path, "wb") as f:
-        f.write(header(dtype.itemsize, len(tokens), tokenizer_hash))
-        f.write(np.ascontiguousarray(tokens, dtype=dtype).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(path, [header(dtype.itemsize, len(tokens), tokenizer_hash),
+                        np.ascontiguousarray(tokens, dtype=dtype).tobytes()])
 
 
 class ShardWriter:

@@ -28,6 +28,7 @@ import sys
 import numpy as np
 
 from minidist.host.cli_checks import OneLineParser
+from minidist.host.files import replace_atomically
 
 BYTES = 256  # the byte alphabet: the smallest vocabulary that encodes everything
 _ESCAPED = re.compile("([\udc80-\udcff]+)")  # bytes that are not UTF-8, as surrogateescape writes them
@@ -192,20 +193,6 @@ def hf_files(tok: BPETokenizer, max_length: int) -> dict:
     return {"tokenizer.json": text, "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
 
-def write_atomically(path: str, text: str) -> None:
-    """``path`` holds ``text`` whole or is as before: a temporary file, fsync, rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 # -- the command --------------------------------------------------------------------------------
 
 
@@ -240,7 +227,7 @@ def main(argv=None) -> int:
         data = load_corpora(args.data)
         tok = train(data.tobytes(), args.vocab_size)
         text = tok.to_str()
-        write_atomically(args.out, text)
+        replace_atomically(args.out, text)
     except ImportError:
         parser.error("training a tokenizer needs Hugging Face tokenizers: pip install -e '.[data]'")
     except (ValueError, OSError) as exc:
