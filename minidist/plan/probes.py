@@ -15,7 +15,7 @@
   :func:`others_load`), read during every measured run.
 
 Each multi-rank probe runs in its own ``mpiexec`` launch (the planner itself never starts
-MPI) and writes its figures to a file the caller reads.
+MPI) and writes its figures to a file the caller reads (:func:`run_probe`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 
+from minidist.host.blas_env import blas_threads
 from minidist.plan.machine import INF
 
 def mpiexec(ranks: int) -> list:
@@ -37,6 +38,49 @@ def mpiexec(ranks: int) -> list:
         return mpiexec_command(ranks)
     except RuntimeError as exc:
         raise ValueError(str(exc)) from None
+
+
+def one_blas_thread() -> dict:
+    """This process's environment with one BLAS thread, whatever the user set: every rank of
+    minidist's runs here has one, and so has every process a probe starts."""
+    return dict(os.environ, **blas_threads(1))
+
+
+def run_probe(name: str, ranks: int):
+    """Launch the probe ``name`` (a function of this module that rank 0 makes write its figures
+    to the path it is given) on ``ranks`` ranks under ``mpiexec``; what it wrote (JSON)."""
+    launcher = mpiexec(ranks)
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        code = f"import minidist.plan.probes as m; m.{name}({out!r})"
+        subprocess.run(launcher + [sys.executable, "-c", code], check=True, env=one_blas_thread(),
+                       capture_output=True, timeout=300)
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)
+
+
+def train_rows(args: list, steps: int, ranks: int = 1, timeout: float = 300) -> list:
+    """Train ``steps`` steps for real, ``python -m minidist.train ARGS`` (under ``mpiexec`` on
+    more than one rank), with one warm-up step, no evaluation, no log lines and
+    ``--peak-gflops 1``; the rows of its ``--metrics-jsonl``.  RuntimeError with the last line
+    of its stderr if it fails."""
+    launcher = mpiexec(ranks) if ranks > 1 else []
+    fd, path = tempfile.mkstemp(suffix=".jsonl")
+    os.close(fd)
+    args = [*args, "--steps", str(steps), "--warmup", "1", "--eval-every", "0", "--log-every", str(steps + 1),
+            "--quiet", "--metrics-jsonl", path, "--peak-gflops", "1"]
+    try:
+        proc = subprocess.run(launcher + [sys.executable, "-m", "minidist.train", *args], capture_output=True,
+                              text=True, env=one_blas_thread(), timeout=timeout)
+        if proc.returncode:
+            raise RuntimeError(f"minidist.train {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        with open(path) as f:
+            return [json.loads(line) for line in f]
+    finally:
+        os.unlink(path)
 
 
 def _best(fn, seconds: float = 0.3, reps_min: int = 3) -> float:
@@ -102,6 +146,18 @@ def others_load(busy: float, ours: float, wall: float, ranks: int, cores: int) -
     return ranks * b / (cores - b)
 
 
+def with_others_load(launch, ranks: int, cores: int):
+    """``launch()``'s result and :func:`others_load` while it ran, ``ours`` being the CPU
+    seconds of this process's children (the ``ranks`` ranks it started)."""
+    import resource
+
+    before, kids, t0 = busy_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    result = launch()
+    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    ours = (after.ru_utime + after.ru_stime) - (kids.ru_utime + kids.ru_stime)
+    return result, others_load(busy_seconds() - before, ours, wall, ranks, cores)
+
+
 def _p2p_probe(out_path: str) -> None:
     """Under mpiexec -n 2: ping-pong between the two ranks (MPI's point-to-point, as minidist's
     collectives use it); rank 0 writes latency and bandwidth."""
@@ -146,19 +202,8 @@ def _step_probe(layers: int, grad_accum: int = 1, steps: int = 12) -> float:
     """The fastest untraced training step of a tiny model (one process, one BLAS thread): what
     minidist's operations cost when the arithmetic is nothing (the fastest: a shared
     machine's load only ever adds)."""
-    fd, path = tempfile.mkstemp(suffix=".jsonl")
-    os.close(fd)
-    from minidist.host.blas_env import blas_threads
-
-    env = dict(os.environ, **blas_threads(1))
-    cmd = [sys.executable, "-m", "minidist.train", "--layers", str(layers), "--d-model", "8", "--heads", "2",
-           "--seq-len", "8", "--batch-size", "2", "--grad-accum", str(grad_accum), "--steps", str(steps),
-           "--eval-every", "0", "--log-every", str(steps + 1), "--quiet", "--warmup", "1", "--peak-gflops", "1",
-           "--metrics-jsonl", path]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
-    with open(path) as f:
-        rows = [json.loads(line) for line in f]
-    os.unlink(path)
+    rows = train_rows(["--layers", str(layers), "--d-model", "8", "--heads", "2", "--seq-len", "8",
+                       "--batch-size", "2", "--grad-accum", str(grad_accum)], steps)
     return min(r["step_time_s"] for r in rows[1:] if "peak_mem_mb" not in r)  # untraced steps
 
 
@@ -231,16 +276,7 @@ def fit_ring(rows: list) -> dict:
 
 def measure_ring(log=print) -> dict:
     """minidist's ring attention on two ranks (:func:`_ring_probe`), fitted by :func:`fit_ring`."""
-    from minidist.host.blas_env import blas_threads
-
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    code = f"import minidist.plan.probes as m; m._ring_probe({out!r})"
-    subprocess.run(mpiexec(2) + [sys.executable, "-c", code], check=True, env=dict(os.environ, **blas_threads(1)),
-                   capture_output=True, timeout=300)
-    with open(out) as f:
-        ring = fit_ring(json.load(f))
-    os.unlink(out)
+    ring = fit_ring(run_probe("_ring_probe", 2))
     share = min(1.0, (os.cpu_count() or 1) / 2)  # a rank's share of a core in the probe: the planner divides by its own
     ring = {k: v * share for k, v in ring.items()}
     log(f"  minidist's ring attention on 2 ranks, forward + backward: {ring['ring_tile_s'] * 1e6:.0f} us per tile, "
@@ -310,23 +346,7 @@ def measure_sync(cores: int, log=print, launches: int = 3) -> float:
 
 def _sync_slice(ranks: int, cores: int) -> float:
     """One launch of the sync probe: the slice its extra seconds per sync point imply."""
-    from minidist.host.blas_env import blas_threads
-
-    env = dict(os.environ, **blas_threads(1))
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    before, t0 = busy_seconds(), time.perf_counter()
-    import resource
-
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    code = f"import minidist.plan.probes as m; m._sync_probe({out!r})"
-    subprocess.run(mpiexec(ranks) + [sys.executable, "-c", code], check=True, env=env, capture_output=True,
-                   timeout=300)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    ours = (after.ru_utime + after.ru_stime) - (kids.ru_utime + kids.ru_stime)
-    load = others_load(busy_seconds() - before, ours, time.perf_counter() - t0, ranks, cores)
-    with open(out) as f:
-        extra = json.load(f)["extra_s"]
-    os.unlink(out)
+    probe, load = with_others_load(lambda: run_probe("_sync_probe", ranks), ranks, cores)
+    extra = probe["extra_s"]
     idle = 1 - min(1.0, cores / (ranks + load))
     return extra / idle if idle > 0 else 0.0

@@ -33,14 +33,14 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 
 from minidist.plan import moe_cost
 from minidist.plan.cost import FLOAT32, Plan, Step, estimate
 from minidist.plan.machine import INF, Link, Machine, calibration_path, load
-from minidist.plan.probes import busy_seconds, fixed_costs, measure_ring, measure_sync, mpiexec, others_load
+from minidist.plan.probes import (fixed_costs, measure_ring, measure_sync, one_blas_thread, run_probe, train_rows,
+                                  with_others_load)
 from minidist.layout.model import ModelConfig
 
 # Small enough that all of them take 2-4 minutes on 2 cores, large enough that the
@@ -119,15 +119,9 @@ def expert_load(rows: list, ep: int) -> float:
 
 def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
     """Train ``steps`` steps for real; the measured step seconds and peak bytes."""
-    from minidist.host.blas_env import blas_threads
-
     ranks = mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("pp", 1) * mesh.get("dp", 1)
-    fd, path = tempfile.mkstemp(suffix=".jsonl")
-    os.close(fd)
     args = ["--layers", str(shape["layers"]), "--d-model", str(shape["d_model"]), "--heads", str(shape["heads"]),
-            "--seq-len", str(shape["seq_len"]), "--batch-size", str(shape["batch_size"]), "--steps", str(steps),
-            "--warmup", "1", "--eval-every", "0", "--log-every", str(steps + 1), "--quiet", "--metrics-jsonl", path,
-            "--peak-gflops", "1"]
+            "--seq-len", str(shape["seq_len"]), "--batch-size", str(shape["batch_size"])]
     flags = {"dp": "--dp", "tp": "--tp", "pp": "--pp", "cp": "--cp", "zero": "--zero", "microbatches": "--microbatches",
              "schedule": "--schedule", "ep": "--ep", "cp_impl": "--cp-impl"}
     for key, flag in flags.items():
@@ -136,22 +130,7 @@ def run(shape: dict, mesh: dict, steps: int, timeout: float = 300) -> dict:
     for key, flag in (("arch", "--arch"), ("kv_heads", "--kv-heads"), ("experts", "--experts")):
         if key in shape:
             args += [flag, str(shape[key])]
-    launcher = mpiexec(ranks) if ranks > 1 else []
-    env = dict(os.environ, **blas_threads(1))
-    import resource
-
-    before, kids, t0 = busy_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    proc = subprocess.run(launcher + [sys.executable, "-m", "minidist.train", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
-    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
-    ours = (after.ru_utime + after.ru_stime) - (kids.ru_utime + kids.ru_stime)
-    load = others_load(busy_seconds() - before, ours, wall, ranks, os.cpu_count() or 1)
-    if proc.returncode:
-        os.unlink(path)
-        raise RuntimeError(f"minidist.train {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f]
-    os.unlink(path)
+    rows, load = with_others_load(lambda: train_rows(args, steps, ranks, timeout), ranks, os.cpu_count() or 1)
     untraced = [r["step_time_s"] for r in rows[1:] if "peak_mem_mb" not in r]
     last = [r for r in rows if "peak_mem_mb" in r][-1]  # the last traced step (not the first: it allocates the state)
     peak_mb = max(last.get("rank_peak_mem_mb") or [last["peak_mem_mb"]])
@@ -215,22 +194,12 @@ def calibrate(path: str | None = None, log=print, quick: bool = False) -> Machin
     20 s instead of 40), for the quick benchmark, which checks that the validation runs, not
     its figures, and keeps its calibration to itself."""
     launches = 1 if quick else 3
-    from minidist.host.blas_env import blas_threads
-
-    env = dict(os.environ, **blas_threads(1))
     code = "import json, minidist.plan.probes as m; print(json.dumps(m.measure_compute()))"
-    compute = json.loads(subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True,
-                                        text=True, timeout=300).stdout)
+    compute = json.loads(subprocess.run([sys.executable, "-c", code], check=True, env=one_blas_thread(),
+                                        capture_output=True, text=True, timeout=300).stdout)
     log(f"  GEMM on one core: {compute['peak']['float32'] / 1e9:.1f} GFLOP/s float32, "
         f"{compute['peak']['float64'] / 1e9:.1f} float64; element-wise {compute['mem_bw'] / 1e9:.1f} GB/s")
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    code = f"import minidist.plan.probes as m; m._p2p_probe({out!r})"
-    subprocess.run(mpiexec(2) + [sys.executable, "-c", code], check=True, env=env, capture_output=True,
-                   timeout=300)
-    with open(out) as f:
-        p2p = json.load(f)
-    os.unlink(out)
+    p2p = run_probe("_p2p_probe", 2)
     log(f"  point-to-point between two local ranks: {p2p['latency'] * 1e6:.1f} us, {p2p['bw'] / 1e9:.2f} GB/s; "
         f"a collective call's own cost {p2p['coll_overhead_s'] * 1e6:.0f} us")
     fixed = fixed_costs(repeats=launches)
