@@ -258,14 +258,13 @@ def dp_calls(s: Step) -> int:
     return (1 if s.p.zero == 0 else 2) * (s.Ls + 1)
 
 
-def dp_time(s: Step, psi: float, nd: int | None = None, per_block: float | None = None) -> float:
+def dp_time(s: Step, psi: float, nd: int, per_block: float) -> float:
     """Seconds of the data-parallel reduction of ``psi`` parameters per rank over ``nd`` ranks
-    (default dp x cp; the experts': the edp group) (ZeRO, Rajbhandari et al. 2020), before any
+    (dp x cp; the experts': the edp group) (ZeRO, Rajbhandari et al. 2020), before any
     overlap: stage 0 all-reduces the gradients (ring: 2(N-1)/N of them), 1 and 2
     reduce-scatter them and all-gather the parameters ((N-1)/N each), 3 gathers each block
     (``per_block`` parameters per rank) twice per microbatch and reduce-scatters its gradients."""
     p, pr, mc = s.p, s.pr, s.mc
-    nd = s.nd if nd is None else nd
     if nd == 1 or not psi:
         return 0.0
     link = mc.link_for(p.devices)
@@ -274,7 +273,6 @@ def dp_time(s: Step, psi: float, nd: int | None = None, per_block: float | None 
     elif p.zero in (1, 2):
         t = ring_gather(psi * pr.grad, nd, link, mc.link_eff) + ring_gather(psi * pr.param, nd, link, mc.link_eff)
     else:  # one collective per block (FSDP's unit), each paying the ring's latency
-        per_block = block_params(s.m) / p.tp if per_block is None else per_block
         t = p.microbatches * s.Ls * (2 * ring_gather(per_block * pr.param, nd, link, mc.link_eff)
                                      + ring_gather(per_block * pr.grad, nd, link, mc.link_eff))
     t += dp_calls(s) * mc.coll_overhead_s
