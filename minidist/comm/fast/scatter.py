@@ -28,15 +28,21 @@ from minidist.comm.p2p import _size_error
 
 
 class _ScatterPlan:
-    """What every reduce-scatter plan knows: this rank's part (shape and dtype), how to
-    reduce (ufunc, the divisor of "avg"), and its recent-ops entry and counters."""
+    """What every reduce-scatter plan knows: this rank's part (shape and dtype), every
+    rank's block of the flat vector (``bounds``, in elements), how to reduce (ufunc, the
+    divisor of "avg"), and its recent-ops entry and counters.
 
-    __slots__ = ("shape", "one_d", "dtype", "ufunc", "divisor", "status", "call", "tag", "rtag")
+    :meth:`run` is that of the ring, halving and pairwise plans: each gives only
+    :meth:`reduce`, its loop of messages (DirectScatterPlan has a run of its own)."""
+
+    __slots__ = ("shape", "one_d", "bounds", "dtype", "ufunc", "divisor", "status", "call", "tag", "rtag", "sent",
+                 "recv")
     ALGORITHM = None  # what the general path calls the algorithm the plan runs (in its identity tag)
 
     def __init__(self, g, shape, dtype, op, name="reduce_scatter"):
         first, last = split_bounds(shape[0], g.size)[g.rank]  # in rows, as the general path
         self.shape = (last - first,) + tuple(shape[1:])
+        self.bounds = split_bounds(shape[0], g.size, math.prod(shape[1:]))
         self.one_d = len(shape) == 1
         self.dtype, self.ufunc, self.status = np.dtype(dtype), reduction.UFUNCS[op], MPI.Status()
         self.divisor = g.size if op == "avg" and g.size > 1 else None
@@ -47,6 +53,21 @@ class _ScatterPlan:
     def result(self, out):
         """common.result_array for this rank's part."""
         return result_array(out, self.shape, self.dtype)
+
+    def run(self, g, x, out=None):
+        """This rank's part, or None when ``out`` doesn't fit (the general path then
+        raises its clear error) or x is a strided 1-D array (MPI refuses to send it:
+        BufferError before the first message; an N-D x is flattened, i.e. copied to C
+        order when it is not already)."""
+        t0 = clock()
+        result = self.result(out)
+        if result is None:
+            return None
+        try:  # 1-D arrays skip the reshape: it costs as much as a small add
+            self.reduce(g, x, x if self.one_d else x.reshape(-1), result if self.one_d else result.reshape(-1))
+        except BufferError:  # only the first Sendrecv sends from x
+            return None
+        return self.finish(result, self.sent, self.recv, t0)
 
     def finish(self, result, sent, received, t0):
         if self.divisor is not None:
@@ -72,13 +93,12 @@ class DirectScatterPlan(_ScatterPlan):
     requests to it, and later calls with that very array send from it without the copy
     (one array bound at a time, kept alive by the requests; small arrays only)."""
 
-    __slots__ = ("src", "exchange", "operands", "expect", "sent", "recv", "bounds", "stage", "bound", "seen", "fit")
+    __slots__ = ("src", "exchange", "operands", "expect", "stage", "bound", "seen", "fit")
     ALGORITHM = "direct"
 
     def __init__(self, g, shape, dtype, op):
         super().__init__(g, shape, dtype, op)
         n, r = g.size, g.rank
-        self.bounds = split_bounds(shape[0], n, math.prod(shape[1:]))
         lo, hi = self.bounds[r]
         self.stage = np.empty((n - 1, hi - lo), dtype)
         self.src = np.empty(shape, dtype)  # x is copied here, whatever its memory layout
@@ -157,14 +177,12 @@ class ReduceScatterPlan(_ScatterPlan):
     """Ring reduce-scatter (ring.ring_steps; pipelined.pipelined_ring_reduce_scatter) of one small (shape, dtype, op),
     every step a single Sendrecv (no pipeline chunks: the whole message fits in cache)."""
 
-    __slots__ = ("steps", "first", "sent", "recv", "right", "left")
+    __slots__ = ("steps", "first", "right", "left")
     ALGORITHM = "pipelined_ring"
 
     def __init__(self, g, shape, dtype, op):
         super().__init__(g, shape, dtype, op)
-        n, r = g.size, g.rank
-        unit = math.prod(shape[1:])
-        bounds = split_bounds(shape[0], n, unit)
+        n, r, bounds = g.size, g.rank, self.bounds
         biggest = max(b - a for a, b in bounds)
         tmp = np.empty(biggest, dtype)
         partial = [np.empty(biggest, dtype), np.empty(biggest, dtype)]
@@ -187,18 +205,10 @@ class ReduceScatterPlan(_ScatterPlan):
         self.recv = sum(rb - ra for ra, rb, *_ in self.steps) * tmp.itemsize
         self.right, self.left = (r + 1) % n, (r - 1) % n
 
-    def run(self, g, x, out=None):
-        """This rank's part, or None when ``out`` doesn't fit (the general path then
-        raises its clear error) or x is a strided 1-D array (MPI refuses to send it:
-        BufferError before the first message; an N-D x is flattened, i.e. copied to C
-        order when it is not already)."""
-        t0 = clock()
-        result = self.result(out)
-        if result is None:
-            return None
+    def reduce(self, g, x, flat, into):
+        """The ring's steps: this rank's block of the reduction of every rank's ``flat``
+        lands in ``into``."""
         comm, status, ufunc, right, left, tag, rtag = g.comm, self.status, self.ufunc, self.right, self.left, self.tag, self.rtag
-        flat = x if self.one_d else x.reshape(-1)  # a reshape costs as much as a small add
-        into = result if self.one_d else result.reshape(-1)
         sa, sb = self.first
         msg = [flat[sa:sb], BYTE]
         nbytes = 0
@@ -209,11 +219,8 @@ class ReduceScatterPlan(_ScatterPlan):
                     raise fail("reduce_scatter", g, x, status, left, nbytes, None, tag)
                 ufunc(flat[ra:rb], got, out=into if dest is None else dest)
                 msg = next_msg
-        except BufferError:
-            return None
         except MPI.Exception as err:
             raise fail("reduce_scatter", g, x, status, left, nbytes, err, tag) from None
-        return self.finish(result, self.sent, self.recv, t0)
 
 
 class HalvingPlan(_ScatterPlan):
@@ -227,15 +234,12 @@ class HalvingPlan(_ScatterPlan):
     general path (bit-identical results).
     """
 
-    __slots__ = ("first", "rounds", "sent", "recv")
+    __slots__ = ("first", "rounds")
     ALGORITHM = "halving"
 
     def __init__(self, g, shape, dtype, op):
         super().__init__(g, shape, dtype, op)
-        n, r = g.size, g.rank
-        unit = math.prod(shape[1:])
-        bounds = split_bounds(shape[0], n, unit)
-        steps = halving_steps(n, r, bounds)
+        steps = halving_steps(g.size, g.rank, self.bounds)
         peer, s_lo, s_hi, k_lo, k_hi = steps[0]
         acc, tmp = np.empty(k_hi - k_lo, dtype), np.empty(k_hi - k_lo, dtype)
         base = k_lo  # acc[0] is element k_lo of the flat vector
@@ -253,15 +257,10 @@ class HalvingPlan(_ScatterPlan):
         self.sent = sum(s_hi - s_lo for _, s_lo, s_hi, _, _ in steps) * itemsize
         self.recv = sum(k_hi - k_lo for _, _, _, k_lo, k_hi in steps) * itemsize
 
-    def run(self, g, x, out=None):
-        """As ReduceScatterPlan.run."""
-        t0 = clock()
-        result = self.result(out)
-        if result is None:
-            return None
+    def reduce(self, g, x, flat, last_into):
+        """The rounds: this rank's block of the reduction of every rank's ``flat`` lands
+        in ``last_into``."""
         comm, status, ufunc, tag, rtag = g.comm, self.status, self.ufunc, self.tag, self.rtag
-        flat = x if self.one_d else x.reshape(-1)
-        last_into = result if self.one_d else result.reshape(-1)
         peer, s_lo, s_hi, k_lo, k_hi, got, got_msg, nbytes, into = self.first
         try:
             comm.Sendrecv([flat[s_lo:s_hi], BYTE], peer, tag, got_msg, peer, rtag, status)
@@ -274,11 +273,8 @@ class HalvingPlan(_ScatterPlan):
                 if status.Get_count(BYTE) != nbytes or status.Get_tag() != tag:
                     raise fail("reduce_scatter", g, x, status, peer, nbytes, None, tag)
                 ufunc(mine, got, out=last_into if i == last else mine)
-        except BufferError:  # only the first Sendrecv sends from x
-            return None
         except MPI.Exception as err:
             raise fail("reduce_scatter", g, x, status, peer, nbytes, err, tag) from None
-        return self.finish(result, self.sent, self.recv, t0)
 
 
 class PairwisePlan(_ScatterPlan):
@@ -288,13 +284,12 @@ class PairwisePlan(_ScatterPlan):
     additions in the same order.  Worth it at 1 MB on oversubscribed ranks
     (docs/perf-notes.md, "Pairwise plans")."""
 
-    __slots__ = ("mine", "steps", "tmp", "tmp_msg", "nbytes", "sent", "recv")
+    __slots__ = ("mine", "steps", "tmp", "tmp_msg", "nbytes")
     ALGORITHM = "pairwise"
 
     def __init__(self, g, shape, dtype, op, name="reduce_scatter"):
         super().__init__(g, shape, dtype, op, name)
-        n, r = g.size, g.rank
-        bounds = split_bounds(shape[0], n, math.prod(shape[1:]))
+        n, r, bounds = g.size, g.rank, self.bounds
         self.mine = bounds[r]
         self.tmp = np.empty(bounds[r][1] - bounds[r][0], dtype)
         self.tmp_msg, self.nbytes = [self.tmp, BYTE], self.tmp.nbytes
@@ -302,18 +297,6 @@ class PairwisePlan(_ScatterPlan):
         self.steps = tuple((dst, *bounds[dst], src) for dst, src in pairwise_steps(n, r))
         self.sent = sum(b - a for _, a, b, _ in self.steps) * self.tmp.itemsize
         self.recv = (n - 1) * self.nbytes
-
-    def run(self, g, x, out=None):
-        """As ReduceScatterPlan.run."""
-        t0 = clock()
-        result = self.result(out)
-        if result is None:
-            return None
-        try:
-            self.reduce(g, x, x if self.one_d else x.reshape(-1), result if self.one_d else result.reshape(-1))
-        except BufferError:  # only the first Sendrecv can meet a strided x
-            return None
-        return self.finish(result, self.sent, self.recv, t0)
 
     def reduce(self, g, x, flat, into, what="reduce_scatter"):
         """The steps: this rank's block of the reduction of every rank's ``flat`` lands in
