@@ -25,13 +25,11 @@ class AllReducePlan:
     reading x directly (two more rounds when N is not a power of two), then the division for "avg".
     """
 
-    __slots__ = ("steps", "peers", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor", "call",
+    __slots__ = ("steps", "tmp", "tmp_msg", "ufunc", "nbytes", "sent", "recv", "status", "divisor", "call",
                  "tag", "rtag")
 
     def __init__(self, g, shape, dtype, op):
         self.steps = recursive_doubling_schedule(g.size, g.rank)
-        # Only exchanges (N a power of two): the partners alone, for the lean loop.
-        self.peers = tuple(p for _, p in self.steps) if all(k is EXCHANGE for k, _ in self.steps) else None
         self.tmp = np.empty(shape, dtype)  # the partner's vector lands here; small by construction
         self.tmp_msg = [self.tmp, BYTE]
         self.ufunc = reduction.UFUNCS[op]
@@ -54,10 +52,7 @@ class AllReducePlan:
         if acc is None:
             return None
         try:
-            if self.peers is not None:
-                self._doubling(g, x, acc)
-            else:
-                self._general(g, x, acc)
+            self._general(g, x, acc)
         except BufferError:  # a strided 1-D x: MPI refused it before its first message; the general path copies it
             return None
         if self.divisor is not None:
@@ -65,27 +60,10 @@ class AllReducePlan:
         stats.record_call(self.call, self.sent, self.recv, t0)
         return acc
 
-    def _doubling(self, g, x, acc):
-        """N a power of two: every round one Sendrecv with ``peer`` and one reduction.
+    def _general(self, g, x, acc):
+        """Any N: the paired-up extra ranks give their vector away and get the result back.
         The first round sends and reduces x itself (no copy into acc first; x is only
         read), later ones acc, exactly as doubling.recursive_doubling_all_reduce(..., x) does."""
-        comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
-        tag, rtag = self.tag, self.rtag
-        mine, msg = x, [x, BYTE]
-        peer = None
-        try:
-            for peer in self.peers:
-                comm.Sendrecv(msg, peer, tag, tmp_msg, peer, rtag, status)
-                if status.Get_count(BYTE) != nbytes or status.Get_tag() != tag:
-                    raise fail("all_reduce", g, x, status, peer, nbytes, None, tag)
-                ufunc(mine, tmp, out=acc)
-                mine = acc
-                msg[0] = acc
-        except MPI.Exception as err:
-            raise fail("all_reduce", g, x, status, peer, nbytes, err, tag) from None
-
-    def _general(self, g, x, acc):
-        """Any N: the paired-up extra ranks give their vector away and get the result back."""
         comm, status, tmp, tmp_msg, ufunc, nbytes = g.comm, self.status, self.tmp, self.tmp_msg, self.ufunc, self.nbytes
         tag, rtag = self.tag, self.rtag
         mine, msg = x, [x, BYTE]
