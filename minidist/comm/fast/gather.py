@@ -98,61 +98,43 @@ class PairGatherPlan(_GatherPlan):
             self.expect = theirs * self.row_bytes
 
     def run(self, g, x, out):
-        """The gathered array, or None when the general path must take the call."""
+        """The gathered array, or None when the general path must take the call.  Without
+        out=, the result is a view of a fresh buffer one row longer than needed, as the peer
+        may have a row more (pairwise.pair_all_gather)."""
         if x.ndim > 1 and not x.flags.c_contiguous:  # e.g. x.T: MPI would send its bytes column-major
             return None
-        if out is None:
-            return self._run_fresh(g, x)
-        if not self.fits(out):
-            return None
         t0 = stats._clock()
+        rows, r = self.rows, self.rank
+        if out is None:
+            buf = np.empty((2 * rows + 1,) + self.tail, self.dtype)
+            room = buf[rows:] if r == 0 else buf[:rows + 1]
+        elif self.fits(out):
+            room = out[self.room]
+        else:
+            return None
         status, peer = self.status, self.peer
         try:
-            self.comm.Sendrecv([x, BYTE], peer, self.tag, [out[self.room], BYTE], peer, self.rtag, status)
+            self.comm.Sendrecv([x, BYTE], peer, self.tag, [room, BYTE], peer, self.rtag, status)
         except BufferError:  # x or out is strided: nothing was sent, the general path copies x or rejects out
             return None
         except MPI.Exception as err:
             self.check_tag(peer, err)
-            raise _mpi_error(g, err) or pair_error(g, x, f"a block longer than the {out.shape[0] - self.rows} "
-                                                         f"rows of room", out) from None
+            raise _mpi_error(g, err) or pair_error(g, x, f"a block longer than the {room.shape[0]} rows of room",
+                                                   out) from None
         nbytes = status.Get_count(BYTE)
-        if nbytes != self.expect or status.Get_tag() != self.tag:
+        # Without out=, the size says how many rows the peer had; with it, they were known.
+        if out is None or nbytes != self.expect or status.Get_tag() != self.tag:
             self.check_tag(peer)
             theirs, odd = divmod(nbytes, self.row_bytes)
-            if odd or abs(theirs - self.rows) > 1:  # the general path words each error
+            if odd or abs(theirs - rows) > 1:  # the general path words each error
                 return self._fail(g, x, out, nbytes, theirs, odd)
-            raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape "
-                             f"{(self.rows + theirs,) + self.tail}")
-        out[self.own] = x
-        stats.record_call(self.call, self.nbytes, nbytes, t0)
-        return out
-
-    def _run_fresh(self, g, x):
-        """Without out=: the result is a view of a fresh buffer one row longer than needed,
-        as the peer may have a row more (pairwise.pair_all_gather)."""
-        t0 = stats._clock()
-        rows, r = self.rows, self.rank
-        buf = np.empty((2 * rows + 1,) + self.tail, self.dtype)
-        room = buf[rows:] if r == 0 else buf[:rows + 1]
-        status, peer = self.status, self.peer
-        try:
-            self.comm.Sendrecv([x, BYTE], peer, self.tag, [room, BYTE], peer, self.rtag, status)
-        except BufferError:
-            return None
-        except MPI.Exception as err:
-            self.check_tag(peer, err)
-            raise _mpi_error(g, err) or pair_error(g, x, f"a block longer than the {room.shape[0]} rows of room") \
-                from None
-        self.check_tag(peer)
-        nbytes = status.Get_count(BYTE)
-        theirs, odd = divmod(nbytes, self.row_bytes)
-        if odd or abs(theirs - rows) > 1:
-            return self._fail(g, x, None, nbytes, theirs, odd)
-        result = buf[:rows + theirs]
-        if r == 0:
-            result[:rows] = x
+            if out is not None:
+                raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape "
+                                 f"{(rows + theirs,) + self.tail}")
+            result, own = buf[:rows + theirs], (slice(0, rows) if r == 0 else slice(theirs, None))
         else:
-            result[theirs:] = x
+            result, own = out, self.own
+        result[own] = x
         stats.record_call(self.call, self.nbytes, nbytes, t0)
         return result
 
