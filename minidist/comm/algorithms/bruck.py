@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 
-from minidist.comm.algorithms.blocks import ROWS_RULE
+from minidist.comm.algorithms.blocks import rows_error
 from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _exchange, _sendrecv
 
@@ -119,8 +119,3 @@ def unpack_records(buf, starts, counts, r, row_bytes, tail, dtype, out=None):
         flat[at:at + size] = buf[starts[j] + 8:starts[j] + 8 + size]
         at += size
     return out
-
-
-def rows_error(g, rows, what) -> CommError:
-    return CommError(f"all_gather on group {g.name!r}: this rank has {rows} rows but received {what}; "
-                     f"{ROWS_RULE}.  Rerun with MINIDIST_CHECK_COLLECTIVES=1 to see what each rank called.")

@@ -17,10 +17,9 @@ import math
 
 import numpy as np
 
-from minidist.comm.algorithms.blocks import ROWS_RULE
+from minidist.comm.algorithms.blocks import partial_rows_error, rows_error
 from minidist.layout.split import split_bounds
 from minidist.comm.algorithms.pipelined import num_chunks, pipelined_step
-from minidist.comm.errors import CommError
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG, _exchange, _sendrecv
 
 
@@ -111,14 +110,12 @@ def pair_all_gather(g, x: np.ndarray, out: np.ndarray | None = None, status=None
     peer = 1 - r
     nbytes = _exchange(g.comm, x, peer, room, peer, TAG, status)
     if type(nbytes) is str:
-        raise rows_error(g, x, f"a block longer than the {room.shape[0]} rows of room", out)
+        raise rows_error(g, rows, f"a block longer than the {room.shape[0]} rows of room", out)
     if nbytes % row_bytes:
-        raise CommError(f"all_gather: rank {peer} of group {g.name!r} sent {nbytes} bytes, not a whole "
-                        f"number of rows of shape {tail} {x.dtype} ({row_bytes} bytes each): the ranks "
-                        f"passed different trailing shapes or dtypes")
+        raise partial_rows_error(g.name, peer, nbytes, tail, x.dtype, row_bytes)
     theirs = nbytes // row_bytes
     if abs(theirs - rows) > 1:
-        raise rows_error(g, x, f"{theirs} rows", out)
+        raise rows_error(g, rows, f"{theirs} rows", out)
     total = rows + theirs
     if out is not None and out.shape[0] != total:
         raise ValueError(f"all_gather: out.shape={out.shape} but the result has shape {(total,) + tail}")
@@ -128,11 +125,3 @@ def pair_all_gather(g, x: np.ndarray, out: np.ndarray | None = None, status=None
     else:
         result[theirs:] = x
     return result
-
-
-def rows_error(g, x, what, out=None) -> CommError:
-    """The error of a block that breaks ROWS_RULE (this rank has x, received ``what``)."""
-    hint = f" (or out.shape={out.shape} is wrong)" if out is not None else ""
-    return CommError(f"all_gather on group {g.name!r}: this rank has {x.shape[0]} rows but received {what}"
-                     f"{hint}; {ROWS_RULE}.  Rerun with MINIDIST_CHECK_COLLECTIVES=1 to see what each "
-                     f"rank called.")

@@ -29,9 +29,8 @@ from mpi4py import MPI
 
 from minidist.comm import stats
 from minidist.comm.algorithms import evengather
-from minidist.comm.algorithms.bruck import bruck_steps, read_records, records_error, rows_error as bruck_error
-from minidist.comm.algorithms.bruck import unpack_records
-from minidist.comm.algorithms.pairwise import rows_error as pair_error
+from minidist.comm.algorithms.blocks import partial_rows_error, rows_error
+from minidist.comm.algorithms.bruck import bruck_steps, read_records, records_error, unpack_records
 from minidist.comm.errors import CommError
 from minidist.comm.fast.common import ANY_TAG, BYTE, mismatch_error, tags
 
@@ -119,8 +118,8 @@ class PairGatherPlan(_GatherPlan):
             return None
         except MPI.Exception as err:
             self.check_tag(peer, err)
-            raise _mpi_error(g, err) or pair_error(g, x, f"a block longer than the {room.shape[0]} rows of room",
-                                                   out) from None
+            raise _mpi_error(g, err) or rows_error(g, rows, f"a block longer than the {room.shape[0]} rows "
+                                                            "of room", out) from None
         nbytes = status.Get_count(BYTE)
         # Without out=, the size says how many rows the peer had; with it, they were known.
         if out is None or nbytes != self.expect or status.Get_tag() != self.tag:
@@ -141,10 +140,8 @@ class PairGatherPlan(_GatherPlan):
     def _fail(self, g, x, out, nbytes, theirs, odd):
         stats.note_op("all_gather", self.name, x.shape, self.dtype)
         if odd:
-            raise CommError(f"all_gather: rank {1 - self.rank} of group {self.name!r} sent {nbytes} bytes, not a "
-                            f"whole number of rows of shape {self.tail} {self.dtype} ({self.row_bytes} bytes "
-                            f"each): the ranks passed different trailing shapes or dtypes")
-        raise pair_error(g, x, f"{theirs} rows", out)
+            raise partial_rows_error(self.name, self.peer, nbytes, self.tail, self.dtype, self.row_bytes)
+        raise rows_error(g, self.rows, f"{theirs} rows", out)
 
 
 class BruckGatherPlan(_GatherPlan):
@@ -194,7 +191,7 @@ class BruckGatherPlan(_GatherPlan):
                 comm.Sendrecv(send_msg, dest, tag, recv_msg, source, rtag, status)
             except MPI.Exception as err:
                 self.check_tag(source, err)
-                raise self._fail(g, _mpi_error(g, err) or bruck_error(
+                raise self._fail(g, _mpi_error(g, err) or rows_error(
                     g, rows, f"more than {buf.nbytes - heads[0]} bytes of records")) from None
             if status.Get_tag() != tag:
                 self.check_tag(source)
@@ -232,7 +229,7 @@ class BruckGatherPlan(_GatherPlan):
                     comm.Sendrecv([outgoing, BYTE], dest, self.tag, [buf[end:], BYTE], source, self.rtag, status)
                 except MPI.Exception as err:
                     self.check_tag(source, err)
-                    raise self._fail(g, _mpi_error(g, err) or bruck_error(
+                    raise self._fail(g, _mpi_error(g, err) or rows_error(
                         g, rows, f"more than {buf.nbytes - end} bytes of records")) from None
                 self.check_tag(source)
                 nbytes = status.Get_count(BYTE)
@@ -242,7 +239,7 @@ class BruckGatherPlan(_GatherPlan):
                 raise self._fail(g, records_error(self.name, nbytes, source, cnt, self.tail, self.dtype))
             bad = c if c is not None else bad  # keep going, so the other ranks get their records
         if bad is not None:
-            raise self._fail(g, bruck_error(g, rows, f"a block of {bad} rows"))
+            raise self._fail(g, rows_error(g, rows, f"a block of {bad} rows"))
         result = self._unpack(starts, counts, out)
         stats.record_call(self.call, sent, received, t0)
         return result
