@@ -190,30 +190,6 @@ def _recv(comm, out: np.ndarray, src: int, tag: int) -> np.ndarray:
     return out
 
 
-def _sendrecv(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int) -> np.ndarray:
-    """Send ``a`` to ``dst`` while receiving ``out`` from ``src`` (deadlock-free exchange)."""
-    tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
-    t0 = tr.clock() if tr is not None else 0.0
-    if links.enabled:
-        links.delay(a.nbytes, comm, dst)
-    state = _tls.state
-    wire, rtag = _wire(state, tag)
-    status = MPI.Status()
-    state.wait = ("sendrecv", comm, src, out.nbytes)
-    try:
-        comm.Sendrecv([a, BYTE], dst, wire, [out, BYTE], src, rtag, status)
-    except MPI.Exception as err:
-        raise _truncated(comm, src, tag, out.nbytes, err, None, status, wire) from None
-    finally:
-        state.wait = None
-    if status.Get_count(BYTE) != out.nbytes or (rtag == ANY_TAG and status.Get_tag() != wire):
-        _check_status(comm, status, src, tag, out.nbytes, wire if rtag == ANY_TAG else None)
-    _charge(state, a.nbytes, out.nbytes)
-    if t0 and tr is not None:
-        tr.message("sendrecv", (dst, src), a.nbytes, out.nbytes, t0)
-    return out
-
-
 def _isend(comm, a: np.ndarray, dst: int, tag: int):
     tr = trace  # read once: trace.stop() on another thread may clear it meanwhile
     t0 = tr.clock() if tr is not None else 0.0
@@ -293,6 +269,20 @@ def _exchange(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int
     if t0 and tr is not None:
         tr.message("sendrecv", (dst, src), a.nbytes, got, t0)
     return got
+
+
+def _sendrecv(comm, a: np.ndarray, dst: int, out: np.ndarray, src: int, tag: int) -> np.ndarray:
+    """Send ``a`` to ``dst`` while receiving ``out`` from ``src`` (deadlock-free exchange):
+    :func:`_exchange`, and a message of another size or collective raises here."""
+    got = _exchange(comm, a, dst, out, src, tag)
+    if got != out.nbytes:
+        state = _tls.state
+        mismatch = state.mismatch  # another collective's message (this one's, or an earlier one's)
+        if mismatch is not None:
+            state.mismatch = None
+            raise mismatch
+        raise _size_error(comm, src, tag, out.nbytes, got)
+    return out
 
 
 def _waitall(requests) -> None:
