@@ -44,7 +44,7 @@ from minidist.comm.fast.common import BYTE, clock, mismatch_error, tags
 from minidist.comm.fast.exchange import Exchange
 from minidist.comm.identity import describe_tag
 from minidist.comm.p2p import _size_error
-from minidist.comm.p2p.rounds import settle
+from minidist.comm.p2p.rounds import check_tags, received
 
 _startall, _waitall, _prod = MPI.Prequest.Startall, MPI.Request.Waitall, math.prod
 COUNT = 8  # an int64 row count, as the general path sends it
@@ -100,7 +100,7 @@ class AllToAllVPlan:
         except MPI.Exception as err:
             failed = err
         if failed is not None or not all(st.Get_count(BYTE) == COUNT and st.Get_tag() == tag for st in self.first):
-            counted = self._received(self.first, self.count_recvs, failed)
+            counted = received(self.first, self.count_recvs, n - 1, failed)
             self._count_error(x, sends, *counted)  # raises, or returns when the round can go on
         else:
             counted = None
@@ -123,7 +123,7 @@ class AllToAllVPlan:
             failed = err
         if failed is not None or counted is not None or \
                 not all(st.Get_count(BYTE) == back[s] * row and st.Get_tag() == tag for st, s in zip(self.rest, self.peers)):
-            self._rows_error(x, [back[s] * row for s in self.peers], counted, self._received(self.rest, reqs, failed))
+            self._rows_error(x, [back[s] * row for s in self.peers], counted, received(self.rest, reqs, n - 1, failed))
         sent = (total - counts[r]) * row + COUNT * (n - 1)
         stats.record_call(self._op(x), sent, (into[-1] - back[r]) * row + COUNT * (n - 1), t0)
         return out, got.copy()
@@ -133,15 +133,6 @@ class AllToAllVPlan:
         call = self.call
         call.op = ("all_to_all_v", self.name, x.shape, x.dtype, "")
         return call
-
-    def _received(self, statuses, reqs, failed):
-        """(sizes, tags) of the N-1 receives that start ``reqs``, a round now complete (after
-        an MPI error, :func:`settle` completes what the error left pending)."""
-        if failed is None:
-            return [st.Get_count(BYTE) for st in statuses[:self.n - 1]], [st.Get_tag() for st in statuses[:self.n - 1]]
-        tags = []
-        sizes = settle(failed, reqs, statuses, self.n - 1, tags)
-        return sizes, tags
 
     def _count_error(self, x, sends, sizes, tags) -> None:
         """A count message of the wrong size or identity.  Another rank's all_to_all_v with
@@ -156,15 +147,13 @@ class AllToAllVPlan:
                     raise mismatch_error(self.comm, s, self.tag, tag, got, COUNT)
                 raise _size_error(self.comm, s, self.tag, COUNT, got, "all_to_all_v counts")
 
-    def _rows_error(self, x, want, counted, received) -> None:
+    def _rows_error(self, x, want, counted, rows) -> None:
         """The round is complete; raise the general path's error for its first wrong message:
         another call's identity (a count's first: the cause), else a wrong size."""
         stats.note_op("all_to_all_v", self.name, x.shape, x.dtype)
-        for (sizes, tags), expected in ((counted or ([], [])), COUNT), (received, None):
-            for s, got, tag in zip(self.peers, sizes, tags):
-                if tag != self.tag:
-                    raise mismatch_error(self.comm, s, self.tag, tag, got, expected)
-        for s, got, expected in zip(self.peers, received[0], want):
+        for (sizes, tags), expected in ((counted or ([], [])), COUNT), (rows, None):
+            check_tags(self.comm, self.peers, self.tag, tags, sizes, expected)
+        for s, got, expected in zip(self.peers, rows[0], want):
             if got != expected:
                 raise _size_error(self.comm, s, self.tag, expected, got, "all_to_all_v rows")
 

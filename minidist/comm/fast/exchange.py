@@ -15,9 +15,8 @@ import weakref
 from mpi4py import MPI
 
 from minidist.comm.algorithms.oneshot import first_wrong
-from minidist.comm.identity import mismatch_error
 from minidist.comm.p2p import TAG_COLLECTIVE as TAG
-from minidist.comm.p2p.rounds import persistent_round, settle
+from minidist.comm.p2p.rounds import check_tags, persistent_round, received
 
 BYTE = MPI.BYTE
 _live = weakref.WeakSet()  # every open Exchange, freed before MPI_Finalize (see close_all)
@@ -65,21 +64,17 @@ class Exchange:
         try:
             _waitall(reqs, self.statuses)
         except MPI.Exception as err:
-            tags = []
-            counts = settle(err, reqs, self.statuses, len(self.sources), tags)
-            self._check_tags(tags, counts, expect)
-            return first_wrong(counts, expect, self.sources)
+            return self._wrong(reqs, expect, err)
         for status in self.received:
             if status.Get_count(BYTE) != expect or status.Get_tag() != tag:
-                counts = [s.Get_count(BYTE) for s in self.received]
-                self._check_tags([s.Get_tag() for s in self.received], counts, expect)
-                return first_wrong(counts, expect, self.sources)
+                return self._wrong(reqs, expect)
         return None
 
-    def _check_tags(self, tags, counts, expect) -> None:
-        for got, src, count in zip(tags, self.sources, counts):
-            if got != self.tag:
-                raise mismatch_error(self.comm, src, self.tag, got, count, expect)
+    def _wrong(self, reqs, expect, err=None):
+        """run's answer for a complete round with a message of the wrong size or identity."""
+        counts, tags = received(self.statuses, reqs, len(self.sources), err)
+        check_tags(self.comm, self.sources, self.tag, tags, counts, expect)
+        return first_wrong(counts, expect, self.sources)
 
     def close(self) -> None:
         """Free the requests: MPI warns at exit about persistent requests left open."""

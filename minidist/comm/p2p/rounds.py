@@ -57,32 +57,31 @@ def wait_round(reqs, nrecv: int) -> list:
     state.wait = ("round", getattr(reqs, "comm", None), getattr(reqs, "sources", None), None)
     try:
         MPI.Request.Waitall(reqs, statuses)
-        counts = [statuses[i].Get_count(MPI.BYTE) for i in range(nrecv)]
-        tags = [statuses[i].Get_tag() for i in range(nrecv)]
+        counts, tags = received(statuses, reqs, nrecv)
     except MPI.Exception as err:
-        tags = []
-        counts = settle(err, reqs, statuses, nrecv, tags)
+        counts, tags = received(statuses, reqs, nrecv, err)
     finally:
         state.wait = None
     wire = getattr(reqs, "wire", None)
     if wire is not None:
-        for i, tag in enumerate(tags):
-            if tag != wire:
-                raise mismatch_error(reqs.comm, reqs.sources[i], wire, tag, counts[i])
+        check_tags(reqs.comm, reqs.sources, wire, tags, counts)
     _charge(state, 0, sum(c for c in counts if type(c) is int))
     if t0 and tr is not None:
         tr.message("wait round", getattr(reqs, "sources", None), 0, sum(c for c in counts if type(c) is int), t0)
     return counts
 
 
-def settle(err, reqs, statuses, nrecv, tags=None) -> list:
-    """After a Waitall that failed: a truncated receive makes it stop and leave the later
-    requests pending (MPI_ERR_IN_STATUS).  Complete those one by one (each may be
-    truncated too), so that nothing of the round stays in flight, then give the counts
-    (and append the receives' tags to ``tags``)."""
+def received(statuses, reqs, nrecv, err=None) -> tuple:
+    """(byte counts, tags) of the first ``nrecv`` requests (the receives) of a round now
+    complete, a count "more than K" for a receive truncated at K bytes.  After a Waitall
+    that failed (``err``): a truncated receive makes it stop and leave the later requests
+    pending (MPI_ERR_IN_STATUS).  Complete those one by one (each may be truncated too), so
+    that nothing of the round stays in flight."""
+    if err is None:
+        return [s.Get_count(BYTE) for s in statuses[:nrecv]], [s.Get_tag() for s in statuses[:nrecv]]
     if err.Get_error_class() not in (MPI.ERR_IN_STATUS, MPI.ERR_TRUNCATE):
         raise CommError(f"MPI error in a round of messages: {err}") from None
-    counts = []
+    counts, tags = [], []
     for i, req in enumerate(reqs):
         status, code = statuses[i], statuses[i].Get_error()
         kind = MPI.SUCCESS if code == MPI.SUCCESS else MPI.Get_error_class(code)
@@ -94,11 +93,18 @@ def settle(err, reqs, statuses, nrecv, tags=None) -> list:
             except MPI.Exception as again:
                 kind = again.Get_error_class()
         if i < nrecv:
-            if tags is not None:
-                tags.append(status.Get_tag())
+            tags.append(status.Get_tag())
             got = status.Get_count(BYTE)
             counts.append(f"more than {got}" if kind == MPI.ERR_TRUNCATE else got)
-    return counts
+    return counts, tags
+
+
+def check_tags(comm, sources, wire, tags, counts, expected=None) -> None:
+    """Raise CollectiveMismatchError for the first receive of a finished round whose tag is
+    not ``wire``, this call's identity (``counts``: their sizes, of ``expected`` bytes)."""
+    for src, tag, count in zip(sources, tags, counts):
+        if tag != wire:
+            raise mismatch_error(comm, src, wire, tag, count, expected)
 
 
 def persistent_round(comm, recvs, sends, tag: int, rtag: int | None = None) -> list:
