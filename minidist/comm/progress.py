@@ -63,15 +63,9 @@ class ProgressWorker:
         self._queue.put((handle, fn, args, kwargs, current_device()))
         return handle
 
-    def close(self) -> None:
-        self._queue.put(None)
-
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            handle, fn, args, kwargs, device = item
+            handle, fn, args, kwargs, device = self._queue.get()
             try:
                 with using_device(device):
                     handle._finish(fn(*args, **kwargs))

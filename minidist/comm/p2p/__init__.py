@@ -117,11 +117,10 @@ def _check_status(comm, status, src, tag, expected, wire=None):
     """A received message's size, and its identity tag when it was received with ANY_TAG
     (``wire``: this rank's tag for it)."""
     if wire is not None and status.Get_tag() != wire:
-        raise mismatch_error(comm, status.Get_source() if src == MPI.ANY_SOURCE else src, wire, status.Get_tag(),
-                             status.Get_count(MPI.BYTE), expected)
+        raise mismatch_error(comm, src, wire, status.Get_tag(), status.Get_count(MPI.BYTE), expected)
     got = status.Get_count(MPI.BYTE)
     if got != expected:
-        raise _size_error(comm, status.Get_source() if src == MPI.ANY_SOURCE else src, tag, expected, got)
+        raise _size_error(comm, src, tag, expected, got)
 
 
 def _truncated(comm, src, tag, expected, err, what=None, status=None, wire=None) -> CommError:

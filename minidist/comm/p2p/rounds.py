@@ -107,10 +107,9 @@ def check_tags(comm, sources, wire, tags, counts, expected=None) -> None:
             raise mismatch_error(comm, src, wire, tag, count, expected)
 
 
-def persistent_round(comm, recvs, sends, tag: int, rtag: int | None = None) -> list:
+def persistent_round(comm, recvs, sends, tag: int, rtag: int) -> list:
     """The same round as persistent requests (``Recv_init``/``Send_init``, MPI 1.1): made
     once, then started and completed as often as needed (see fast/exchange.py).  ``tag``
-    is sent; receives match ``rtag`` (default: ``tag``)."""
-    rtag = tag if rtag is None else rtag
+    is sent; receives match ``rtag``."""
     reqs = [comm.Recv_init([buf, BYTE], src, rtag) for buf, src in recvs]
     return reqs + [comm.Send_init([buf, BYTE], dest, tag) for buf, dest in sends]
