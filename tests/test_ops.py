@@ -575,6 +575,44 @@ def test_autocast_attention_and_fp32_internal_ops(low, eps):
     assert xl.grad.dtype == low
 
 
+@pytest.mark.parametrize("low,eps", LOW)
+def test_low_precision_sums_in_backward_are_added_in_float32(low, eps):
+    """minidist does no arithmetic in low precision: a gradient that is a sum of many
+    low-precision numbers is added in float32 and rounded once, within one eps (normwise) of
+    the exact sum of the same terms.  Added in bfloat16, the 2,048 terms of a gate's row
+    (MoE's gate times its expert's output) lost several bits, and repeat_kv's 64 query heads
+    reading one key/value head (multi-query attention) two."""
+    x, g = rand(64, 2048).astype(low), rand(64, 2048).astype(low)
+    gate = Tensor(rand(64, 1).astype(low), requires_grad=True)
+    run_backward([ops.mul(Tensor(x), gate)], [g])
+    exact = (g * x).astype(np.float64).sum(axis=1, keepdims=True)  # the op's products, rounded as it rounds them
+    assert gate.grad.dtype == low and _normwise(gate.grad.astype(np.float64), exact) <= eps
+
+    H, D = 64, 4
+    qkv = Tensor(rand(2, 8, (H + 2) * D).astype(low), requires_grad=True)
+    up = rand(2, 8, 3 * H * D).astype(low)
+    run_backward([ops.repeat_kv(qkv, H, 1)], [up])
+    exact = up.astype(np.float64).reshape(2, 8, 3, H, D)[:, :, 1:].sum(axis=3).reshape(2, 8, 2 * D)
+    assert qkv.grad.dtype == low and _normwise(qkv.grad[..., H * D:].astype(np.float64), exact) <= eps
+
+
+@pytest.mark.parametrize("low,eps", LOW)
+def test_swiglu_computes_in_float32_under_low_precision(low, eps):
+    """SwiGLU of low-precision activations returns their dtype and computes in float32, as
+    gelu: in float16 exp(-a) overflows below a = -11.1, and the backward of a gate at -12 and a
+    large upstream gradient (a loss scaled by 2**16) was NaN."""
+    h = Tensor(np.array([[-12.0, -3.0, 0.5, 4.0, 1.0, 2.0, -1.5, 0.25]]).astype(low), requires_grad=True)
+    out = ops.swiglu(h)
+    assert out.dtype == low
+    up = np.full(out.shape, 6000.0).astype(low)
+    run_backward([out], [up])
+    ref = Tensor(h.data.astype(np.float64), requires_grad=True)
+    run_backward([ops.swiglu(ref)], [up.astype(np.float64)])
+    assert h.grad.dtype == low and np.isfinite(h.grad.astype(np.float64)).all()
+    assert _normwise(h.grad.astype(np.float64), ref.grad) <= eps
+    assert _normwise(out.data.astype(np.float64), ops.swiglu(Tensor(h.data.astype(np.float64))).data) <= eps
+
+
 def test_autocast_is_thread_local():
     import threading
 

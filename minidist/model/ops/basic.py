@@ -16,7 +16,7 @@ from __future__ import annotations
 import builtins
 
 from minidist.model.autograd import Tensor, make_tensor
-from minidist.model.backend import from_host, host, host_read, on_device, xp
+from minidist.model.backend import from_host, host, host_read, is_low_precision, on_device, xp
 from minidist.model.ops import cuda, tuning
 
 # ----------------------------------------------------------------------------- helpers
@@ -25,15 +25,25 @@ builtin_sum = builtins.sum  # this module defines its own differentiable `sum`
 
 
 def unbroadcast(g, shape):
-    """Sum ``g`` down to ``shape`` (the inverse of NumPy broadcasting)."""
+    """Sum ``g`` down to ``shape`` (the inverse of NumPy broadcasting), in g's dtype: a
+    low-precision ``g`` is added in float32 and rounded once (``low_sum``)."""
     if g.shape == tuple(shape):
         return g
     extra = g.ndim - len(shape)
     axes = tuple(range(extra)) + tuple(
         i + extra for i, n in enumerate(shape) if n == 1 and g.shape[i + extra] != 1
     )
-    g = g.sum(axis=axes, keepdims=True) if axes else g
+    g = low_sum(g, axes, keepdims=True) if axes else g
     return g.reshape(shape)
+
+
+def low_sum(a, axis, keepdims=False):
+    """``a.sum(axis)`` in a's dtype, added in float32 when a is float16 or bfloat16: a sum of
+    many terms added in bfloat16 keeps few of its digits (minidist does no arithmetic in low
+    precision; the one rounding is the result's)."""
+    if not is_low_precision(a.dtype):
+        return a.sum(axis=axis, keepdims=keepdims)
+    return a.sum(axis=axis, keepdims=keepdims, dtype=xp.float32).astype(a.dtype)
 
 
 def _operand(v):
