@@ -35,7 +35,8 @@ import time
 
 from minidist import comm
 from minidist.model.backend import xp
-from minidist.model.ops.precision import gemm_operands
+from minidist.model.ops.cuda import gemm
+from minidist.model.ops.precision import compute_dtype, gemm_operands
 
 _timeline = None  # a list while record_timeline() is active: (kind, start, end) per event
 
@@ -65,10 +66,11 @@ def mm(a, w):
 
 
 def mm_t(a, b):
-    """``a^T b`` summed over the rows of (B, n, K) a and (B, n, M) b: a (K, M) weight gradient."""
+    """``a^T b`` summed over the rows of (B, n, K) a and (B, n, M) b: a (K, M) weight gradient,
+    in float32 for low-precision operands (a sum over every token, as linear's)."""
     t0 = time.perf_counter() if _timeline is not None else 0.0
     (a, b), _ = gemm_operands(a, b)
-    y = a.reshape(-1, a.shape[-1]).T @ b.reshape(-1, b.shape[-1])
+    y = gemm.matmul(a.reshape(-1, a.shape[-1]).T, b.reshape(-1, b.shape[-1]), dtype=compute_dtype(a.dtype))
     if _timeline is not None:
         _timeline.append(("matmul", t0, time.perf_counter()))
     return y

@@ -107,7 +107,7 @@ def linear_reduce_scatter(h, w, tp: "TensorParallelLayers"):  # noqa: F821  (ten
 
     def backward(g):
         gh = xp.empty(H.shape, dtype=H.dtype) if h.requires_grad else None
-        gw = xp.zeros(W.shape, dtype=H.dtype) if w.requires_grad else None
+        gw = xp.zeros(W.shape, dtype=compute_dtype(H.dtype)) if w.requires_grad else None  # float32: a sum over tokens
         later = gw is not None and deferring()
         kept = []  # (rows, gathered chunk of dy) for a deferred dw
 
