@@ -277,7 +277,8 @@ def write_trace(path: str, payloads: list, origin: float, meta: dict | None = No
     doc = {"traceEvents": events, "displayTimeUnit": "ms",
            "otherData": {"clock_offset_s": offsets, "clock": "perf_counter, aligned to rank 0 (Cristian)",
                          "bytes_counted": counted, "run": meta or {}, "dropped_steps": dropped}}
-    replace_atomically(path, json.dumps(doc))  # a reader never sees half a file
+    # A reader never sees half a file; the JSON is written in pieces, never whole in memory.
+    replace_atomically(path, (piece.encode() for piece in json.JSONEncoder().iterencode(doc)))
 
 
 def _track_name(track: str) -> str:

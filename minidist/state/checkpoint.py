@@ -248,8 +248,8 @@ def _finish(pending: dict, world_size: int):
     directory, tmp, final = pending["directory"], pending["tmp"], pending["final"]
     files, tensors, scalars = {}, {}, {}
     parts = [f"rank-{r:05d}" for r in range(world_size)]
-    for name in os.listdir(tmp):  # leftovers of a killed save: a larger world's, temporary ".NAME.tmp-PID"
-        if name.split(".")[0] not in parts:
+    for name in os.listdir(tmp):  # leftovers of a killed save: a larger world's, temporary ".NAME.tmp-PID" or "NAME.tmp"
+        if name.split(".")[0] not in parts or name.endswith(".tmp"):
             os.remove(os.path.join(tmp, name))
     for part_name in [f"{p}.json" for p in parts if os.path.exists(os.path.join(tmp, f"{p}.json"))]:
         with open(os.path.join(tmp, part_name)) as f:
@@ -273,6 +273,9 @@ def _finish(pending: dict, world_size: int):
         shutil.rmtree(final)  # the same step saved again (a rerun): replace it whole
     os.rename(tmp, final)
     _test_kill(0, "renamed", final)
+    for name in os.listdir(directory):  # the temporary pointers of saves killed before their rename
+        if name.startswith(".latest.tmp-"):
+            os.remove(os.path.join(directory, name))
     replace_atomically(os.path.join(directory, "latest"), os.path.basename(final) + "\n")
 
 

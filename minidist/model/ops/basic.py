@@ -26,21 +26,21 @@ builtin_sum = builtins.sum  # this module defines its own differentiable `sum`
 
 def unbroadcast(g, shape):
     """Sum ``g`` down to ``shape`` (the inverse of NumPy broadcasting), in g's dtype: a
-    low-precision ``g`` is added in float32 and rounded once (``low_sum``)."""
+    low-precision ``g`` is added in float32 and rounded once (``sum_in_float32``)."""
     if g.shape == tuple(shape):
         return g
     extra = g.ndim - len(shape)
     axes = tuple(range(extra)) + tuple(
         i + extra for i, n in enumerate(shape) if n == 1 and g.shape[i + extra] != 1
     )
-    g = low_sum(g, axes, keepdims=True) if axes else g
+    g = sum_in_float32(g, axes, keepdims=True) if axes else g
     return g.reshape(shape)
 
 
-def low_sum(a, axis, keepdims=False):
-    """``a.sum(axis)`` in a's dtype, added in float32 when a is float16 or bfloat16: a sum of
-    many terms added in bfloat16 keeps few of its digits (minidist does no arithmetic in low
-    precision; the one rounding is the result's)."""
+def sum_in_float32(a, axis, keepdims=False):
+    """``a.sum(axis)`` in a's dtype, added in float32 when a is float16 or bfloat16 (other
+    dtypes in their own): a sum of many terms added in bfloat16 keeps few of its digits
+    (minidist does no arithmetic in low precision; the one rounding is the result's)."""
     if not is_low_precision(a.dtype):
         return a.sum(axis=axis, keepdims=keepdims)
     return a.sum(axis=axis, keepdims=keepdims, dtype=xp.float32).astype(a.dtype)

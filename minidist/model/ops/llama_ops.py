@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from minidist.model.autograd import Tensor, make_tensor, weight_grad
 from minidist.model.backend import from_host, host, xp
-from minidist.model.ops.basic import low_sum
+from minidist.model.ops.basic import sum_in_float32
 from minidist.model.ops.fused import elementwise
 from minidist.model.ops.linalg import column_sums
 from minidist.model.ops.precision import compute_dtype, to_dtype
@@ -127,16 +127,18 @@ def swiglu(h: Tensor) -> Tensor:
     if h.shape[-1] % 2:
         raise ValueError(f"swiglu needs an even last axis (gate | up), got {h.shape[-1]}")
     # In float32 for low-precision activations, as gelu: in float16 exp(-a) overflows below
-    # a = -11.1, and bfloat16's 1.0 + x is float32 anyway.
+    # a = -11.1, and bfloat16's 1.0 + x is float32 anyway.  Widened in each pass, not kept.
     cdt = compute_dtype(h.dtype)
-    a, b = to_dtype(h.data[..., :F], cdt), to_dtype(h.data[..., F:], cdt)
+
+    def halves():
+        return to_dtype(h.data[..., :F], cdt), to_dtype(h.data[..., F:], cdt)
 
     def backward(g):
         dh = xp.empty_like(h.data)
-        dh[..., :F], dh[..., F:] = _swiglu_backward(a, b, to_dtype(g, cdt))
+        dh[..., :F], dh[..., F:] = _swiglu_backward(*halves(), to_dtype(g, cdt))
         return (dh,)
 
-    return make_tensor(to_dtype(_swiglu_forward(a, b), h.dtype), (h,), backward)
+    return make_tensor(to_dtype(_swiglu_forward(*halves()), h.dtype), (h,), backward)
 
 
 # ------------------------------------------------------------------ grouped-query attention
@@ -164,7 +166,7 @@ def repeat_kv(qkv: Tensor, n_head: int, n_kv_head: int) -> Tensor:
         g = g.reshape(B, T, 3, H, D)
         dx = xp.empty_like(X)
         dx[..., :H * D] = g[:, :, 0].reshape(B, T, H * D)
-        dx[..., H * D:] = low_sum(g[:, :, 1:].reshape(B, T, 2, K, r, D), 4).reshape(B, T, 2 * K * D)
+        dx[..., H * D:] = sum_in_float32(g[:, :, 1:].reshape(B, T, 2, K, r, D), 4).reshape(B, T, 2 * K * D)
         return (dx,)
 
     return make_tensor(out.reshape(B, T, 3 * H * D), (qkv,), backward)

@@ -6,7 +6,8 @@ other ranks (its queries must meet every earlier key).  Two ways to give it them
 
 * **Ring attention** (Liu et al. 2023): the key/value blocks travel around the ring of cp
   ranks and fold into an online softmax, so no rank ever holds the whole sequence; the
-  zig-zag layout evens out the causal work (ring.py says how).
+  zig-zag layout evens out the causal work (ring.py says how).  Sends ``2 / C`` of the
+  activations per rank and step, ``C - 1`` steps.
 
 * **DeepSpeed-Ulysses** (Jacobs et al. 2023): an all-to-all turns the sequence-sharded Q, K, V
   (``T/C`` tokens, all ``H`` heads) into head-sharded ones (all ``T`` tokens, ``H/C`` heads),
