@@ -148,6 +148,25 @@ def test_permute_rows_equals_gather_rows_forward_and_backward(dtype):
 
 
 @pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_the_router_runs_in_float32_under_mixed_precision(low):
+    """Selective precision (Switch Transformer): the router's logits and probabilities are
+    float32 products of the low-precision activations and the float32 weight, so the choices
+    are the float32 run's for the same activations; its input gets its gradient in its dtype."""
+    from minidist.model import ops
+
+    layer = tiny(dtype="float32", experts=8, top_k=2).h[0].mlp
+    dt = backend.dtype(low)
+    x = Tensor(dev(np.random.default_rng(4).standard_normal((2, 8, 16))).astype(dt), requires_grad=True)
+    with ops.autocast(low):
+        logits = layer.router(ops.reshape(x, (16, 16)))
+    assert logits.dtype == np.float32
+    exact = host(x.data).astype(np.float64).reshape(16, 16) @ host(layer.router.weight.data).astype(np.float64)
+    np.testing.assert_allclose(host(logits.data), exact, rtol=1e-5, atol=1e-7)
+    logits.backward(dev(np.ones((16, 8), dtype=np.float32)))
+    assert x.grad.dtype == dt and layer.router.weight.grad.dtype == np.float32
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
 def test_a_mixed_precision_layer_keeps_its_activations_low_and_every_gradient(low):
     """Under autocast (the training loop's mixed precision) the layer takes and returns
     low-precision activations, and backward reaches the input, the router and every expert

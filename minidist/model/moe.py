@@ -65,13 +65,21 @@ def capacity(cfg, tokens: int) -> int | None:
 
 
 class Router(Module):
-    """Scores of the experts for each token: ``x @ weight``, weight (d, E), no bias."""
+    """Scores of the experts for each token: ``x @ weight``, weight (d, E), no bias.
+
+    Under mixed precision in the master weight's dtype, float32: Switch Transformer's
+    "selective precision" (Fedus et al. 2021, sec. 2.4).  The choices compare probabilities,
+    and rounded to bfloat16 (8 bits) near-equal ones tie or swap; the product is tiny (E
+    columns)."""
 
     def __init__(self, d_model: int, n_experts: int, dtype):
         self.weight = _param((d_model, n_experts), dtype, ("normal", 0.02))
 
     def forward(self, x):
-        return ops.linear(x, self.weight)
+        if ops.get_autocast_dtype() is None:
+            return ops.linear(x, self.weight)
+        with ops.autocast(None):
+            return ops.linear(ops.cast(x, self.weight.dtype), self.weight)
 
 
 def _add_rows(idx, rows, n: int):
